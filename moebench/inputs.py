@@ -1,0 +1,88 @@
+"""Seeded, reproducible inputs for one point: padded hidden states, router logits, the mask and the routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moebench.padding import fill_rows, ratio_mask
+from moebench.routing import DTYPES, expert_prior, real_logits
+from moebench.sweep import Params
+
+
+@dataclass
+class Batch:
+    is_padding: torch.Tensor  # [T] bool, which rows are padding (always known to the benchmark)
+    logits: torch.Tensor  # [T, E] in p.dtype
+    hidden: torch.Tensor | None  # [T, H] bf16, or None when not asked for
+    bias: torch.Tensor | None  # [E] fp32 selection bias when p.bias
+    mask: torch.Tensor | None  # what a mask-aware impl is given: is_padding when p.mask, else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.is_padding.shape[0]
+
+
+def generator(seed: int, device: torch.device | str) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def padding_mask(p: Params, device: torch.device | str) -> torch.Tensor:
+    """The mask of this point's producer, for one rank (rank 0 of the producer where it has several)."""
+    if p.padding_producer == "ratio":
+        return ratio_mask(p.num_tokens, p.padding_ratio, device)
+    from moebench import padding
+
+    return padding.producer_mask(p, device)
+
+
+def make_batch(p: Params, device: torch.device | str, *, need_hidden: bool = True, seed_offset: int = 0) -> Batch:
+    device = torch.device(device)
+    seed = p.seed * 1_000_003 + seed_offset
+    g = generator(seed, device)
+    g_stale = generator(seed + 7919, device)  # "previous batch" for the stale fill
+    prior = expert_prior(p.routing, p.num_experts, zipf_exponent=p.zipf_exponent, hot_experts=p.hot_experts,
+                         hot_ratio=p.hot_ratio, generator=generator(p.seed, "cpu"))
+    is_padding = padding_mask(p, device)
+    T = is_padding.shape[0]
+    dtype = DTYPES[p.dtype]
+
+    logits = real_logits(T, prior, dtype=torch.float32, device=device, generator=g)
+    stale_logits = real_logits(T, prior, dtype=torch.float32, device=device, generator=g_stale) \
+        if p.padding_fill == "stale" else None
+    fill_rows(logits, is_padding, p.padding_fill, generator=g, stale=stale_logits)
+    logits = logits.to(dtype)
+
+    hidden = None
+    if need_hidden:
+        hidden = torch.randn(T, p.hidden, generator=g, device=device, dtype=torch.float32)
+        stale_hidden = torch.randn(T, p.hidden, generator=g_stale, device=device, dtype=torch.float32) \
+            if p.padding_fill == "stale" else None
+        fill_rows(hidden, is_padding, p.padding_fill, generator=g, stale=stale_hidden)
+        hidden = hidden.to(torch.bfloat16)
+
+    bias = None
+    if p.bias:
+        bias = (torch.rand(p.num_experts, generator=g, device=device, dtype=torch.float32) - 0.5) * 0.1
+    return Batch(is_padding=is_padding, logits=logits, hidden=hidden, bias=bias,
+                 mask=is_padding if p.mask else None)
+
+
+def route(p: Params, batch: Batch, *, use_mask: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference routing of a batch: (topk_weights fp32 [T,K], topk_ids int32 [T,K]).
+
+    Uses grouped_topk when p.num_expert_group > 1, else topk_softmax; masked when p.mask (or `use_mask`).
+    """
+    from moebench.kernels.grouped_topk import grouped_topk_torch
+    from moebench.kernels.topk_softmax import topk_softmax_torch
+
+    masked = p.mask if use_mask is None else use_mask
+    mask = batch.is_padding if masked else None
+    if p.num_expert_group > 1 or p.scoring == "sigmoid":
+        return grouped_topk_torch(batch.logits, p.top_k, p.num_expert_group, p.topk_group, scoring=p.scoring,
+                                  bias=batch.bias, renormalize=p.renormalize,
+                                  routed_scaling_factor=p.routed_scaling_factor, is_padding=mask)
+    return topk_softmax_torch(batch.logits, p.top_k, p.renormalize, is_padding=mask, bias=batch.bias)

@@ -1,0 +1,388 @@
+"""Sweep files: YAML (safe_load only) -> typed, validated, frozen dataclasses -> the list of points.
+
+Every problem is reported as one `SweepError` line naming the file, the key and the reason, before anything
+runs or is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class SweepError(ValueError):
+    """A sweep that cannot run. str() is the one line shown to the user."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a field here; anything else is
+# an unknown key. Defaults are a DeepSeek-V3-like layer.
+# ---------------------------------------------------------------------------------------------------------------
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("bf16", "fp16", "fp32"),
+    "padding_fill": ("zeros", "repeat", "stale", "random"),
+    "padding_producer": ("ratio", "cudagraph", "dp", "sp", "pcp", "dbo"),
+    "routing": ("uniform", "zipf", "hot_expert"),
+    "scoring": ("softmax", "sigmoid"),
+    "scale_format": ("ue8m0_packed", "fp32"),
+    "ep_mode": ("real", "simulated"),
+    "capacity_policy": ("exact", "pow2", "max"),
+    "trace_distribution": ("uniform", "decode_prefill", "lognormal"),
+}
+
+
+@dataclass(frozen=True)
+class Params:
+    # token axis and padding
+    num_tokens: int = 1024  # rows on one rank, padding included (for `cudagraph`: real tokens before padding)
+    padding_ratio: float = 0.0  # fraction of rows that are padding (`ratio` producer: the trailing rows)
+    padding_producer: str = "ratio"
+    padding_fill: str = "repeat"
+    mask: bool = True  # pass is_padding to mask-aware impls (False: padded rows routed like real ones)
+    capture_sizes: Optional[list] = None  # cudagraph producer; None = 1,2,4,8 then multiples of 8 up to 512
+    producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
+    # routing
+    num_experts: int = 256
+    top_k: int = 8
+    routing: str = "uniform"
+    zipf_exponent: float = 1.2
+    hot_experts: int = 1
+    hot_ratio: float = 0.5  # hot_expert: share of each real token's probability mass aimed at the hot experts
+    renormalize: bool = True
+    bias: bool = False  # selection bias (DeepSeek-V3 e_score_correction_bias)
+    scoring: str = "softmax"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # shapes and formats
+    hidden: int = 7168
+    intermediate: int = 2048
+    dtype: str = "bf16"
+    group_size: int = 32
+    scale_format: str = "ue8m0_packed"
+    block_size: int = 64
+    num_local_experts: Optional[int] = None  # None: num_experts / ep_size
+    # expert parallelism
+    ep_size: int = 1
+    ep_mode: str = "real"
+    capacity_policy: str = "exact"
+    num_max_tokens_per_rank: int = 8192
+    low_latency: bool = False  # deepep: low-latency mode instead of normal mode
+    # jit_trace
+    trace: Optional[list] = None  # explicit per-step batch sizes
+    trace_steps: int = 100
+    trace_distribution: str = "decode_prefill"
+    trace_max_tokens: int = 8192
+    # bookkeeping
+    seed: int = 0
+    repeat: int = 0  # a label: lets one sweep time the same point several times
+
+    @property
+    def num_padding(self) -> int:
+        return int(round(self.num_tokens * self.padding_ratio))
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_local_experts if self.num_local_experts is not None else self.num_experts // self.ep_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_PARAM_TYPES = get_type_hints(Params)
+PARAM_NAMES = tuple(f.name for f in fields(Params))
+
+
+def _check_type(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if origin is Union:
+        return any(_check_type(value, a) for a in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is list or origin is list:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) is Union:
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    if hint is list:
+        return "list of int"
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_param_value(key: str, value: Any) -> str | None:
+    """Why `value` is not acceptable for parameter `key` on its own, or None."""
+    hint = _PARAM_TYPES[key]
+    if not _check_type(value, hint):
+        return f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}"
+    if key in CHOICES and value not in CHOICES[key]:
+        return f"{value!r} is not one of {', '.join(CHOICES[key])}"
+    return None
+
+
+def params_problem(p: Params) -> str | None:
+    """Why a combination of parameters is impossible, or None. Impl-specific limits live in Impl.validate."""
+    positive = ("num_tokens", "num_experts", "top_k", "hidden", "intermediate", "group_size", "block_size",
+                "ep_size", "num_expert_group", "topk_group", "producer_size", "num_max_tokens_per_rank",
+                "trace_steps", "trace_max_tokens", "hot_experts")
+    for k in positive:
+        if getattr(p, k) < 1:
+            return f"{k}: must be >= 1, got {getattr(p, k)}"
+    if not 0.0 <= p.padding_ratio < 1.0:
+        return f"padding_ratio: must be in [0, 1), got {p.padding_ratio}"
+    if p.top_k > p.num_experts:
+        return f"top_k: {p.top_k} > num_experts {p.num_experts}"
+    if p.num_experts % p.num_expert_group:
+        return f"num_expert_group: {p.num_expert_group} does not divide num_experts {p.num_experts}"
+    if p.topk_group > p.num_expert_group:
+        return f"topk_group: {p.topk_group} > num_expert_group {p.num_expert_group}"
+    if p.num_expert_group > 1 and p.top_k > p.topk_group * (p.num_experts // p.num_expert_group):
+        return f"top_k: {p.top_k} > experts in the {p.topk_group} kept groups"
+    if p.num_experts % p.ep_size:
+        return f"ep_size: {p.ep_size} does not divide num_experts {p.num_experts}"
+    if p.num_local_experts is not None and not 1 <= p.num_local_experts <= p.num_experts:
+        return f"num_local_experts: must be in [1, num_experts={p.num_experts}], got {p.num_local_experts}"
+    if p.hot_experts > p.num_experts:
+        return f"hot_experts: {p.hot_experts} > num_experts {p.num_experts}"
+    if not 0.0 <= p.hot_ratio <= 1.0:
+        return f"hot_ratio: must be in [0, 1], got {p.hot_ratio}"
+    if p.zipf_exponent < 0:
+        return f"zipf_exponent: must be >= 0, got {p.zipf_exponent}"
+    if p.capture_sizes is not None and (not p.capture_sizes or min(p.capture_sizes) < 1):
+        return "capture_sizes: must be a non-empty list of positive ints"
+    if p.trace is not None and (not p.trace or min(p.trace) < 1):
+        return "trace: must be a non-empty list of positive batch sizes"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing and the sweep itself
+# ---------------------------------------------------------------------------------------------------------------
+
+TIMING_MODES = ("auto", "events", "cuda_graph", "wall")
+
+
+@dataclass(frozen=True)
+class Timing:
+    mode: str = "auto"  # auto: cuda_graph on a GPU when the case allows, wall clock on CPU
+    warmup: int = 10
+    iters: int = 100
+    unroll: int = 1  # cuda_graph: calls captured per replay; a sample is replay time / unroll
+    max_seconds: float = 30.0  # stop sampling a point after this long (a CPU run of a big point)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    target: str
+    impls: tuple[str, ...]
+    fixed: dict = field(default_factory=dict)
+    axes: dict = field(default_factory=dict)
+    timing: Timing = field(default_factory=Timing)
+    description: str = ""
+    source: str = "<memory>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "target": self.target, "impls": list(self.impls), "fixed": self.fixed,
+                "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description}
+
+
+@dataclass(frozen=True)
+class Point:
+    index: int
+    impl: str
+    params: Params
+
+    @property
+    def key(self) -> str:
+        """Stable identity of a point (impl + all parameters), used to resume a run."""
+        blob = json.dumps({"impl": self.impl, **self.params.to_dict()}, sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+_SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
+               "description": str}
+_TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float}
+
+
+def _fail(src: str, key: str, reason: str) -> SweepError:
+    return SweepError(f"{src}: {key}: {reason}")
+
+
+def parse_set(expr: str) -> tuple[list[str], Any]:
+    """`--set axes.top_k=[4,8]` -> (["axes", "top_k"], [4, 8]). The value is YAML-parsed, never evaluated."""
+    if "=" not in expr:
+        raise SweepError(f"--set {expr}: expected key=value")
+    key, raw = expr.split("=", 1)
+    path = [k for k in key.strip().split(".") if k]
+    if not path:
+        raise SweepError(f"--set {expr}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise SweepError(f"--set {expr}: value is not valid YAML ({str(e).splitlines()[0]})") from None
+    return path, value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = json.loads(json.dumps(raw))  # deep copy of plain YAML data
+    for expr in overrides:
+        path, value = parse_set(expr)
+        node = raw
+        for k in path[:-1]:
+            if not isinstance(node.get(k, {}), dict):
+                raise SweepError(f"--set {expr}: {k} is not a mapping")
+            node = node.setdefault(k, {})
+        # A parameter set at top level (--set top_k=4) goes to `fixed` and drops the axis of the same name.
+        if len(path) == 1 and path[0] in PARAM_NAMES:
+            raw.setdefault("fixed", {})[path[0]] = value
+            if isinstance(raw.get("axes"), dict):
+                raw["axes"].pop(path[0], None)
+            continue
+        if len(path) == 2 and path[0] == "axes" and isinstance(raw.get("fixed"), dict):
+            raw["fixed"].pop(path[1], None)
+        if len(path) == 2 and path[0] == "fixed" and isinstance(raw.get("axes"), dict):
+            raw["axes"].pop(path[1], None)
+        node[path[-1]] = value
+    return raw
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+    src = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SweepError(f"{src}: cannot read ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "file"
+        raise SweepError(f"{src}: {where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{src}: top level: expected a mapping, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    return sweep_from_dict(raw, src)
+
+
+def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
+    from moebench import registry
+
+    for k, v in raw.items():
+        if k not in _SWEEP_KEYS:
+            raise _fail(src, k, f"unknown key (allowed: {', '.join(_SWEEP_KEYS)})")
+        if not isinstance(v, _SWEEP_KEYS[k]):
+            raise _fail(src, k, f"expected {_SWEEP_KEYS[k].__name__}, got {type(v).__name__}")
+    for k in ("name", "target", "impls"):
+        if k not in raw:
+            raise _fail(src, k, "missing")
+    name, target = raw["name"], raw["target"]
+    if not name or any(c in name for c in "/\\ \t") or name.startswith("."):
+        raise _fail(src, "name", f"{name!r} must be a non-empty name without spaces or slashes")
+    if target not in registry.TARGETS:
+        raise _fail(src, "target", f"{target!r} is not one of {', '.join(registry.TARGETS)}")
+    impls = raw["impls"]
+    if not impls:
+        raise _fail(src, "impls", "empty list")
+    known = registry.all_impls()
+    for i, name_i in enumerate(impls):
+        if not isinstance(name_i, str):
+            raise _fail(src, f"impls[{i}]", f"expected str, got {type(name_i).__name__}")
+        if name_i not in known:
+            near = sorted(n for n in known if n.split(".")[0] == name_i.split(".")[0])
+            hint = f" (known for this kernel: {', '.join(near)})" if near else " (see `moebench list`)"
+            raise _fail(src, f"impls[{i}]", f"unknown impl {name_i!r}{hint}")
+        if target not in known[name_i].targets:
+            raise _fail(src, f"impls[{i}]", f"{name_i} cannot run under target {target!r} "
+                                            f"(its targets: {', '.join(known[name_i].targets)})")
+    if len(set(impls)) != len(impls):
+        raise _fail(src, "impls", "listed twice")
+
+    fixed = raw.get("fixed") or {}
+    axes = raw.get("axes") or {}
+    for section, table in (("fixed", fixed), ("axes", axes)):
+        for k, v in table.items():
+            if k not in PARAM_NAMES:
+                raise _fail(src, f"{section}.{k}", "unknown parameter (see docs/sweeps.md)")
+            values = v if section == "axes" else [v]
+            if section == "axes":
+                if not isinstance(v, list):
+                    raise _fail(src, f"axes.{k}", f"expected a list of values, got {type(v).__name__}")
+                if not v:
+                    raise _fail(src, f"axes.{k}", "empty axis")
+            for val in values:
+                why = check_param_value(k, val)
+                if why:
+                    raise _fail(src, f"{section}.{k}", why)
+    both = set(fixed) & set(axes)
+    if both:
+        k = sorted(both)[0]
+        raise _fail(src, f"axes.{k}", "also given under fixed")
+
+    t = raw.get("timing") or {}
+    for k, v in t.items():
+        if k not in _TIMING_TYPES:
+            raise _fail(src, f"timing.{k}", f"unknown key (allowed: {', '.join(_TIMING_TYPES)})")
+        want = _TIMING_TYPES[k]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if want is float else \
+            isinstance(v, want) and not isinstance(v, bool)
+        if not ok:
+            raise _fail(src, f"timing.{k}", f"expected {want.__name__}, got {type(v).__name__} {v!r}")
+    timing = Timing(**t)
+    if timing.mode not in TIMING_MODES:
+        raise _fail(src, "timing.mode", f"{timing.mode!r} is not one of {', '.join(TIMING_MODES)}")
+    if timing.iters < 1 or timing.warmup < 0 or timing.unroll < 1 or timing.max_seconds <= 0:
+        raise _fail(src, "timing", "iters and unroll must be >= 1, warmup >= 0, max_seconds > 0")
+
+    sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,
+                  description=raw.get("description", ""), source=src)
+    expand(sweep)  # validates every combination
+    return sweep
+
+
+def expand(sweep: Sweep) -> list[Point]:
+    """Cartesian product of the axes (in file order), times the impls (innermost). Validates each point."""
+    from moebench import registry
+
+    keys = list(sweep.axes)
+    points: list[Point] = []
+    for combo in itertools.product(*(sweep.axes[k] for k in keys)):
+        values = dict(sweep.fixed)
+        values.update(zip(keys, combo))
+        try:
+            params = Params(**values)
+        except TypeError as e:  # pragma: no cover - keys were checked above
+            raise _fail(sweep.source, "fixed", str(e)) from None
+        why = params_problem(params)
+        if why:
+            key, _, reason = why.partition(": ")
+            where = f"axes.{key}" if key in sweep.axes else f"fixed.{key}" if key in sweep.fixed else key
+            combo_s = ", ".join(f"{k}={v}" for k, v in zip(keys, combo))
+            raise _fail(sweep.source, where, f"{reason}" + (f" (at {combo_s})" if combo_s else ""))
+        for impl_name in sweep.impls:
+            why = registry.get(impl_name).validate(params)
+            if why:
+                combo_s = ", ".join(f"{k}={v}" for k, v in zip(keys, combo))
+                raise _fail(sweep.source, impl_name, f"{why}" + (f" (at {combo_s})" if combo_s else ""))
+            points.append(Point(len(points), impl_name, params))
+    return points
