@@ -1,0 +1,154 @@
+"""`moebench` command line: run, plot, compare, list, profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moebench.sweep import SweepError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's own convention too)
+        sys.stderr.write(f"moebench: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _bundled_sweeps() -> list[Path]:
+    here = Path(__file__).resolve().parent.parent / "sweeps"
+    return sorted(here.glob("*.yaml")) if here.is_dir() else []
+
+
+def _resolve_sweep_path(arg: str) -> str:
+    """A path, or the name of a bundled sweep (`quickstart` -> sweeps/quickstart.yaml)."""
+    if Path(arg).exists():
+        return arg
+    for p in _bundled_sweeps():
+        if p.stem == arg or p.name == arg:
+            return str(p)
+    return arg
+
+
+def cmd_run(args) -> int:
+    from moebench.runner import dry_run, run_sweep
+    from moebench.sweep import load_sweep
+
+    sweep = load_sweep(_resolve_sweep_path(args.sweep), args.set or [])
+    if args.dry_run:
+        return dry_run(sweep)
+    code, _ = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
+                        make_plots=not args.no_plots, plots_base=args.plots)
+    return code
+
+
+def cmd_plot(args) -> int:
+    from moebench.plots import make_plots
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "records.jsonl").exists():
+        raise SweepError(f"{run_dir}: not a run directory (no records.jsonl)")
+    out = Path(args.out) / run_dir.name if args.out else None
+    paths = make_plots(run_dir, out)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from moebench.compare import compare_runs
+
+    return compare_runs(Path(args.run_a), Path(args.run_b))
+
+
+def cmd_list(args) -> int:
+    from moebench import registry
+
+    impls = registry.all_impls()
+    print("# targets: " + ", ".join(registry.TARGETS))
+    print(f"# {'impl':<40} {'targets':<22} {'available here':<16} description")
+    import torch
+
+    from moebench.registry import RunContext
+
+    ctx = RunContext(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    for name, impl in impls.items():
+        try:
+            why = impl.available(ctx)
+        except Exception as e:
+            why = str(e)
+        avail = "yes" if not why else "no"
+        print(f"  {name:<40} {','.join(impl.targets):<22} {avail:<16} {impl.description}"
+              + (f" [{why}]" if why else ""))
+    print("# bundled sweeps:")
+    for p in _bundled_sweeps():
+        print(f"  {p.stem:<24} {p}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from moebench.profiling import profile_point
+    from moebench.sweep import load_sweep
+
+    path = _resolve_sweep_path(args.sweep)
+    load_sweep(path, args.set or [])  # validate first: one clear line on bad input
+    result = profile_point(path, args.point, out_dir=args.out, overrides=args.set or [], device=args.device,
+                           iters=args.iters, inner=args.inner)
+    return 0 if not result or result.get("status", "ok") in ("ok", None) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="moebench", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", help="expand a sweep, check and time every point")
+    r.add_argument("sweep", help="sweep YAML file, or the name of a bundled sweep (see `moebench list`)")
+    r.add_argument("--out", default="results", help="base directory of run directories (default: results)")
+    r.add_argument("--plots", default="plots", help="base directory of plot directories (default: plots)")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a sweep key with a YAML value, e.g. axes.top_k=[4,8] or top_k=6")
+    r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run, skipping recorded points")
+    r.add_argument("--dry-run", action="store_true", help="list the points and exit")
+    r.add_argument("--no-plots", action="store_true", help="do not make plots at the end")
+    r.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plot", help="make the plots of a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="base directory for plots (default: plots)")
+    p.set_defaults(func=cmd_plot)
+
+    c = sub.add_parser("compare", help="ratios of p50 per matching point of two runs (B / A)")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.set_defaults(func=cmd_compare)
+
+    ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")
+    ls.set_defaults(func=cmd_list)
+
+    pr = sub.add_parser("profile", help="profile one point under nsys (or torch.profiler)")
+    pr.add_argument("sweep")
+    pr.add_argument("--point", type=int, required=True, help="point index (see `moebench run --dry-run`)")
+    pr.add_argument("--set", action="append", metavar="KEY=VALUE")
+    pr.add_argument("--device", default=None)
+    pr.add_argument("--out", default="results", help="base directory for the profile output")
+    pr.add_argument("--iters", type=int, default=20, help="timed iterations inside the capture range")
+    pr.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the process nsys launches
+    pr.set_defaults(func=cmd_profile)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (SweepError, ValueError, FileNotFoundError) as e:
+        sys.stderr.write(f"moebench: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("moebench: interrupted (resume with --resume RUN_DIR)\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""`moebench compare RUN_A RUN_B`: p50 ratio (B / A) for every point present in both runs with status ok."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moebench.results import load_manifest, load_records
+
+
+def compare_records(records_a: list[dict], records_b: list[dict]) -> list[dict]:
+    """Match points by their key (impl + every parameter) and return one row per matching ok pair."""
+    by_key = {r["key"]: r for r in records_a if r.get("status") == "ok" and "key" in r}
+    rows = []
+    for rb in records_b:
+        ra = by_key.get(rb.get("key"))
+        if ra is None or rb.get("status") != "ok":
+            continue
+        a, b = ra["stats"]["p50"], rb["stats"]["p50"]
+        rows.append({"impl": rb["impl"], "params": rb["params"], "a_p50_us": a, "b_p50_us": b,
+                     "ratio": b / a if a else float("nan")})
+    return rows
+
+
+def compare_runs(run_a: Path, run_b: Path) -> int:
+    for d in (run_a, run_b):
+        if not (d / "records.jsonl").exists():
+            raise ValueError(f"{d}: not a run directory (no records.jsonl)")
+    rows = compare_records(load_records(run_a), load_records(run_b))
+    axes = list((load_manifest(run_b).get("sweep") or {}).get("axes") or {})
+    print(f"# compare A={run_a} B={run_b}: p50 ratio B/A (< 1: B faster), {len(rows)} matching points")
+    head = f"# {'impl':<32}" + "".join(f"{k[:10]:>11}" for k in axes) + f"{'A p50 us':>12}{'B p50 us':>12}{'B/A':>8}"
+    print(head)
+    for r in rows:
+        line = f"  {r['impl'][:32]:<32}" + "".join(f"{str(r['params'].get(k))[:10]:>11}" for k in axes)
+        print(line + f"{r['a_p50_us']:>12.2f}{r['b_p50_us']:>12.2f}{r['ratio']:>8.3f}")
+    finite = [r["ratio"] for r in rows if r["ratio"] > 0 and math.isfinite(r["ratio"])]
+    if finite:
+        gm = math.exp(sum(math.log(x) for x in finite) / len(finite))
+        print(f"# geometric mean B/A: {gm:.3f} over {len(finite)} points")
+    else:
+        print("# no matching ok points")
+    return 0

@@ -1,0 +1,221 @@
+"""Latency measurement: CUDA events, CUDA-graph replay, or host wall clock (CPU).
+
+Every sample is kept. Statistics: p50, p10, p90, min, max, mean, cv. Multi-rank: per iteration the max over
+ranks, then statistics; the slowest rank is the one most often attaining that max.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moebench.sweep import Timing
+
+
+@dataclass
+class TimingResult:
+    mode: str  # the mode actually used: "cuda_graph" | "events" | "wall"
+    samples_us: list[float]
+    stats: dict[str, float]
+    note: str = ""  # why the requested mode was changed, if it was
+    ranks: dict[str, Any] | None = field(default=None)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted list (q in [0, 100])."""
+    if not sorted_values:
+        return float("nan")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    n = len(s)
+    if n == 0:
+        return {"n": 0}
+    mean = sum(s) / n
+    var = sum((x - mean) ** 2 for x in s) / n
+    return {"n": n, "p50": percentile(s, 50), "p10": percentile(s, 10), "p90": percentile(s, 90), "min": s[0],
+            "max": s[-1], "mean": mean, "cv": (math.sqrt(var) / mean) if mean > 0 else 0.0}
+
+
+def resolve_mode(requested: str, device: torch.device, graph_capturable: bool) -> tuple[str, str]:
+    """(mode to use, note). `auto` picks cuda_graph on a GPU when the case allows it, wall clock on a CPU."""
+    if device.type != "cuda":
+        note = "" if requested in ("auto", "wall") else f"{requested} needs CUDA: wall clock used on {device.type}"
+        return "wall", note
+    if requested == "auto":
+        return ("cuda_graph", "") if graph_capturable else ("events", "case is not graph-capturable")
+    if requested == "cuda_graph" and not graph_capturable:
+        return "events", "case is not graph-capturable (host sync or dynamic shapes): events used"
+    return requested, ""
+
+
+def _range(range_name: str | None):
+    if not range_name:
+        return nullcontext()
+    from moebench.profiling import nvtx_range
+
+    return nvtx_range(range_name)
+
+
+def measure(fn: Callable[[], Any], timing: Timing, device: torch.device, *, graph_capturable: bool = True,
+            range_name: str | None = None, group: Any = None, barrier: bool = False,
+            hook: Callable[[str], None] | None = None) -> TimingResult:
+    """Warm up, then time `fn` timing.iters times (stopping early after timing.max_seconds).
+
+    `group`: a torch.distributed group; samples are then reduced to the per-iteration max over ranks (every rank
+    must call measure with the same timing). `barrier`: synchronise ranks before each iteration so that the
+    per-iteration max measures one collective step. `hook("start"/"stop")` brackets the timed iterations (used by
+    the profiler to start/stop the capture range).
+    """
+    mode, note = resolve_mode(timing.mode, device, graph_capturable)
+    world = _world_size(group)
+    if world > 1 and mode == "cuda_graph":
+        mode, note = "events", "multi-rank: events used (collectives are timed per step)"
+    for _ in range(timing.warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+    if mode == "cuda_graph":
+        samples = _time_graph(fn, timing, device, range_name, hook)
+    elif mode == "events":
+        samples = _time_events(fn, timing, device, range_name, group if barrier else None, hook)
+    else:
+        samples = _time_wall(fn, timing, device, range_name, group if barrier else None, hook)
+
+    ranks = None
+    if world > 1:
+        samples, ranks = reduce_over_ranks(samples, group, device)
+    return TimingResult(mode=mode, samples_us=samples, stats=summarize(samples), note=note, ranks=ranks)
+
+
+def _world_size(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _sync_ranks(group: Any, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
+    n = timing.iters
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    deadline = time.perf_counter() + timing.max_seconds
+    done = 0
+    if hook:
+        hook("start")
+    for i in range(n):
+        if group is not None:
+            _sync_ranks(group, device)
+        with _range(range_name):
+            starts[i].record()
+            fn()
+            ends[i].record()
+        done = i + 1
+        if group is None and time.perf_counter() > deadline:
+            break
+    torch.cuda.synchronize(device)
+    if hook:
+        hook("stop")
+    return [starts[i].elapsed_time(ends[i]) * 1e3 for i in range(done)]
+
+
+def _time_graph(fn, timing: Timing, device, range_name, hook) -> list[float]:
+    # Capture on a side stream as torch requires; `unroll` calls per graph amortise the replay launch.
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # one more eager call on the capture stream (lazy init, allocator warm-up)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(timing.unroll):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    n = timing.iters
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    deadline = time.perf_counter() + timing.max_seconds
+    done = 0
+    if hook:
+        hook("start")
+    for i in range(n):
+        with _range(range_name):
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        done = i + 1
+        if time.perf_counter() > deadline:
+            break
+    torch.cuda.synchronize(device)
+    if hook:
+        hook("stop")
+    samples = [starts[i].elapsed_time(ends[i]) * 1e3 / timing.unroll for i in range(done)]
+    del graph
+    return samples
+
+
+def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
+    samples = []
+    deadline = time.perf_counter() + timing.max_seconds
+    cuda = device.type == "cuda"
+    if hook:
+        hook("start")
+    for _ in range(timing.iters):
+        if group is not None:
+            _sync_ranks(group, device)
+        with _range(range_name):
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+            samples.append((time.perf_counter() - t0) * 1e6)
+        if group is None and time.perf_counter() > deadline:
+            break
+    if hook:
+        hook("stop")
+    return samples
+
+
+def reduce_over_ranks(samples: list[float], group: Any, device: torch.device) -> tuple[list[float], dict]:
+    """Per-iteration max over ranks. Ranks may have taken different sample counts (early stop); the common prefix
+    is used. Returns (max samples, {"world_size", "slowest_rank", "per_rank_p50_us", "slowest_share"})."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    comm_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    n_local = torch.tensor([len(samples)], dtype=torch.int64, device=comm_device)
+    dist.all_reduce(n_local, op=dist.ReduceOp.MIN, group=group)
+    n = int(n_local.item())
+    mine = torch.tensor(samples[:n], dtype=torch.float64, device=comm_device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()  # [R, n]
+    if n == 0:
+        return [], {"world_size": world, "slowest_rank": 0, "per_rank_p50_us": [float("nan")] * world}
+    max_vals, argmax = table.max(dim=0)
+    counts = torch.bincount(argmax, minlength=world)
+    slowest = int(counts.argmax())
+    per_rank_p50 = [summarize(table[r].tolist())["p50"] for r in range(world)]
+    return max_vals.tolist(), {"world_size": world, "slowest_rank": slowest, "per_rank_p50_us": per_rank_p50,
+                               "slowest_share": float(counts[slowest]) / n}

@@ -1,0 +1,246 @@
+"""Run directories: manifest.json, records.jsonl (atomic appends, resumable) and summary.csv."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+RECORDS = "records.jsonl"
+MANIFEST = "manifest.json"
+SUMMARY = "summary.csv"
+
+
+def utc_stamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def new_run_dir(base: str | Path, sweep_name: str) -> Path:
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = utc_stamp()
+    run = base / f"{sweep_name}-{stamp}"
+    n = 1
+    while run.exists():  # two runs in one second
+        n += 1
+        run = base / f"{sweep_name}-{stamp}-{n}"
+    run.mkdir()
+    return run
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN/inf: store them as null so every line parses with any reader."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+class RecordWriter:
+    """Appends one JSON line per point with a single O_APPEND write + fsync, so a killed run leaves at most one
+    torn trailing line, which `load_records` ignores and `--resume` redoes."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / RECORDS
+        self._repair()
+
+    def _repair(self) -> None:
+        # Drop a torn last line (no newline) left by a killed run, so the next append starts a fresh line.
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(_clean(record), default=_json_default, allow_nan=False) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_records(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / RECORDS
+    out: list[dict] = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn line from a killed run
+    return out
+
+
+def load_manifest(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def environment() -> dict:
+    """GPU name and count, driver, CUDA, torch, triton, deep_ep versions, host."""
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),
+                           "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        import deep_ep  # noqa: F401
+
+        env["deep_ep"] = getattr(deep_ep, "__version__", "present")
+    except Exception as e:  # ImportError or a broken build
+        env["deep_ep"] = None
+        env["deep_ep_reason"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        env["gpu_count"] = n
+        env["gpu"] = torch.cuda.get_device_name(0)
+        props = torch.cuda.get_device_properties(0)
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["sm"] = f"{props.major}.{props.minor}"
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            try:
+                out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=10)
+                env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+            except (OSError, subprocess.SubprocessError, IndexError):
+                env["driver"] = None
+    else:
+        env["gpu_count"] = 0
+        env["gpu"] = None
+    try:
+        from moebench.measure.jit import triton_cache_dir
+
+        env["triton_cache_dir"] = triton_cache_dir()
+    except Exception:
+        env["triton_cache_dir"] = None
+    return env
+
+
+def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str, extra: dict | None = None) -> dict:
+    manifest = {
+        "moebench": _version(),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "git_commit": _git_commit(),
+        "device": device,
+        "env": environment(),
+        "sweep": sweep_dict,
+        "num_points": num_points,
+        "roofs": {"copy_gbps": 4247.0, "bf16_tflops": 714.0, "source": "GPU.md, measured on one H200"},
+    }
+    if extra:
+        manifest.update(extra)
+    write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def _version() -> str:
+    from moebench import __version__
+
+    return __version__
+
+
+SUMMARY_COLUMNS = ("point", "impl", "status", "timing_mode", "p50_us", "p10_us", "p90_us", "min_us", "max_us",
+                   "mean_us", "cv", "n", "bytes", "gbps", "tflops", "roofline_us", "roof_fraction", "jit_compiles",
+                   "jit_compile_s", "expert_max_over_mean", "rank_max_over_mean", "slowest_rank", "reason")
+
+
+def summary_rows(records: Iterable[dict], param_names: list[str]) -> list[dict]:
+    rows = []
+    for r in records:
+        st = r.get("stats") or {}
+        imb = r.get("imbalance") or {}
+        jit = r.get("jit") or {}
+        row = {"point": r.get("point"), "impl": r.get("impl"), "status": r.get("status"),
+               "timing_mode": r.get("timing_mode"), "p50_us": st.get("p50"), "p10_us": st.get("p10"),
+               "p90_us": st.get("p90"), "min_us": st.get("min"), "max_us": st.get("max"), "mean_us": st.get("mean"),
+               "cv": st.get("cv"), "n": st.get("n"), "bytes": r.get("bytes"), "gbps": r.get("gbps"),
+               "tflops": r.get("tflops"), "roofline_us": r.get("roofline_us"),
+               "roof_fraction": r.get("roof_fraction"), "jit_compiles": jit.get("compiles"),
+               "jit_compile_s": jit.get("compile_s"),
+               "expert_max_over_mean": (imb.get("expert") or {}).get("max_over_mean"),
+               "rank_max_over_mean": (imb.get("rank") or {}).get("max_over_mean"),
+               "slowest_rank": (r.get("ranks") or {}).get("slowest_rank", (imb.get("rank") or {}).get("slowest_rank")),
+               "reason": r.get("reason", "")}
+        params = r.get("params") or {}
+        for k in param_names:
+            v = params.get(k)
+            row[k] = json.dumps(v) if isinstance(v, list) else v
+        for name, stage in (r.get("stages") or {}).items():
+            row[f"stage_{name}_p50_us"] = (stage or {}).get("p50")
+        rows.append(row)
+    return rows
+
+
+def write_summary(run_dir: Path, records: list[dict], param_names: list[str]) -> Path:
+    rows = summary_rows(records, param_names)
+    cols = list(SUMMARY_COLUMNS[:2]) + list(param_names) + list(SUMMARY_COLUMNS[2:])
+    for row in rows:
+        for k in row:
+            if k not in cols:
+                cols.append(k)
+    path = Path(run_dir) / SUMMARY
+    tmp = path.with_name(SUMMARY + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for row in rows:
+            w.writerow(row)
+    os.replace(tmp, path)
+    return path
