@@ -138,8 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _interpret_without_gpu(args) -> None:
+    """With no GPU (or --device cpu) the Triton kernels run in Triton's interpreter; the switch must be set
+    before triton is first imported, i.e. before any kernel module loads."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET"):
+        return
+    if getattr(args, "device", None) == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _interpret_without_gpu(args)
     try:
         return int(args.func(args) or 0)
     except (SweepError, ValueError, FileNotFoundError) as e:

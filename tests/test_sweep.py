@@ -1,0 +1,128 @@
+"""Sweep files: validation (one line naming file, key and reason; exit 2; nothing written), --set, expansion."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moebench.sweep import Params, SweepError, apply_overrides, expand, load_sweep, parse_set
+
+GOOD = """\
+name: t
+target: router
+impls: [topk_softmax.torch]
+fixed: {num_experts: 16, hidden: 64}
+axes:
+  num_tokens: [8, 16]
+  top_k: [2, 6]
+timing: {warmup: 1, iters: 3}
+"""
+
+
+def _write(tmp_path, text, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_good_sweep_expands_cartesian_product_in_file_order(tmp_path):
+    sweep = load_sweep(_write(tmp_path, GOOD))
+    points = expand(sweep)
+    assert [(pt.params.num_tokens, pt.params.top_k) for pt in points] == [(8, 2), (8, 6), (16, 2), (16, 6)]
+    assert all(pt.params.num_experts == 16 for pt in points)
+    assert len({pt.key for pt in points}) == 4
+
+
+def test_set_overrides_are_yaml_values_and_move_between_fixed_and_axes(tmp_path):
+    path = _write(tmp_path, GOOD)
+    sweep = load_sweep(path, ["axes.top_k=[1, 3]", "fixed.num_experts=32"])
+    assert sweep.axes["top_k"] == [1, 3] and sweep.fixed["num_experts"] == 32
+    sweep = load_sweep(path, ["top_k=4"])  # a bare parameter becomes fixed and drops its axis
+    assert "top_k" not in sweep.axes and sweep.fixed["top_k"] == 4
+    assert parse_set("axes.mask=[true,false]") == (["axes", "mask"], [True, False])
+    # never evaluated: a Python expression is just a string, which then fails type validation
+    with pytest.raises(SweepError, match="fixed.num_tokens: expected int"):
+        load_sweep(path, ["fixed.num_tokens=__import__('os').getpid()"])
+    raw = apply_overrides({"axes": {"top_k": [1]}}, ["fixed.top_k=2"])
+    assert raw == {"axes": {}, "fixed": {"top_k": 2}}
+
+
+MALFORMED = [
+    ("unknown top-level key", GOOD + "colour: red\n", "colour: unknown key"),
+    ("unknown parameter", GOOD.replace("hidden: 64", "hiden: 64"), "fixed.hiden: unknown parameter"),
+    ("wrong type", GOOD.replace("num_tokens: [8, 16]", "num_tokens: [8, many]"), "axes.num_tokens: expected int"),
+    ("bool is not int", GOOD.replace("num_tokens: [8, 16]", "num_tokens: [true]"), "axes.num_tokens: expected int"),
+    ("empty axis", GOOD.replace("num_tokens: [8, 16]", "num_tokens: []"), "axes.num_tokens: empty axis"),
+    ("axis not a list", GOOD.replace("num_tokens: [8, 16]", "num_tokens: 8"), "axes.num_tokens: expected a list"),
+    ("top_k > experts", GOOD.replace("top_k: [2, 6]", "top_k: [2, 17]"), "axes.top_k: 17 > num_experts 16"),
+    ("groups not dividing", GOOD.replace("hidden: 64", "hidden: 64, num_expert_group: 3"),
+     "fixed.num_expert_group: 3 does not divide num_experts 16"),
+    ("ep_size not dividing", GOOD.replace("hidden: 64", "hidden: 64, ep_size: 5"),
+     "fixed.ep_size: 5 does not divide num_experts 16"),
+    ("padding ratio 1", GOOD.replace("top_k: [2, 6]", "top_k: [2, 6]\n  padding_ratio: [0.0, 1.0]"), "axes.padding_ratio: must be in [0, 1)"),
+    ("negative padding ratio", GOOD.replace("hidden: 64", "hidden: 64, padding_ratio: -0.1"),
+     "fixed.padding_ratio: must be in [0, 1)"),
+    ("unknown impl", GOOD.replace("topk_softmax.torch", "topk_softmax.cuda"), "impls[0]: unknown impl"),
+    ("impl for another target", GOOD.replace("target: router", "target: dispatch"),
+     "impls[0]: topk_softmax.torch cannot run under target 'dispatch'"),
+    ("unknown target", GOOD.replace("target: router", "target: everything"), "target: 'everything' is not one of"),
+    ("bad choice", GOOD.replace("hidden: 64", "hidden: 64, padding_fill: ones"),
+     "fixed.padding_fill: 'ones' is not one of"),
+    ("bad timing mode", GOOD.replace("warmup: 1", "mode: fast, warmup: 1"), "timing.mode: 'fast' is not one of"),
+    ("unknown timing key", GOOD.replace("warmup: 1", "warmups: 1"), "timing.warmups: unknown key"),
+    ("missing target", GOOD.replace("target: router\n", ""), "target: missing"),
+    ("not yaml", GOOD + "axes: [unclosed\n", "not valid YAML"),
+    ("top level list", "- a\n- b\n", "top level: expected a mapping"),
+    ("both fixed and axis", GOOD.replace("hidden: 64", "hidden: 64, top_k: 2"), "axes.top_k: also given under fixed"),
+]
+
+
+@pytest.mark.parametrize("label,text,message", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_sweep_rejected_with_one_line(tmp_path, label, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(SweepError) as exc:
+        load_sweep(path)
+    line = str(exc.value)
+    assert "\n" not in line
+    assert line.startswith(str(path)), line
+    assert message in line, line
+
+
+@pytest.mark.parametrize("label,text,message", MALFORMED[:12], ids=[m[0] for m in MALFORMED[:12]])
+def test_cli_exit_2_and_nothing_written(tmp_path, label, text, message):
+    path = _write(tmp_path, text)
+    out = tmp_path / "results"
+    plots = tmp_path / "plots"
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--out", str(out), "--plots",
+                           str(plots), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], proc.stderr
+    assert not out.exists() and not plots.exists()
+    assert proc.stdout == ""
+
+
+def test_cli_bad_set_expression(tmp_path):
+    path = _write(tmp_path, GOOD)
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--set", "axes.top_k", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--set axes.top_k: expected key=value" in proc.stderr
+
+
+def test_dry_run_lists_points_and_writes_nothing(tmp_path):
+    path = _write(tmp_path, GOOD)
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--dry-run", "--out",
+                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert len(rows) == 4
+    assert not (tmp_path / "r").exists()
+
+
+def test_params_defaults_are_valid():
+    from moebench.sweep import params_problem
+
+    assert params_problem(Params()) is None
+    assert Params(num_tokens=10, padding_ratio=0.25).num_padding == 2  # round(2.5) -> banker's rounding
