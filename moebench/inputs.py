@@ -31,7 +31,7 @@ def generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def padding_mask(p: Params, device: torch.device | str) -> torch.Tensor:
-    """The mask of this point's producer, for one rank (rank 0 of the producer where it has several)."""
+    """The mask of this point's producer, for one rank (padding.producer_mask documents which rank)."""
     if p.padding_producer == "ratio":
         return ratio_mask(p.num_tokens, p.padding_ratio, device)
     from moebench import padding
