@@ -1,0 +1,316 @@
+"""moe_align_block_size: group routes by expert into block_size-aligned segments (SPEC.md, "Alignment").
+
+Flat route index i = token * K + k. Routes whose id is < 0 or out of range (or non-local under an expert map)
+are skipped, never indexed with. Each expert's routes occupy a segment rounded up to a multiple of block_size,
+in ascending i (stable); pad slots hold M*K; expert_ids names the owner of each block, -1 past the padded total.
+
+With `expert_map` (int [E_global], global -> local id or -1), a route id is first range-checked against the
+map's length, then replaced by its local id; `num_experts` is then the number of LOCAL experts, and local ids
+outside [0, num_experts) are skipped as well.
+
+The Triton path is three launches, all graph-capturable (no host synchronisation):
+  1. count:   per block of BLOCK_ROUTES routes, a histogram over experts -> counts[block, expert]
+  2. scan:    one program: per-expert totals, padded segment starts, num_tokens_post_padded, the pad slots
+              inside each segment, and per-(block, expert) destination bases (in place over counts)
+  3. scatter: per block, sort the keys (expert, position) inside the block; the sorted position minus the
+              number of earlier-expert routes in the block is the stable rank within the expert, so
+              dest = base[block, expert] + sorted position. The same programs also fill the tail of
+              sorted_token_ids past the padded total and write expert_ids.
+Every element of the three outputs is written exactly once, so nothing needs a zero-fill launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.kernels._triton import check_triton_device, next_pow2
+
+_INT32_MAX = 2**31 - 1
+_FILL_BLOCK = 1024  # pad values written per step of the tail fill
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------------------
+
+def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[int, int]:
+    """(capacity of sorted_token_ids, length of expert_ids) for these sizes."""
+    capacity = num_routes + num_experts * (block_size - 1)
+    return capacity, triton.cdiv(capacity, block_size) if capacity else 0
+
+
+def _local_ids_torch(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None,
+                     wrap_negative: bool) -> torch.Tensor:
+    """int64 [M*K]: the local expert of every route, or -1 when the route is skipped."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    index_range = expert_map.numel() if expert_map is not None else num_experts
+    if wrap_negative:
+        # Pre-fix behaviour: torch-style indexing turns -1 into the last entry.
+        ids = torch.where((ids < 0) & (ids >= -index_range), ids + index_range, ids)
+    if expert_map is not None:
+        in_map = (ids >= 0) & (ids < index_range)
+        mapped = expert_map.to(torch.int64)[ids.clamp(0, max(index_range - 1, 0))] if index_range else ids
+        ids = torch.where(in_map, mapped, torch.full_like(ids, -1))
+    return torch.where((ids >= 0) & (ids < num_experts), ids, torch.full_like(ids, -1))
+
+
+def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                               expert_map: torch.Tensor | None = None, *, wrap_negative: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch reference (stable argsort + counting); no host synchronisation, so it can be graph-captured.
+
+    `wrap_negative=True` reproduces the pre-fix bug (-1 indexes the last expert / last map entry).
+    """
+    device = topk_ids.device
+    num_routes = topk_ids.numel()
+    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
+    local = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative)
+    valid = local >= 0
+    key = torch.where(valid, local, torch.full_like(local, num_experts))  # skipped routes sort last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_size - 1) // block_size * block_size
+    seg_end = torch.cumsum(padded, 0)
+    seg_start = seg_end - padded
+    num_post_padded = padded.sum()
+
+    order = torch.argsort(key, stable=True)  # within an expert: ascending flat index
+    key_sorted = key[order]
+    first_sorted = torch.cumsum(counts, 0) - counts  # where each expert's run starts in `order`
+    valid_sorted = key_sorted < num_experts
+    e_sorted = key_sorted.clamp(max=num_experts - 1)
+    rank = torch.arange(num_routes, device=device) - first_sorted[e_sorted]
+    dest = torch.where(valid_sorted, seg_start[e_sorted] + rank, torch.full_like(rank, capacity))
+    sorted_ext = torch.full((capacity + 1,), num_routes, dtype=torch.int32, device=device)
+    sorted_ext.scatter_(0, dest, order.to(torch.int32))  # skipped routes land in the dump slot `capacity`
+    sorted_token_ids = sorted_ext[:capacity].clone()
+
+    blocks = torch.arange(num_m_blocks, device=device)
+    owner = torch.searchsorted(seg_end // block_size, blocks, right=True)
+    expert_ids = torch.where(blocks < num_post_padded // block_size, owner, torch.full_like(owner, -1))
+    return sorted_token_ids, expert_ids.to(torch.int32), num_post_padded.reshape(1).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, in_range, num_experts, index_range,
+                      HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr):
+    """Local expert of each route as int32, with skipped routes (and lanes past the end) set to num_experts."""
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    if WRAP_NEGATIVE:
+        ids = tl.where((ids < 0) & (ids >= -index_range), ids + index_range, ids)
+    if HAS_MAP:
+        in_map = in_range & (ids >= 0) & (ids < index_range)
+        # Range-check in the id's own dtype first: never index the map with a skipped id.
+        ids = tl.load(expert_map_ptr + tl.where(in_map, ids, 0), mask=in_map, other=-1)
+    valid = in_range & (ids >= 0) & (ids < num_experts)
+    return tl.where(valid, ids, num_experts).to(tl.int32)
+
+
+@triton.jit
+def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_experts, index_range,
+                        HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr,
+                        BLOCK_ROUTES: tl.constexpr, NUM_BINS: tl.constexpr):
+    block = tl.program_id(0)
+    offs = block * BLOCK_ROUTES + tl.arange(0, BLOCK_ROUTES)
+    local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
+                              HAS_MAP, WRAP_NEGATIVE)
+    # NUM_BINS > num_experts: skipped routes fall into bin num_experts, which is not stored.
+    hist = tl.histogram(local, NUM_BINS)
+    bins = tl.arange(0, NUM_BINS)
+    tl.store(counts_ptr + block * num_experts + bins, hist, mask=bins < num_experts)
+
+
+@triton.jit
+def _align_scan_kernel(counts_ptr, block_end_ptr, sorted_ids_ptr, num_post_padded_ptr,
+                       num_blocks, num_experts, block_size, pad_value,
+                       EXPERTS_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr, FILL_COLS: tl.constexpr):
+    experts = tl.arange(0, EXPERTS_PAD)
+    expert_ok = experts < num_experts
+    rows = tl.arange(0, TILE_BLOCKS)
+
+    # Pass 1: routes per expert.
+    totals = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for b0 in range(0, num_blocks, TILE_BLOCKS):
+        r = b0 + rows
+        m = (r < num_blocks)[:, None] & expert_ok[None, :]
+        c = tl.load(counts_ptr + r[:, None] * num_experts + experts[None, :], mask=m, other=0)
+        totals += tl.sum(c, axis=0)
+    padded = (totals + block_size - 1) // block_size * block_size
+    seg_end = tl.cumsum(padded, axis=0)
+    seg_start = seg_end - padded
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+    tl.store(block_end_ptr + experts, seg_end // block_size, mask=expert_ok)
+
+    # Pad slots inside each segment: at most block_size - 1 per expert, after its real routes.
+    cols = tl.arange(0, FILL_COLS)
+    fill = tl.zeros([EXPERTS_PAD, FILL_COLS], dtype=tl.int32) + pad_value
+    for j0 in range(0, block_size - 1, FILL_COLS):
+        j = totals[:, None] + j0 + cols[None, :]
+        m = expert_ok[:, None] & (j < padded[:, None])
+        tl.store(sorted_ids_ptr + seg_start[:, None] + j, fill, mask=m)
+
+    # Pass 2: base[b, e] = seg_start[e] + (routes of e in earlier blocks) - (routes of experts < e in block b),
+    # so that base + (position of the route in its block's expert-sorted order) is its destination.
+    carry = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for b0 in range(0, num_blocks, TILE_BLOCKS):
+        r = b0 + rows
+        m = (r < num_blocks)[:, None] & expert_ok[None, :]
+        ptrs = counts_ptr + r[:, None] * num_experts + experts[None, :]
+        c = tl.load(ptrs, mask=m, other=0)
+        base = seg_start[None, :] + carry[None, :] + tl.cumsum(c, axis=0) - tl.cumsum(c, axis=1)
+        tl.store(ptrs, base, mask=m)  # in place: the tile was read above
+        carry += tl.sum(c, axis=0)
+
+
+@triton.jit
+def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, block_end_ptr, num_post_padded_ptr,
+                          sorted_ids_ptr, expert_ids_ptr,
+                          num_routes, num_experts, index_range, block_size, capacity, num_m_blocks,
+                          m_blocks_per_program, pad_value,
+                          HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr, BLOCK_ROUTES: tl.constexpr,
+                          EXPERTS_PAD: tl.constexpr, TILE_M_BLOCKS: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    block = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    pos = tl.arange(0, BLOCK_ROUTES)
+    offs = block * BLOCK_ROUTES + pos
+    local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
+                              HAS_MAP, WRAP_NEGATIVE)
+    # Unique keys (expert, position): sorting them orders the block by expert and, within an expert, by
+    # flat index, which is the stable order. Skipped routes (expert == num_experts) sort last.
+    keys = tl.sort(local * BLOCK_ROUTES + pos)
+    expert_sorted = keys // BLOCK_ROUTES
+    pos_sorted = keys % BLOCK_ROUTES
+    valid = expert_sorted < num_experts
+    base = tl.load(base_ptr + block * num_experts + expert_sorted, mask=valid, other=0)
+    tl.store(sorted_ids_ptr + base + pos, block * BLOCK_ROUTES + pos_sorted, mask=valid)
+
+    num_post_padded = tl.load(num_post_padded_ptr)
+
+    # Tail of sorted_token_ids past the padded total, split evenly over the programs.
+    tail = capacity - num_post_padded
+    per_program = (tail + num_programs - 1) // num_programs
+    lo = num_post_padded + block * per_program
+    hi = tl.minimum(lo + per_program, capacity)
+    fill = tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_value
+    for start in range(lo, hi, FILL_BLOCK):
+        idx = start + tl.arange(0, FILL_BLOCK)
+        tl.store(sorted_ids_ptr + idx, fill, mask=idx < hi)
+
+    # expert_ids: the owner of block b is the number of experts whose segment ends at or before b.
+    experts = tl.arange(0, EXPERTS_PAD)
+    block_end = tl.load(block_end_ptr + experts, mask=experts < num_experts, other=2147483647)
+    used_m_blocks = num_post_padded // block_size
+    mb_lo = block * m_blocks_per_program
+    mb_hi = tl.minimum(mb_lo + m_blocks_per_program, num_m_blocks)
+    for mb0 in range(mb_lo, mb_hi, TILE_M_BLOCKS):
+        mb = mb0 + tl.arange(0, TILE_M_BLOCKS)
+        owner = tl.sum((block_end[None, :] <= mb[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + mb, tl.where(mb < used_m_blocks, owner, -1), mask=mb < mb_hi)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------------------
+
+def default_block_routes(num_routes: int) -> int:
+    """Routes per program: about 64 programs (a single scan tile of counts for E=256), 256..4096 routes each."""
+    return min(4096, max(256, next_pow2(triton.cdiv(max(num_routes, 1), 64))))
+
+
+def align_workspace(num_routes: int, num_experts: int, device, *, block_routes: int | None = None) -> torch.Tensor:
+    """int32 scratch: counts/bases [num_blocks, E] then segment block ends [E]. Needs no initialisation."""
+    block_routes = block_routes or default_block_routes(num_routes)
+    num_blocks = triton.cdiv(num_routes, block_routes)
+    return torch.empty(num_blocks * num_experts + num_experts, dtype=torch.int32, device=device)
+
+
+def alloc_align_outputs(num_routes: int, num_experts: int, block_size: int, device
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
+    return (torch.empty(capacity, dtype=torch.int32, device=device),
+            torch.empty(num_m_blocks, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                         expert_map: torch.Tensor | None = None, *,
+                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         workspace: torch.Tensor | None = None, block_routes: int | None = None,
+                         wrap_negative: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton alignment -> (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32[1]).
+
+    `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.
+    `block_routes` (power of two >= 16) overrides the routes per program (tests use it to get many blocks).
+    `wrap_negative=True` is the pre-fix (oblivious) behaviour: -1 indexes the last expert / map entry.
+    """
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if num_experts < 1 or block_size < 1:
+        raise ValueError(f"num_experts and block_size must be >= 1, got {num_experts}, {block_size}")
+    if expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+    check_triton_device(topk_ids, expert_map)
+    if not topk_ids.is_contiguous():
+        topk_ids = topk_ids.contiguous()
+    num_routes = topk_ids.numel()
+    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
+    if capacity + 2 * _FILL_BLOCK > _INT32_MAX:  # kernel offsets are int32
+        raise ValueError(f"alignment capacity {capacity} does not fit the int32 index space")
+    sorted_ids, expert_ids, num_post_padded = out if out is not None else \
+        alloc_align_outputs(num_routes, num_experts, block_size, topk_ids.device)
+    if sorted_ids.numel() != capacity or expert_ids.numel() != num_m_blocks or num_post_padded.numel() != 1:
+        raise ValueError("out buffers do not match the alignment sizes (use alloc_align_outputs)")
+
+    if num_routes == 0:  # nothing to sort: all pad, no blocks in use
+        sorted_ids.fill_(0)
+        expert_ids.fill_(-1)
+        num_post_padded.zero_()
+        return sorted_ids, expert_ids, num_post_padded
+
+    block_routes = block_routes or default_block_routes(num_routes)
+    if block_routes < 16 or block_routes & (block_routes - 1):
+        raise ValueError(f"block_routes must be a power of two >= 16, got {block_routes}")
+    num_blocks = triton.cdiv(num_routes, block_routes)
+    if num_experts * block_routes + block_routes > _INT32_MAX:
+        raise ValueError("num_experts * block_routes overflows the int32 sort key")
+    if workspace is None:
+        workspace = align_workspace(num_routes, num_experts, topk_ids.device, block_routes=block_routes)
+    if workspace.numel() < num_blocks * num_experts + num_experts or workspace.dtype != torch.int32:
+        raise ValueError("workspace too small (use align_workspace with the same block_routes)")
+    counts = workspace[:num_blocks * num_experts]
+    block_end = workspace[num_blocks * num_experts:num_blocks * num_experts + num_experts]
+
+    has_map = expert_map is not None
+    map_arg = expert_map if has_map else topk_ids  # never dereferenced without HAS_MAP
+    index_range = expert_map.numel() if has_map else num_experts
+    experts_pad = next_pow2(num_experts)
+    num_bins = max(32, next_pow2(num_experts + 1))  # one spare bin for skipped routes; >= a warp
+    route_warps = 4 if block_routes <= 1024 else 8
+
+    _align_count_kernel[(num_blocks,)](
+        topk_ids, map_arg, counts, num_routes, num_experts, index_range,
+        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=num_bins,
+        num_warps=route_warps)
+
+    tile_blocks = max(1, min(next_pow2(num_blocks), 16384 // experts_pad))
+    fill_cols = max(1, min(next_pow2(max(block_size - 1, 1)), 16384 // experts_pad))
+    _align_scan_kernel[(1,)](
+        counts, block_end, sorted_ids, num_post_padded, num_blocks, num_experts, block_size, num_routes,
+        EXPERTS_PAD=experts_pad, TILE_BLOCKS=tile_blocks, FILL_COLS=fill_cols, num_warps=16)
+
+    m_blocks_per_program = triton.cdiv(num_m_blocks, num_blocks)
+    tile_m_blocks = max(1, min(next_pow2(m_blocks_per_program), 8192 // experts_pad))
+    _align_scatter_kernel[(num_blocks,)](
+        topk_ids, map_arg, counts, block_end, num_post_padded, sorted_ids, expert_ids,
+        num_routes, num_experts, index_range, block_size, capacity, num_m_blocks, m_blocks_per_program,
+        num_routes,
+        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, EXPERTS_PAD=experts_pad,
+        TILE_M_BLOCKS=tile_m_blocks, FILL_BLOCK=_FILL_BLOCK, num_warps=route_warps)
+    return sorted_ids, expert_ids, num_post_padded
