@@ -1,2 +1,6 @@
 """moebench kernels: each module holds a Triton kernel, its launcher and the plain-torch reference
 `<name>_torch` that follows SPEC.md literally, plus its registration for sweeps."""
+from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs, prepare_moe_inputs_torch  # noqa: E402,F401
+from moebench.kernels.apply_expert_map import apply_expert_map, apply_expert_map_torch  # noqa: E402,F401
+from moebench.kernels.globalize_recv_topk_idx import (  # noqa: E402,F401
+    globalize_recv_topk_idx, globalize_recv_topk_idx_torch)

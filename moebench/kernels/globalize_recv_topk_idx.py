@@ -1,0 +1,174 @@
+"""Neutralise a fixed-capacity receive buffer's ids and make them global (SPEC.md "globalize_recv_topk_idx").
+
+After a no-host-sync dispatch (DeepEP V2 with do_expand=False, moebench's a2a_fixed) only the first `num_recv`
+rows of the receive buffer were written; the rest hold whatever was in memory, often ids that look valid. The
+kernel keeps `local + rank_expert_offset` only for slots that are local (>= 0), in range (< E) and in a written
+row (< num_recv, read on the device, so the call can be captured in a CUDA graph); everything else becomes -1.
+
+`globalize_recv_topk_idx.oblivious` is the code before the fix (the `torch.where` the vLLM fix replaced): it
+adds the offset to every non-negative slot of every row, with no row or range check, so stale rows are kept as
+if they had been received.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.check import compare_exact
+from moebench.kernels._triton import check_triton_device
+from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
+
+BLOCK = 2048  # ids per program: one elementwise pass (see apply_expert_map for the sizing)
+NUM_WARPS = 4
+
+
+def _check_args(recv_topk_idx: torch.Tensor, num_recv: torch.Tensor) -> None:
+    if recv_topk_idx.dim() != 2 or recv_topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"recv_topk_idx must be a 2-D int32/int64 tensor, got {recv_topk_idx.dtype} "
+                         f"{tuple(recv_topk_idx.shape)}")
+    if not recv_topk_idx.is_contiguous():
+        raise ValueError("recv_topk_idx must be contiguous (it is updated in place)")
+    if not isinstance(num_recv, torch.Tensor) or num_recv.numel() != 1 or \
+            num_recv.dtype not in (torch.int32, torch.int64):
+        raise ValueError("num_recv must be a 1-element int32 tensor on the device (read there, never on the host)")
+    if num_recv.device != recv_topk_idx.device:
+        raise ValueError(f"num_recv is on {num_recv.device}, recv_topk_idx on {recv_topk_idx.device}")
+
+
+def globalize_recv_topk_idx_torch(recv_topk_idx: torch.Tensor, num_recv: torch.Tensor, rank_expert_offset: int,
+                                  num_experts: int) -> torch.Tensor:
+    """Reference, in place: keep val + offset iff val >= 0, val + offset < E and row < num_recv; else -1."""
+    _check_args(recv_topk_idx, num_recv)
+    val = recv_topk_idx.to(torch.int64)
+    g = val + rank_expert_offset
+    row = torch.arange(recv_topk_idx.shape[0], device=recv_topk_idx.device).unsqueeze(1)
+    keep = (val >= 0) & (g < num_experts) & (row < num_recv.reshape(()).to(torch.int64))  # no host sync
+    recv_topk_idx.copy_(torch.where(keep, g, torch.full_like(g, -1)))
+    return recv_topk_idx
+
+
+@triton.jit
+def _globalize_recv_topk_idx_kernel(recv_ptr, num_recv_ptr, rank_expert_offset, num_experts, num_elements,
+                                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_elements
+    num_recv = tl.load(num_recv_ptr).to(tl.int64)  # on the device: graph replays follow its current value
+    val = tl.load(recv_ptr + offs, mask=in_range, other=-1).to(tl.int64)
+    g = val + rank_expert_offset
+    keep = (val >= 0) & (g < num_experts) & (offs // TOP_K < num_recv)
+    tl.store(recv_ptr + offs, tl.where(keep, g, -1).to(recv_ptr.dtype.element_ty), mask=in_range)
+
+
+def globalize_recv_topk_idx(recv_topk_idx: torch.Tensor, num_recv: torch.Tensor, rank_expert_offset: int,
+                            num_experts: int) -> torch.Tensor:
+    """Triton, in place; returns recv_topk_idx. No host synchronisation (CUDA-graph capturable)."""
+    _check_args(recv_topk_idx, num_recv)
+    check_triton_device(recv_topk_idx, num_recv)
+    n = recv_topk_idx.numel()
+    if n == 0:
+        return recv_topk_idx
+    _globalize_recv_topk_idx_kernel[(triton.cdiv(n, BLOCK),)](
+        recv_topk_idx, num_recv, int(rank_expert_offset), int(num_experts), n,
+        TOP_K=recv_topk_idx.shape[1], BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return recv_topk_idx
+
+
+def globalize_recv_topk_idx_oblivious(recv_topk_idx: torch.Tensor, num_recv: torch.Tensor | None,
+                                      rank_expert_offset: int, num_experts: int) -> torch.Tensor:
+    """Before the fix, in place: every row, every non-negative slot gets the offset; num_recv and E unused."""
+    recv_topk_idx.copy_(torch.where(recv_topk_idx >= 0, recv_topk_idx + rank_expert_offset,
+                                    torch.full_like(recv_topk_idx, -1)))
+    return recv_topk_idx
+
+
+def globalize_oblivious_reference(recv_topk_idx: torch.Tensor, rank_expert_offset: int) -> torch.Tensor:
+    """Pre-fix result as a new tensor, written independently of the impl above."""
+    return recv_topk_idx + rank_expert_offset * (recv_topk_idx >= 0).to(recv_topk_idx.dtype)
+
+
+globalize_recv_topk_idx.oblivious = globalize_recv_topk_idx_oblivious  # type: ignore[attr-defined]
+
+
+def make_receive_buffer(local_ids: torch.Tensor, capacity: int, num_local_experts: int, *,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A receive buffer as a no-sync dispatch leaves it: (recv [capacity, K] int64, num_recv int32 [1]).
+
+    Rows `< len(local_ids)` hold the received local ids; the rest hold garbage that looks valid (ids in
+    [0, num_local_experts) with some -1), as stale memory from an earlier step would.
+    """
+    num_recv, K = local_ids.shape
+    if num_recv > capacity:
+        raise ValueError(f"{num_recv} received rows do not fit a capacity of {capacity}")
+    device = local_ids.device
+    recv = torch.randint(-1, num_local_experts, (capacity, K), generator=generator, device=generator.device,
+                         dtype=torch.int64).to(device)
+    recv[:num_recv] = local_ids.to(torch.int64)
+    return recv, torch.tensor([num_recv], dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------------------------
+
+def _make_build(variant: str):
+    def build(p, ctx: RunContext) -> Case:
+        from moebench.inputs import generator, make_batch, route
+
+        batch = make_batch(p, ctx.device, need_hidden=False)
+        _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
+        # This rank receives every row with at least one expert it owns, as local ids (-1 for the others).
+        rank = p.ep_size - 1  # a non-zero offset whenever ep_size > 1
+        local_experts = p.num_experts // p.ep_size
+        offset = rank * local_experts
+        ids = topk_ids.to(torch.int64)
+        is_local = (ids >= offset) & (ids < offset + local_experts)
+        local_ids = torch.where(is_local, ids - offset, torch.full_like(ids, -1))
+        local_ids = local_ids[is_local.any(dim=1)]  # host sync: build time only
+        capacity = max(p.num_max_tokens_per_rank, local_ids.shape[0])
+        source, num_recv = make_receive_buffer(local_ids, capacity, local_experts,
+                                               generator=generator(p.seed + 29, "cpu"))
+        buf = source.clone()
+
+        if variant == "triton":
+            def run():
+                return globalize_recv_topk_idx(buf, num_recv, offset, p.num_experts)
+        elif variant == "oblivious":
+            def run():
+                return globalize_recv_topk_idx_oblivious(buf, num_recv, offset, p.num_experts)
+        else:
+            def run():
+                return globalize_recv_topk_idx_torch(buf, num_recv, offset, p.num_experts)
+
+        def reference(src: torch.Tensor) -> torch.Tensor:
+            if variant == "oblivious":
+                return globalize_oblivious_reference(src, offset)
+            return globalize_recv_topk_idx_torch(src.clone(), num_recv.to(src.device), offset, p.num_experts)
+
+        def check() -> CheckResult:
+            buf.copy_(source)  # in place: the garbage tail doubles as the poison
+            run()
+            ref = reference(source.cpu() if variant == "torch" else source)
+            return compare_exact("recv_topk_idx", buf, ref.to(buf.device))
+
+        truth = globalize_recv_topk_idx_torch(source.clone(), num_recv, offset, p.num_experts)
+        corrupted = int((reference(source) != truth).any(dim=1).sum())
+        return Case(run=run, check=check, bytes_moved=2 * buf.numel() * buf.element_size() + 4,
+                    bytes_note="receive buffer read and written in place (repeated runs re-process the result)",
+                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
+                    info={"corrupted_rows": corrupted, "num_recv": int(local_ids.shape[0]), "capacity": capacity,
+                          "rank": rank},
+                    nvtx_stage="globalize")
+    return build
+
+
+_DESCRIPTIONS = {
+    "triton": "receive-buffer ids -> global, rows >= num_recv (read on device) and bad ids -> -1",
+    "torch": "eager torch reference of the same (in place, no host sync)",
+    "oblivious": "before the fix: offset added to every row's non-negative ids, stale rows kept",
+}
+for _variant in ("triton", "torch", "oblivious"):
+    register(Impl(f"globalize_recv_topk_idx.{_variant}", targets=("kernel",), build=_make_build(_variant),
+                  description=_DESCRIPTIONS[_variant], mask_aware=_variant != "oblivious"))
