@@ -1,0 +1,250 @@
+"""Plots from a fake run directory written the way the runner writes one (manifest.json + records.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from moebench import plots  # noqa: E402
+from moebench.sweep import Params  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _stats(p50: float) -> dict:
+    return {"p50": p50, "p10": 0.9 * p50, "p90": 1.2 * p50, "min": 0.85 * p50, "max": 1.5 * p50,
+            "mean": 1.05 * p50, "cv": 0.05}
+
+
+def _imbalance(rng: random.Random, num_experts: int, ep_size: int, num_tokens: int, ratio: float, top_k: int,
+               masked: bool) -> dict:
+    real_rows = num_tokens - int(round(num_tokens * ratio))
+    per_real = [0] * num_experts
+    for _ in range(real_rows * top_k):
+        per_real[rng.randrange(num_experts)] += 1
+    per_pad = [0] * num_experts
+    if not masked:  # identical padded rows all pick the same top_k experts
+        for e in range(top_k):
+            per_pad[(7 * e + 3) % num_experts] += num_tokens - real_rows
+    per_rank_real = [sum(per_real[r * num_experts // ep_size:(r + 1) * num_experts // ep_size])
+                     for r in range(ep_size)]
+    per_rank_pad = [sum(per_pad[r * num_experts // ep_size:(r + 1) * num_experts // ep_size])
+                    for r in range(ep_size)]
+    totals = [a + b for a, b in zip(per_rank_real, per_rank_pad)]
+    slowest = max(range(ep_size), key=lambda i: totals[i])
+    ex_tot = [a + b for a, b in zip(per_real, per_pad)]
+    hottest = max(range(num_experts), key=lambda i: ex_tot[i])
+    mean = sum(ex_tot) / num_experts
+    return {"per_expert_real": per_real, "per_expert_padding": per_pad, "per_rank_real": per_rank_real,
+            "per_rank_padding": per_rank_pad, "ep_size": ep_size,
+            "expert": {"max_over_mean": max(ex_tot) / mean, "balancedness": mean / max(ex_tot), "cv": 0.1,
+                       "hottest": hottest, "hottest_share": max(ex_tot) / sum(ex_tot)},
+            "rank": {"max_over_mean": max(totals) / (sum(totals) / ep_size), "balancedness": 0.9, "cv": 0.1,
+                     "slowest_rank": slowest, "slowest_load": totals[slowest], "mean_load": sum(totals) / ep_size,
+                     "slowest_excess": totals[slowest] - sum(totals) / ep_size, "slowest_excess_ratio": 0.1},
+            "real_only": {"expert": {}, "rank": {}}}
+
+
+class FakeRun:
+    """Builds records.jsonl + manifest.json. Each `add` returns the record so a test can tweak it."""
+
+    def __init__(self, root: Path, name: str = "fake_sweep-20261130T000000Z", sweep: str = "fake_sweep",
+                 target: str = "router"):
+        self.dir = root / "results" / name
+        self.dir.mkdir(parents=True)
+        self.sweep, self.target = sweep, target
+        self.records: list[dict] = []
+        self.rng = random.Random(1234)
+
+    def add(self, impl: str, status: str = "ok", p50: float | None = None, imbalance: bool = True,
+            **params) -> dict:
+        p = Params(**params).to_dict()
+        tokens, ratio = p["num_tokens"], p["padding_ratio"]
+        work = tokens * (1 - ratio if p["mask"] else 1.0)
+        p50 = p50 if p50 is not None else 3.0 + 0.01 * work * (1.7 if impl.endswith("torch") else 1.0) \
+            * (1 + 0.05 * self.rng.random())
+        roof = 1.0 + 0.004 * work
+        rec = {"point": len(self.records), "key": f"k{len(self.records)}", "impl": impl,
+               "kernel": impl.split(".")[0], "variant": impl.split(".")[1], "target": self.target, "params": p,
+               "status": status, "reason": "" if status == "ok" else f"{status} on purpose",
+               "timing_mode": "cuda_graph", "samples_us": [p50] * 5, "stats": _stats(p50),
+               "bytes": int(work * 1024), "flops": 0, "gbps": work * 1024 / p50 / 1e3, "tflops": None,
+               "roofline_us": roof, "roof_fraction": roof / p50,
+               "imbalance": _imbalance(self.rng, p["num_experts"], p["ep_size"], tokens, ratio, p["top_k"],
+                                       p["mask"]) if imbalance else None,
+               "jit": None, "stages": {}, "ranks": None, "info": {}}
+        self.records.append(rec)
+        return rec
+
+    def write(self) -> Path:
+        manifest = {"sweep": {"name": self.sweep, "target": self.target, "impls": [], "fixed": {"hidden": 7168, "dtype": "bf16"}, "axes": {},
+                              "timing": {"mode": "cuda_graph"}},
+                    "gpu": {"name": "NVIDIA H200", "count": 1}, "versions": {"torch": "2.11.0"},
+                    "git_commit": "0" * 40, "command": "moebench run fake.yaml"}
+        (self.dir / "manifest.json").write_text(json.dumps(manifest))
+        with open(self.dir / "records.jsonl", "w") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+        return self.dir
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 5000, f"{path} is suspiciously small ({len(data)} bytes)"
+
+
+def _meta(out: Path) -> dict:
+    return json.loads((out / "plots.json").read_text())
+
+
+def _kinds(paths: list[Path]) -> set[str]:
+    return {next(k for k in plots.KINDS if p.name.startswith(k)) for p in paths}
+
+
+def _router_run(tmp_path: Path) -> FakeRun:
+    run = FakeRun(tmp_path)
+    for tokens in (64, 512, 4096):
+        for ratio in (0.0, 0.5):
+            for mask in (True, False):
+                for impl in ("topk_softmax.triton", "topk_softmax.torch"):
+                    run.add(impl, num_tokens=tokens, padding_ratio=ratio, mask=mask, num_experts=64)
+    return run
+
+
+def test_router_run_makes_its_plots_and_skips_the_rest(tmp_path):
+    run = _router_run(tmp_path)
+    run.dir.parent  # results/
+    paths = plots.make_plots(run.write())
+    # default output: plots/<run name>/ beside results/
+    out = tmp_path / "plots" / run.dir.name
+    assert paths and all(p.parent == out for p in paths)
+    for p in paths:
+        _assert_png(p)
+    # per-rank, layer, EP scaling and JIT plots need data this run does not have: quietly absent
+    assert _kinds(paths) == {"latency_vs_tokens", "saving_vs_padding", "expert_load", "roof_fraction"}
+    meta = _meta(out)
+    assert meta["gpu"] == "NVIDIA H200" and meta["records"]["ok"] == len(run.records)
+    lat = [p for p in meta["plots"] if p["kind"] == "latency_vs_tokens"]
+    assert len(lat) == 1 and lat[0]["points"] == len(run.records)
+    assert "fake_sweep" in lat[0]["title"] and "NVIDIA H200" in lat[0]["title"] and "E=64" in lat[0]["title"]
+    index = (out / "index.md").read_text()
+    for p in paths:
+        assert f"]({p.name})" in index
+
+
+def test_failed_wrong_skipped_records_are_excluded(tmp_path):
+    run = _router_run(tmp_path)
+    n_ok = len(run.records)
+    for status in ("failed", "wrong", "skipped"):
+        # a bad record at a num_tokens of its own, and one with layer stages: neither may be drawn
+        run.add("topk_softmax.triton", status=status, p50=1e6, num_tokens=16384, padding_ratio=0.5, mask=True,
+                num_experts=64)
+        run.add("topk_softmax.triton", status=status, num_tokens=64, padding_ratio=0.0, mask=True,
+                num_experts=64)["stages"] = {"route": _stats(1.0)}
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    assert all(p.parent == out for p in paths)
+    meta = _meta(out)
+    assert meta["records"] == {"ok": n_ok, "wrong": 2, "skipped": 2, "failed": 2}
+    assert "layer_stages" not in _kinds(paths)
+    for p in meta["plots"]:
+        if p["kind"] in ("latency_vs_tokens", "roof_fraction"):
+            assert p["points"] == n_ok, p
+    assert plots.ok_records(run.records) == run.records[:n_ok]
+
+
+def test_only_failed_records_give_no_plots(tmp_path):
+    run = FakeRun(tmp_path)
+    for tokens in (64, 128):
+        run.add("topk_softmax.triton", status="failed", num_tokens=tokens)
+    out = tmp_path / "out"
+    assert plots.make_plots(run.write(), out) == []
+    assert "No plot could be made" in (out / "index.md").read_text()
+
+
+def test_ep_layer_and_jit_plots(tmp_path):
+    run = FakeRun(tmp_path, target="layer")
+    for ep in (1, 2, 4, 8):
+        for mask in (True, False):
+            for ratio in (0.0, 0.25, 0.5):
+                rec = run.add("layer.triton", num_tokens=256, padding_ratio=ratio, mask=mask, ep_size=ep,
+                              num_experts=32, ep_mode="simulated" if ep > 2 else "real")
+                rec["ranks"] = {"world_size": min(ep, 2), "slowest_rank": 0, "simulated": ep > 2}
+                scale = 1 - ratio if mask else 1.0
+                rec["stages"] = {"route": _stats(5 * scale + 1), "align": _stats(8 * scale + 2),
+                                 "experts": _stats(40 * scale + 5), "reduce": _stats(6 * scale + 1)}
+    for policy, per_step in (("exact", [1, 1, 0, 1, 1, 0, 1, 0]), ("pow2", [1, 1, 0, 0, 1, 0, 0, 0]),
+                             ("max", [1, 0, 0, 0, 0, 0, 0, 0])):
+        rec = run.add("a2a_fixed.triton", num_tokens=256, capacity_policy=policy, imbalance=False)
+        rec["info"] = {"trace_steps": [{"step": i, "batch": 16 * (i % 5 + 1), "compiles": c, "compile_s": 0.4 * c}
+                                       for i, c in enumerate(per_step)],
+                       "predicted_compiles": sum(per_step)}
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    for p in paths:
+        _assert_png(p)
+    kinds = _kinds(paths)
+    assert {"rank_load", "layer_stages", "ep_scaling", "jit_compiles", "expert_load"} <= kinds
+    # one rank-load figure per EP size > 1
+    assert sorted(p.name for p in paths if p.name.startswith("rank_load")) == \
+        ["rank_load__ep_size-2.png", "rank_load__ep_size-4.png", "rank_load__ep_size-8.png"]
+    meta = _meta(out)
+    jit = [p for p in meta["plots"] if p["kind"] == "jit_compiles"]
+    assert len(jit) == 1 and jit[0]["points"] == 3
+    # ep_mode marks simulated points (hollow), it must not split the EP-scaling figure
+    assert sum(p["kind"] == "ep_scaling" for p in meta["plots"]) == 1
+    # a layer record per (ep, mask, ratio) at EP 1..8 feeds the stage plot, split per EP size
+    assert sum(p["kind"] == "layer_stages" for p in meta["plots"]) == 4
+
+
+def test_extra_axis_splits_figures_and_repeats_fold(tmp_path):
+    run = FakeRun(tmp_path)
+    for top_k in (4, 8):
+        for tokens in (64, 256):
+            for repeat in (0, 1):
+                run.add("topk_softmax.triton", num_tokens=tokens, top_k=top_k, repeat=repeat, num_experts=64,
+                        imbalance=False)
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    names = sorted(p.name for p in paths if p.name.startswith("latency_vs_tokens"))
+    assert names == ["latency_vs_tokens__top_k-4.png", "latency_vs_tokens__top_k-8.png"]
+    titles = [p["title"] for p in _meta(out)["plots"] if p["kind"] == "latency_vs_tokens"]
+    assert all("top_k=" in t for t in titles)
+    # no mask variation: no saving plot; no imbalance: no load plots
+    assert _kinds(paths) == {"latency_vs_tokens", "roof_fraction"}
+
+
+def test_replot_removes_stale_images_and_index_alone(tmp_path):
+    run = _router_run(tmp_path)
+    run_dir = run.write()
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "latency_vs_tokens__top_k-99.png").write_bytes(PNG_MAGIC)
+    (out / "notes.png").write_bytes(PNG_MAGIC)  # not ours: left alone
+    paths = plots.make_plots(run_dir, out)
+    assert not (out / "latency_vs_tokens__top_k-99.png").exists()
+    assert (out / "notes.png").exists()
+    (out / "index.md").unlink()
+    index = plots.plot_index(run_dir, out)
+    text = index.read_text()
+    assert all(p.name in text for p in paths) and "notes.png" not in text
+
+
+def test_torn_last_line_is_ignored(tmp_path):
+    run = _router_run(tmp_path)
+    run_dir = run.write()
+    with open(run_dir / "records.jsonl", "a") as f:
+        f.write('{"point": 99, "status": "ok", "par')
+    loaded = plots.load_run(run_dir)
+    assert loaded.bad_lines == 1 and len(loaded.ok) == len(run.records)
+
+
+def test_not_a_run_dir(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        plots.make_plots(tmp_path)
