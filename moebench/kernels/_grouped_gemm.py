@@ -1,0 +1,455 @@
+"""The pieces of `fused_experts`: route alignment, the two grouped GEMMs and the slot reduction.
+
+Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
+  align_routes      topk_ids -> sorted_ids (routes grouped by expert, each expert's segment padded to a multiple
+                    of BLOCK_M with the pad value R), expert_ids (owner of each BLOCK_M block), num_post_padded.
+                    Same contract as SPEC's moe_align_block_size (without expert_map); skipped routes (id < 0 or
+                    id >= E) are never placed, so no later kernel sees them.
+  gate_up_swiglu    act[j] = silu(x[tok] @ w13[e, :I].T) * (x[tok] @ w13[e, I:].T) for sorted position j;
+                    both halves in one program so the SwiGLU is an epilogue. Rows of act are sorted positions.
+  down_proj         y[i] = topk_weight[i] * (act[j] @ w2[e].T), written at the route's own row i.
+  sum_slots         out[m] = sum over valid k of y[m*K + k] (fp32, k ascending); invalid slots never loaded.
+The GEMM grids cover the largest possible number of blocks; programs past num_post_padded (read on the device)
+exit at once, so skipped routes cost no GEMM work and nothing synchronises with the host.
+
+Each Triton kernel has a plain-torch reference `<name>_torch` below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch parameters of one grouped GEMM (BLOCK_M is shared, see ExpertsConfig)."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 8  # M-blocks per swizzle group: programs sharing an N tile run together (weight reuse in L2)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    block_m: int  # alignment block size: rows of one GEMM program, all owned by one expert
+    gate_up: GemmConfig  # block_n counts columns of *each* half (gate and up): the program computes 2*block_n
+    down: GemmConfig
+    reduce_block_h: int = 1024
+
+    def short(self) -> str:
+        g, d = self.gate_up, self.down
+        return (f"BM{self.block_m} up:N{g.block_n}K{g.block_k}w{g.num_warps}s{g.num_stages}g{g.group_m} "
+                f"down:N{d.block_n}K{d.block_k}w{d.num_warps}s{d.num_stages}g{d.group_m}")
+
+
+def _fit(block: int, dim: int) -> int:
+    """Shrink a block to the (power-of-two padded) dimension; tl.dot needs >= 16."""
+    return max(16, min(block, next_pow2(dim)))
+
+
+def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
+    """Deterministic config from the shapes known on the host (num_routes = M*K, including skipped slots: the
+    number of valid routes is only known on the device and reading it would break CUDA-graph capture).
+
+    BLOCK_M follows the expected rows per expert, so the padding of each expert's last block wastes little:
+    decode-sized batches are weight-bandwidth bound (small tiles, many programs); prefill-sized ones are compute
+    bound (tiles large enough for Hopper's wgmma: 64 rows per warpgroup, 256 columns per program).
+    """
+    if interpreting():
+        # The CPU interpreter's cost is per program and per op: small M blocks (little padding), whole-ish N/K.
+        bm = 16
+        return ExpertsConfig(bm, GemmConfig(_fit(32, intermediate), _fit(32, hidden), 4, 4, 1),
+                             GemmConfig(_fit(64, hidden), _fit(32, intermediate), 4, 4, 1),
+                             reduce_block_h=_fit(256, hidden))
+    rows_per_expert = num_routes / max(1, num_experts)
+    if rows_per_expert <= 24:
+        bm, up, down = 16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4)
+    elif rows_per_expert <= 48:
+        bm, up, down = 32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
+    elif rows_per_expert <= 384:
+        bm, up, down = 64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4)
+    else:
+        bm, up, down = 128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3)
+    up = GemmConfig(_fit(up.block_n, intermediate), _fit(up.block_k, hidden), up.group_m, up.num_warps,
+                    up.num_stages)
+    down = GemmConfig(_fit(down.block_n, hidden), _fit(down.block_k, intermediate), down.group_m, down.num_warps,
+                      down.num_stages)
+    return ExpertsConfig(bm, up, down, reduce_block_h=_fit(1024, hidden))
+
+
+def align_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(sorted_ids capacity, expert_ids capacity) of SPEC's moe_align_block_size."""
+    cap = num_routes + num_experts * (block_m - 1)
+    return cap, triton.cdiv(cap, block_m)
+
+
+def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the blocks alignment can produce: sum_e ceil(c_e / BM) < R/BM + #non-empty experts."""
+    return min(align_capacity(num_routes, num_experts, block_m)[1],
+               triton.cdiv(num_routes, block_m) + min(num_experts, num_routes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Alignment: two passes, one program per expert (plus one for the tail). Each program scans the routes in
+# ascending order, which makes the placement stable without a sort and without atomics.
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _count_routes_kernel(ids_ptr, counts_ptr, num_routes, CHUNK: tl.constexpr):
+    expert = tl.program_id(0)
+    count = tl.zeros((), dtype=tl.int32)
+    for start in range(0, num_routes, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_routes, other=-1)
+        count += tl.sum((ids == expert).to(tl.int32), axis=0)
+    tl.store(counts_ptr + expert, count)
+
+
+@triton.jit
+def _place_routes_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                         num_routes, num_experts, sorted_capacity, block_capacity,
+                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    e_offs = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e_offs, mask=e_offs < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    total = tl.sum(padded, axis=0)
+    if pid < num_experts:
+        seg_start = tl.sum(tl.where(e_offs < pid, padded, 0), axis=0)
+        placed = tl.zeros((), dtype=tl.int32)
+        for start in range(0, num_routes, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_routes, other=-1)
+            hit = ids == pid
+            rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + seg_start + placed + rank, offs, mask=hit)
+            placed += tl.sum(hit.to(tl.int32), axis=0)
+        seg_len = (placed + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        # at most BLOCK_M - 1 pad entries close the segment
+        pad_offs = seg_start + placed + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + pad_offs, tl.full((BLOCK_M,), 0, tl.int32) + num_routes,
+                 mask=pad_offs < seg_start + seg_len)
+        first_block = seg_start // BLOCK_M
+        num_blocks = seg_len // BLOCK_M
+        for b in range(0, num_blocks, CHUNK):
+            b_offs = b + tl.arange(0, CHUNK)
+            tl.store(expert_ids_ptr + first_block + b_offs, tl.full((CHUNK,), 0, tl.int32) + pid,
+                     mask=b_offs < num_blocks)
+    else:
+        # the tail program: the total, then the pad value / -1 past it (SPEC's full-capacity contract)
+        tl.store(num_post_ptr, total)
+        for start in range(total, sorted_capacity, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + num_routes, mask=offs < sorted_capacity)
+        for start in range(total // BLOCK_M, block_capacity, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(expert_ids_ptr + offs, tl.full((CHUNK,), -1, tl.int32), mask=offs < block_capacity)
+
+
+def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids int32 [cap], expert_ids int32 [cap/BM], num_post_padded int32 [1]); see the module docstring.
+
+    `out` = (sorted_ids, expert_ids, num_post_padded, counts [E] int32 scratch) preallocated, for timed runs.
+    """
+    check_triton_device(topk_ids)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_routes = ids.numel()
+    cap, bcap = align_capacity(num_routes, num_experts, block_m)
+    if out is None:
+        dev = topk_ids.device
+        out = (torch.empty(cap, dtype=torch.int32, device=dev), torch.empty(bcap, dtype=torch.int32, device=dev),
+               torch.empty(1, dtype=torch.int32, device=dev), torch.empty(num_experts, dtype=torch.int32, device=dev))
+    sorted_ids, expert_ids, num_post, counts = out
+    if num_routes == 0:
+        sorted_ids.fill_(0)
+        expert_ids.fill_(-1)
+        num_post.zero_()
+        return sorted_ids, expert_ids, num_post
+    chunk = min(1024, next_pow2(num_routes))
+    _count_routes_kernel[(num_experts,)](ids, counts, num_routes, CHUNK=chunk, num_warps=4)
+    _place_routes_kernel[(num_experts + 1,)](ids, counts, sorted_ids, expert_ids, num_post, num_routes,
+                                             num_experts, cap, bcap, BLOCK_M=block_m,
+                                             E_PAD=next_pow2(num_experts), CHUNK=chunk, num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
+def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: SPEC's moe_align_block_size without expert_map, written as a literal loop over experts."""
+    ids = topk_ids.reshape(-1).long().cpu()
+    num_routes = ids.numel()
+    cap, bcap = align_capacity(num_routes, num_experts, block_m)
+    sorted_ids = torch.full((cap,), num_routes, dtype=torch.int32)
+    expert_ids = torch.full((bcap,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        routes = (ids == e).nonzero().flatten()  # ascending route index: stable
+        n = routes.numel()
+        rounded = (n + block_m - 1) // block_m * block_m
+        sorted_ids[pos:pos + n] = routes.to(torch.int32)
+        expert_ids[pos // block_m:(pos + rounded) // block_m] = e
+        pos += rounded
+    dev = topk_ids.device
+    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_store_value(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 -> output dtype. SOFT_BF16 (CPU interpreter only, whose fp32->bf16 cast truncates): round to nearest
+    even on the bit pattern, as the GPU's cvt.rn does, so CPU tests see GPU-like rounding error."""
+    if SOFT_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+def _soft_bf16(t: torch.Tensor) -> bool:
+    return interpreting() and t.dtype == torch.bfloat16
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped program order: GROUP_M consecutive M-blocks sweep the N tiles together, so the weight tile of an
+    expert (whose blocks are consecutive) and the activation rows of the group are re-read from L2, not HBM."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                           num_routes, top_k, hidden, inter, num_pid_m,
+                           stride_xm, stride_we, stride_wn, stride_am,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                           SOFT_BF16: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    num_post = tl.load(num_post_ptr)
+    if pid_m * BLOCK_M >= num_post:
+        return  # a block that does not exist in this batch: skipped routes cost nothing
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ptr + offs_m)
+    row_ok = route < num_routes  # pad entries of the expert's last block
+    token = (route // top_k).to(tl.int64)
+    # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
+    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = offs_n_store % inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < hidden - kb * BLOCK_K
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
+    tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16), mask=(offs_n_store < inter)[None, :])
+
+
+@triton.jit
+def _down_proj_kernel(act_ptr, w2_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                      num_routes, hidden, inter, num_pid_m,
+                      stride_am, stride_we, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                           SOFT_BF16: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    num_post = tl.load(num_post_ptr)
+    if pid_m * BLOCK_M >= num_post:
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ptr + offs_m)
+    row_ok = route < num_routes
+    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = offs_n_store % hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
+    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < inter - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
+    tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
+             mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+
+
+def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                   num_post: torch.Tensor, top_k: int, block_m: int, cfg: GemmConfig, act: torch.Tensor
+                   ) -> torch.Tensor:
+    """act[j, :] for every sorted position j < num_post (rows of pad entries are zeros)."""
+    M, H = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    num_routes = M * top_k
+    num_pid_m = max_blocks(num_routes, E, block_m)
+    if num_routes == 0 or num_pid_m == 0:
+        return act
+    assert act.shape[0] >= num_pid_m * block_m and act.shape[1] == inter and act.stride(1) == 1
+    grid = (num_pid_m * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_swiglu_kernel[grid](
+        x, w13, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=H % cfg.block_k == 0, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(act),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
+              expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int, cfg: GemmConfig, y: torch.Tensor
+              ) -> torch.Tensor:
+    """y[i, :] = topk_weights.flat[i] * act[j] @ w2[e].T for each placed route i (sorted position j); the rows of
+    skipped routes are not written."""
+    E, H, inter = w2.shape
+    num_routes = topk_weights.numel()
+    num_pid_m = max_blocks(num_routes, E, block_m)
+    if num_routes == 0 or num_pid_m == 0:
+        return y
+    assert y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous()
+    grid = (num_pid_m * triton.cdiv(H, cfg.block_n),)
+    _down_proj_kernel[grid](
+        act, w2, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, num_pid_m,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=inter % cfg.block_k == 0, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(y),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def gate_up_swiglu_torch(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                         num_post: torch.Tensor, top_k: int, block_m: int) -> torch.Tensor:
+    """Reference of gate_up_swiglu in fp32: [num_post, I] fp32 (pad rows zero)."""
+    n = int(num_post.item())
+    inter = w13.shape[1] // 2
+    num_routes = x.shape[0] * top_k
+    act = torch.zeros(n, inter, dtype=torch.float32, device=x.device)
+    for b in range(n // block_m):
+        e = int(expert_ids[b])
+        rows = sorted_ids[b * block_m:(b + 1) * block_m].long()
+        ok = rows < num_routes
+        h = x[rows[ok] // top_k].float() @ w13[e].float().T
+        act[b * block_m:(b + 1) * block_m][ok] = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    return act
+
+
+def down_proj_torch(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
+                    expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Reference of down_proj in fp32: [R, H] fp32, NaN in the rows of skipped routes (never written)."""
+    num_routes = topk_weights.numel()
+    H = w2.shape[1]
+    y = torch.full((num_routes, H), float("nan"), dtype=torch.float32, device=act.device)
+    flat_w = topk_weights.reshape(-1).float()
+    for b in range(int(num_post.item()) // block_m):
+        e = int(expert_ids[b])
+        rows = sorted_ids[b * block_m:(b + 1) * block_m].long()
+        ok = rows < num_routes
+        pos = torch.arange(b * block_m, (b + 1) * block_m, device=act.device)[ok]
+        y[rows[ok]] = (act[pos].float() @ w2[e].float().T) * flat_w[rows[ok]][:, None]
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slot reduction (deterministic: fp32, k ascending, no atomics)
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, top_k, num_experts, stride_ym, stride_om,
+                      BLOCK_H: tl.constexpr, SOFT_BF16: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(0, top_k):
+        e = tl.load(ids_ptr + m * top_k + k)
+        # a skipped slot's row was never written: it is not loaded at all
+        if (e >= 0) & (e < num_experts):
+            v = tl.load(y_ptr + (m * top_k + k) * stride_ym + offs_h, mask=h_ok, other=0.0)
+            acc += v.to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_h, _round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16),
+             mask=h_ok)
+
+
+def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor,
+              block_h: int = 1024) -> torch.Tensor:
+    """out[m] = sum over k with 0 <= topk_ids[m,k] < num_experts of y[m*K + k] (fp32 in order k, rounded once)."""
+    M, K = topk_ids.shape
+    H = out.shape[1]
+    if M == 0:
+        return out
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    block_h = min(block_h, next_pow2(H))
+    _sum_slots_kernel[(M, triton.cdiv(H, block_h))](y, ids, out, H, K, num_experts, y.stride(0), out.stride(0),
+                                                     BLOCK_H=block_h, SOFT_BF16=_soft_bf16(out), num_warps=4)
+    return out
+
+
+def sum_slots_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    M, K = topk_ids.shape
+    y3 = y.reshape(M, K, -1)
+    acc = torch.zeros(M, y3.shape[2], dtype=torch.float32, device=y.device)
+    for k in range(K):
+        ok = (topk_ids[:, k] >= 0) & (topk_ids[:, k] < num_experts)
+        acc[ok] += y3[ok, k].float()
+    return acc.to(out_dtype)
