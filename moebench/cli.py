@@ -87,14 +87,19 @@ def cmd_list(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from moebench.profiling import profile_point
+    from moebench.profiling import profile_inner, profile_point
+    from moebench.results import utc_stamp
     from moebench.sweep import load_sweep
 
     path = _resolve_sweep_path(args.sweep)
-    load_sweep(path, args.set or [])  # validate first: one clear line on bad input
-    result = profile_point(path, args.point, out_dir=args.out, overrides=args.set or [], device=args.device,
-                           iters=args.iters, inner=args.inner)
-    return 0 if not result or result.get("status", "ok") in ("ok", None) else 1
+    sweep = load_sweep(path, args.set or [])  # validate first: one clear line on bad input
+    if args.inner:  # the process nsys launches
+        rec = profile_inner(path, args.point, args.set or [], args.device or "cuda", args.iters)
+        return 0 if not isinstance(rec, dict) or rec.get("status") == "ok" else 1
+    out_dir = Path(args.out) / f"profile-{sweep.name}-p{args.point}-{utc_stamp()}"
+    result = profile_point(path, args.point, out_dir, args.set or [], args.device, iters=args.iters)
+    print(f"# profile written to {out_dir}")
+    return 0 if not result.get("error") else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
