@@ -314,3 +314,89 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, EXPERTS_PAD=experts_pad,
         TILE_M_BLOCKS=tile_m_blocks, FILL_BLOCK=_FILL_BLOCK, num_warps=route_warps)
     return sorted_ids, expert_ids, num_post_padded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration (target "kernel")
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rank0_expert_map(p, device) -> tuple[torch.Tensor | None, int]:
+    """(expert_map, num_local_experts) of EP rank 0, which owns global experts [0, L); no map when L == E."""
+    local = p.local_experts
+    if local == p.num_experts:
+        return None, p.num_experts
+    expert_map = torch.full((p.num_experts,), -1, dtype=torch.int32, device=device)
+    expert_map[:local] = torch.arange(local, dtype=torch.int32, device=device)
+    return expert_map, local
+
+
+def _build_align(variant: str):
+    def build(p, ctx):
+        from moebench.check import compare_exact, poison
+        from moebench.inputs import make_batch, route
+        from moebench.registry import Case, CheckResult, Routing
+
+        batch = make_batch(p, ctx.device, need_hidden=False)
+        _, topk_ids = route(p, batch)
+        num_routes = topk_ids.numel()
+        expert_map, num_experts = _rank0_expert_map(p, ctx.device)
+        oblivious = variant == "oblivious"
+        ref = moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map, wrap_negative=oblivious)
+        out = alloc_align_outputs(num_routes, num_experts, p.block_size, ctx.device)
+        workspace = align_workspace(num_routes, num_experts, ctx.device)
+
+        if variant == "torch":
+            def run():
+                return moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map)
+        else:
+            def run():
+                return moe_align_block_size(topk_ids, num_experts, p.block_size, expert_map, out=out,
+                                            workspace=workspace, wrap_negative=oblivious)
+
+        def check():
+            for t in (*out, workspace):
+                poison(t)
+            got = run()
+            return CheckResult.merge(*(compare_exact(name, g, r) for name, g, r in
+                                       zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref)))
+
+        info = {"num_local_experts": num_experts, "num_tokens_post_padded": int(ref[2].item())}
+        routing_ids = topk_ids
+        if oblivious:
+            masked = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative=False)
+            wrapped = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative=True)
+            info["corrupted_routes"] = int(((wrapped >= 0) & (masked < 0)).sum().item())
+            # The routing this path effectively uses: -1 indexes the last global expert.
+            routing_ids = torch.where((topk_ids < 0) & (topk_ids >= -p.num_experts), topk_ids + p.num_experts,
+                                      topk_ids)
+        map_bytes = expert_map.numel() * expert_map.element_size() if expert_map is not None else 0
+        out_bytes = sum(t.numel() * t.element_size() for t in out)
+        return Case(run=run, check=check,
+                    bytes_moved=num_routes * topk_ids.element_size() + map_bytes + out_bytes,
+                    bytes_note="ids (+ expert map) read once, three outputs written once",
+                    routing=Routing(routing_ids, batch.is_padding, p.num_experts, p.ep_size),
+                    info=info, nvtx_stage="align")
+    return build
+
+
+def _validate_align(p) -> str | None:
+    capacity, _ = align_capacity(p.num_tokens * p.top_k, p.local_experts, p.block_size)
+    if capacity + 2 * _FILL_BLOCK > _INT32_MAX:
+        return f"block_size: capacity {capacity} of sorted_token_ids overflows int32"
+    return None
+
+
+def _register() -> None:
+    from moebench.registry import Impl, register
+
+    descriptions = {
+        "triton": "Triton count/scan/scatter alignment; skips -1, out-of-range and non-local ids",
+        "torch": "eager torch stable argsort + counting (the reference)",
+        "oblivious": "pre-fix: -1 indexes the last expert, so padded routes pile onto it (same Triton kernels)",
+    }
+    for variant, text in descriptions.items():
+        register(Impl(f"moe_align_block_size.{variant}", targets=("kernel",), build=_build_align(variant),
+                      description=text, validate=_validate_align, mask_aware=variant != "oblivious"))
+
+
+_register()

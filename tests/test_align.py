@@ -1,0 +1,218 @@
+"""moe_align_block_size: Triton kernels vs the torch reference vs a literal per-expert loop (SPEC.md)."""
+
+import pytest
+import torch
+
+from moebench.check import poison
+from moebench.kernels._triton import next_pow2
+from moebench.kernels.moe_align_block_size import (align_workspace, alloc_align_outputs, moe_align_block_size,
+                                                   moe_align_block_size_torch)
+
+OUT_NAMES = ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")
+
+
+def literal_align(topk_ids, num_experts, block_size, expert_map=None, wrap_negative=False):
+    """SPEC.md read word for word, one route and one expert at a time (slow, tiny inputs only)."""
+    flat = [int(v) for v in topk_ids.reshape(-1).tolist()]
+    num_routes = len(flat)
+    index_range = expert_map.numel() if expert_map is not None else num_experts
+    local = []
+    for v in flat:
+        if wrap_negative and -index_range <= v < 0:
+            v += index_range
+        if expert_map is not None:
+            v = int(expert_map[v]) if 0 <= v < index_range else -1
+        local.append(v if 0 <= v < num_experts else -1)
+    capacity = num_routes + num_experts * (block_size - 1)
+    sorted_ids = [num_routes] * capacity
+    expert_ids = [-1] * -(-capacity // block_size)
+    pos = 0
+    for e in range(num_experts):
+        routes = [i for i in range(num_routes) if local[i] == e]
+        sorted_ids[pos:pos + len(routes)] = routes
+        padded = -(-len(routes) // block_size) * block_size
+        for b in range(pos // block_size, (pos + padded) // block_size):
+            expert_ids[b] = e
+        pos += padded
+    return (torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(expert_ids, dtype=torch.int32),
+            torch.tensor([pos], dtype=torch.int32))
+
+
+def random_ids(num_tokens, top_k, id_range, *, generator, dtype=torch.int32, padded_rows=0, garbage=True):
+    """Ids drawn from id_range, plus -1, out-of-range and negative garbage, and fully padded trailing rows."""
+    ids = torch.randint(0, id_range, (num_tokens, top_k), generator=generator).to(dtype)
+    if garbage and ids.numel():
+        junk = torch.rand(ids.shape, generator=generator)
+        ids[junk < 0.10] = -1
+        ids[(junk >= 0.10) & (junk < 0.14)] = id_range  # first out-of-range id
+        ids[(junk >= 0.14) & (junk < 0.16)] = id_range + 37
+        ids[(junk >= 0.16) & (junk < 0.18)] = -5
+    if padded_rows:
+        ids[num_tokens - padded_rows:] = -1
+    return ids
+
+
+def run_triton_poisoned(topk_ids, num_experts, block_size, expert_map=None, **kw):
+    """Launch into poisoned outputs and workspace, so an unwritten element or an uninitialised read shows."""
+    block_routes = kw.get("block_routes")
+    out = alloc_align_outputs(topk_ids.numel(), num_experts, block_size, topk_ids.device)
+    ws = align_workspace(topk_ids.numel(), num_experts, topk_ids.device, block_routes=block_routes)
+    for t in (*out, ws):
+        poison(t)
+    return moe_align_block_size(topk_ids, num_experts, block_size, expert_map, out=out, workspace=ws, **kw)
+
+
+def assert_same(got, want):
+    for name, g, w in zip(OUT_NAMES, got, want):
+        assert g.dtype == torch.int32, name
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        diff = (g.cpu() != w.cpu()).nonzero()
+        assert diff.numel() == 0, f"{name}: {diff.shape[0]} differ, first at {diff[:5].flatten().tolist()}"
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("num_experts", [4, 16, 64])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_align_matches_reference(top_k, num_experts, block_size, device):
+    g = torch.Generator().manual_seed(1000 * top_k + 10 * num_experts + block_size)
+    num_tokens = 9 + 2 * top_k  # M*K never a multiple of the kernel's block of routes
+    ids = random_ids(num_tokens, top_k, num_experts, generator=g, padded_rows=5).to(device)
+    want = moe_align_block_size_torch(ids, num_experts, block_size)
+    assert_same(want, literal_align(ids.cpu(), num_experts, block_size))
+    # A few blocks of routes (the interpreter's sort is slow, so inputs stay small).
+    few_blocks = max(16, next_pow2(ids.numel() // 3))
+    assert_same(run_triton_poisoned(ids, num_experts, block_size, block_routes=few_blocks), want)
+
+
+def test_align_default_block_routes(device):
+    g = torch.Generator().manual_seed(2)
+    ids = random_ids(70, 8, 32, generator=g, padded_rows=9).to(device)  # 560 routes: 3 default blocks of 256
+    assert_same(run_triton_poisoned(ids, 32, 16), literal_align(ids.cpu(), 32, 16))
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_align_expert_map_skips_non_local(ids_dtype, device):
+    g = torch.Generator().manual_seed(7)
+    num_global, num_local, block_size = 24, 8, 16
+    expert_map = torch.full((num_global,), -1, dtype=torch.int32)
+    owners = torch.randperm(num_global, generator=g)[:num_local]  # scattered local experts, shuffled local ids
+    expert_map[owners] = torch.randperm(num_local, generator=g).to(torch.int32)
+    expert_map[owners[0]] = num_local + 3  # a corrupt map entry: out of the local range, must be skipped
+    ids = random_ids(50, 6, num_global, generator=g, dtype=ids_dtype, padded_rows=4)
+    if ids_dtype == torch.int64:
+        ids[0, 0] = 2**33 + 2  # would alias expert 2 if truncated to int32 before the range check
+        ids[0, 1] = -(2**33)
+    ids, expert_map = ids.to(device), expert_map.to(device)
+    want = moe_align_block_size_torch(ids, num_local, block_size, expert_map)
+    assert_same(want, literal_align(ids.cpu(), num_local, block_size, expert_map.cpu()))
+    assert_same(run_triton_poisoned(ids, num_local, block_size, expert_map, block_routes=64), want)
+
+
+def test_align_int64_ids_out_of_int32_range(device):
+    ids = torch.tensor([[2**32 + 1, 1], [-(2**32) + 2, 3], [2, 2**31]], dtype=torch.int64, device=device)
+    want = literal_align(ids.cpu(), 4, 16)
+    assert want[2].item() == 48  # experts 1, 2, 3 each one block; the huge ids are skipped
+    assert_same(run_triton_poisoned(ids, 4, 16), want)
+
+
+def test_align_all_skipped(device):
+    ids = torch.full((20, 6), -1, dtype=torch.int32, device=device)
+    ids[3, 2] = 99  # out of range
+    out = run_triton_poisoned(ids, 16, 16, block_routes=32)
+    assert out[2].item() == 0
+    assert (out[0] == 120).all() and out[0].numel() == 120 + 16 * 15
+    assert (out[1] == -1).all()
+    assert_same(out, moe_align_block_size_torch(ids, 16, 16))
+
+
+def test_align_empty_input(device):
+    ids = torch.empty(0, 8, dtype=torch.int32, device=device)
+    out = moe_align_block_size(ids, 4, 16)
+    assert_same(out, literal_align(ids.cpu(), 4, 16))
+
+
+def test_align_block_size_one_and_odd(device):
+    g = torch.Generator().manual_seed(3)
+    ids = random_ids(30, 3, 8, generator=g).to(device)
+    for block_size in (1, 5):
+        want = literal_align(ids.cpu(), 8, block_size)
+        assert_same(moe_align_block_size_torch(ids, 8, block_size), want)
+        assert_same(run_triton_poisoned(ids, 8, block_size, block_routes=16), want)
+
+
+def test_align_hot_expert_stable_order(device):
+    # Every route on one expert (what unmasked identical padded rows do): order must be the flat index order.
+    ids = torch.full((40, 6), 2, dtype=torch.int32, device=device)
+    sorted_ids, expert_ids, total = run_triton_poisoned(ids, 4, 16, block_routes=64)
+    assert total.item() == 240
+    assert torch.equal(sorted_ids[:240].cpu(), torch.arange(240, dtype=torch.int32))
+    assert (expert_ids[:15] == 2).all() and (expert_ids[15:] == -1).all()
+
+
+def test_align_deterministic(device):
+    g = torch.Generator().manual_seed(11)
+    ids = random_ids(40, 6, 16, generator=g).to(device)
+    a = run_triton_poisoned(ids, 16, 16, block_routes=64)
+    b = run_triton_poisoned(ids, 16, 16, block_routes=128)  # another split into blocks, same result
+    assert_same(a, b)
+
+
+def test_align_oblivious_wraps_minus_one(device):
+    g = torch.Generator().manual_seed(5)
+    num_experts = 16
+    ids = random_ids(24, 6, num_experts, generator=g, padded_rows=6).to(device)
+    want = literal_align(ids.cpu(), num_experts, 16, wrap_negative=True)
+    assert_same(moe_align_block_size_torch(ids, num_experts, 16, wrap_negative=True), want)
+    got = run_triton_poisoned(ids, num_experts, 16, block_routes=32, wrap_negative=True)
+    assert_same(got, want)
+    # The padded rows' routes (-1) now sit on the last expert: its segment holds the 36 padded routes.
+    masked = literal_align(ids.cpu(), num_experts, 16)
+    assert got[2].item() > masked[2].item()
+    last = got[0][(got[1].repeat_interleave(16)[:got[0].numel()] == num_experts - 1).cpu()]
+    padded_routes = set(range(18 * 6, 24 * 6))
+    assert padded_routes <= set(last.tolist())
+
+
+def test_align_rejects_bad_inputs(device):
+    with pytest.raises(TypeError):
+        moe_align_block_size(torch.zeros(2, 2, device=device), 4, 16)
+    with pytest.raises(ValueError):
+        moe_align_block_size(torch.zeros(2, 2, dtype=torch.int32, device=device), 4, 16, block_routes=24)
+
+
+def test_align_registration_cases(device):
+    pytest.importorskip("moebench.kernels.topk_softmax")
+    from moebench.registry import RunContext, get
+    from moebench.sweep import Params
+
+    ctx = RunContext(device=device)
+    p = Params(num_tokens=48, padding_ratio=0.25, num_experts=16, top_k=6, block_size=16, hidden=64)
+    infos = {}
+    for variant in ("triton", "torch", "oblivious"):
+        case = get(f"moe_align_block_size.{variant}").build(p, ctx)
+        assert case.nvtx_stage == "align" and case.bytes_moved > 0
+        res = case.check()
+        assert res.ok, res.detail
+        infos[variant] = case.info
+    assert infos["oblivious"]["corrupted_routes"] == 12 * 6  # every slot of the 12 padded rows
+    # Expert parallelism: rank 0's map, local ids, non-local routes skipped.
+    case = get("moe_align_block_size.triton").build(Params(num_tokens=32, num_experts=16, top_k=4, ep_size=2,
+                                                           block_size=16, hidden=64), ctx)
+    assert case.info["num_local_experts"] == 8 and case.check().ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", [
+    (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128), (131072, 8, 256, 16)])
+def test_align_gpu_large_exact(num_tokens, top_k, num_experts, block_size):
+    g = torch.Generator().manual_seed(num_tokens + top_k)
+    ids = random_ids(num_tokens, top_k, num_experts, generator=g, padded_rows=num_tokens // 4).cuda()
+    want = moe_align_block_size_torch(ids, num_experts, block_size)
+    assert_same(run_triton_poisoned(ids, num_experts, block_size), want)
+    assert_same(run_triton_poisoned(ids, num_experts, block_size, wrap_negative=True),
+                moe_align_block_size_torch(ids, num_experts, block_size, wrap_negative=True))
+    expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+    expert_map[: num_experts // 2] = torch.arange(num_experts // 2, dtype=torch.int32)
+    expert_map = expert_map.cuda()
+    assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map),
+                moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
