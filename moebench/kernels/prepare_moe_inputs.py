@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moebench.check import compare_exact, poison
-from moebench.kernels._triton import check_triton_device, interpreting
+from moebench.kernels._triton import check_triton_device
 from moebench.padding import check_mask
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 

@@ -1,0 +1,259 @@
+"""apply_expert_map and globalize_recv_topk_idx (SPEC.md "Expert-id bookkeeping"): Triton vs the torch
+references, -1 never wrapping, never in place, garbage receive rows neutralised, the oblivious twins' harm."""
+
+import pytest
+import torch
+
+from moebench.check import poison
+from moebench.kernels import apply_expert_map as apply_expert_map_export
+from moebench.kernels import apply_expert_map_torch as apply_expert_map_torch_export
+from moebench.kernels import globalize_recv_topk_idx as globalize_export
+from moebench.kernels import globalize_recv_topk_idx_torch as globalize_torch_export
+from moebench.kernels.apply_expert_map import (apply_expert_map, apply_expert_map_oblivious,
+                                               apply_expert_map_oblivious_torch, apply_expert_map_torch,
+                                               build_expert_map)
+from moebench.kernels.globalize_recv_topk_idx import (globalize_oblivious_reference, globalize_recv_topk_idx,
+                                                      globalize_recv_topk_idx_oblivious, globalize_recv_topk_idx_torch,
+                                                      make_receive_buffer)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_exports():
+    assert apply_expert_map_export is apply_expert_map and apply_expert_map_torch_export is apply_expert_map_torch
+    assert globalize_export is globalize_recv_topk_idx and globalize_torch_export is globalize_recv_topk_idx_torch
+    assert apply_expert_map.oblivious is apply_expert_map_oblivious
+    assert globalize_recv_topk_idx.oblivious is globalize_recv_topk_idx_oblivious
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# apply_expert_map
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ep_size,rank", [(1, 0), (4, 0), (4, 3), (8, 5)])
+def test_build_expert_map(ep_size, rank):
+    E = 64
+    m = build_expert_map(E, ep_size, rank, generator=gen(rank))
+    local = E // ep_size
+    owned = m[rank * local:(rank + 1) * local]
+    assert m.dtype == torch.int32 and m.shape == (E,)
+    assert torch.equal(owned.sort().values, torch.arange(local, dtype=torch.int32))
+    assert int((m >= 0).sum()) == local
+    assert torch.equal(build_expert_map(E, ep_size, rank)[rank * local:(rank + 1) * local],
+                       torch.arange(local, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        build_expert_map(E, 3, 0)
+
+
+def routed_ids(T, K, E, *, seed, dtype=torch.int32, frac_padding=0.3):
+    g = gen(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dtype)
+    padded = torch.rand(T, generator=g) < frac_padding
+    padded[-1] = True
+    ids[padded] = -1
+    return ids, padded
+
+
+@pytest.mark.parametrize("T,K,E,ep_size,dtype", [(37, 6, 64, 4, torch.int32), (300, 8, 256, 8, torch.int64),
+                                                 (5, 1, 16, 1, torch.int32)])
+def test_apply_expert_map_matches_reference(T, K, E, ep_size, dtype):
+    ids, padded = routed_ids(T, K, E, seed=T, dtype=dtype)
+    rank = ep_size - 1
+    m = build_expert_map(E, ep_size, rank, generator=gen(1))
+    before = ids.clone()
+    out = poison(torch.empty(T, K, dtype=torch.int64))
+    got = apply_expert_map(ids, m, out=out)
+    assert got is out
+    ref = apply_expert_map_torch(ids, m)
+    assert torch.equal(got, ref)
+    assert torch.equal(ids, before)  # never in place
+    assert (got[padded] == -1).all()  # -1 stays -1
+    # Non-local ids map to -1, local ones to their local id (checked against the map directly).
+    loc = E // ep_size
+    is_local = (ids >= rank * loc) & (ids < (rank + 1) * loc)
+    assert (got[(ids >= 0) & ~is_local] == -1).all()
+    assert torch.equal(got[is_local], m[ids[is_local].long()].long())
+    if ep_size > 1:
+        assert ((ids >= 0) & ~is_local).any() and is_local.any()
+
+
+def test_apply_expert_map_new_tensor_any_shape():
+    E = 32
+    m = build_expert_map(E, 2, 1, generator=gen(2))
+    ids = torch.randint(-1, E, (5105,), generator=gen(3), dtype=torch.int32)  # spans 3 programs of 2048
+    got = apply_expert_map(ids, m)
+    assert got.dtype == torch.int64 and got.shape == ids.shape and got.data_ptr() != ids.data_ptr()
+    assert torch.equal(got, apply_expert_map_torch(ids, m))
+    three_d = ids[:105].view(3, 5, 7)
+    assert torch.equal(apply_expert_map(three_d, m), apply_expert_map_torch(three_d, m))
+    strided = ids[:210].view(30, 7)[:, ::2]  # non-contiguous input
+    assert torch.equal(apply_expert_map(strided, m), apply_expert_map_torch(strided, m))
+    ids64 = ids.long()
+    with pytest.raises(ValueError, match="in place"):
+        apply_expert_map(ids64, m, out=ids64)
+    assert apply_expert_map(ids[:0], m).shape == (0,)
+
+
+def test_apply_expert_map_out_of_range_ids_read_nothing():
+    """Ids >= E (outside the SPEC's inputs) are treated like -1 by both, never read past the map."""
+    m = build_expert_map(16, 1, 0)
+    ids = torch.tensor([[0, 15, 16, 1000, -1, -7]], dtype=torch.int32)
+    expect = torch.tensor([[0, 15, -1, -1, -1, -1]])
+    assert torch.equal(apply_expert_map(ids, m), expect)
+    assert torch.equal(apply_expert_map_torch(ids, m), expect)
+
+
+def test_oblivious_expert_map_wraps_minus_one():
+    E, ep_size = 64, 4
+    rank = ep_size - 1  # owns the last expert
+    m = build_expert_map(E, ep_size, rank, generator=gen(5))
+    ids, padded = routed_ids(20, 6, E, seed=9)
+    got = apply_expert_map_oblivious(ids, m)
+    assert torch.equal(got.long(), apply_expert_map_oblivious_torch(ids, m).long())
+    last_local = int(m[E - 1])
+    assert last_local >= 0
+    # Every masked slot turned into real work for the rank's last local expert.
+    assert (got[padded] == last_local).all()
+    fixed = apply_expert_map(ids, m)
+    assert (fixed[padded] == -1).all()
+    differs = (got.long() != fixed).any(dim=1)
+    assert torch.equal(differs, padded)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# globalize_recv_topk_idx
+# ---------------------------------------------------------------------------------------------------------------
+
+def receive_buffer(num_recv, capacity, K, local_experts, *, seed, dtype=torch.int64):
+    g = gen(seed)
+    local = torch.randint(-1, local_experts, (num_recv, K), generator=g)
+    local[:, 0] = torch.randint(0, local_experts, (num_recv,), generator=g)  # every received row has work
+    recv, n = make_receive_buffer(local, capacity, local_experts, generator=g)
+    return recv.to(dtype), n
+
+
+def test_receive_buffer_tail_looks_valid():
+    recv, n = receive_buffer(10, 200, 8, 32, seed=1)
+    assert n.dtype == torch.int32 and n.tolist() == [10]
+    tail = recv[10:]
+    assert (tail >= 0).float().mean() > 0.9 and (tail < 32).all()
+    with pytest.raises(ValueError):
+        make_receive_buffer(torch.zeros(5, 2, dtype=torch.int64), 4, 8, generator=gen(0))
+
+
+@pytest.mark.parametrize("num_recv,capacity,K,dtype", [(13, 50, 6, torch.int64), (300, 700, 8, torch.int32),
+                                                       (0, 9, 3, torch.int64), (40, 40, 1, torch.int64)])
+def test_globalize_matches_reference(num_recv, capacity, K, dtype):
+    E, ep_size, rank = 64, 4, 2
+    local_experts, offset = E // ep_size, rank * (E // ep_size)
+    recv, n = receive_buffer(num_recv, capacity, K, local_experts, seed=capacity, dtype=dtype)
+    source = recv.clone()
+    got = globalize_recv_topk_idx(recv, n, offset, E)
+    assert got is recv and got.dtype == dtype  # in place
+    ref = globalize_recv_topk_idx_torch(source.clone(), n, offset, E)
+    assert torch.equal(got, ref)
+    # Garbage rows past num_recv hold valid-looking ids and must all become -1.
+    if capacity > num_recv:
+        assert (source[num_recv:] >= 0).any()
+    assert (got[num_recv:] == -1).all()
+    # Received rows: local id + offset where >= 0, else -1.
+    head = source[:num_recv].long()
+    assert torch.equal(got[:num_recv].long(), torch.where(head >= 0, head + offset, torch.full_like(head, -1)))
+
+
+def test_globalize_out_of_range_and_negative_ids():
+    E, offset = 32, 24
+    recv = torch.tensor([[0, 7, 8, 100], [-1, -5, 3, 9], [1, 2, 3, 4]], dtype=torch.int64)
+    n = torch.tensor([2], dtype=torch.int32)
+    expect = torch.tensor([[24, 31, -1, -1], [-1, -1, 27, -1], [-1, -1, -1, -1]])
+    assert torch.equal(globalize_recv_topk_idx(recv.clone(), n, offset, E), expect)
+    assert torch.equal(globalize_recv_topk_idx_torch(recv.clone(), n, offset, E), expect)
+
+
+def test_globalize_argument_errors():
+    recv = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_recv"):
+        globalize_recv_topk_idx(recv, torch.tensor([1, 2], dtype=torch.int32), 0, 8)
+    with pytest.raises(ValueError, match="num_recv"):
+        globalize_recv_topk_idx(recv, 3, 0, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        globalize_recv_topk_idx(torch.zeros(4, 4, dtype=torch.int64)[:, ::2], torch.tensor([1], dtype=torch.int32),
+                                0, 8)
+
+
+def test_oblivious_globalize_keeps_garbage():
+    E, ep_size, rank = 64, 4, 3
+    local_experts, offset = E // ep_size, rank * (E // ep_size)
+    recv, n = receive_buffer(12, 60, 4, local_experts, seed=7)
+    source = recv.clone()
+    got = globalize_recv_topk_idx_oblivious(recv, n, offset, E)
+    assert got is recv
+    assert torch.equal(got, globalize_oblivious_reference(source, offset))
+    fixed = globalize_recv_topk_idx(source.clone(), n, offset, E)
+    assert torch.equal(got[:12], fixed[:12])  # received rows agree
+    garbage_kept = (got[12:] >= offset).any(dim=1)  # stale rows now carry real global expert ids
+    assert int(garbage_kept.sum()) >= 40
+    assert int((got != fixed).any(dim=1).sum()) == int(garbage_kept.sum())
+
+
+def test_registered_impls_check_and_count_harm():
+    pytest.importorskip("moebench.kernels.topk_softmax")
+    from moebench.registry import RunContext, get
+    from moebench.sweep import Params
+
+    ctx = RunContext(device=torch.device("cpu"))
+    p = Params(num_tokens=40, padding_ratio=0.5, num_experts=32, top_k=6, ep_size=4, num_max_tokens_per_rank=64)
+    for kernel, stage in (("apply_expert_map", "expert_map"), ("globalize_recv_topk_idx", "globalize")):
+        harm = {}
+        for variant in ("triton", "torch", "oblivious"):
+            impl = get(f"{kernel}.{variant}")
+            assert impl.targets == ("kernel",)
+            case = impl.build(p, ctx)
+            res = case.check()
+            assert res.ok, (kernel, variant, res.detail)
+            assert case.nvtx_stage == stage and case.bytes_moved > 0
+            harm[variant] = case.info["corrupted_rows"]
+        assert harm["triton"] == 0 and harm["torch"] == 0 and harm["oblivious"] > 0, (kernel, harm)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_globalize_graph_replay_follows_num_recv():
+    E, offset, capacity, K = 256, 192, 4096, 8
+    recv, n = receive_buffer(3000, capacity, K, 64, seed=3)
+    source = recv.cuda()
+    buf = source.clone()
+    num_recv = n.cuda()
+    globalize_recv_topk_idx(buf, num_recv, offset, E)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        globalize_recv_topk_idx(buf, num_recv, offset, E)
+    for count in (3000, 17, 0, capacity, 2500):
+        buf.copy_(source)
+        num_recv.fill_(count)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = globalize_recv_topk_idx_torch(source.cpu().clone(), torch.tensor([count], dtype=torch.int32),
+                                               offset, E)
+        assert torch.equal(buf.cpu(), expect), count
+        assert (buf[count:] == -1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_expert_ids_large():
+    E = 256
+    ids, _ = routed_ids(65536, 8, E, seed=1)
+    ids = ids.cuda()
+    m = build_expert_map(E, 8, 7, generator=gen(2), device="cuda")
+    out = poison(torch.empty(ids.shape, dtype=torch.int64, device="cuda"))
+    assert torch.equal(apply_expert_map(ids, m, out=out), apply_expert_map_torch(ids, m))
+    recv, n = receive_buffer(40000, 65536, 8, 32, seed=4)
+    recv, n = recv.cuda(), n.cuda()
+    ref = globalize_recv_topk_idx_torch(recv.clone(), n, 224, E)
+    assert torch.equal(globalize_recv_topk_idx(recv, n, 224, E), ref)
