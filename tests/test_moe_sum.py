@@ -1,0 +1,149 @@
+"""masked_moe_sum: Triton kernel vs the torch reference; NaN in skipped slots must never reach the output."""
+
+import pytest
+import torch
+
+from moebench.check import poison
+from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
+
+
+def make_inputs(num_tokens, top_k, hidden, *, seed, dtype=torch.bfloat16, skip_prob=0.3, padded_rows=0,
+                ids_dtype=torch.int32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (num_tokens, top_k), generator=g)
+    ids[torch.rand(ids.shape, generator=g) < skip_prob] = -1
+    if padded_rows:
+        ids[num_tokens - padded_rows:] = -1
+    x = torch.randn(num_tokens, top_k, hidden, generator=g).to(dtype)
+    x[ids < 0] = float("nan")  # loading a skipped slot would poison the row
+    return x.to(device), ids.to(ids_dtype).to(device)
+
+
+def sequential_fp32_sum(x, ids):
+    """fp32 sum over the valid slots in order k = 0..K-1, written independently of the module's reference."""
+    acc = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32)
+    xc, idc = x.cpu().float(), ids.cpu()
+    for m in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            if idc[m, k] >= 0:
+                acc[m] += xc[m, k]
+    return acc
+
+
+def bf16_ulp(v):
+    """One bf16 ulp at |v| (the spacing of bf16 numbers there)."""
+    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0**-126)))
+    return torch.pow(2.0, exp - 7)
+
+
+def run_poisoned(x, ids):
+    out = poison(torch.empty(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device))
+    return masked_moe_sum(x, ids, out=out)
+
+
+@pytest.mark.parametrize("top_k,hidden", [(1, 40), (2, 256), (6, 1500), (8, 1024)])
+def test_fp32_bitwise_vs_reference(top_k, hidden, device):
+    x, ids = make_inputs(13, top_k, hidden, seed=top_k, dtype=torch.float32, padded_rows=3, device=device)
+    got = run_poisoned(x, ids)
+    want = sequential_fp32_sum(x, ids)
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+    assert torch.equal(masked_moe_sum_torch(x, ids).cpu().view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("top_k,hidden,ids_dtype", [(6, 1500, torch.int32), (8, 2048, torch.int64), (3, 7, torch.int32)])
+def test_bf16_nan_slots_never_reach_output(top_k, hidden, ids_dtype, device):
+    x, ids = make_inputs(11, top_k, hidden, seed=10 + top_k, padded_rows=2, ids_dtype=ids_dtype, device=device)
+    got = run_poisoned(x, ids).cpu()
+    assert torch.isfinite(got).all()
+    acc = sequential_fp32_sum(x, ids)
+    # Rounded once from the same fp32 sum: within one bf16 ulp (the CPU interpreter rounds fp32 -> bf16 by
+    # truncation; a GPU rounds to nearest and matches the reference bit for bit, see the gpu test).
+    err = (got.float() - acc).abs()
+    assert (err <= bf16_ulp(acc)).all(), err.max()
+    ref = masked_moe_sum_torch(x, ids).cpu()
+    assert torch.equal(ref, acc.to(torch.bfloat16))
+    if device.type == "cuda":
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_all_skipped_rows_are_zero(device):
+    x, ids = make_inputs(9, 8, 300, seed=3, padded_rows=4, device=device)
+    ids[0] = -1
+    got = run_poisoned(x, ids).cpu()
+    for row in (0, 5, 6, 7, 8):
+        assert torch.equal(got[row].view(torch.int16), torch.zeros(300, dtype=torch.int16)), row  # +0.0 exactly
+    assert torch.equal(masked_moe_sum_torch(x, ids).cpu()[[0, 5, 6, 7, 8]].view(torch.int16),
+                       torch.zeros(5, 300, dtype=torch.int16))
+
+
+def test_no_skipped_slots_equals_plain_sum(device):
+    x, ids = make_inputs(10, 8, 520, seed=4, skip_prob=0.0, device=device)
+    x32, _ = make_inputs(10, 8, 520, seed=4, skip_prob=0.0, dtype=torch.float32, device=device)
+    # fp32: same order, bit for bit with a sequential sum over all slots.
+    seq = x32[:, 0].clone()
+    for k in range(1, 8):
+        seq += x32[:, k]
+    assert torch.equal(run_poisoned(x32, ids).view(torch.int32), seq.view(torch.int32))
+    # bf16: what torch's sum(dim=1) gives, up to one rounding.
+    plain = x.sum(dim=1).float().cpu()
+    got = run_poisoned(x, ids).float().cpu()
+    assert ((got - plain).abs() <= bf16_ulp(plain)).all()
+
+
+def test_strided_intermediate(device):
+    x, ids = make_inputs(7, 6, 136, seed=5, padded_rows=1, dtype=torch.float32, device=device)
+    wide = torch.full((7, 6, 150), float("nan"), device=device)
+    wide[:, :, :136] = x
+    view = wide[:, :, :136]  # row strides of a wider buffer; the columns past 136 are NaN and must stay unread
+    got = run_poisoned(view, ids)
+    assert torch.equal(got.cpu().view(torch.int32), sequential_fp32_sum(x, ids).view(torch.int32))
+
+
+def test_oblivious_twin_spreads_nan(device):
+    x, ids = make_inputs(8, 6, 64, seed=6, padded_rows=2, device=device)
+    bad_rows = (ids < 0).any(dim=1).cpu()
+    got = moe_sum_oblivious(x).cpu()
+    assert torch.isnan(got[bad_rows]).any(dim=1).all()
+    assert torch.isfinite(got[~bad_rows]).all()
+    assert torch.isfinite(run_poisoned(x, ids)).all()
+
+
+def test_rejects_bad_shapes(device):
+    x, ids = make_inputs(4, 2, 16, seed=7, device=device)
+    with pytest.raises(ValueError):
+        masked_moe_sum(x, ids[:, :1])
+    with pytest.raises(ValueError):
+        masked_moe_sum(x[0], ids)
+    with pytest.raises(TypeError):
+        masked_moe_sum(x, ids.float())
+
+
+def test_registration_cases(device):
+    pytest.importorskip("moebench.kernels.topk_softmax")
+    from moebench.registry import RunContext, get
+    from moebench.sweep import Params
+
+    ctx = RunContext(device=device)
+    p = Params(num_tokens=16, padding_ratio=0.5, num_experts=16, top_k=6, hidden=256)
+    cases = {}
+    for variant in ("triton", "torch", "oblivious"):
+        case = get(f"masked_moe_sum.{variant}").build(p, ctx)
+        assert case.nvtx_stage == "reduce"
+        res = case.check()
+        assert res.ok, res.detail
+        cases[variant] = case
+    assert cases["oblivious"].info["corrupted_rows"] == 8  # the 8 padded rows
+    # Masked: only the real rows' slots are read; oblivious reads all of them.
+    elt_row = 256 * 2
+    assert cases["oblivious"].bytes_moved - cases["triton"].bytes_moved == 8 * 6 * elt_row
+    assert cases["triton"].bytes_moved == (8 * 6 + 16) * elt_row + 16 * 6 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(512, 8, 7168), (1000, 6, 4096), (64, 8, 2880)])
+def test_gpu_bf16_bitwise(num_tokens, top_k, hidden):
+    x, ids = make_inputs(num_tokens, top_k, hidden, seed=num_tokens, padded_rows=num_tokens // 2, device="cuda")
+    got = run_poisoned(x, ids)
+    want = masked_moe_sum_torch(x, ids)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
