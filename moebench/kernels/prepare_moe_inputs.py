@@ -169,12 +169,16 @@ def _prepare_moe_inputs_kernel(
 
     # -- hidden states: rows are contiguous, so the [T, H/G] groups are one flat sequence; a "word" is 4
     # consecutive groups (one packed scale). Tile [WORDS, 4, GROUP]: no reshape, reductions along axes.
-    word = pid * WORDS + tl.arange(0, WORDS)
+    # 64-bit program base (T*H may pass 2^31), 32-bit offsets inside the tile.
+    first_group = pid * (WORDS * 4)
+    groups_left = num_groups - first_group
+    word = tl.arange(0, WORDS)
     slot = tl.arange(0, 4)
-    group = word[:, None] * 4 + slot[None, :]  # [WORDS, 4] flat group index
-    group_ok = group < num_groups
+    group = word[:, None] * 4 + slot[None, :]  # [WORDS, 4] group index within the tile
+    group_ok = group < groups_left
     offs = group[:, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
-    x = tl.load(hidden_ptr + offs, mask=group_ok[:, :, None], other=0.0).to(tl.float32)
+    elem_base = first_group * GROUP
+    x = tl.load(hidden_ptr + elem_base + offs, mask=group_ok[:, :, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=2)
     amax = tl.maximum(amax, 1e-4)
     sf = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))  # IEEE quotient, as the reference
@@ -185,24 +189,27 @@ def _prepare_moe_inputs_kernel(
         sf = (e << 23).to(tl.float32, bitcast=True)
         # Disjoint bytes, so the sum is the OR; done in int64 and truncated to the int32 bit pattern.
         packed = tl.sum(e.to(tl.int64) << (slot * 8).to(tl.int64)[None, :], axis=1)
-        tl.store(x_sf_ptr + word, packed.to(tl.int32), mask=word < num_groups // 4)
+        tl.store(x_sf_ptr + pid * WORDS + word, packed.to(tl.int32), mask=word * 4 < groups_left)
     else:
-        tl.store(x_sf_ptr + group, sf, mask=group_ok)
+        tl.store(x_sf_ptr + first_group + group, sf, mask=group_ok)
     inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     q = x * inv[:, :, None]
-    tl.store(x_fp8_ptr + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=group_ok[:, :, None])
+    tl.store(x_fp8_ptr + elem_base + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+             mask=group_ok[:, :, None])
 
-    # -- routing: ID_BLOCK consecutive (token, k) slots per program.
-    route = pid * ID_BLOCK + tl.arange(0, ID_BLOCK)
-    route_ok = route < num_routes
-    ids = tl.load(topk_ids_ptr + route, mask=route_ok, other=0).to(tl.int64)
-    weights = tl.load(topk_weights_ptr + route, mask=route_ok, other=0.0)
-    if HAS_MASK:
-        padded = tl.load(is_padding_ptr + route // TOP_K, mask=route_ok, other=0) != 0
-        ids = tl.where(padded, -1, ids)
-        weights = tl.where(padded, 0.0, weights)
-    tl.store(topk_idx_ptr + route, ids, mask=route_ok)
-    tl.store(topk_w_ptr + route, weights, mask=route_ok)
+    # -- routing: ID_BLOCK consecutive (token, k) slots per program; most programs have none.
+    first_route = pid * ID_BLOCK
+    if first_route < num_routes:
+        route = first_route + tl.arange(0, ID_BLOCK)
+        route_ok = route < num_routes
+        ids = tl.load(topk_ids_ptr + route, mask=route_ok, other=0).to(tl.int64)
+        weights = tl.load(topk_weights_ptr + route, mask=route_ok, other=0.0)
+        if HAS_MASK:
+            padded = tl.load(is_padding_ptr + route // TOP_K, mask=route_ok, other=0) != 0
+            ids = tl.where(padded, -1, ids)
+            weights = tl.where(padded, 0.0, weights)
+        tl.store(topk_idx_ptr + route, ids, mask=route_ok)
+        tl.store(topk_w_ptr + route, weights, mask=route_ok)
 
 
 def _check_out(out, shapes, device) -> tuple[torch.Tensor, ...]:
