@@ -247,7 +247,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     """Triton alignment -> (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32[1]).
 
     `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.
-    `block_routes` (power of two >= 16) overrides the routes per program (tests use it to get many blocks).
+    `block_routes` (power of two >= 32) overrides the routes per program (tests use it to get many blocks).
     `wrap_negative=True` is the pre-fix (oblivious) behaviour: -1 indexes the last expert / map entry.
     """
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -275,8 +275,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         return sorted_ids, expert_ids, num_post_padded
 
     block_routes = block_routes or default_block_routes(num_routes)
-    if block_routes < 16 or block_routes & (block_routes - 1):
-        raise ValueError(f"block_routes must be a power of two >= 16, got {block_routes}")
+    if block_routes < 32 or block_routes & (block_routes - 1):
+        raise ValueError(f"block_routes must be a power of two >= 32, got {block_routes}")
     num_blocks = triton.cdiv(num_routes, block_routes)
     if num_experts * block_routes + block_routes > _INT32_MAX:
         raise ValueError("num_experts * block_routes overflows the int32 sort key")
@@ -292,21 +292,25 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     index_range = expert_map.numel() if has_map else num_experts
     experts_pad = next_pow2(num_experts)
     num_bins = max(32, next_pow2(num_experts + 1))  # one spare bin for skipped routes; >= a warp
-    route_warps = 4 if block_routes <= 1024 else 8
+    # At least one route per thread: tl.histogram's GPU lowering can over-count a tensor smaller than the CTA
+    # (its elements are replicated across threads). 256 routes per warp: 1024 -> 4 warps, 4096 -> 8.
+    route_warps = max(1, min(8, block_routes // 256))
 
     _align_count_kernel[(num_blocks,)](
         topk_ids, map_arg, counts, num_routes, num_experts, index_range,
         HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=num_bins,
         num_warps=route_warps)
 
-    tile_blocks = max(1, min(next_pow2(num_blocks), 16384 // experts_pad))
-    fill_cols = max(1, min(next_pow2(max(block_size - 1, 1)), 16384 // experts_pad))
+    # Scan tiles of <= 8192 counts over 16 warps (16 per thread keeps the 2-D cumsums in registers).
+    tile_blocks = max(1, min(next_pow2(num_blocks), 8192 // experts_pad))
+    fill_cols = max(1, min(next_pow2(max(block_size - 1, 1)), 8192 // experts_pad))
     _align_scan_kernel[(1,)](
         counts, block_end, sorted_ids, num_post_padded, num_blocks, num_experts, block_size, num_routes,
-        EXPERTS_PAD=experts_pad, TILE_BLOCKS=tile_blocks, FILL_COLS=fill_cols, num_warps=16)
+        EXPERTS_PAD=experts_pad, TILE_BLOCKS=tile_blocks, FILL_COLS=fill_cols,
+        num_warps=max(1, min(16, tile_blocks * experts_pad // 512)))
 
     m_blocks_per_program = triton.cdiv(num_m_blocks, num_blocks)
-    tile_m_blocks = max(1, min(next_pow2(m_blocks_per_program), 8192 // experts_pad))
+    tile_m_blocks = max(1, min(next_pow2(m_blocks_per_program), 4096 // experts_pad))
     _align_scatter_kernel[(num_blocks,)](
         topk_ids, map_arg, counts, block_end, num_post_padded, sorted_ids, expert_ids,
         num_routes, num_experts, index_range, block_size, capacity, num_m_blocks, m_blocks_per_program,
