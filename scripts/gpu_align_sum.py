@@ -2,6 +2,7 @@
 """Check and time moe_align_block_size and masked_moe_sum on one GPU (issue 3 targets).
 
     python3 scripts/gpu_align_sum.py               # the target shapes, about 30-50 s including JIT compiles
+    python3 scripts/gpu_align_sum.py --sweep-block-routes   # plus alignment at 256..4096 routes per program
     python3 scripts/gpu_align_sum.py --cpu-smoke   # the script's own logic at tiny shapes in the interpreter
 
 Alignment: T in {64, 8192, 65536}, K=8, E=256, block_size 64, a quarter of the rows padded (ids -1); Triton vs the
@@ -129,33 +130,48 @@ def align_rows(args, device) -> list[list[str]]:
     return rows
 
 
-def align_breakdown(args, device) -> str:
-    """Per-kernel device time of the three alignment launches at the middle T (torch.profiler), if it works."""
+def align_breakdown(args, device, block_routes: int | None = None) -> str:
+    """Per-kernel device time of the three alignment launches at the middle T (torch.profiler), if it works.
+
+    With `block_routes`, that many routes per program instead of the default (checked exactly first), and the
+    graph-replay time of the whole alignment too.
+    """
     if device.type != "cuda":
         return ""
+    T = args.align_tokens[len(args.align_tokens) // 2]
+    label = f"# align T={T} block_routes={block_routes or 'default'}:"
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        T = args.align_tokens[len(args.align_tokens) // 2]
         ids = random_routing(T, 8, args.experts, args.align_padding, device, seed=T)
         out = alloc_align_outputs(ids.numel(), args.experts, args.block_size, device)
-        ws = align_workspace(ids.numel(), args.experts, device)
-        for _ in range(3):
-            moe_align_block_size(ids, args.experts, args.block_size, out=out, workspace=ws)
+        ws = align_workspace(ids.numel(), args.experts, device, block_routes=block_routes)
+
+        def call():
+            return moe_align_block_size(ids, args.experts, args.block_size, out=out, workspace=ws,
+                                        block_routes=block_routes)
+        for t in (*out, ws):
+            t.fill_(-0x5A5A5A5A)
+        if not same(call(), moe_align_block_size_torch(ids, args.experts, args.block_size)):
+            return f"{label} WRONG"
+        whole = ""
+        if block_routes:
+            us, mode = time_call(call, device, args.unroll, args.reps)
+            whole = f" whole {us:.1f} us ({mode});"
         torch.cuda.synchronize()
         n = 20
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
-                moe_align_block_size(ids, args.experts, args.block_size, out=out, workspace=ws)
+                call()
             torch.cuda.synchronize()
         parts = []
         for ev in prof.key_averages():
             if "_align_" in ev.key:
                 total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
                 parts.append(f"{ev.key.split('_align_')[-1]} {total / n:.1f} us")
-        return f"# align T={T} per-kernel device time: " + ", ".join(sorted(parts))
+        return f"{label}{whole} per-kernel device time: " + ", ".join(sorted(parts))
     except Exception as e:  # the breakdown is a diagnostic only
-        return f"# align breakdown unavailable: {type(e).__name__}: {e}"
+        return f"{label} breakdown unavailable: {type(e).__name__}: {e}"
 
 
 def sum_rows(args, device) -> list[list[str]]:
@@ -211,6 +227,8 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter")
     ap.add_argument("--unroll", type=int, default=20, help="calls captured per CUDA graph")
     ap.add_argument("--reps", type=int, default=30, help="graph replays timed")
+    ap.add_argument("--sweep-block-routes", action="store_true",
+                    help="also time the alignment at T=8192 with 256..4096 routes per program (adds ~30 s)")
     args = ap.parse_args()
     if CPU_SMOKE:
         device = torch.device("cpu")
@@ -227,6 +245,9 @@ def main() -> int:
     t0 = time.perf_counter()
     rows = align_rows(args, device)
     breakdown = align_breakdown(args, device)
+    if args.sweep_block_routes:
+        for block_routes in (256, 512, 1024, 2048, 4096):
+            breakdown += "\n" + align_breakdown(args, device, block_routes)
     rows += sum_rows(args, device)
     header = ["case", "impl", "check", "us", "GB/s", "%roof", "ratio", "timing"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
