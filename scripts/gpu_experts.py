@@ -18,6 +18,7 @@ candidates against the fp32 per-kernel references), and a wrong one is reported,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moebench.kernels._grouped_gemm import (  # noqa: E402
     ExpertsConfig,
+    _weight_operand,
     GemmConfig,
     align_routes,
     down_proj,
@@ -64,6 +66,8 @@ GATE_UP_CANDIDATES = [
     (128, GemmConfig(128, 64, 8, 8, 3)),
     (128, GemmConfig(128, 64, 8, 8, 4)),
     (128, GemmConfig(64, 64, 8, 4, 4)),
+    (64, GemmConfig(128, 64, 8, 4, 4, weight_tma=True)),
+    (128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True)),
 ]
 DOWN_CANDIDATES = [
     (64, GemmConfig(256, 64, 8, 4, 4)),
@@ -72,6 +76,8 @@ DOWN_CANDIDATES = [
     (128, GemmConfig(256, 64, 8, 8, 3)),
     (128, GemmConfig(128, 64, 8, 8, 4)),
     (128, GemmConfig(128, 64, 8, 4, 4)),
+    (64, GemmConfig(256, 64, 8, 4, 4, weight_tma=True)),
+    (128, GemmConfig(256, 64, 8, 8, 3, weight_tma=True)),
 ]
 
 
@@ -216,6 +222,22 @@ def main() -> int:
         t_sum = cuda_time_us(lambda: sum_slots(ws.y, ids, E, out, block_h=cfg.reduce_block_h), args.iters)
         rec.update(triton_us=t_full, align_us=t_align, gate_up_us=t_up, down_us=t_down, sum_us=t_sum,
                    num_post_padded=int(n))
+        # the same config with the weights through TMA descriptors: checked, then timed
+        cfg_tma = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, weight_tma=True),
+                                      down=dataclasses.replace(cfg.down, weight_tma=True))
+        t_tma = float("nan")
+        try:
+            out.fill_(float("nan"))
+            fused_experts(x, w13, w2, w, ids, config=cfg_tma, workspace=ws, out=out)
+            err_tma = frob(out[sel], ref)
+            if err_tma < 1e-2 and bool(torch.isfinite(out).all()):
+                t_tma = cuda_time_us(lambda: fused_experts(x, w13, w2, w, ids, config=cfg_tma, workspace=ws,
+                                                           out=out), args.iters)
+            else:
+                print(f"# WRONG with TMA weights at skip={skip}: frob_rel={err_tma:.3g}")
+        except Exception as ex:
+            print(f"# TMA variant failed: {type(ex).__name__}: {str(ex).splitlines()[0][:120]}")
+        rec["triton_tma_us"] = t_tma
         t_gmm = t_g1 = t_g2 = float("nan")
         if have_gmm:
             full, g1, g2, _ = grouped_mm_fn(x, w13, w2, ids, I)
@@ -228,6 +250,8 @@ def main() -> int:
         tf = lambda us: flops / (us * 1e-6) / 1e12  # noqa: E731
         rows_table.append((f"{int(skip * 100)}%", "triton (all)", t_full, tf(t_full), roof_us, roof_us / t_full,
                            t_gmm / t_full))
+        rows_table.append((f"{int(skip * 100)}%", "triton+tma", t_tma, tf(t_tma), roof_us, roof_us / t_tma,
+                           t_gmm / t_tma))
         rows_table.append((f"{int(skip * 100)}%", "triton gemms", t_up + t_down, tf(t_up + t_down), roof_us,
                            roof_us / (t_up + t_down), t_gmm / (t_up + t_down)))
         rows_table.append((f"{int(skip * 100)}%", "grouped_mm", t_gmm, tf(t_gmm), roof_us, roof_us / t_gmm, 1.0))
@@ -259,7 +283,7 @@ def main() -> int:
 def sweep(args, cases, w13, w2, results) -> None:
     M, K, E, H, I = args.tokens, args.top_k, args.experts, args.hidden, args.inter
     print()
-    print(f"{'kernel':<8} {'BM':>4} {'BN':>4} {'BK':>3} {'wp':>3} {'st':>3} {'gm':>3} "
+    print(f"{'kernel':<8} {'BM':>4} {'BN':>4} {'BK':>3} {'wp':>3} {'st':>3} {'gm':>3} {'tma':>3} "
           f"{'us@0%':>9} {'us@50%':>9} {'TF@0%':>7} {'err':>8}")
     best: dict[tuple[str, int], tuple[float, GemmConfig]] = {}
     for block_m in sorted({bm for bm, _ in GATE_UP_CANDIDATES + DOWN_CANDIDATES}):
@@ -282,6 +306,9 @@ def sweep(args, cases, w13, w2, results) -> None:
         flops_down = 2.0 * int(placed.sum()) * I * H
         for kind, cands in (("gate_up", ups), ("down", downs)):
             for c in cands:
+                tile_dim = I if kind == "gate_up" else H
+                if c.weight_tma and not _weight_operand(w13 if kind == "gate_up" else w2, c.block_n, c, tile_dim)[1]:
+                    c = dataclasses.replace(c, weight_tma=False)  # the layout does not allow it: say so
                 row = {"kernel": kind, "block_m": block_m, **c.__dict__}
                 try:
                     x, ids, w, ws, s, e, n = per_skip[0.0]
@@ -298,7 +325,7 @@ def sweep(args, cases, w13, w2, results) -> None:
                     if not err < 1e-2:
                         row["status"] = "wrong"
                         print(f"{kind:<8} {block_m:4d} {c.block_n:4d} {c.block_k:3d} {c.num_warps:3d} "
-                              f"{c.num_stages:3d} {c.group_m:3d}  WRONG frob_rel {err:.3g}")
+                              f"{c.num_stages:3d} {c.group_m:3d} {int(c.weight_tma):3d}  WRONG frob_rel {err:.3g}")
                         results["sweep"].append(row)
                         continue
                     times = {}
@@ -311,14 +338,15 @@ def sweep(args, cases, w13, w2, results) -> None:
                 except Exception as ex:  # a config that does not compile (shared memory, registers) is reported
                     row["status"] = f"failed: {type(ex).__name__}: {str(ex).splitlines()[0][:80]}"
                     print(f"{kind:<8} {block_m:4d} {c.block_n:4d} {c.block_k:3d} {c.num_warps:3d} {c.num_stages:3d} "
-                          f"{c.group_m:3d}  {row['status']}")
+                          f"{c.group_m:3d} {int(c.weight_tma):3d}  {row['status']}")
                     results["sweep"].append(row)
                     continue
                 fl = flops_up if kind == "gate_up" else flops_down
                 row.update(status="ok", us_0=times[0.0], us_50=times[0.5])
                 results["sweep"].append(row)
                 print(f"{kind:<8} {block_m:4d} {c.block_n:4d} {c.block_k:3d} {c.num_warps:3d} {c.num_stages:3d} "
-                      f"{c.group_m:3d} {times[0.0]:9.1f} {times[0.5]:9.1f} {fl / times[0.0] / 1e6:7.1f} {err:8.1e}")
+                      f"{c.group_m:3d} {int(c.weight_tma):3d} {times[0.0]:9.1f} {times[0.5]:9.1f} "
+                      f"{fl / times[0.0] / 1e6:7.1f} {err:8.1e}")
                 key = (kind, block_m)
                 score = times[0.0] + times[0.5]
                 if key not in best or score < best[key][0]:

@@ -8,6 +8,7 @@ import torch
 from moebench.check import poison
 from moebench.kernels._grouped_gemm import (
     ExpertsConfig,
+    _weight_operand,
     GemmConfig,
     align_routes,
     align_routes_torch,
@@ -65,14 +66,23 @@ CONFIGS = [
     ExpertsConfig(32, GemmConfig(64, 32, 3, 4, 2), GemmConfig(128, 32, 1, 4, 2), reduce_block_h=32),
     # K not a multiple of BLOCK_K (H=80, I=48 below): the k-masked loads
     ExpertsConfig(16, GemmConfig(16, 32, 2, 4, 2), GemmConfig(32, 32, 2, 4, 2), reduce_block_h=64),
+    # weights through TMA descriptors (I % BN == 0, H % BN == 0)
+    ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True), GemmConfig(32, 32, 8, 4, 2, weight_tma=True)),
+    # TMA with a K tail (H=80, I=48: the descriptor zero-fills past the row end)
+    ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True), GemmConfig(16, 32, 8, 4, 2, weight_tma=True)),
+    # TMA asked for where BLOCK_N does not divide I / H: falls back to pointer loads
+    ExpertsConfig(16, GemmConfig(64, 32, 8, 4, 2, weight_tma=True), GemmConfig(128, 32, 8, 4, 2, weight_tma=True)),
 ]
 
 
 @pytest.mark.parametrize("cfg_i", range(len(CONFIGS)))
 def test_other_configs(device, cfg_i):
     cfg = CONFIGS[cfg_i]
-    h, i = (H, I) if cfg_i == 0 else (80, 48)
+    h, i = (80, 48) if cfg_i in (1, 3) else (H, I)
     x, w13, w2, w, ids = _problem(device, 3, seed=10 + cfg_i, h=h, i=i)
+    want_tma = cfg_i in (2, 3)
+    assert _weight_operand(w13, cfg.gate_up.block_n, cfg.gate_up, i)[1] == want_tma
+    assert _weight_operand(w2, cfg.down.block_n, cfg.down, h)[1] == want_tma
     out = poison(torch.empty(M, h, dtype=torch.bfloat16, device=device))
     fused_experts(x, w13, w2, w, ids, config=cfg, out=out)
     ref = fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)

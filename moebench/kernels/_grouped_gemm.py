@@ -39,6 +39,11 @@ class GemmConfig:
     group_m: int = 8  # M-blocks per swizzle group: programs sharing an N tile run together (weight reuse in L2)
     num_warps: int = 4
     num_stages: int = 3
+    weight_tma: bool = False  # weight tiles through a TMA descriptor (where the layout allows), else cp.async
+
+    def short(self) -> str:
+        return (f"N{self.block_n}K{self.block_k}w{self.num_warps}s{self.num_stages}g{self.group_m}"
+                + ("tma" if self.weight_tma else ""))
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,7 @@ class ExpertsConfig:
 
     def short(self) -> str:
         g, d = self.gate_up, self.down
-        return (f"BM{self.block_m} up:N{g.block_n}K{g.block_k}w{g.num_warps}s{g.num_stages}g{g.group_m} "
-                f"down:N{d.block_n}K{d.block_k}w{d.num_warps}s{d.num_stages}g{d.group_m}")
+        return f"BM{self.block_m} up:{g.short()} down:{d.short()}"
 
 
 def _fit(block: int, dim: int) -> int:
@@ -243,12 +247,14 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                            num_routes, top_k, hidden, inter, num_pid_m,
                            stride_xm, stride_we, stride_wn, stride_am,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                           SOFT_BF16: tl.constexpr):
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                           UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
+    [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary)."""
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M >= num_post:
@@ -263,18 +269,26 @@ def _gate_up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, 
     offs_n = offs_n_store % inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + inter * stride_wn
+    if WEIGHT_TMA:
+        gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
         else:
             k_ok = offs_k < hidden - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
+            g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
+            u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
@@ -284,20 +298,23 @@ def _gate_up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, 
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        if not WEIGHT_TMA:
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
-    tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16), mask=(offs_n_store < inter)[None, :])
+    tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
+             mask=(offs_n_store < inter)[None, :])
 
 
 @triton.jit
-def _down_proj_kernel(act_ptr, w2_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                       num_routes, hidden, inter, num_pid_m,
                       stride_am, stride_we, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                           SOFT_BF16: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                      UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """w2: a pointer to [E, H, I], or (WEIGHT_TMA) a descriptor over its [E*H, I] view (H % BLOCK_N == 0)."""
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M >= num_post:
@@ -311,27 +328,51 @@ def _down_proj_kernel(act_ptr, w2_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ids
     offs_k = tl.arange(0, BLOCK_K)
     # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
     a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if WEIGHT_TMA:
+        w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
         else:
             k_ok = offs_k < inter - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if WEIGHT_TMA:
+            w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         if UPCAST_DOT:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if not WEIGHT_TMA:
+            w_ptrs += BLOCK_K
     weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
     tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
              mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+
+
+def _weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
+    """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
+    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
+    if not cfg.weight_tma:
+        return w, False
+    ok = (w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+          and tile_dim % cfg.block_n == 0 and w.shape[0] * w.shape[1] < 2**31)
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - triton without host-side descriptors
+        ok = False
+    if not ok:
+        return w, False
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[rows_per_box, cfg.block_k]), True
 
 
 def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
@@ -347,11 +388,12 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
         return act
     assert act.shape[0] >= num_pid_m * block_m and act.shape[1] == inter and act.stride(1) == 1
     grid = (num_pid_m * triton.cdiv(inter, cfg.block_n),)
+    w_arg, tma = _weight_operand(w13, cfg.block_n, cfg, inter)
     _gate_up_swiglu_kernel[grid](
-        x, w13, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, num_pid_m,
+        x, w_arg, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, num_pid_m,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=H % cfg.block_k == 0, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(act),
+        EVEN_K=H % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(act),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return act
 
@@ -368,11 +410,12 @@ def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, s
         return y
     assert y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous()
     grid = (num_pid_m * triton.cdiv(H, cfg.block_n),)
+    w_arg, tma = _weight_operand(w2, cfg.block_n, cfg, H)
     _down_proj_kernel[grid](
-        act, w2, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, num_pid_m,
+        act, w_arg, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, num_pid_m,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(y),
+        EVEN_K=inter % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(y),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
