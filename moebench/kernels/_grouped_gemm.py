@@ -9,8 +9,9 @@ Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
                     both halves in one program so the SwiGLU is an epilogue. Rows of act are sorted positions.
   down_proj         y[i] = topk_weight[i] * (act[j] @ w2[e].T), written at the route's own row i.
   sum_slots         out[m] = sum over valid k of y[m*K + k] (fp32, k ascending); invalid slots never loaded.
-The GEMM grids cover the largest possible number of blocks; programs past num_post_padded (read on the device)
-exit at once, so skipped routes cost no GEMM work and nothing synchronises with the host.
+The GEMM kernels are persistent: a fixed number of programs (what fits on the GPU) walk the tiles of the blocks
+that exist, num_post_padded being read on the device, so skipped routes cost no GEMM work, no program launch, and
+nothing synchronises with the host (CUDA-graph capturable).
 
 Each Triton kernel has a plain-torch reference `<name>_torch` below it.
 """
@@ -248,115 +249,140 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                           num_routes, top_k, hidden, inter, num_pid_m,
+                           num_routes, top_k, hidden, inter, num_programs,
                            stride_xm, stride_we, stride_wn, stride_am,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
+    """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded is
+    read on the device), so skipped routes cost no program at all.
+    w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
     [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary)."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    num_post = tl.load(num_post_ptr)
-    if pid_m * BLOCK_M >= num_post:
-        return  # a block that does not exist in this batch: skipped routes cost nothing
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_ptr + offs_m)
-    row_ok = route < num_routes  # pad entries of the expert's last block
-    token = (route // top_k).to(tl.int64)
-    # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
-    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = offs_n_store % inter
+    num_pid_m = tl.load(num_post_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(inter, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    if WEIGHT_TMA:
-        gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        route = tl.load(sorted_ptr + offs_m)
+        row_ok = route < num_routes  # pad entries of the expert's last block
+        token = (route // top_k).to(tl.int64)
+        # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
+        offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = offs_n_store % inter
+        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+        if WEIGHT_TMA:
+            gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
         else:
-            k_ok = offs_k < hidden - kb * BLOCK_K
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
-            g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
-            u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
-        elif EVEN_K:
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-        x_ptrs += BLOCK_K
-        if not WEIGHT_TMA:
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
-    tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
-             mask=(offs_n_store < inter)[None, :])
+            g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+            u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < hidden - kb * BLOCK_K
+                a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
+                g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
+                u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
+            elif EVEN_K:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            x_ptrs += BLOCK_K
+            if not WEIGHT_TMA:
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
+        tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
+                 mask=(offs_n_store < inter)[None, :])
 
 
 @triton.jit
 def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                      num_routes, hidden, inter, num_pid_m,
+                      num_routes, hidden, inter, num_programs,
                       stride_am, stride_we, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
                       UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """w2: a pointer to [E, H, I], or (WEIGHT_TMA) a descriptor over its [E*H, I] view (H % BLOCK_N == 0)."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    num_post = tl.load(num_post_ptr)
-    if pid_m * BLOCK_M >= num_post:
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_ptr + offs_m)
-    row_ok = route < num_routes
-    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = offs_n_store % hidden
+    """Persistent like the gate/up kernel. w2: a pointer to [E, H, I], or (WEIGHT_TMA) a descriptor over its
+    [E*H, I] view (H % BLOCK_N == 0)."""
+    num_pid_m = tl.load(num_post_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
-    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    if WEIGHT_TMA:
-        w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            k_ok = offs_k < inter - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        route = tl.load(sorted_ptr + offs_m)
+        row_ok = route < num_routes
+        offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = offs_n_store % hidden
+        # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
+        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
         if WEIGHT_TMA:
-            w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
+            w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        if not WEIGHT_TMA:
-            w_ptrs += BLOCK_K
-    weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc * weight[:, None]
-    y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
-    tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
-             mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+            w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                k_ok = offs_k < inter - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            if WEIGHT_TMA:
+                w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            if not WEIGHT_TMA:
+                w_ptrs += BLOCK_K
+        weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+        y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
+        tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
+                 mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg: "GemmConfig",
+                        weight_tiles: int) -> int:
+    """Programs of a persistent GEMM launch: as many as fit on the GPU at once (from a shared-memory estimate of
+    the pipeline buffers: an A tile and `weight_tiles` weight tiles each), never more than tiles can exist.
+    Erring high only queues programs behind others (same total time); erring low would idle SMs."""
+    if device.type != "cuda":
+        sms = 2  # the interpreter: a few programs, so each one walks several tiles
+    else:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _SM_COUNT[idx]
+    stage_bytes = (block_m + weight_tiles * cfg.block_n) * cfg.block_k * 2
+    # Hopper's wgmma path (64+ rows, whole warpgroups) keeps num_stages buffers, the mma.sync path one fewer
+    buffers = cfg.num_stages if block_m >= 64 and cfg.num_warps % 4 == 0 else cfg.num_stages - 1
+    per_sm = max(1, min(4, (227 * 1024) // max(1, buffers * stage_bytes)))
+    return max(1, min(max_tiles, sms * per_sm))
 
 
 def _weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
@@ -387,10 +413,10 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     if num_routes == 0 or num_pid_m == 0:
         return act
     assert act.shape[0] >= num_pid_m * block_m and act.shape[1] == inter and act.stride(1) == 1
-    grid = (num_pid_m * triton.cdiv(inter, cfg.block_n),)
+    programs = persistent_programs(x.device, num_pid_m * triton.cdiv(inter, cfg.block_n), block_m, cfg, 2)
     w_arg, tma = _weight_operand(w13, cfg.block_n, cfg, inter)
-    _gate_up_swiglu_kernel[grid](
-        x, w_arg, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, num_pid_m,
+    _gate_up_swiglu_kernel[(programs,)](
+        x, w_arg, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, programs,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=H % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(act),
@@ -409,10 +435,10 @@ def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, s
     if num_routes == 0 or num_pid_m == 0:
         return y
     assert y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous()
-    grid = (num_pid_m * triton.cdiv(H, cfg.block_n),)
+    programs = persistent_programs(act.device, num_pid_m * triton.cdiv(H, cfg.block_n), block_m, cfg, 1)
     w_arg, tma = _weight_operand(w2, cfg.block_n, cfg, H)
-    _down_proj_kernel[grid](
-        act, w_arg, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, num_pid_m,
+    _down_proj_kernel[(programs,)](
+        act, w_arg, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, programs,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(y),
