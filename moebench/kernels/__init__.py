@@ -7,3 +7,4 @@ from moebench.kernels.apply_expert_map import apply_expert_map, apply_expert_map
 from moebench.kernels.globalize_recv_topk_idx import (  # noqa: E402,F401
     globalize_recv_topk_idx, globalize_recv_topk_idx_torch)
 from moebench.kernels.fused_experts import fused_experts, fused_experts_torch  # noqa: E402,F401
+from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch  # noqa: E402,F401
