@@ -136,6 +136,23 @@ def test_sub_kernels_vs_references(device):
                        .view(torch.int16))
 
 
+def test_precomputed_alignment(device):
+    """An alignment from SPEC's moe_align_block_size (the pipeline's own stage) gives the same result."""
+    K = 6
+    x, w13, w2, w, ids = _problem(device, K, seed=4)
+    cfg = choose_config(M * K, E, H, I)
+    own = fused_experts(x, w13, w2, w, ids, config=cfg)
+    try:
+        from moebench.kernels.moe_align_block_size import moe_align_block_size
+    except ModuleNotFoundError:
+        from moebench.kernels._grouped_gemm import align_routes as moe_align_block_size
+    given = fused_experts(x, w13, w2, w, ids, config=cfg, alignment=moe_align_block_size(ids, E, cfg.block_m))
+    assert torch.equal(own.cpu().view(torch.int16), given.cpu().view(torch.int16))
+    with pytest.raises(ValueError, match="alignment"):
+        small = align_routes(ids, E, cfg.block_m // 2)
+        fused_experts(x, w13, w2, w, ids, config=cfg, alignment=small)
+
+
 def test_padded_rows_nan_give_zeros(device):
     K = 4
     x, w13, w2, w, ids = _problem(device, K, seed=5, skip_frac=0.1)
@@ -227,7 +244,8 @@ def _simple_route(p, batch, *, use_mask=None):
 
 
 def test_registered_impls_check(device, monkeypatch):
-    try:
+    try:  # inputs.route needs both router modules
+        import moebench.kernels.grouped_topk  # noqa: F401
         import moebench.kernels.topk_softmax  # noqa: F401
     except ModuleNotFoundError:
         import moebench.inputs

@@ -107,9 +107,14 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, config: ExpertsConfig | None = None,
-                  workspace: ExpertsWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  workspace: ExpertsWorkspace | None = None, out: torch.Tensor | None = None,
+                  alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """SPEC fused_experts: x [M,H] bf16, w13 [E,2I,H], w2 [E,H,I], topk_weights fp32 [M,K], topk_ids [M,K] local
-    ids (-1 and ids >= E skipped) -> out [M,H] in x.dtype. No host synchronisation (CUDA-graph capturable)."""
+    ids (-1 and ids >= E skipped) -> out [M,H] in x.dtype. No host synchronisation (CUDA-graph capturable).
+
+    `alignment`: (sorted_token_ids, expert_ids, num_tokens_post_padded) already computed for these topk_ids
+    (SPEC moe_align_block_size with block_size = the config's block_m, e.g. `choose_config(M*K, E, H, I).block_m`);
+    the alignment step is then skipped, so a pipeline can time it as its own stage."""
     M, K, E, H, I = _shapes(x, w13, w2, topk_weights, topk_ids)
     check_triton_device(x, w13, w2, topk_weights, topk_ids)
     if out is None:
@@ -127,8 +132,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.float().contiguous()
     ws = workspace
-    sorted_ids, expert_ids, num_post = align_routes(
-        topk_ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.counts))
+    if alignment is None:
+        sorted_ids, expert_ids, num_post = align_routes(
+            topk_ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.counts))
+    else:
+        sorted_ids, expert_ids, num_post = alignment
+        cap, bcap = align_capacity(M * K, E, cfg.block_m)
+        if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
+            raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={cfg.block_m}, got "
+                             f"({sorted_ids.numel()}, {expert_ids.numel()})")
     gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act)
     down_proj(ws.act, w2, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.down, ws.y)
     return sum_slots(ws.y, topk_ids, E, out, block_h=cfg.reduce_block_h)
