@@ -8,3 +8,4 @@ from moebench.kernels.globalize_recv_topk_idx import (  # noqa: E402,F401
     globalize_recv_topk_idx, globalize_recv_topk_idx_torch)
 from moebench.kernels.fused_experts import fused_experts, fused_experts_torch  # noqa: E402,F401
 from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch  # noqa: E402,F401
+from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch  # noqa: E402,F401

@@ -1,0 +1,307 @@
+"""grouped_topk: the grouped (DeepSeek-V3 style) router (SPEC.md "Routers"), Triton kernel beside its torch reference.
+
+s = softmax(logits) or sigmoid(logits) in fp32, b = s + bias (or s). The E experts form `num_expert_group` equal
+contiguous groups; a group's score is the sum of the top-2 of b in it when a bias is given, else the max of s.
+The `topk_group` best groups are kept (ties to the lower group index), every other expert is masked to -inf, and
+the `top_k` experts are picked by the masked b (ties to the lower expert index, slots in descending b). Weights are
+the unbiased s at those ids, divided by their sum when `renormalize` (a zero sum is left as is), then multiplied by
+`routed_scaling_factor` (whether or not renormalised, as vLLM's grouped_topk does). Padded rows: ids -1, weights 0.
+
+The Triton kernel holds a block of rows as a [rows, groups, experts-per-group] tile (both padded to powers of two
+and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
+topk_softmax's int-key iterative arg-max.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.kernels._triton import check_triton_device, next_pow2
+from moebench.kernels.topk_softmax import (
+    INT32_MIN,
+    RouterReference,
+    check_router_args,
+    check_triton_router_limits,
+    compare_routing,
+    finish_weights,
+    mask_padded_rows_torch,
+    orderable_key,
+    renormalize_torch,
+    router_launch_config,
+    router_limits_problem,
+    router_outputs,
+    select_desc_torch,
+)
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+def grouped_args_problem(num_experts: int, top_k: int, num_expert_group: int, topk_group: int, scoring: str,
+                         has_bias: bool) -> str | None:
+    """Why these grouped-router arguments are impossible, or None."""
+    if scoring not in SCORINGS:
+        return f"scoring: {scoring!r} is not one of {', '.join(SCORINGS)}"
+    if num_expert_group < 1 or num_experts % num_expert_group:
+        return f"num_expert_group: {num_expert_group} does not divide num_experts {num_experts}"
+    if not 1 <= topk_group <= num_expert_group:
+        return f"topk_group: must be in [1, num_expert_group={num_expert_group}], got {topk_group}"
+    group_size = num_experts // num_expert_group
+    if top_k > topk_group * group_size:
+        return f"top_k: {top_k} > {topk_group * group_size} experts in the {topk_group} kept groups"
+    if has_bias and group_size < 2:
+        return f"num_expert_group: the top-2 group score with a bias needs >= 2 experts per group, got {group_size}"
+    return None
+
+
+def _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias, is_padding):
+    num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
+    why = grouped_args_problem(num_experts, top_k, num_expert_group, topk_group, scoring, bias is not None)
+    if why:
+        raise ValueError(why)
+    return num_tokens, num_experts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference (eager torch, SPEC.md literally)
+# ---------------------------------------------------------------------------------------------------------------
+
+def grouped_topk_scores_torch(logits: torch.Tensor, num_expert_group: int, scoring: str = "softmax",
+                              bias: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, b, group scores [T, G]) of the reference."""
+    x = logits.float()
+    s = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    b = s + bias.float() if bias is not None else s
+    num_tokens, num_experts = x.shape
+    grouped = b.view(num_tokens, num_expert_group, num_experts // num_expert_group)
+    if bias is not None:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # top-2 values: which of equal ones is moot
+    else:
+        group_scores = grouped.amax(dim=-1)
+    return s, b, group_scores
+
+
+def grouped_topk_torch(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int,
+                       scoring: str = "softmax", bias: torch.Tensor | None = None, renormalize: bool = True,
+                       routed_scaling_factor: float = 1.0, is_padding: torch.Tensor | None = None, *,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference grouped router: (weights fp32 [T, K], ids int32 [T, K])."""
+    num_tokens, num_experts = _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
+                                                  is_padding)
+    if out is not None:
+        router_outputs(num_tokens, top_k, logits.device, out)
+    s, b, group_scores = grouped_topk_scores_torch(logits, num_expert_group, scoring, bias)
+    kept = select_desc_torch(group_scores, topk_group)
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask.repeat_interleave(num_experts // num_expert_group, dim=1)
+    masked = b.masked_fill(~expert_mask, float("-inf"))
+    ids = select_desc_torch(masked, top_k)
+    weights = s.gather(1, ids)
+    if renormalize:
+        weights = renormalize_torch(weights)
+    weights = weights * routed_scaling_factor
+    ids = ids.to(torch.int32)
+    mask_padded_rows_torch(weights, ids, is_padding)
+    if out is None:
+        return weights, ids
+    out[0].copy_(weights)
+    out[1].copy_(ids)
+    return out
+
+
+def grouped_topk_reference(logits, top_k, num_expert_group, topk_group, scoring="softmax", bias=None,
+                           renormalize=True, routed_scaling_factor=1.0, is_padding=None) -> RouterReference:
+    weights, ids = grouped_topk_torch(logits, top_k, num_expert_group, topk_group, scoring=scoring, bias=bias,
+                                      renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
+                                      is_padding=is_padding)
+    s, b, group_scores = grouped_topk_scores_torch(logits, num_expert_group, scoring, bias)
+    magnitude = s.abs() + (bias.float().abs() if bias is not None else 0.0)
+    per_group = magnitude.view(magnitude.shape[0], num_expert_group, -1).amax(dim=-1)
+    group_magnitude = 2 * per_group if bias is not None else per_group  # a top-2 sum vs a max
+    return RouterReference(weights, ids, s, b, magnitude, renormalize, routed_scaling_factor, is_padding,
+                           group_scores=group_scores, group_magnitude=group_magnitude, topk_group=topk_group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def pick_topk_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr):
+    """pick_topk_2d over a [R, G, S] tile: `experts` [1, G, S] holds each position's expert id (NONE where the
+    position is padding)."""
+    slot = tl.arange(0, K_PAD)[None, :]
+    ids = tl.full([key.shape[0], K_PAD], NONE, tl.int32)
+    for k in tl.static_range(K):
+        best = tl.max(tl.max(key, 2), 1)
+        first = tl.min(tl.min(tl.where(key == best[:, None, None], experts, NONE), 2), 1)
+        key = tl.where(experts == first[:, None, None], INT32_MIN, key)
+        ids = tl.where(slot == k, first[:, None], ids)
+    return ids
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, num_tokens, stride_logits,
+                         routed_scaling_factor,
+                         G: tl.constexpr, GS: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr,
+                         TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    NONE: tl.constexpr = G_PAD * GS_PAD
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < num_tokens
+    live = in_range
+    if HAS_PAD:
+        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    row_base = logits_ptr + rows.to(tl.int64) * stride_logits
+    group = tl.arange(0, G_PAD)[None, :, None]
+    member = tl.arange(0, GS_PAD)[None, None, :]
+    valid = (group < G) & (member < GS)  # folds to all-true when both are powers of two
+    experts = tl.where(valid, group * GS + member, NONE)
+    ptrs = row_base[:, None, None] + experts
+    x = tl.load(ptrs, mask=live[:, None, None] & valid, other=0.0).to(tl.float32)
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        x = tl.where(valid, x, float("-inf"))
+        row_max = tl.max(tl.max(x, 2), 1)
+        e = tl.exp(x - row_max[:, None, None])
+        inv_sum = 1.0 / tl.sum(tl.sum(e, 2), 1)
+        s = e * inv_sum[:, None, None]
+    if HAS_BIAS:
+        b = s + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    else:
+        b = s
+    b = tl.where(valid, b, float("-inf"))
+
+    # group scores and the kept groups
+    if HAS_BIAS:
+        # sum of the top-2 values (a maximum that occurs twice counts twice, as in topk(2).values)
+        hi = tl.max(b, 2)
+        at_hi = b == hi[:, :, None]
+        runner_up = tl.max(tl.where(at_hi, float("-inf"), b), 2)
+        group_score = hi + tl.where(tl.sum(at_hi.to(tl.int32), 2) > 1, hi, runner_up)
+    else:
+        group_score = tl.max(b, 2)
+    gcols = tl.arange(0, G_PAD)[None, :]
+    group_key = orderable_key(tl.where(gcols < G, group_score, float("-inf")))
+    kept = (gcols < 0) & (rows[:, None] < 0)  # all False, [BLOCK_T, G_PAD]
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_key, 1)
+        first = tl.min(tl.where(group_key == best[:, None], gcols, G_PAD), 1)
+        hit = gcols == first[:, None]
+        kept = kept | hit
+        group_key = tl.where(hit, INT32_MIN, group_key)
+
+    masked = tl.where(kept[:, :, None], b, float("-inf"))
+    ids = pick_topk_3d(orderable_key(masked), experts, K, K_PAD, NONE)
+
+    # weights: the unbiased s at the picked ids, recomputed from the gathered logits the same way
+    slot = tl.arange(0, K_PAD)[None, :]
+    slot_ok = slot < K
+    xg = tl.load(row_base[:, None] + ids, mask=live[:, None] & slot_ok, other=0.0).to(tl.float32)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-xg))
+    else:
+        w = tl.exp(xg - row_max[:, None]) * inv_sum[:, None]
+    w = finish_weights(w, slot_ok, RENORMALIZE) * routed_scaling_factor
+    out_off = rows.to(tl.int64)[:, None] * K + slot
+    store = in_range[:, None] & slot_ok
+    tl.store(ids_ptr + out_off, tl.where(live[:, None], ids, -1), mask=store)
+    tl.store(weights_ptr + out_off, tl.where(live[:, None], w, 0.0), mask=store)
+
+
+def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int, scoring: str = "softmax",
+                 bias: torch.Tensor | None = None, renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                 is_padding: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
+    num_tokens, num_experts = _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
+                                                  is_padding)
+    check_triton_router_limits(num_experts, top_k)
+    check_triton_device(logits, is_padding, bias)
+    weights, ids = router_outputs(num_tokens, top_k, logits.device, out)
+    if num_tokens == 0:
+        return weights, ids
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    group_size = num_experts // num_expert_group
+    g_pad, gs_pad = next_pow2(num_expert_group), next_pow2(group_size)
+    block_t, num_warps = router_launch_config(g_pad * gs_pad)
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _grouped_topk_kernel[grid](
+        logits, bias if bias is not None else logits,
+        is_padding.view(torch.uint8) if is_padding is not None else logits,
+        weights, ids, num_tokens, logits.stride(0), float(routed_scaling_factor),
+        G=num_expert_group, GS=group_size, G_PAD=g_pad, GS_PAD=gs_pad, TOPK_GROUP=topk_group,
+        K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
+        num_warps=num_warps)
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration (targets "router" and "kernel")
+# ---------------------------------------------------------------------------------------------------------------
+
+def _validate(p) -> str | None:
+    return router_limits_problem(p.num_experts, p.top_k) or grouped_args_problem(
+        p.num_experts, p.top_k, p.num_expert_group, p.topk_group, p.scoring, p.bias)
+
+
+def _build(variant: str):
+    def build(p, ctx):
+        from moebench.check import poison
+        from moebench.inputs import make_batch
+        from moebench.registry import Case, Routing
+
+        batch = make_batch(p, ctx.device, need_hidden=False)
+        mask = batch.mask
+        bias = batch.bias if p.bias else None
+        num_tokens, top_k = batch.num_tokens, p.top_k
+        out = router_outputs(num_tokens, top_k, ctx.device, None)
+        fn = grouped_topk if variant == "triton" else grouped_topk_torch
+        kwargs = dict(scoring=p.scoring, bias=bias, renormalize=p.renormalize,
+                      routed_scaling_factor=p.routed_scaling_factor, is_padding=mask)
+
+        def run():
+            return fn(batch.logits, top_k, p.num_expert_group, p.topk_group, out=out, **kwargs)
+
+        def check():
+            ref = grouped_topk_reference(batch.logits, top_k, p.num_expert_group, p.topk_group, **kwargs)
+            for t in out:
+                poison(t)
+            run()
+            return compare_routing(out[0], out[1], ref)
+
+        nbytes = batch.logits.numel() * batch.logits.element_size() + num_tokens * top_k * (4 + 4)
+        note = "logits read + weights and ids written"
+        if mask is not None:
+            nbytes += num_tokens
+            note += " + mask"
+        if bias is not None:
+            nbytes += bias.numel() * 4
+            note += " + bias"
+        return Case(run=run, check=check, bytes_moved=nbytes, bytes_note=note,
+                    routing=Routing(out[1], batch.is_padding, p.num_experts, p.ep_size), nvtx_stage="route")
+    return build
+
+
+def _register() -> None:
+    from moebench.registry import Impl, register
+
+    descriptions = {
+        "triton": "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [rows, groups, group] tile, "
+                  "iterative group and expert picks, is_padding rows written as -1 / 0.0",
+        "torch": "eager torch grouped top-k with stable descending sorts (the reference)",
+    }
+    for variant, text in descriptions.items():
+        register(Impl(f"grouped_topk.{variant}", targets=("router", "kernel"), build=_build(variant),
+                      description=text, validate=_validate))
+
+
+_register()
