@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Check and time the expert-parallel dispatch paths on 2 GPUs (NCCL); spawns its own ranks.
+
+    python3 scripts/gpu_dispatch.py                   # 2 GPUs, the target shapes, about 60-90 s
+    python3 scripts/gpu_dispatch.py --json OUT.json   # also write the rows as JSON
+    python3 scripts/gpu_dispatch.py --cpu-smoke       # the script's own logic on 2 gloo CPU ranks, tiny shapes
+
+Per rank: 4096 tokens, H=7168 bf16, top-8 of 256 experts, uniform routing (moebench.inputs: make_batch + route,
+seed offset = rank). Configurations: `pad0` (no padding: compare with GPU.md's NCCL and DeepEP anchors), and
+`pad50` with half the rows padded (repeat fill: identical rows, so they pile onto the same experts) both masked
+(mask-aware: padded rows are not sent) and unmasked (oblivious: they travel).
+Rows: raw NCCL all_to_all_single of pre-permuted rows (GB/s counting all received rows, own included), then per
+path (a2a with its count exchange and permutation, a2a_fixed with capacity policy exact, agrs) the dispatch,
+the combine, and the round trip (dispatch + a trivial expert + combine); DeepEP's legacy Buffer when deep_ep
+imports (normal mode; low-latency at 128 tokens with --deepep-ll).
+`pad_sent`: padded (row, destination) pairs rank 0 puts on the wire (agrs: every padded row to every rank).
+Every path is first checked against the single-process reference (received rows bitwise, combined output within
+bf16 tolerance); a wrong path is reported and not timed. Times: CUDA events around each iteration after a barrier,
+per-iteration max over ranks (moebench.dist.max_over_ranks), median of --iters (>= 20). GB/s = rank 0's payload
+bytes received (hidden + ids + weights per row; combine: hidden per row; own rank's rows included) / median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CPU_SMOKE = "--cpu-smoke" in sys.argv
+if CPU_SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (here and in the spawned ranks)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moebench import dist as mdist  # noqa: E402
+from moebench.check import compare_close  # noqa: E402
+from moebench.dispatch.a2a import destination_order  # noqa: E402
+from moebench.dispatch.base import (EPLayout, all_to_all_single, capacity_for, check_received,  # noqa: E402
+                                    count_padding_received, effective_ids, gather_inputs, max_rows_per_pair,
+                                    scaled_expert, scaled_expert_reference, token_in_rank)
+from moebench.dispatch.bench import make_path, padded_rows_sent  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (padding included)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--world", type=int, default=2, help="ranks (GPUs)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--paths", default="a2a,a2a_fixed,agrs,deepep")
+    ap.add_argument("--configs", default="pad0,pad50_masked,pad50_unmasked")
+    ap.add_argument("--no-check", action="store_true", help="skip the reference checks (faster)")
+    ap.add_argument("--deepep-ll", action="store_true", help="also DeepEP low-latency mode at 128 tokens/rank")
+    ap.add_argument("--json", default=None, help="write the result rows to this file")
+    ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo CPU ranks, tiny shapes, interpreter")
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.tokens, args.hidden, args.experts, args.top_k, args.iters, args.warmup = 32, 64, 16, 4, 3, 1
+    elif args.iters < 20:
+        ap.error("--iters must be >= 20 (medians of fewer samples are noise)")
+    return args
+
+
+CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
+
+
+def timed(fn, ctx, warmup: int, iters: int) -> dict:
+    """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank."""
+    import torch.distributed as dist
+
+    cuda = ctx.device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        dist.barrier(group=ctx.group)
+        if cuda:
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            samples.append(e0.elapsed_time(e1) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    rm = mdist.max_over_ranks(samples, ctx.group)
+    return {"p50_us": statistics.median(rm.per_iter_max), "min_us": min(rm.per_iter_max),
+            "slowest_rank": rm.slowest_rank}
+
+
+def _all_ok(ok: bool, ctx) -> bool:
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=mdist.comm_device(ctx.group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.group)
+    return bool(flag.item())
+
+
+def _row(config, path, stage, t, nbytes, **extra):
+    gbps = nbytes / (t["p50_us"] * 1e-6) / 1e9 if t and t["p50_us"] > 0 else float("nan")
+    return {"config": config, "path": path, "stage": stage, **(t or {}), "bytes": nbytes, "gbps": gbps, **extra}
+
+
+def worker(ctx, args) -> list[dict]:
+    import torch.distributed as dist
+
+    from moebench import inputs
+    from moebench.sweep import Params
+
+    R = ctx.world_size
+    layout = EPLayout(ctx.rank, R, args.experts, ctx.group)
+    paths = [p for p in args.paths.split(",") if p]
+    rows: list[dict] = []
+    for config in [c for c in args.configs.split(",") if c]:
+        pad, masked = CONFIGS[config]
+        p = Params(num_tokens=args.tokens, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
+                   padding_ratio=pad, mask=masked, padding_fill="repeat", routing="uniform", ep_size=R,
+                   num_max_tokens_per_rank=args.tokens, capacity_policy="exact")
+        batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
+        w, ids = inputs.route(p, batch)
+        x, mask = batch.hidden, batch.mask
+        T = x.shape[0]
+        ids_eff = effective_ids(ids, mask)
+        sent_padding = int((token_in_rank(ids_eff, layout) & batch.is_padding.unsqueeze(1)).sum())
+
+        # raw NCCL all_to_all_single of the rows this step must move (already permuted): the wire's roof
+        in_rank = token_in_rank(ids_eff, layout)
+        send_counts = in_rank.sum(0, dtype=torch.int32)
+        recv_counts = torch.empty_like(send_counts)
+        all_to_all_single(recv_counts, send_counts, group=ctx.group, world_size=R)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        send_x = x.index_select(0, destination_order(in_rank, sum(send_splits)))
+        recv_x = torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device)
+        t = timed(lambda: all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=ctx.group,
+                                            world_size=R), ctx, args.warmup, args.iters)
+        rows.append(_row(config, "nccl_a2a_raw", "rows only", t, recv_x.numel() * recv_x.element_size(),
+                         recv_rows=sum(recv_splits), padded_sent=sent_padding))
+
+        g = None if args.no_check else gather_inputs(x, ids, w, batch.is_padding, mask is not None, layout)
+        for kind in paths:
+            if kind == "deepep":
+                from moebench.dispatch import deepep
+
+                why = deepep.unavailable() or (None if ctx.device.type == "cuda" else "needs CUDA")
+                if why:
+                    rows.append(_row(config, "deepep", "-", None, 0, note=f"skipped: {why}"))
+                    continue
+            capacity, note = None, ""
+            if kind == "a2a_fixed":
+                max_rows = max_rows_per_pair(ids, mask, layout)
+                capacity = capacity_for("exact", max_rows, args.tokens)
+                note = f"capacity {capacity} (exact)"
+            try:
+                path = make_path(kind, layout, p, T, ctx.device, capacity)
+                err = ""
+            except Exception as e:  # noqa: BLE001 - DeepEP set-up failures are reported, not fatal
+                path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+            if not _all_ok(path is not None, ctx):
+                rows.append(_row(config, kind, "-", None, 0, note=f"set-up failed: {err or 'on another rank'}"))
+                continue
+            out = torch.empty_like(x)
+            d0 = path.dispatch(x, ids, w, mask)
+            y0 = scaled_expert(d0.recv_x, d0.recv_topk_ids, d0.recv_topk_weights)
+            path.combine(y0, d0.handle, out=out)
+            check = "skipped"
+            if g is not None:
+                if kind == "a2a_fixed":
+                    path.fill_garbage(torch.Generator(device=ctx.device).manual_seed(ctx.rank + 1))
+                d = path.dispatch(x, ids, w, mask)
+                path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle, out=out)
+                r1 = check_received(path, d, g)
+                ref = scaled_expert_reference(x, ids_eff, w, layout.experts_per_rank)
+                r2 = compare_close("combined", out, ref, 2e-2, 5e-3)
+                pads = count_padding_received(path, d, g)
+                bad_pad = mask is not None and pads["padded_routes_received" if kind == "agrs"
+                                                    else "padded_rows_received"] > 0
+                extra_ok = (not kind == "a2a_fixed") or (path.invalid_rows_clean() and not path.overflowed())
+                ok = r1.ok and r2.ok and not bad_pad and extra_ok
+                detail = "; ".join(s for s in (r1.detail, r2.detail, "padded rows received" if bad_pad else "",
+                                               "" if extra_ok else "garbage rows or overflow") if s)
+                check = "ok" if _all_ok(ok, ctx) else f"WRONG {detail[:120] or '(another rank)'}"
+                if check != "ok":
+                    rows.append(_row(config, kind, "-", None, 0, check=check))
+                    path.close()
+                    continue
+            stats = path.stats(d0)
+            common = dict(check=check, recv_rows=stats.recv_rows, note=note,
+                          padded_sent=padded_rows_sent(path, ids_eff, batch.is_padding))
+            t = timed(lambda: path.dispatch(x, ids, w, mask), ctx, args.warmup, args.iters)
+            rows.append(_row(config, kind, "dispatch", t, stats.recv_payload_bytes,
+                             wire_bytes=stats.wire_recv_bytes, **common))
+            t = timed(lambda: path.combine(y0, d0.handle, out=out), ctx, args.warmup, args.iters)
+            rows.append(_row(config, kind, "combine", t, stats.combine_recv_bytes, **common))
+
+            def round_trip():
+                d = path.dispatch(x, ids, w, mask)
+                path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle, out=out)
+
+            t = timed(round_trip, ctx, args.warmup, args.iters)
+            rows.append(_row(config, kind, "round trip", t, stats.recv_payload_bytes + stats.combine_recv_bytes,
+                             **common))
+            path.close()
+            del path, d0, y0
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        dist.barrier(group=ctx.group)
+
+    if args.deepep_ll and "deepep" in paths:
+        rows.extend(_deepep_low_latency(ctx, args, layout))
+    return rows
+
+
+def _deepep_low_latency(ctx, args, layout) -> list[dict]:
+    from moebench import inputs
+    from moebench.dispatch import deepep
+    from moebench.sweep import Params
+
+    why = deepep.unavailable() or (None if ctx.device.type == "cuda" else "needs CUDA")
+    if why:
+        return [_row("ll128", "deepep_ll", "-", None, 0, note=f"skipped: {why}")]
+    p = Params(num_tokens=128, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k, ep_size=layout.world_size,
+               low_latency=True)
+    batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
+    w, ids = inputs.route(p, batch)
+    x = batch.hidden
+    try:
+        path = make_path("deepep", layout, p, x.shape[0], ctx.device)
+        err = ""
+    except Exception as e:  # noqa: BLE001
+        path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+    if not _all_ok(path is not None, ctx):
+        return [_row("ll128", "deepep_ll", "-", None, 0, note=f"set-up failed: {err or 'on another rank'}")]
+    out = torch.empty_like(x)
+    d0 = path.dispatch(x, ids, w, None)
+    y0 = scaled_expert(d0.recv_x, d0.recv_topk_ids, d0.recv_topk_weights)
+    path.combine(y0, d0.handle, out=out)
+    ref = scaled_expert_reference(x, ids, w, layout.experts_per_rank)
+    c = compare_close("combined", out, ref, 2e-2, 5e-3)
+    check = "ok" if _all_ok(c.ok, ctx) else f"WRONG {c.detail[:120]}"
+    stats = path.stats(d0)
+    rows = []
+    t = timed(lambda: path.dispatch(x, ids, w, None), ctx, args.warmup, args.iters)
+    rows.append(_row("ll128", "deepep_ll", "dispatch", t, stats.recv_payload_bytes, check=check,
+                     recv_rows=stats.recv_rows))
+    t = timed(lambda: path.combine(y0, d0.handle, out=out), ctx, args.warmup, args.iters)
+    rows.append(_row("ll128", "deepep_ll", "combine", t, stats.combine_recv_bytes, check=check,
+                     recv_rows=stats.recv_rows))
+    path.close()
+    return rows
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(f"# {header}")
+    print(f"# {'config':<15} {'path':<13} {'stage':<10} {'p50_us':>9} {'min_us':>9} {'MB':>8} {'GB/s':>7} "
+          f"{'rows':>6} {'pad_sent':>8} {'slow':>4}  check / note")
+    for r in rows:
+        if "p50_us" not in r:
+            print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {'-':>9} {'-':>9} {'-':>8} {'-':>7} "
+                  f"{'-':>6} {'-':>8} {'-':>4}  {r.get('check', '')} {r.get('note', '')}")
+            continue
+        print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {r['p50_us']:>9.1f} {r['min_us']:>9.1f} "
+              f"{r['bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r.get('recv_rows', ''):>6} "
+              f"{r.get('padded_sent', ''):>8} {r['slowest_rank']:>4}  {r.get('check', '')} {r.get('note', '')}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    backend = "gloo" if args.cpu_smoke else "nccl"
+    if backend == "nccl" and torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
+        return 2
+    results = mdist.spawn(worker, args.world, backend=backend, args=(args,), timeout_s=600)
+    rows = results[0]
+    dev = "cpu (gloo, interpreter)" if args.cpu_smoke else torch.cuda.get_device_name(0)
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:  # pragma: no cover
+        tv = "?"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+    print_table(rows, f"{args.world} x {dev}; torch {torch.__version__}, triton {tv}, nccl {nccl}; "
+                      f"T={args.tokens}/rank H={args.hidden} E={args.experts} top-{args.top_k}; "
+                      f"median of {args.iters} iters (per-iteration max over ranks); bytes are rank 0's, own rows "
+                      f"included; {time.time() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    bad = [r for r in rows if str(r.get("check", "")).startswith("WRONG")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
