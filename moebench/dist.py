@@ -281,9 +281,9 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
                            f"{torch.cuda.device_count()} visible")
     if pg_timeout_s is None:
         pg_timeout_s = min(timeout_s, DEFAULT_PG_TIMEOUT_S) if timeout_s else DEFAULT_PG_TIMEOUT_S
+    # Children inherit os.environ at start, so TRITON_INTERPRET (read when triton is first imported, which happens
+    # while the child unpickles `fn`) is already there; the NCCL/NVSHMEM defaults only need to precede init.
     env = {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}
-    if "TRITON_INTERPRET" in os.environ:  # inherited anyway; explicit so the child sets it before any triton import
-        env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
 
     mpctx = mp.get_context("spawn")
     port = free_port()

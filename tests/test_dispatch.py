@@ -277,6 +277,29 @@ def test_single_rank_paths(kind, masked):
         assert (res["padded_rows_received"] == 0) == masked
 
 
+@pytest.mark.parametrize("impl", ["dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed"])
+def test_registered_impls_on_one_rank(impl, monkeypatch):
+    """ep_size 1: no process group, the paths degenerate to local compute and still check out."""
+    from moebench import inputs, registry
+    from moebench.registry import RunContext
+    from moebench.sweep import Params
+
+    try:
+        import moebench.kernels.topk_softmax  # noqa: F401
+    except ModuleNotFoundError:
+        monkeypatch.setattr(inputs, "route", _stand_in_route)
+    p = Params(num_tokens=16, hidden=64, num_experts=8, top_k=3, padding_ratio=0.25, num_max_tokens_per_rank=16,
+               capacity_policy="max")
+    case = registry.get(impl).build(p, RunContext(device=torch.device("cpu")))
+    res = case.check()
+    assert res.ok, res.detail
+    info = case.info
+    assert info["rows_sent_per_dest"] == info["rows_recv_per_src"] and info["recv_rows_own"] == info["recv_rows"]
+    assert case.routing.ep_size == 1 and case.bytes_moved > 0
+    case.run()
+    case.cleanup()
+
+
 def _pack_inputs(R, cap, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
