@@ -7,8 +7,8 @@ the `top_k` experts are picked by the masked b (ties to the lower expert index, 
 the unbiased s at those ids, divided by their sum when `renormalize` (a zero sum is left as is), then multiplied by
 `routed_scaling_factor` (whether or not renormalised, as vLLM's grouped_topk does). Padded rows: ids -1, weights 0.
 
-The Triton kernel holds a block of rows as a [rows, groups, experts-per-group] tile (both padded to powers of two
-and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
+The Triton kernel holds a block of rows as a 3-D tile of groups x rows x experts-per-group (both padded to powers
+of two and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
 topk_softmax's int-key iterative arg-max.
 """
 
@@ -27,12 +27,18 @@ from moebench.kernels.topk_softmax import (
     compare_routing,
     finish_weights,
     mask_padded_rows_torch,
+    Q_AXIS,
     orderable_key,
+    pick_topk_3d,
     renormalize_torch,
     router_launch_config,
     router_limits_problem,
     router_outputs,
+    row_reduce_max,
+    row_reduce_sum,
+    rows_to_tile,
     select_desc_torch,
+    slice_index,
 )
 
 SCORINGS = ("softmax", "sigmoid")
@@ -128,75 +134,76 @@ def grouped_topk_reference(logits, top_k, num_expert_group, topk_group, scoring=
 # Triton
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def pick_topk_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr):
-    """pick_topk_2d over a [R, G, S] tile: `experts` [1, G, S] holds each position's expert id (NONE where the
-    position is padding)."""
-    slot = tl.arange(0, K_PAD)[None, :]
-    ids = tl.full([key.shape[0], K_PAD], NONE, tl.int32)
-    for k in tl.static_range(K):
-        best = tl.max(tl.max(key, 2), 1)
-        first = tl.min(tl.min(tl.where(key == best[:, None, None], experts, NONE), 2), 1)
-        key = tl.where(experts == first[:, None, None], INT32_MIN, key)
-        ids = tl.where(slot == k, first[:, None], ids)
-    return ids
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, num_tokens, stride_logits,
                          routed_scaling_factor,
                          G: tl.constexpr, GS: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr):
+    # Tile: groups (slice axis Q_AXIS) x rows x members; the groups of a row stay inside each thread (see
+    # topk_softmax.Q_AXIS), so the group scores are per-thread reductions plus a few lanes.
     NONE: tl.constexpr = G_PAD * GS_PAD
+    PADDED: tl.constexpr = (G != G_PAD) or (GS != GS_PAD)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < num_tokens
     live = in_range
     if HAS_PAD:
         live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
-    group = tl.arange(0, G_PAD)[None, :, None]
+    group = slice_index(G_PAD, Q_AXIS)
     member = tl.arange(0, GS_PAD)[None, None, :]
-    valid = (group < G) & (member < GS)  # folds to all-true when both are powers of two
-    experts = tl.where(valid, group * GS + member, NONE)
-    ptrs = row_base[:, None, None] + experts
-    x = tl.load(ptrs, mask=live[:, None, None] & valid, other=0.0).to(tl.float32)
+    valid = (group < G) & (member < GS)
+    live3 = rows_to_tile(live, Q_AXIS)
+    if PADDED:
+        experts = tl.where(valid, group * GS + member, NONE)
+        x = tl.load(rows_to_tile(row_base, Q_AXIS) + experts, mask=live3 & valid, other=0.0).to(tl.float32)
+    else:  # no padding anywhere: plain contiguous addresses and no column mask, so the loads stay 16-byte vectors
+        experts = group * GS + member
+        x = tl.load(rows_to_tile(row_base, Q_AXIS) + experts, mask=live3, other=0.0).to(tl.float32)
     if SIGMOID:
         s = 1.0 / (1.0 + tl.exp(-x))
     else:
-        x = tl.where(valid, x, float("-inf"))
-        row_max = tl.max(tl.max(x, 2), 1)
-        e = tl.exp(x - row_max[:, None, None])
-        inv_sum = 1.0 / tl.sum(tl.sum(e, 2), 1)
-        s = e * inv_sum[:, None, None]
+        if PADDED:
+            x = tl.where(valid, x, float("-inf"))
+        row_max = row_reduce_max(x, Q_AXIS)
+        e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
+        inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
+        s = e * rows_to_tile(inv_sum, Q_AXIS)
     if HAS_BIAS:
-        b = s + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+        # loaded at the tile's full shape (every row re-reads the same L1-resident bias) so that the load gets the
+        # tile's layout; a load of the bias alone gets a layout of its own and drags the selection into it
+        bias_ptrs = bias_ptr + experts + 0 * rows_to_tile(rows, Q_AXIS)
+        if PADDED:
+            b = s + tl.load(bias_ptrs, mask=valid, other=0.0).to(tl.float32)
+        else:
+            b = s + tl.load(bias_ptrs).to(tl.float32)
     else:
         b = s
-    b = tl.where(valid, b, float("-inf"))
+    if PADDED:
+        b = tl.where(valid, b, float("-inf"))
 
-    # group scores and the kept groups
+    # group scores (2-D: the tile without its member axis) and the kept groups
     if HAS_BIAS:
         # sum of the top-2 values (a maximum that occurs twice counts twice, as in topk(2).values)
         hi = tl.max(b, 2)
-        at_hi = b == hi[:, :, None]
+        at_hi = b == tl.expand_dims(hi, 2)
         runner_up = tl.max(tl.where(at_hi, float("-inf"), b), 2)
         group_score = hi + tl.where(tl.sum(at_hi.to(tl.int32), 2) > 1, hi, runner_up)
     else:
         group_score = tl.max(b, 2)
-    gcols = tl.arange(0, G_PAD)[None, :]
+    gcols = tl.expand_dims(tl.arange(0, G_PAD), 1 - Q_AXIS)
     group_key = orderable_key(tl.where(gcols < G, group_score, float("-inf")))
-    kept = (gcols < 0) & (rows[:, None] < 0)  # all False, [BLOCK_T, G_PAD]
+    kept = (gcols < 0) & (tl.expand_dims(rows, Q_AXIS) < 0)  # all False, the shape of group_score
     for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_key, 1)
-        first = tl.min(tl.where(group_key == best[:, None], gcols, G_PAD), 1)
-        hit = gcols == first[:, None]
+        best = tl.max(group_key, Q_AXIS)
+        first = tl.min(tl.where(group_key == tl.expand_dims(best, Q_AXIS), gcols, G_PAD), Q_AXIS)
+        hit = gcols == tl.expand_dims(first, Q_AXIS)
         kept = kept | hit
         group_key = tl.where(hit, INT32_MIN, group_key)
 
-    masked = tl.where(kept[:, :, None], b, float("-inf"))
-    ids = pick_topk_3d(orderable_key(masked), experts, K, K_PAD, NONE)
+    masked = tl.where(tl.expand_dims(kept, 2), b, float("-inf"))
+    ids = pick_topk_3d(orderable_key(masked), experts, K, K_PAD, NONE, Q_AXIS)
 
     # weights: the unbiased s at the picked ids, recomputed from the gathered logits the same way
     slot = tl.arange(0, K_PAD)[None, :]
@@ -240,7 +247,7 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         G=num_expert_group, GS=group_size, G_PAD=g_pad, GS_PAD=gs_pad, TOPK_GROUP=topk_group,
         K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
-        num_warps=num_warps)
+        Q_AXIS=Q_AXIS, num_warps=num_warps)
     return weights, ids
 
 
@@ -295,7 +302,7 @@ def _register() -> None:
     from moebench.registry import Impl, register
 
     descriptions = {
-        "triton": "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [rows, groups, group] tile, "
+        "triton": "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [group, row, member] tile, "
                   "iterative group and expert picks, is_padding rows written as -1 / 0.0",
         "torch": "eager torch grouped top-k with stable descending sorts (the reference)",
     }

@@ -155,7 +155,20 @@ def topk_softmax_torch(logits: torch.Tensor, top_k: int, renormalize: bool, is_p
 # Triton
 # ---------------------------------------------------------------------------------------------------------------
 
-INT32_MIN = -2147483648
+INT32_MIN = tl.constexpr(-2147483648)  # the "already picked" key (a jit-visible global must be constexpr)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in triton.__version__.split(".")[:2])
+    return major, minor
+
+
+# The router tiles are 3-D: (slice, row, column-within-slice), the column axis contiguous in memory. Triton's
+# coalescing gives lanes to that axis first and then to the next axis in its order of the two non-contiguous ones,
+# which it breaks differently across releases (3.6: lower axis first; 3.9: higher axis first). The kernels put the
+# row axis where the installed Triton spreads lanes and warps next, so that a row stays inside one warp and the
+# slice axis stays inside each thread (no reduction through shared memory). Q_AXIS is where the slice axis goes.
+Q_AXIS = 1 if _triton_version() < (3, 9) else 0
 
 
 @triton.jit
@@ -171,18 +184,40 @@ def orderable_key(x):
 
 
 @triton.jit
-def pick_topk_2d(key, cols, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr):
-    """K arg-max picks per row of `key` [R, N] (int32, larger first, ties to the lower column).
+def rows_to_tile(v, Q_AXIS: tl.constexpr):
+    """A per-row vector [R] as [R, 1, 1] or [1, R, 1], to broadcast against a tile whose slice axis is Q_AXIS."""
+    return tl.expand_dims(tl.expand_dims(v, Q_AXIS), 2)
 
-    cols: [1, N] int32 expert ids of the columns; NONE: an id above every column. Returns [R, K_PAD] int32 ids in
-    pick order (slots >= K hold NONE).
+
+@triton.jit
+def slice_index(n: tl.constexpr, Q_AXIS: tl.constexpr):
+    """arange(n) along the slice axis of a tile: [1, n, 1] or [n, 1, 1]."""
+    return tl.expand_dims(tl.expand_dims(tl.arange(0, n), 1 - Q_AXIS), 2)
+
+
+@triton.jit
+def row_reduce_max(x, Q_AXIS: tl.constexpr):
+    return tl.max(tl.max(x, 2), Q_AXIS)
+
+
+@triton.jit
+def row_reduce_sum(x, Q_AXIS: tl.constexpr):
+    return tl.sum(tl.sum(x, 2), Q_AXIS)
+
+
+@triton.jit
+def pick_topk_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr, Q_AXIS: tl.constexpr):
+    """K arg-max picks per row of `key`, a 3-D tile with slice axis Q_AXIS and rows on the other leading axis:
+    larger key first, ties to the lower expert id. `experts` (broadcastable to the tile) holds each position's
+    expert id, NONE (above every id) where the position is padding. Returns [R, K_PAD] int32 ids in pick order
+    (slots >= K hold NONE).
     """
     slot = tl.arange(0, K_PAD)[None, :]
-    ids = tl.full([key.shape[0], K_PAD], NONE, tl.int32)
+    ids = tl.full([key.shape[1 - Q_AXIS], K_PAD], NONE, tl.int32)
     for k in tl.static_range(K):
-        best = tl.max(key, 1)
-        first = tl.min(tl.where(key == best[:, None], cols, NONE), 1)
-        key = tl.where(cols == first[:, None], INT32_MIN, key)
+        best = row_reduce_max(key, Q_AXIS)
+        first = tl.min(tl.min(tl.where(key == rows_to_tile(best, Q_AXIS), experts, NONE), 2), Q_AXIS)
+        key = tl.where(experts == rows_to_tile(first, Q_AXIS), INT32_MIN, key)
         ids = tl.where(slot == k, first[:, None], ids)
     return ids
 
@@ -199,9 +234,12 @@ def finish_weights(w, slot_ok, RENORMALIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, num_tokens, stride_logits,
-                         E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                         BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+                         E: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
+                         K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr):
+    # Tile: E_PAD // W slices of W experts (expert = q * W + w) by BLOCK_T rows, W at most one warp's worth of
+    # 16-byte vectors, so a row never spans two warps (see Q_AXIS).
+    NQ: tl.constexpr = E_PAD // W
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < num_tokens
     live = in_range
@@ -209,36 +247,45 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
         # a padded row's logits are never read; it only gets -1 / 0.0 written
         live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
-    cols = tl.arange(0, E_PAD)[None, :]
+    cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
+    ptrs = rows_to_tile(row_base, Q_AXIS) + cols
+    live3 = rows_to_tile(live, Q_AXIS)
     if E == E_PAD:  # no column mask at all, so the loads stay 16-byte vectors
-        x = tl.load(row_base[:, None] + cols, mask=live[:, None], other=0.0).to(tl.float32)
+        x = tl.load(ptrs, mask=live3, other=0.0).to(tl.float32)
     else:
-        x = tl.load(row_base[:, None] + cols, mask=live[:, None] & (cols < E), other=0.0).to(tl.float32)
+        x = tl.load(ptrs, mask=live3 & (cols < E), other=0.0).to(tl.float32)
         x = tl.where(cols < E, x, float("-inf"))
     # softmax in fp32 (rows that are not live hold zeros: harmless, their outputs are overwritten below)
-    row_max = tl.max(x, 1)
-    e = tl.exp(x - row_max[:, None])
-    inv_sum = 1.0 / tl.sum(e, 1)
-    score = e * inv_sum[:, None]
+    row_max = row_reduce_max(x, Q_AXIS)
+    e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
+    inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
+    score = e * rows_to_tile(inv_sum, Q_AXIS)
     if HAS_BIAS:
+        # loaded at the tile's full shape (each row re-reads the L1-resident bias) so that the load gets the tile's
+        # layout; a load of the bias alone gets a layout of its own and drags the whole selection into it
+        bias_ptrs = bias_ptr + cols + 0 * rows_to_tile(rows, Q_AXIS)
         if E == E_PAD:
-            score = score + tl.load(bias_ptr + cols).to(tl.float32)
+            score = score + tl.load(bias_ptrs).to(tl.float32)
         else:
-            score = score + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
+            score = score + tl.load(bias_ptrs, mask=cols < E, other=0.0).to(tl.float32)
     if E != E_PAD:
         score = tl.where(cols < E, score, float("-inf"))
-    ids = pick_topk_2d(orderable_key(score), cols, K, K_PAD, E_PAD)
+    ids = pick_topk_3d(orderable_key(score), cols, K, K_PAD, E_PAD, Q_AXIS)
 
     # weights: the unbiased p at the picked ids, recomputed from the gathered logits the same way
     slot = tl.arange(0, K_PAD)[None, :]
     slot_ok = slot < K
-    take = live[:, None] & slot_ok
-    xg = tl.load(row_base[:, None] + ids, mask=take, other=0.0).to(tl.float32)
+    xg = tl.load(row_base[:, None] + ids, mask=live[:, None] & slot_ok, other=0.0).to(tl.float32)
     w = finish_weights(tl.exp(xg - row_max[:, None]) * inv_sum[:, None], slot_ok, RENORMALIZE)
     out_off = rows.to(tl.int64)[:, None] * K + slot
     store = in_range[:, None] & slot_ok
     tl.store(ids_ptr + out_off, tl.where(live[:, None], ids, -1), mask=store)
     tl.store(weights_ptr + out_off, tl.where(live[:, None], w, 0.0), mask=store)
+
+
+def row_width(e_pad: int, element_size: int) -> int:
+    """Experts per row slice W: at most one warp of 16-byte vectors (256 bf16/fp16, 128 fp32)."""
+    return min(e_pad, 32 * (16 // element_size))
 
 
 def router_launch_config(row_elements: int) -> tuple[int, int]:
@@ -274,9 +321,9 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
         logits, bias if bias is not None else logits,
         is_padding.view(torch.uint8) if is_padding is not None else logits,
         weights, ids, num_tokens, logits.stride(0),
-        E=num_experts, E_PAD=e_pad, K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t,
+        E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t,
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
-        num_warps=num_warps)
+        Q_AXIS=Q_AXIS, num_warps=num_warps)
     return weights, ids
 
 
