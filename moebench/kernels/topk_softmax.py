@@ -418,7 +418,7 @@ def _near_tie_row_ok(ref: RouterReference, row: int, got: torch.Tensor, want: to
 
 def expected_weights(ref: RouterReference, ids: torch.Tensor) -> torch.Tensor:
     """The reference's weights for the given ids: probs gathered, renormalised, scaled; padded rows 0.0."""
-    safe = ids.long().clamp(min=0)
+    safe = ids.long().clamp(0, ref.probs.shape[1] - 1)  # -1 (padded) and out-of-range ids of wrong rows
     w = ref.probs.gather(1, safe)
     if ref.renormalize:
         w = renormalize_torch(w)
