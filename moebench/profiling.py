@@ -457,8 +457,9 @@ def nsys_stats_command(nsys: str, report_file: str | os.PathLike, reports: str, 
 
 
 def _stats_env() -> dict[str, str]:
-    # nsys stats needs libdw.so.1, absent from the H200 image (GPU.md): MOEBENCH_NSYS_LIBDIR may point at an
-    # unpacked libdw1/libelf1 (usr/lib/x86_64-linux-gnu); it is added for the stats step only.
+    # Turning the capture into a report (nsys's QDSTRM importer, run at the end of `nsys profile`) and `nsys
+    # stats` both need libdw.so.1, absent from the H200 image (GPU.md): MOEBENCH_NSYS_LIBDIR may point at an
+    # unpacked libdw1/libelf1 (usr/lib/x86_64-linux-gnu); it is added to LD_LIBRARY_PATH for both steps.
     env = dict(os.environ)
     extra = os.environ.get("MOEBENCH_NSYS_LIBDIR")
     if extra:
@@ -482,7 +483,7 @@ def _profile_nsys(nsys: str, sweep_path, point_index: int, out_dir: Path, overri
             stale.unlink()
     cmd = nsys_profile_command(nsys, sweep_path, point_index, out_dir, overrides, device, iters)
     result["command"] = cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_stats_env())
     log = out_dir / "profile_inner.log"
     log.write_text(f"$ {' '.join(cmd)}\n# rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     result["files"].append(str(log))
