@@ -62,7 +62,7 @@ def fill_rows(rows: torch.Tensor, is_padding: torch.Tensor, fill: str, *, genera
     elif fill == "repeat":
         real = (~is_padding).nonzero().flatten()
         src = real[0] if real.numel() else idx[0]
-        rows[idx] = rows[src].unsqueeze(0).expand(idx.numel(), -1)
+        rows[idx] = rows[src].clone().unsqueeze(0).expand(idx.numel(), -1)  # clone: one padded row would alias
     elif fill == "stale":
         if stale is None:
             stale = torch.randn(rows.shape, generator=generator, device=rows.device, dtype=torch.float32)

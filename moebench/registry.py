@@ -32,6 +32,7 @@ IMPL_MODULES = (
     "moebench.layer",
     "moebench.dispatch.bench",
     "moebench.jit_trace",
+    "moebench.simulate",
 )
 
 

@@ -96,8 +96,10 @@ def _pack_fixed_kernel(x_ptr, stride_x, send_pos_ptr, ids_ptr, w_ptr, send_x_ptr
 
 
 def pack_fixed(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, experts_per_rank: int) -> None:
-    """Triton: same contract as pack_fixed_torch. CAPACITY is a constexpr: one compile per distinct capacity."""
+               send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, experts_per_rank: int, *,
+               kernel=None) -> None:
+    """Triton: same contract as pack_fixed_torch. CAPACITY is a constexpr: one compile per distinct capacity.
+    `kernel`: a fresh JIT copy of _pack_fixed_kernel (jit_trace counts compiles from an empty in-memory cache)."""
     T, R = send_pos.shape
     K = topk_ids.shape[1]
     H = x.shape[1]
@@ -109,7 +111,7 @@ def pack_fixed(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Tensor, 
     ids = topk_ids.to(torch.int32).contiguous()
     w = topk_weights.to(torch.float32).contiguous()
     block_h = min(BLOCK_H, next_pow2(H))
-    _pack_fixed_kernel[(T, triton.cdiv(H, block_h))](
+    (kernel or _pack_fixed_kernel)[(T, triton.cdiv(H, block_h))](
         x, x.stride(0), send_pos, ids, w, send_x, send_meta, H, experts_per_rank,
         R=R, K=K, K_PAD=next_pow2(K), CAPACITY=int(capacity), BLOCK_H=block_h, num_warps=NUM_WARPS)
 
@@ -149,8 +151,9 @@ def _combine_fixed_kernel(back_ptr, send_pos_ptr, out_ptr, stride_out, H, R: tl.
     tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def combine_fixed(back: torch.Tensor, send_pos: torch.Tensor, out: torch.Tensor, capacity: int) -> None:
-    """Triton: same contract as combine_fixed_torch (CAPACITY constexpr)."""
+def combine_fixed(back: torch.Tensor, send_pos: torch.Tensor, out: torch.Tensor, capacity: int, *,
+                  kernel=None) -> None:
+    """Triton: same contract as combine_fixed_torch (CAPACITY constexpr); `kernel` as in pack_fixed."""
     T, R = send_pos.shape
     H = back.shape[1]
     if T == 0:
@@ -159,7 +162,7 @@ def combine_fixed(back: torch.Tensor, send_pos: torch.Tensor, out: torch.Tensor,
     if not back.is_contiguous() or out.stride(1) != 1:
         raise ValueError("combine_fixed: back must be contiguous and out rows contiguous")
     block_h = min(BLOCK_H, next_pow2(H))
-    _combine_fixed_kernel[(T, triton.cdiv(H, block_h))](
+    (kernel or _combine_fixed_kernel)[(T, triton.cdiv(H, block_h))](
         back, send_pos, out, out.stride(0), H, R=R, CAPACITY=int(capacity), BLOCK_H=block_h,
         num_warps=NUM_WARPS)
 
