@@ -132,6 +132,20 @@ def test_topk_softmax_ties_go_to_lower_index(device, dtype):
         _assert_same_as_reference(w, ids, topk_softmax_reference(logits, top_k, True, bias=bias))
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_topk_softmax_distinct_logits_with_equal_p_tie(device, dtype):
+    # tiny logits next to a large max: 1e-7 and 2e-7 differ, but x - 8 rounds to -8.0 for both, so their fp32 p
+    # are equal and the tie rule (lower index first) applies, not the logit order
+    row = torch.full((16,), -5.0)
+    row[0], row[1], row[2], row[5], row[9] = 8.0, 1e-7, 2e-7, 2e-7, -1e-7
+    logits = torch.stack([row, row.flip(0)]).to(DTYPES[dtype]).to(device)
+    p = torch.softmax(logits.float(), -1)
+    assert logits[0, 1] != logits[0, 2] and p[0, 1] == p[0, 2] == p[0, 9]
+    for fn in (topk_softmax_torch, topk_softmax):
+        _, ids = fn(logits, 5, False)
+        assert ids.tolist() == [[0, 1, 2, 5, 9], [15, 6, 10, 13, 14]], fn.__name__
+
+
 def test_topk_softmax_bias_decides_selection_not_weight(device):
     logits = torch.zeros(3, 8, device=device)
     logits[:, 0] = 1.0  # expert 0 has the largest p in every row

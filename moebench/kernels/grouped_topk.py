@@ -25,7 +25,6 @@ from moebench.kernels.topk_softmax import (
     check_router_args,
     check_triton_router_limits,
     compare_routing,
-    finish_weights,
     mask_padded_rows_torch,
     Q_AXIS,
     orderable_key,
@@ -39,6 +38,8 @@ from moebench.kernels.topk_softmax import (
     rows_to_tile,
     select_desc_torch,
     slice_index,
+    slot_tile,
+    store_rows,
 )
 
 SCORINGS = ("softmax", "sigmoid")
@@ -206,18 +207,14 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     ids = pick_topk_3d(orderable_key(masked), experts, K, K_PAD, NONE, Q_AXIS)
 
     # weights: the unbiased s at the picked ids, recomputed from the gathered logits the same way
-    slot = tl.arange(0, K_PAD)[None, :]
-    slot_ok = slot < K
-    xg = tl.load(row_base[:, None] + ids, mask=live[:, None] & slot_ok, other=0.0).to(tl.float32)
+    slot_ok = slot_tile(BLOCK_T, K_PAD, Q_AXIS) < K
+    xg = tl.load(rows_to_tile(row_base, Q_AXIS) + ids, mask=live3 & slot_ok, other=0.0).to(tl.float32)
     if SIGMOID:
         w = 1.0 / (1.0 + tl.exp(-xg))
     else:
-        w = tl.exp(xg - row_max[:, None]) * inv_sum[:, None]
-    w = finish_weights(w, slot_ok, RENORMALIZE) * routed_scaling_factor
-    out_off = rows.to(tl.int64)[:, None] * K + slot
-    store = in_range[:, None] & slot_ok
-    tl.store(ids_ptr + out_off, tl.where(live[:, None], ids, -1), mask=store)
-    tl.store(weights_ptr + out_off, tl.where(live[:, None], w, 0.0), mask=store)
+        w = tl.exp(xg - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, routed_scaling_factor,
+               Q_AXIS)
 
 
 def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int, scoring: str = "softmax",

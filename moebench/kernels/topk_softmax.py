@@ -196,6 +196,13 @@ def slice_index(n: tl.constexpr, Q_AXIS: tl.constexpr):
 
 
 @triton.jit
+def slot_tile(R: tl.constexpr, K_PAD: tl.constexpr, Q_AXIS: tl.constexpr):
+    """Slot numbers 0..K_PAD-1 on the last axis of a [R, 1, K_PAD] / [1, R, K_PAD] tile: per-row outputs kept
+    in the main tile's layout (a separate 2-D [R, K] layout costs a shared-memory conversion per pick)."""
+    return rows_to_tile(tl.zeros([R], tl.int32), Q_AXIS) + tl.arange(0, K_PAD)[None, None, :]
+
+
+@triton.jit
 def row_reduce_max(x, Q_AXIS: tl.constexpr):
     return tl.max(tl.max(x, 2), Q_AXIS)
 
@@ -209,17 +216,31 @@ def row_reduce_sum(x, Q_AXIS: tl.constexpr):
 def pick_topk_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr, Q_AXIS: tl.constexpr):
     """K arg-max picks per row of `key`, a 3-D tile with slice axis Q_AXIS and rows on the other leading axis:
     larger key first, ties to the lower expert id. `experts` (broadcastable to the tile) holds each position's
-    expert id, NONE (above every id) where the position is padding. Returns [R, K_PAD] int32 ids in pick order
-    (slots >= K hold NONE).
+    expert id, NONE (above every id) where the position is padding. Returns the ids in pick order as a slot tile
+    (see slot_tile; slots >= K hold NONE).
     """
-    slot = tl.arange(0, K_PAD)[None, :]
-    ids = tl.full([key.shape[1 - Q_AXIS], K_PAD], NONE, tl.int32)
+    slot = slot_tile(key.shape[1 - Q_AXIS], K_PAD, Q_AXIS)
+    ids = tl.where(slot < 0, 0, NONE)
     for k in tl.static_range(K):
         best = row_reduce_max(key, Q_AXIS)
         first = tl.min(tl.min(tl.where(key == rows_to_tile(best, Q_AXIS), experts, NONE), 2), Q_AXIS)
         key = tl.where(experts == rows_to_tile(first, Q_AXIS), INT32_MIN, key)
-        ids = tl.where(slot == k, first[:, None], ids)
+        ids = tl.where(slot == k, rows_to_tile(first, Q_AXIS), ids)
     return ids
+
+
+@triton.jit
+def store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K: tl.constexpr, K_PAD: tl.constexpr,
+               RENORMALIZE: tl.constexpr, scale, Q_AXIS: tl.constexpr):
+    """Renormalise and scale the weights, then write both slot tiles (padded rows: -1 / 0.0) to [T, K] rows."""
+    slot = slot_tile(rows.shape[0], K_PAD, Q_AXIS)
+    slot_ok = slot < K
+    w = finish_weights(w, slot_ok, RENORMALIZE) * scale
+    out_off = rows_to_tile(rows.to(tl.int64), Q_AXIS) * K + slot
+    store = rows_to_tile(in_range, Q_AXIS) & slot_ok
+    live3 = rows_to_tile(live, Q_AXIS)
+    tl.store(ids_ptr + out_off, tl.where(live3, ids, -1), mask=store)
+    tl.store(weights_ptr + out_off, tl.where(live3, w, 0.0), mask=store)
 
 
 @triton.jit
@@ -227,9 +248,41 @@ def finish_weights(w, slot_ok, RENORMALIZE: tl.constexpr):
     """Zero the unused slots and renormalise over the K used ones (a row summing to 0 is left as is)."""
     w = tl.where(slot_ok, w, 0.0)
     if RENORMALIZE:
-        total = tl.sum(w, 1)
-        w = tl.where(total[:, None] == 0.0, w, w / total[:, None])
+        # one reciprocal per row and a multiply per slot (the slot tiles repeat in every lane of a row)
+        total = tl.sum(w, 2)
+        w = w * tl.expand_dims(tl.where(total == 0.0, 1.0, 1.0 / total), 2)
     return w
+
+
+@triton.jit
+def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+               K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, Q_AXIS: tl.constexpr):
+    """ids ranked by the fp32 score p (+ bias), and the unbiased p at them, as slot tiles."""
+    if E == E_PAD:  # no column mask at all, so the loads stay 16-byte vectors
+        x = tl.load(ptrs, mask=live3, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=live3 & (cols < E), other=0.0).to(tl.float32)
+        x = tl.where(cols < E, x, float("-inf"))
+    # softmax in fp32 (rows that are not live hold zeros: harmless, their outputs are overwritten)
+    row_max = row_reduce_max(x, Q_AXIS)
+    e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
+    inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
+    score = e * rows_to_tile(inv_sum, Q_AXIS)
+    if HAS_BIAS:
+        # loaded at the tile's full shape (each row re-reads the L1-resident bias) so that the load gets the tile's
+        # layout; a load of the bias alone gets a layout of its own and drags the whole selection into it
+        bias_ptrs = bias_ptr + cols + 0 * rows_to_tile(rows, Q_AXIS)
+        if E == E_PAD:
+            score = score + tl.load(bias_ptrs).to(tl.float32)
+        else:
+            score = score + tl.load(bias_ptrs, mask=cols < E, other=0.0).to(tl.float32)
+    if E != E_PAD:
+        score = tl.where(cols < E, score, float("-inf"))
+    ids = pick_topk_3d(orderable_key(score), cols, K, K_PAD, E_PAD, Q_AXIS)
+    # the unbiased p at the picked ids, recomputed from the gathered logits the same way
+    slot_ok = slot_tile(rows.shape[0], K_PAD, Q_AXIS) < K
+    xg = tl.load(rows_to_tile(row_base, Q_AXIS) + ids, mask=rows_to_tile(live, Q_AXIS) & slot_ok, other=0.0)
+    return ids, tl.exp(xg.to(tl.float32) - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -250,37 +303,8 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
     ptrs = rows_to_tile(row_base, Q_AXIS) + cols
     live3 = rows_to_tile(live, Q_AXIS)
-    if E == E_PAD:  # no column mask at all, so the loads stay 16-byte vectors
-        x = tl.load(ptrs, mask=live3, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=live3 & (cols < E), other=0.0).to(tl.float32)
-        x = tl.where(cols < E, x, float("-inf"))
-    # softmax in fp32 (rows that are not live hold zeros: harmless, their outputs are overwritten below)
-    row_max = row_reduce_max(x, Q_AXIS)
-    e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
-    inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
-    score = e * rows_to_tile(inv_sum, Q_AXIS)
-    if HAS_BIAS:
-        # loaded at the tile's full shape (each row re-reads the L1-resident bias) so that the load gets the tile's
-        # layout; a load of the bias alone gets a layout of its own and drags the whole selection into it
-        bias_ptrs = bias_ptr + cols + 0 * rows_to_tile(rows, Q_AXIS)
-        if E == E_PAD:
-            score = score + tl.load(bias_ptrs).to(tl.float32)
-        else:
-            score = score + tl.load(bias_ptrs, mask=cols < E, other=0.0).to(tl.float32)
-    if E != E_PAD:
-        score = tl.where(cols < E, score, float("-inf"))
-    ids = pick_topk_3d(orderable_key(score), cols, K, K_PAD, E_PAD, Q_AXIS)
-
-    # weights: the unbiased p at the picked ids, recomputed from the gathered logits the same way
-    slot = tl.arange(0, K_PAD)[None, :]
-    slot_ok = slot < K
-    xg = tl.load(row_base[:, None] + ids, mask=live[:, None] & slot_ok, other=0.0).to(tl.float32)
-    w = finish_weights(tl.exp(xg - row_max[:, None]) * inv_sum[:, None], slot_ok, RENORMALIZE)
-    out_off = rows.to(tl.int64)[:, None] * K + slot
-    store = in_range[:, None] & slot_ok
-    tl.store(ids_ptr + out_off, tl.where(live[:, None], ids, -1), mask=store)
-    tl.store(weights_ptr + out_off, tl.where(live[:, None], w, 0.0), mask=store)
+    ids, w = score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E, E_PAD, K, K_PAD, HAS_BIAS, Q_AXIS)
+    store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
 
 
 def row_width(e_pad: int, element_size: int) -> int:
