@@ -25,8 +25,8 @@ for spec in "$@"; do
   rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s: $cmd"
   tail -n "${TAILN:-30}" "$LOGS/$name.log" | cut -c1-220
-  tar czf "$OUT/logs.tgz" -C "$PWD/.out" logs $( [ -d results ] && echo ) 2>/dev/null
+  # after every step, so a call cut short by its time limit still returns what was done
+  tar czf "$OUT/logs.tgz" -C "$PWD/.out" logs 2>/dev/null
+  [ -d results ] && tar czf "$OUT/results.tgz" results $( [ -d plots ] && echo plots ) 2>/dev/null
 done
-tar czf "$OUT/logs.tgz" -C "$PWD/.out" logs
-[ -d results ] && tar czf "$OUT/results.tgz" results plots 2>/dev/null
 exit 0
