@@ -86,7 +86,7 @@ def test_align_matches_reference(top_k, num_experts, block_size, device):
 
 def test_align_default_block_routes(device):
     g = torch.Generator().manual_seed(2)
-    ids = random_ids(70, 8, 32, generator=g, padded_rows=9).to(device)  # 560 routes: 3 default blocks of 256
+    ids = random_ids(70, 8, 32, generator=g, padded_rows=9).to(device)  # 560 routes: 5 default blocks of 128
     assert_same(run_triton_poisoned(ids, 32, 16), literal_align(ids.cpu(), 32, 16))
 
 
@@ -147,6 +147,35 @@ def test_align_hot_expert_stable_order(device):
     assert total.item() == 240
     assert torch.equal(sorted_ids[:240].cpu(), torch.arange(240, dtype=torch.int32))
     assert (expert_ids[:15] == 2).all() and (expert_ids[15:] == -1).all()
+
+
+def test_align_small_tiles_loop_everywhere(device, monkeypatch):
+    """Tiny tiles so every kernel loop runs several times: the scan over blocks (4 tiles), several expert chunks
+    (the last one partial), the expert_ids slices, the pad fill; plus extra scatter programs that only write
+    expert_ids."""
+    import sys
+
+    mod = sys.modules[moe_align_block_size.__module__]  # the package re-exports a function of the same name
+    real = mod.align_launch_shapes
+
+    def small(num_routes, num_experts, block_size, block_routes):
+        s = real(num_routes, num_experts, block_size, block_routes)
+        s.update(experts_chunk=4, scan_grid=-(-num_experts // 4), tile_blocks=2, tile_m_blocks=2,
+                 fill_block=16, scatter_grid=s["num_blocks"] + 3)
+        s["m_blocks_per_program"] = -(-s["num_m_blocks"] // s["scatter_grid"])
+        return s
+
+    monkeypatch.setattr(mod, "align_launch_shapes", small)
+    g = torch.Generator().manual_seed(23)
+    num_experts = 10  # not a multiple of the chunk of 4
+    ids = random_ids(33, 6, num_experts, generator=g, padded_rows=4).to(device)  # 198 routes: 7 blocks of 32
+    want = literal_align(ids.cpu(), num_experts, 8)
+    assert_same(run_triton_poisoned(ids, num_experts, 8, block_routes=32), want)
+    expert_map = torch.randperm(14, generator=g).to(torch.int32) - 4  # ids 0..13, four of them non-local (-1..-4)
+    expert_map = torch.where(expert_map < 0, -1, expert_map).to(device)
+    ids14 = random_ids(33, 6, 14, generator=g).to(device)
+    assert_same(run_triton_poisoned(ids14, num_experts, 8, expert_map, block_routes=32),
+                literal_align(ids14.cpu(), num_experts, 8, expert_map.cpu()))
 
 
 def test_align_deterministic(device):
@@ -220,7 +249,8 @@ def test_align_registration_cases(device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", [
-    (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128), (131072, 8, 256, 16)])
+    (1, 8, 256, 64), (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128),
+    (131072, 8, 256, 16), (3000, 8, 384, 32), (777, 6, 1024, 64)])
 def test_align_gpu_large_exact(num_tokens, top_k, num_experts, block_size):
     g = torch.Generator().manual_seed(num_tokens + top_k)
     ids = random_ids(num_tokens, top_k, num_experts, generator=g, padded_rows=num_tokens // 4).cuda()
@@ -233,3 +263,5 @@ def test_align_gpu_large_exact(num_tokens, top_k, num_experts, block_size):
     expert_map = expert_map.cuda()
     assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map),
                 moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
+    for block_routes in (32, 128, 512, 2048):  # other splits into blocks (the GPU script sweeps them)
+        assert_same(run_triton_poisoned(ids, num_experts, block_size, block_routes=block_routes), want)

@@ -8,15 +8,19 @@ With `expert_map` (int [E_global], global -> local id or -1), a route id is firs
 map's length, then replaced by its local id; `num_experts` is then the number of LOCAL experts, and local ids
 outside [0, num_experts) are skipped as well.
 
-The Triton path is three launches, all graph-capturable (no host synchronisation):
-  1. count:   per block of BLOCK_ROUTES routes, a histogram over experts -> counts[block, expert]
-  2. scan:    one program: per-expert totals, padded segment starts, num_tokens_post_padded, the pad slots
-              inside each segment, and per-(block, expert) destination bases (in place over counts)
-  3. scatter: per block, sort the keys (expert, position) inside the block; the sorted position minus the
-              number of earlier-expert routes in the block is the stable rank within the expert, so
-              dest = base[block, expert] + sorted position. The same programs also fill the tail of
-              sorted_token_ids past the padded total and write expert_ids.
-Every element of the three outputs is written exactly once, so nothing needs a zero-fill launch.
+The Triton path is three launches, all graph-capturable (no host synchronisation), each parallel over the
+actual sizes (no single-program pass, no loop over a fixed maximum):
+  1. count:   per block of BLOCK_ROUTES routes, a histogram over experts -> counts[block, expert]; the same
+              programs fill all of sorted_token_ids with the pad value (route slots are overwritten in step 3)
+  2. scan:    one program per chunk of experts: the exclusive prefix of each expert's counts over the blocks
+              (in place over counts) and the expert's total
+  3. scatter: per block, the segment layout from the E totals (cumsum of the padded counts), num_tokens_post_padded,
+              the block's destination base per expert, then sort the keys (expert, position) inside the block:
+              the sorted position minus the number of earlier-expert routes in the block is the stable rank
+              within the expert, so dest = base[expert] + sorted position. Extra programs (and the same ones)
+              write expert_ids, a slice of blocks each.
+Every element of the three outputs is written (pad slots by step 1, routes, expert_ids and the total by step 3),
+so nothing needs a zero-fill launch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import triton.language as tl
 from moebench.kernels._triton import check_triton_device, next_pow2
 
 _INT32_MAX = 2**31 - 1
-_FILL_BLOCK = 1024  # pad values written per step of the tail fill
+_FILL_BLOCK = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,100 +118,96 @@ def _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, in_range, num_experts,
 
 
 @triton.jit
-def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_experts, index_range,
+def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr,
+                        num_routes, num_blocks, num_experts, index_range, capacity, fill_per_program, pad_value,
                         HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr,
-                        BLOCK_ROUTES: tl.constexpr, NUM_BINS: tl.constexpr):
-    block = tl.program_id(0)
-    offs = block * BLOCK_ROUTES + tl.arange(0, BLOCK_ROUTES)
-    local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
-                              HAS_MAP, WRAP_NEGATIVE)
-    # NUM_BINS > num_experts: skipped routes fall into bin num_experts, which is not stored.
-    hist = tl.histogram(local, NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    tl.store(counts_ptr + block * num_experts + bins, hist, mask=bins < num_experts)
+                        BLOCK_ROUTES: tl.constexpr, NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < num_blocks:
+        offs = pid * BLOCK_ROUTES + tl.arange(0, BLOCK_ROUTES)
+        local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
+                                  HAS_MAP, WRAP_NEGATIVE)
+        # NUM_BINS > num_experts: skipped routes fall into bin num_experts, which is not stored.
+        hist = tl.histogram(local, NUM_BINS)
+        bins = tl.arange(0, NUM_BINS)
+        tl.store(counts_ptr + pid * num_experts + bins, hist, mask=bins < num_experts)
 
-
-@triton.jit
-def _align_scan_kernel(counts_ptr, block_end_ptr, sorted_ids_ptr, num_post_padded_ptr,
-                       num_blocks, num_experts, block_size, pad_value,
-                       EXPERTS_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr, FILL_COLS: tl.constexpr):
-    experts = tl.arange(0, EXPERTS_PAD)
-    expert_ok = experts < num_experts
-    rows = tl.arange(0, TILE_BLOCKS)
-
-    # Pass 1: routes per expert.
-    totals = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
-    for b0 in range(0, num_blocks, TILE_BLOCKS):
-        r = b0 + rows
-        m = (r < num_blocks)[:, None] & expert_ok[None, :]
-        c = tl.load(counts_ptr + r[:, None] * num_experts + experts[None, :], mask=m, other=0)
-        totals += tl.sum(c, axis=0)
-    padded = (totals + block_size - 1) // block_size * block_size
-    seg_end = tl.cumsum(padded, axis=0)
-    seg_start = seg_end - padded
-    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
-    tl.store(block_end_ptr + experts, seg_end // block_size, mask=expert_ok)
-
-    # Pad slots inside each segment: at most block_size - 1 per expert, after its real routes.
-    cols = tl.arange(0, FILL_COLS)
-    fill = tl.zeros([EXPERTS_PAD, FILL_COLS], dtype=tl.int32) + pad_value
-    for j0 in range(0, block_size - 1, FILL_COLS):
-        j = totals[:, None] + j0 + cols[None, :]
-        m = expert_ok[:, None] & (j < padded[:, None])
-        tl.store(sorted_ids_ptr + seg_start[:, None] + j, fill, mask=m)
-
-    # Pass 2: base[b, e] = seg_start[e] + (routes of e in earlier blocks) - (routes of experts < e in block b),
-    # so that base + (position of the route in its block's expert-sorted order) is its destination.
-    carry = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
-    for b0 in range(0, num_blocks, TILE_BLOCKS):
-        r = b0 + rows
-        m = (r < num_blocks)[:, None] & expert_ok[None, :]
-        ptrs = counts_ptr + r[:, None] * num_experts + experts[None, :]
-        c = tl.load(ptrs, mask=m, other=0)
-        base = seg_start[None, :] + carry[None, :] + tl.cumsum(c, axis=0) - tl.cumsum(c, axis=1)
-        tl.store(ptrs, base, mask=m)  # in place: the tile was read above
-        carry += tl.sum(c, axis=0)
-
-
-@triton.jit
-def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, block_end_ptr, num_post_padded_ptr,
-                          sorted_ids_ptr, expert_ids_ptr,
-                          num_routes, num_experts, index_range, block_size, capacity, num_m_blocks,
-                          m_blocks_per_program, pad_value,
-                          HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr, BLOCK_ROUTES: tl.constexpr,
-                          EXPERTS_PAD: tl.constexpr, TILE_M_BLOCKS: tl.constexpr, FILL_BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    pos = tl.arange(0, BLOCK_ROUTES)
-    offs = block * BLOCK_ROUTES + pos
-    local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
-                              HAS_MAP, WRAP_NEGATIVE)
-    # Unique keys (expert, position): sorting them orders the block by expert and, within an expert, by
-    # flat index, which is the stable order. Skipped routes (expert == num_experts) sort last.
-    keys = tl.sort(local * BLOCK_ROUTES + pos)
-    expert_sorted = keys // BLOCK_ROUTES
-    pos_sorted = keys % BLOCK_ROUTES
-    valid = expert_sorted < num_experts
-    base = tl.load(base_ptr + block * num_experts + expert_sorted, mask=valid, other=0)
-    tl.store(sorted_ids_ptr + base + pos, block * BLOCK_ROUTES + pos_sorted, mask=valid)
-
-    num_post_padded = tl.load(num_post_padded_ptr)
-
-    # Tail of sorted_token_ids past the padded total, split evenly over the programs.
-    tail = capacity - num_post_padded
-    per_program = (tail + num_programs - 1) // num_programs
-    lo = num_post_padded + block * per_program
-    hi = tl.minimum(lo + per_program, capacity)
+    # The pad value everywhere (pad slots inside segments and the tail past the padded total): a plain streaming
+    # store, cheaper than working out the pad slots per expert; the scatter overwrites the route slots.
+    lo = pid * fill_per_program
+    hi = tl.minimum(lo + fill_per_program, capacity)
     fill = tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_value
     for start in range(lo, hi, FILL_BLOCK):
         idx = start + tl.arange(0, FILL_BLOCK)
         tl.store(sorted_ids_ptr + idx, fill, mask=idx < hi)
 
-    # expert_ids: the owner of block b is the number of experts whose segment ends at or before b.
-    experts = tl.arange(0, EXPERTS_PAD)
-    block_end = tl.load(block_end_ptr + experts, mask=experts < num_experts, other=2147483647)
+
+@triton.jit
+def _align_scan_kernel(counts_ptr, totals_ptr, num_blocks, num_experts,
+                       EXPERTS_CHUNK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """Program p owns experts [p*EXPERTS_CHUNK, (p+1)*EXPERTS_CHUNK): counts[b, e] becomes the number of routes of
+    e in blocks < b, and totals[e] the number in all blocks. The loop runs over the blocks that exist."""
+    experts = tl.program_id(0) * EXPERTS_CHUNK + tl.arange(0, EXPERTS_CHUNK)
+    expert_ok = experts < num_experts
+    rows = tl.arange(0, TILE_BLOCKS)
+    carry = tl.zeros([EXPERTS_CHUNK], dtype=tl.int32)
+    for b0 in range(0, num_blocks, TILE_BLOCKS):
+        r = b0 + rows
+        m = (r < num_blocks)[:, None] & expert_ok[None, :]
+        ptrs = counts_ptr + r[:, None] * num_experts + experts[None, :]
+        c = tl.load(ptrs, mask=m, other=0)
+        tl.store(ptrs, carry[None, :] + tl.cumsum(c, axis=0) - c, mask=m)  # in place: the tile was read above
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + experts, carry, mask=expert_ok)
+
+
+@triton.jit
+def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, totals_ptr, num_post_padded_ptr,
+                          sorted_ids_ptr, expert_ids_ptr,
+                          num_routes, num_blocks, num_experts, index_range, block_size, num_m_blocks,
+                          m_blocks_per_program,
+                          HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr, BLOCK_ROUTES: tl.constexpr,
+                          NUM_BINS: tl.constexpr, TILE_M_BLOCKS: tl.constexpr):
+    pid = tl.program_id(0)
+    # Segment layout from the per-expert totals: E values, recomputed by every program (cheaper than a launch).
+    bins = tl.arange(0, NUM_BINS)
+    bin_is_expert = bins < num_experts
+    totals = tl.load(totals_ptr + bins, mask=bin_is_expert, other=0)
+    padded = (totals + block_size - 1) // block_size * block_size
+    seg_end = tl.cumsum(padded, axis=0)
+    num_post_padded = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(num_post_padded_ptr, num_post_padded)
+
+    if pid < num_blocks:
+        pos = tl.arange(0, BLOCK_ROUTES)
+        offs = pid * BLOCK_ROUTES + pos
+        local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
+                                  HAS_MAP, WRAP_NEGATIVE)
+        # base[e] = seg_start[e] + (routes of e in earlier blocks) - (routes of experts < e in this block), so that
+        # base + (position of the route in the block's expert-sorted order) is its destination.
+        in_block = tl.histogram(local, NUM_BINS)
+        row = base_ptr + pid * num_experts + bins
+        earlier = tl.load(row, mask=bin_is_expert, other=0)
+        base = seg_end - padded + earlier - (tl.cumsum(in_block, axis=0) - in_block)
+        # Through memory to index it by each route's expert: only this program touches this row now, and the
+        # barrier makes the whole row visible to every thread of the program before the gather.
+        tl.store(row, base, mask=bin_is_expert)
+        tl.debug_barrier()
+        # Unique keys (expert, position): sorting them orders the block by expert and, within an expert, by
+        # flat index, which is the stable order. Skipped routes (expert == num_experts) sort last.
+        keys = tl.sort(local * BLOCK_ROUTES + pos)
+        expert_sorted = keys // BLOCK_ROUTES
+        pos_sorted = keys % BLOCK_ROUTES
+        valid = expert_sorted < num_experts
+        dest = tl.load(base_ptr + pid * num_experts + expert_sorted, mask=valid, other=0) + pos
+        tl.store(sorted_ids_ptr + dest, pid * BLOCK_ROUTES + pos_sorted, mask=valid)
+
+    # expert_ids for this program's slice of blocks: the owner of block b is the number of experts whose segment
+    # ends at or before b; -1 past the padded total.
+    block_end = tl.where(bin_is_expert, seg_end // block_size, 2147483647)
     used_m_blocks = num_post_padded // block_size
-    mb_lo = block * m_blocks_per_program
+    mb_lo = pid * m_blocks_per_program
     mb_hi = tl.minimum(mb_lo + m_blocks_per_program, num_m_blocks)
     for mb0 in range(mb_lo, mb_hi, TILE_M_BLOCKS):
         mb = mb0 + tl.arange(0, TILE_M_BLOCKS)
@@ -220,12 +220,13 @@ def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, block_end_ptr,
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_block_routes(num_routes: int) -> int:
-    """Routes per program: about 64 programs (a single scan tile of counts for E=256), 256..4096 routes each."""
-    return min(4096, max(256, next_pow2(triton.cdiv(max(num_routes, 1), 64))))
+    """Routes per program: about 256 programs (a small in-block sort each, many programs to cover the GPU), 128..1024
+    routes each; the scan then reads num_routes / block_routes rows of E counts."""
+    return min(1024, max(128, next_pow2(triton.cdiv(max(num_routes, 1), 256))))
 
 
 def align_workspace(num_routes: int, num_experts: int, device, *, block_routes: int | None = None) -> torch.Tensor:
-    """int32 scratch: counts/bases [num_blocks, E] then segment block ends [E]. Needs no initialisation."""
+    """int32 scratch: counts/bases [num_blocks, E] then per-expert totals [E]. Needs no initialisation."""
     block_routes = block_routes or default_block_routes(num_routes)
     num_blocks = triton.cdiv(num_routes, block_routes)
     return torch.empty(num_blocks * num_experts + num_experts, dtype=torch.int32, device=device)
@@ -237,6 +238,33 @@ def alloc_align_outputs(num_routes: int, num_experts: int, block_size: int, devi
     return (torch.empty(capacity, dtype=torch.int32, device=device),
             torch.empty(num_m_blocks, dtype=torch.int32, device=device),
             torch.empty(1, dtype=torch.int32, device=device))
+
+
+def align_launch_shapes(num_routes: int, num_experts: int, block_size: int, block_routes: int) -> dict:
+    """Grids and tile sizes of the three launches (host arithmetic only; the GPU script prints them)."""
+    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
+    num_blocks = triton.cdiv(num_routes, block_routes)
+    num_bins = max(32, next_pow2(num_experts + 1))  # one spare bin for skipped routes; >= a warp
+    # count: the histogram programs, plus more where the pad fill of sorted_token_ids is large (2048 slots each).
+    count_grid = max(num_blocks, triton.cdiv(capacity, 2048))
+    fill_per_program = triton.cdiv(triton.cdiv(capacity, count_grid), 16) * 16  # 64-byte aligned chunks
+    # scan: chunks of 32 experts (a 128-byte row segment per block), tiles of <= 4096 counts.
+    experts_chunk = min(32, next_pow2(num_experts))
+    tile_blocks = max(1, min(next_pow2(num_blocks), 4096 // experts_chunk))
+    # scatter: the route blocks, plus more where expert_ids is long: <= 2048 (block, expert) compares each.
+    m_tile = max(1, 2048 // num_bins)
+    scatter_grid = max(num_blocks, triton.cdiv(num_m_blocks, m_tile))
+    m_blocks_per_program = triton.cdiv(num_m_blocks, scatter_grid)
+    return dict(capacity=capacity, num_m_blocks=num_m_blocks, num_blocks=num_blocks, num_bins=num_bins,
+                count_grid=count_grid, fill_per_program=fill_per_program,
+                fill_block=min(1024, next_pow2(fill_per_program)),
+                experts_chunk=experts_chunk, scan_grid=triton.cdiv(num_experts, experts_chunk),
+                tile_blocks=tile_blocks, scan_warps=max(1, min(4, tile_blocks * experts_chunk // 512)),
+                scatter_grid=scatter_grid, m_blocks_per_program=m_blocks_per_program,
+                tile_m_blocks=max(1, min(next_pow2(m_blocks_per_program), m_tile)),
+                # At least one route per thread: tl.histogram's GPU lowering can over-count a tensor smaller than
+                # the CTA (its elements are replicated across threads). 256 routes per warp, 1..8 warps.
+                route_warps=max(1, min(8, block_routes // 256)))
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int,
@@ -277,7 +305,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     block_routes = block_routes or default_block_routes(num_routes)
     if block_routes < 32 or block_routes & (block_routes - 1):
         raise ValueError(f"block_routes must be a power of two >= 32, got {block_routes}")
-    num_blocks = triton.cdiv(num_routes, block_routes)
+    shapes = align_launch_shapes(num_routes, num_experts, block_size, block_routes)
+    num_blocks = shapes["num_blocks"]
     if num_experts * block_routes + block_routes > _INT32_MAX:
         raise ValueError("num_experts * block_routes overflows the int32 sort key")
     if workspace is None:
@@ -285,38 +314,26 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     if workspace.numel() < num_blocks * num_experts + num_experts or workspace.dtype != torch.int32:
         raise ValueError("workspace too small (use align_workspace with the same block_routes)")
     counts = workspace[:num_blocks * num_experts]
-    block_end = workspace[num_blocks * num_experts:num_blocks * num_experts + num_experts]
+    totals = workspace[num_blocks * num_experts:num_blocks * num_experts + num_experts]
 
     has_map = expert_map is not None
     map_arg = expert_map if has_map else topk_ids  # never dereferenced without HAS_MAP
     index_range = expert_map.numel() if has_map else num_experts
-    experts_pad = next_pow2(num_experts)
-    num_bins = max(32, next_pow2(num_experts + 1))  # one spare bin for skipped routes; >= a warp
-    # At least one route per thread: tl.histogram's GPU lowering can over-count a tensor smaller than the CTA
-    # (its elements are replicated across threads). 256 routes per warp: 1024 -> 4 warps, 4096 -> 8.
-    route_warps = max(1, min(8, block_routes // 256))
+    route_warps = shapes["route_warps"]
 
-    _align_count_kernel[(num_blocks,)](
-        topk_ids, map_arg, counts, num_routes, num_experts, index_range,
-        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=num_bins,
-        num_warps=route_warps)
-
-    # Scan tiles of <= 8192 counts over 16 warps (16 per thread keeps the 2-D cumsums in registers).
-    tile_blocks = max(1, min(next_pow2(num_blocks), 8192 // experts_pad))
-    fill_cols = max(1, min(next_pow2(max(block_size - 1, 1)), 8192 // experts_pad))
-    _align_scan_kernel[(1,)](
-        counts, block_end, sorted_ids, num_post_padded, num_blocks, num_experts, block_size, num_routes,
-        EXPERTS_PAD=experts_pad, TILE_BLOCKS=tile_blocks, FILL_COLS=fill_cols,
-        num_warps=max(1, min(16, tile_blocks * experts_pad // 512)))
-
-    m_blocks_per_program = triton.cdiv(num_m_blocks, num_blocks)
-    tile_m_blocks = max(1, min(next_pow2(m_blocks_per_program), 4096 // experts_pad))
-    _align_scatter_kernel[(num_blocks,)](
-        topk_ids, map_arg, counts, block_end, num_post_padded, sorted_ids, expert_ids,
-        num_routes, num_experts, index_range, block_size, capacity, num_m_blocks, m_blocks_per_program,
-        num_routes,
-        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, EXPERTS_PAD=experts_pad,
-        TILE_M_BLOCKS=tile_m_blocks, FILL_BLOCK=_FILL_BLOCK, num_warps=route_warps)
+    _align_count_kernel[(shapes["count_grid"],)](
+        topk_ids, map_arg, counts, sorted_ids, num_routes, num_blocks, num_experts, index_range, capacity,
+        shapes["fill_per_program"], num_routes,
+        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=shapes["num_bins"],
+        FILL_BLOCK=shapes["fill_block"], num_warps=route_warps)
+    _align_scan_kernel[(shapes["scan_grid"],)](
+        counts, totals, num_blocks, num_experts,
+        EXPERTS_CHUNK=shapes["experts_chunk"], TILE_BLOCKS=shapes["tile_blocks"], num_warps=shapes["scan_warps"])
+    _align_scatter_kernel[(shapes["scatter_grid"],)](
+        topk_ids, map_arg, counts, totals, num_post_padded, sorted_ids, expert_ids,
+        num_routes, num_blocks, num_experts, index_range, block_size, num_m_blocks, shapes["m_blocks_per_program"],
+        HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=shapes["num_bins"],
+        TILE_M_BLOCKS=shapes["tile_m_blocks"], num_warps=route_warps)
     return sorted_ids, expert_ids, num_post_padded
 
 
