@@ -147,7 +147,9 @@ def step_inputs(p: Params, step: int, batch: int, device: torch.device) -> dict[
     layout = EPLayout(0, p.ep_size, p.num_experts)
     send_pos, counts = send_positions(token_in_rank(ids, layout))
     max_rows = int(counts.max().item()) if counts.numel() else 0
-    return {"x": b.hidden, "ids": ids, "weights": topk_weights.float().contiguous(), "send_pos": send_pos,
+    # fresh, offset-0 copies: pointer alignment is part of a Triton specialisation and must not vary per step
+    return {"x": b.hidden.clone(), "ids": ids.clone(), "weights": topk_weights.float().clone(),
+            "send_pos": send_pos.clone(),
             "counts": counts, "max_rows": max_rows, "is_padding": b.is_padding, "global_ids": topk_ids}
 
 
