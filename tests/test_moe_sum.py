@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moebench.check import poison
-from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
+from moebench.kernels.masked_moe_sum import (SumLaunch, launch_masked_sum, masked_moe_sum, masked_moe_sum_torch,
+                                             moe_sum_oblivious)
 
 
 def make_inputs(num_tokens, top_k, hidden, *, seed, dtype=torch.bfloat16, skip_prob=0.3, padded_rows=0,
@@ -56,14 +57,48 @@ def test_bf16_nan_slots_never_reach_output(top_k, hidden, ids_dtype, device):
     got = run_poisoned(x, ids).cpu()
     assert torch.isfinite(got).all()
     acc = sequential_fp32_sum(x, ids)
-    # Rounded once from the same fp32 sum: within one bf16 ulp (the CPU interpreter rounds fp32 -> bf16 by
-    # truncation; a GPU rounds to nearest and matches the reference bit for bit, see the gpu test).
+    # Rounded once (to nearest even) from the same fp32 sum: bit for bit with the reference. (Under the CPU
+    # interpreter, whose own fp32 -> bf16 cast truncates, the kernel rounds on the bit pattern.)
     err = (got.float() - acc).abs()
     assert (err <= bf16_ulp(acc)).all(), err.max()
     ref = masked_moe_sum_torch(x, ids).cpu()
     assert torch.equal(ref, acc.to(torch.bfloat16))
-    if device.type == "cuda":
-        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("launch", [SumLaunch(1, 1024, 4), SumLaunch(2, 64, 1), SumLaunch(4, 32, 1),
+                                    SumLaunch(2, 2048, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launch_shapes_bitwise(launch, dtype, device):
+    """Every launch shape gives the reference's bits: odd row counts (a half-filled last row block), columns not
+    a multiple of the block, padded row pairs next to real ones, rows with one real row and one padded row."""
+    x, ids = make_inputs(15, 6, 100, seed=20 + launch.rows, dtype=dtype, skip_prob=0.4, device=device)
+    ids[[2, 3, 6, 9, 14]] = -1  # rows 2-3: a padded pair; 6, 9: padded next to a real row; 14: the odd last row
+    got = poison(torch.empty(15, 100, dtype=dtype, device=device))
+    masked_moe_sum(x, ids, out=got, launch=launch)
+    want = masked_moe_sum_torch(x, ids)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.cpu().view(bits), want.cpu().view(bits))
+    assert torch.equal(got[[2, 3, 6, 9, 14]].cpu().view(bits), torch.zeros(5, 100, dtype=bits))
+
+
+def test_upper_bound_skips_high_ids(device):
+    """launch_masked_sum with num_experts (fused_experts' slot sum): ids >= num_experts are skipped like -1, and
+    the intermediate may be a flat [M*K, H] buffer with a row stride wider than H."""
+    M, K, H, E = 9, 5, 48, 6
+    g = torch.Generator().manual_seed(31)
+    ids = torch.randint(-1, E + 3, (M, K), generator=g, dtype=torch.int32)
+    ids[4] = torch.tensor([E, E + 1, -1, E + 2, E])  # a row with no valid slot at all
+    flat = torch.randn(M * K, H + 16, generator=g)
+    skipped = ((ids < 0) | (ids >= E)).reshape(-1)
+    flat[skipped] = float("nan")
+    want = masked_moe_sum_torch(flat[:, :H].reshape(M, K, H), torch.where(ids >= E, -1, ids))
+    flat = flat.to(device)
+    out = poison(torch.empty(M, H, device=device))
+    launch_masked_sum(flat[:, :H], (K * flat.stride(0), flat.stride(0)), ids.to(device), out, num_experts=E,
+                      launch=SumLaunch(2, 32, 1))
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
+    assert (out[4] == 0).all()
 
 
 def test_all_skipped_rows_are_zero(device):

@@ -5,17 +5,23 @@ rounded once to the intermediate's dtype. A skipped slot is never loaded: the Tr
 mask from the slot's id, so a skipped slot issues no memory traffic and NaN/garbage there cannot reach the output.
 A row whose slots are all -1 yields zeros.
 
+The Triton kernel takes two rows per program: a padded row pair (all slots -1) only stores zeros, without loading
+anything, and a real pair keeps 2 x K x 2 KB of loads in flight. fused_experts' slot sum uses the same kernel, with
+ids >= num_experts skipped as well (`launch_masked_sum(..., num_experts=E)`).
+
 The pre-fix path (`torch.sum(intermediate, dim=1)`, vLLM's ops.moe_sum) adds every slot; it is registered as the
 oblivious twin.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, next_pow2
+from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,
@@ -45,33 +51,98 @@ def moe_sum_oblivious(intermediate: torch.Tensor, out: torch.Tensor | None = Non
 
 
 @triton.jit
-def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, hidden, stride_inter_m, stride_inter_k,
-                           stride_ids_m, stride_ids_k, stride_out_m,
-                           TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _round_store_value(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 -> output dtype. SOFT_BF16 (CPU interpreter only, whose fp32->bf16 cast truncates): round to nearest
+    even on the bit pattern, as the GPU's cvt.rn does, so CPU results match the GPU's rounding."""
+    if SOFT_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+def soft_bf16(t: torch.Tensor) -> bool:
+    return interpreting() and t.dtype == torch.bfloat16
+
+
+@triton.jit
+def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, num_experts,
+                           stride_inter_m, stride_inter_k, stride_ids_m, stride_ids_k, stride_out_m,
+                           TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                           HAS_UPPER: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """out[rows, cols] for ROWS rows x BLOCK_H columns. A slot counts when its id is >= 0 (and < num_experts with
+    HAS_UPPER); a row block without any such slot writes zeros without a single load of `intermediate`."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    rows = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        expert = tl.load(topk_ids_ptr + row * stride_ids_m + k * stride_ids_k)
-        # A skipped slot's load is fully predicated off, so it issues no memory traffic. (Folded into one
-        # compare: the interpreter mishandles `bool block & bool scalar`.)
-        take = cols < tl.where(expert >= 0, hidden, 0)
-        x = tl.load(inter_ptr + row * stride_inter_m + k * stride_inter_k + cols, mask=take, other=0.0,
-                    eviction_policy="evict_first")
-        acc = tl.where(take, acc + x.to(tl.float32), acc)
-    tl.store(out_ptr + row * stride_out_m + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    out_ptrs = out_ptr + rows[:, None] * stride_out_m + cols[None, :]
+    out_mask = row_ok[:, None] & (cols < hidden)[None, :]
+
+    slots = tl.arange(0, TOP_K_PAD)
+    ids = tl.load(topk_ids_ptr + rows[:, None] * stride_ids_m + slots[None, :] * stride_ids_k,
+                  mask=row_ok[:, None] & (slots < TOP_K)[None, :], other=-1)
+    valid = ids >= 0
+    if HAS_UPPER:
+        valid = valid & (ids < num_experts)
+    if tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0) == 0:
+        # Padded rows (every slot -1): zeros, no loads.
+        tl.store(out_ptrs, tl.zeros([ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(topk_ids_ptr + rows * stride_ids_m + k * stride_ids_k, mask=row_ok, other=-1)
+            take_row = expert >= 0
+            if HAS_UPPER:
+                take_row = take_row & (expert < num_experts)
+            # A skipped slot's load is fully predicated off, so it issues no memory traffic. (One compare per
+            # element against a per-row limit: the interpreter mishandles `bool block & bool scalar`.)
+            take = cols[None, :] < tl.where(take_row, hidden, 0)[:, None]
+            x = tl.load(inter_ptr + rows[:, None] * stride_inter_m + k * stride_inter_k + cols[None, :], mask=take,
+                        other=0.0, eviction_policy="evict_first")
+            acc = tl.where(take, acc + x.to(tl.float32), acc)
+        tl.store(out_ptrs, _round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=out_mask)
 
 
-def sum_launch_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): 1024 columns per program (7168 = 7 x 1024), 8 elements (16 bytes bf16) per thread."""
-    block_h = min(1024, next_pow2(hidden))
-    return block_h, max(1, min(4, block_h // 256))
+@dataclass(frozen=True)
+class SumLaunch:
+    """Launch shape of the masked sum: rows x columns per program, warps."""
+
+    rows: int = 2
+    block_h: int = 1024
+    num_warps: int = 4
+
+    def short(self) -> str:
+        return f"rows{self.rows} H{self.block_h} w{self.num_warps}"
 
 
-def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """Triton masked reduction over top-k: intermediate [M, K, H], topk_ids [M, K] -> out [M, H]."""
+def sum_launch_config(hidden: int, block_h: int = 1024, rows: int = 2) -> SumLaunch:
+    """Two rows x up to 1024 columns per program (7168 = 7 x 1024), 8 bf16 (16 bytes) per thread and row: 16 KB
+    of loads in flight per row pair and slot group, and a padded row pair costs one small program."""
+    block_h = min(block_h, next_pow2(hidden))
+    return SumLaunch(rows, block_h, max(1, min(4, block_h // 256)))
+
+
+def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk_ids: torch.Tensor,
+                      out: torch.Tensor, *, num_experts: int | None = None, launch: SumLaunch | None = None) -> None:
+    """out[m] = sum over valid k of intermediate[m*strides[0] + k*strides[1] + :H] (element strides; the last
+    dimension contiguous). Valid: id >= 0, and id < num_experts when given. fp32 in order k, rounded once."""
+    M, K = topk_ids.shape
+    H = out.shape[1]
+    launch = launch or sum_launch_config(H)
+    grid = (triton.cdiv(M, launch.rows), triton.cdiv(H, launch.block_h))
+    _masked_moe_sum_kernel[grid](
+        intermediate, topk_ids, out, M, H, num_experts if num_experts is not None else 0,
+        strides[0], strides[1], topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
+        TOP_K=K, TOP_K_PAD=next_pow2(K), ROWS=launch.rows, BLOCK_H=launch.block_h,
+        HAS_UPPER=num_experts is not None, SOFT_BF16=soft_bf16(out), num_warps=launch.num_warps)
+
+
+def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None = None, *,
+                   launch: SumLaunch | None = None) -> torch.Tensor:
+    """Triton masked reduction over top-k: intermediate [M, K, H], topk_ids [M, K] -> out [M, H].
+    `launch` overrides the launch shape (the GPU script sweeps it)."""
     if intermediate.dim() != 3:
         raise ValueError(f"intermediate must be [M, K, H], got shape {tuple(intermediate.shape)}")
     M, K, H = intermediate.shape
@@ -90,12 +161,7 @@ def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torc
         return out
     if K == 0:
         return out.zero_()
-    block_h, num_warps = sum_launch_config(H)
-    grid = (M, triton.cdiv(H, block_h))
-    _masked_moe_sum_kernel[grid](
-        intermediate, topk_ids, out, H, intermediate.stride(0), intermediate.stride(1),
-        topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
-        TOP_K=K, BLOCK_H=block_h, num_warps=num_warps)
+    launch_masked_sum(intermediate, (intermediate.stride(0), intermediate.stride(1)), topk_ids, out, launch=launch)
     return out
 
 
