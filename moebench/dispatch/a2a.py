@@ -1,6 +1,21 @@
-"""`a2a`: exact-size all-to-all. Count exchange (one host sync), permutation of rows by destination rank, one
-all_to_all_single for the hidden rows and one for the routing metadata; combine sends the expert outputs back and
-un-permutes them with a scatter-sum by source row."""
+"""`a2a`: exact-size all-to-all.
+
+Dispatch, one step:
+  1. `plan_sends` (one Triton program): each (row, destination) pair's slot, the rows per destination and where
+     each destination's block starts (exclusive prefix), all on the device; padded rows go nowhere when masked.
+  2. On a side stream, the count exchange (one tiny all_to_all) and its copy to pinned host memory, overlapping
+     3. the pack kernel, which writes every row once per destination, its routing (ids made local to that
+     destination, weights, source row) in the same wire row (moebench.dispatch.permute.RowLayout), straight into
+     the preallocated send buffer.
+  4. The host waits for the counts (the one host synchronisation this path has), then ONE all_to_all_single with
+     exact split sizes moves rows and routing together. The receiver gets views into its receive buffer: nothing
+     to unpack, the ids are already local.
+Combine: one all_to_all_single of the expert outputs back (reversed splits), then one kernel sums each row's
+partial outputs by (row, destination) slot, in destination order: deterministic, no atomics, no zero-fill.
+
+Buffers are kept from call to call and only grow (send: T*min(R, K) rows, the most a step can send; receive and
+combine: the largest step seen), so a steady-state step allocates nothing.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, all_to_all_single,
-                                    effective_ids, local_ids, meta_weights, pack_meta, token_in_rank)
+from moebench.dispatch.a2a_fixed import (_use_triton, combine_fixed, combine_fixed_torch, pack_fixed,
+                                         pack_fixed_torch, run_plan)
+from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
+                                    all_to_all_single, grow_rows)
+from moebench.dispatch.permute import RowLayout
+from moebench.padding import check_mask
 
 
 @dataclass
 class A2AHandle:
-    send_index: torch.Tensor  # int64 [S]: source row of each sent row, destination-major, rows ascending
+    send_pos: torch.Tensor  # int32 [T, R]: row t's position in destination d's block, -1 = not sent
+    offsets: torch.Tensor  # int32 [R]: where destination d's block starts in the send buffer
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     num_tokens: int
@@ -22,7 +42,8 @@ class A2AHandle:
 
 
 def destination_order(in_rank: torch.Tensor, num_sent: int) -> torch.Tensor:
-    """Rows to send, grouped by destination rank (ascending row within a destination), as a gather index.
+    """Rows to send, grouped by destination rank (ascending row within a destination), as a gather index
+    (torch; scripts/gpu_dispatch.py's raw baseline pre-permutes its rows with it).
 
     Sync-free: the slot of each (dest, row) pair is a running count in destination-major order; pairs that are
     not sent are scattered to a dump slot past the end.
@@ -42,44 +63,80 @@ class A2APath(DispatchPath):
     receives = "token"
     graph_capturable = False  # the split sizes are read back on the host
 
+    def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", use_triton: bool | None = None):
+        super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
+        self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self.rows = RowLayout(hidden, top_k, dtype)
+        R, dev = layout.world_size, self.device
+        cuda = dev.type == "cuda"
+        self.counts = torch.zeros(2, R, dtype=torch.int32, device=dev)  # [0]: sent per destination, [1]: received
+        self.offsets = torch.zeros(R, dtype=torch.int32, device=dev)
+        self.host_counts = torch.zeros(2, R, dtype=torch.int32, pin_memory=cuda)
+        self.counts_ready = torch.cuda.Event() if cuda else None
+        self.side = SideStream(dev)
+        self.send_pos: torch.Tensor | None = None
+        self.send_buf: torch.Tensor | None = None
+        self.recv_buf: torch.Tensor | None = None
+        self.back: torch.Tensor | None = None
+
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay: EPLayout = self.layout
         R = lay.world_size
         T, K = topk_ids.shape
-        ids = effective_ids(topk_ids, is_padding)
-        in_rank = token_in_rank(ids, lay)
-        send_counts = in_rank.sum(0, dtype=torch.int32)
-        recv_counts = torch.empty_like(send_counts)
-        all_to_all_single(recv_counts, send_counts, group=lay.group, world_size=R)
-        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).cpu().tolist()  # the host sync
+        check_mask(is_padding, T)
+        dev = x.device
+        self.send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
+        self.send_buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
+        send_pos = self.send_pos[:T]
+
+        run_plan(self.use_triton, topk_ids, is_padding, lay, 0, send_pos, self.counts[0], self.offsets)
+        self._mark("plan")
+        with self.side.fork():  # the count exchange and its trip to the host overlap the pack
+            all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=R)
+            if self.counts_ready is not None:
+                self.host_counts.copy_(self.counts, non_blocking=True)
+                self.counts_ready.record()
+            self._mark("count_exchange")
+        pack = pack_fixed if self.use_triton else pack_fixed_torch
+        pack(x, send_pos, topk_ids, topk_weights, self.rows.x(self.send_buf), self.rows.meta(self.send_buf), 0,
+             lay.experts_per_rank, offsets=self.offsets)
+        self._mark("pack")
+        if self.counts_ready is not None:
+            self.counts_ready.synchronize()  # the host sync: split sizes for the payload
+            send_splits, recv_splits = self.host_counts.tolist()
+        else:
+            send_splits, recv_splits = self.counts.tolist()
+        self.side.join()
+        self._mark("counts_on_host")
         S, N = sum(send_splits), sum(recv_splits)
-
-        send_index = destination_order(in_rank, S)
-        send_x = x.index_select(0, send_index)
-        meta = pack_meta(ids, topk_weights, torch.arange(T, dtype=torch.int32, device=x.device))
-        send_meta = meta.index_select(0, send_index)
-        recv_x = torch.empty(N, x.shape[1], dtype=x.dtype, device=x.device)
-        recv_meta = torch.empty(N, meta.shape[1], dtype=meta.dtype, device=x.device)
-        all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=lay.group, world_size=R)
-        all_to_all_single(recv_meta, send_meta, recv_splits, send_splits, group=lay.group, world_size=R)
-
-        recv_ids = local_ids(recv_meta[:, :K], lay)  # global ids travel; the receiver localises
-        handle = A2AHandle(send_index, send_splits, recv_splits, T, recv_meta[:, 2 * K])
-        return Dispatched(recv_x=recv_x, recv_topk_ids=recv_ids, recv_topk_weights=meta_weights(recv_meta, K),
-                          num_recv=N, handle=handle, send_counts=send_splits, recv_counts=recv_splits)
+        self.recv_buf = grow_rows(self.recv_buf, N, lambda n: self.rows.empty(n, dev))
+        recv = self.recv_buf[:N]
+        all_to_all_single(recv, self.send_buf[:S], recv_splits, send_splits, group=lay.group, world_size=R)
+        self._mark("payload_a2a")
+        handle = A2AHandle(send_pos, self.offsets, send_splits, recv_splits, T, self.rows.src_row(recv))
+        return Dispatched(recv_x=self.rows.x(recv), recv_topk_ids=self.rows.ids(recv),
+                          recv_topk_weights=self.rows.weights(recv), num_recv=N, handle=handle,
+                          send_counts=send_splits, recv_counts=recv_splits)
 
     def combine(self, expert_out, handle: A2AHandle, out=None):
         lay = self.layout
         S = sum(handle.send_splits)
-        back = torch.empty(S, expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device)
-        all_to_all_single(back, expert_out, handle.send_splits, handle.recv_splits, group=lay.group,
+        H = expert_out.shape[1]
+        if self.back is None or self.back.dtype != expert_out.dtype or self.back.shape[1] != H:
+            self.back = None
+        self.back = grow_rows(self.back, S, lambda n: torch.empty(n, H, dtype=expert_out.dtype,
+                                                                  device=expert_out.device))
+        back = self.back[:S]
+        all_to_all_single(back, expert_out.contiguous(), handle.send_splits, handle.recv_splits, group=lay.group,
                           world_size=lay.world_size)
+        self._mark("payload_a2a")
         if out is None:
-            out = torch.zeros(handle.num_tokens, expert_out.shape[1], dtype=expert_out.dtype,
-                              device=expert_out.device)
-        else:
-            out.zero_()
-        out.index_add_(0, handle.send_index, back)  # rows no rank computed stay 0
+            out = torch.empty(handle.num_tokens, H, dtype=expert_out.dtype, device=expert_out.device)
+        # every row is written: rows no rank computed for get 0
+        (combine_fixed if self.use_triton else combine_fixed_torch)(back, handle.send_pos, out, 0,
+                                                                    offsets=handle.offsets)
+        self._mark("reduce")
         return out
 
     def received(self, d: Dispatched) -> ReceivedRows:
@@ -91,5 +148,4 @@ class A2APath(DispatchPath):
                             src_row=h.recv_src_row.to(torch.int64))
 
     def wire_row_bytes(self) -> int:
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return self.hidden * elt + (2 * self.top_k + 1) * 4
+        return self.rows.row_bytes

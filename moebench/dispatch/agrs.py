@@ -1,7 +1,12 @@
 """`agrs`: the naive path. All-gather every rank's rows and routing (and padding flags), compute this rank's
 experts on all of them, reduce-scatter the partial outputs back. Every rank sees every row: padded rows travel
 whether masked or not (all_gather needs equal row counts, which DP padding provides); the mask only removes their
-routes, so they cost no expert work."""
+routes, so they cost no expert work.
+
+The hidden rows' all_gather is launched first, so the small metadata packing (ids with padded rows' slots set to
+-1, weights' bits, padding flags) and its all_gather queue up behind the big transfer instead of delaying it; the
+receiver makes the ids local in one kernel (moebench.dispatch.permute.localize_ids). Receive buffers are kept from
+call to call (what dispatch returns are views of them, valid until the next dispatch)."""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.dispatch.base import (DispatchPath, Dispatched, ReceivedRows, all_gather_rows, effective_ids,
-                                    local_ids, meta_weights, pack_meta, reduce_scatter_rows)
+from moebench.dispatch.a2a_fixed import _use_triton
+from moebench.dispatch.base import (DispatchPath, Dispatched, ReceivedRows, all_gather_rows, local_ids,
+                                    meta_weights, reduce_scatter_rows)
+from moebench.dispatch.permute import localize_ids
+from moebench.padding import check_mask
 
 
 @dataclass
@@ -24,22 +32,55 @@ class AGRSPath(DispatchPath):
     receives = "all"
     graph_capturable = True
 
+    def __init__(self, layout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", use_triton: bool | None = None):
+        super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
+        self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._bufs_key: tuple | None = None
+
+    def _buffers(self, T: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (T, x.dtype, x.device)
+        if key != self._bufs_key:
+            R, K, H, dev = self.layout.world_size, self.top_k, x.shape[1], x.device
+            self._bufs = {"recv_x": torch.empty(R * T, H, dtype=x.dtype, device=dev),
+                          "meta": torch.empty(T, 2 * K + 1, dtype=torch.int32, device=dev),
+                          "recv_meta": torch.empty(R * T, 2 * K + 1, dtype=torch.int32, device=dev),
+                          "recv_ids": torch.empty(R * T, K, dtype=torch.int32, device=dev)}
+            self._bufs_key = key
+        return self._bufs
+
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay = self.layout
         R = lay.world_size
         T, K = topk_ids.shape
-        ids = effective_ids(topk_ids, is_padding)
-        flags = is_padding.to(torch.int32) if is_padding is not None else \
-            torch.zeros(T, dtype=torch.int32, device=x.device)
-        meta = pack_meta(ids, topk_weights, flags)
-        recv_x = torch.empty(R * T, x.shape[1], dtype=x.dtype, device=x.device)
-        recv_meta = torch.empty(R * T, meta.shape[1], dtype=meta.dtype, device=x.device)
-        all_gather_rows(recv_x, x.contiguous(), lay.group, R)
-        all_gather_rows(recv_meta, meta, lay.group, R)
+        check_mask(is_padding, T)
+        b = self._buffers(T, x)
+        all_gather_rows(b["recv_x"], x.contiguous(), lay.group, R)  # the big transfer first
+        self._mark("gather_x")
+        meta = b["meta"]
+        ids = topk_ids.to(torch.int32)
+        if is_padding is not None:
+            torch.where(is_padding.unsqueeze(1), torch.full_like(ids, -1), ids, out=meta[:, :K])
+            meta[:, 2 * K].copy_(is_padding)
+        else:
+            meta[:, :K].copy_(ids)
+            meta[:, 2 * K].zero_()
+        meta[:, K:2 * K].copy_(topk_weights.to(torch.float32).contiguous().view(torch.int32))
+        self._mark("pack_meta")
+        all_gather_rows(b["recv_meta"], meta, lay.group, R)
+        self._mark("gather_meta")
+        recv_meta = b["recv_meta"]
+        if self.use_triton:
+            recv_ids = localize_ids(recv_meta[:, :K], lay.expert_offset, lay.experts_per_rank, out=b["recv_ids"])
+        else:
+            recv_ids = b["recv_ids"]
+            recv_ids.copy_(local_ids(recv_meta[:, :K], lay))
+        self._mark("localize")
         counts = [T] * R
-        return Dispatched(recv_x=recv_x, recv_topk_ids=local_ids(recv_meta[:, :K], lay),
-                          recv_topk_weights=meta_weights(recv_meta, K), num_recv=R * T,
-                          handle=AGRSHandle(T, recv_meta[:, 2 * K]), send_counts=counts, recv_counts=counts)
+        return Dispatched(recv_x=b["recv_x"], recv_topk_ids=recv_ids, recv_topk_weights=meta_weights(recv_meta, K),
+                          num_recv=R * T, handle=AGRSHandle(T, recv_meta[:, 2 * K]), send_counts=counts,
+                          recv_counts=counts)
 
     def combine(self, expert_out, handle: AGRSHandle, out=None):
         lay = self.layout
@@ -47,6 +88,7 @@ class AGRSPath(DispatchPath):
             out = torch.empty(handle.num_tokens, expert_out.shape[1], dtype=expert_out.dtype,
                               device=expert_out.device)
         reduce_scatter_rows(out, expert_out.contiguous(), lay.group, lay.world_size)
+        self._mark("reduce_scatter")
         return out
 
     def received(self, d: Dispatched) -> ReceivedRows:

@@ -11,12 +11,20 @@ padded row at all. Without it (oblivious) padded rows travel like real ones, wit
     out [T,H] is the sum over ranks, in the original row order.
 
 `stats(d)` and `received(d)` read device counters back (a host sync): call them outside timed regions.
+The torch paths (agrs, a2a, a2a_fixed) keep their buffers from call to call (nothing is allocated in a steady-state
+step): what `dispatch` returns, the handle included, are views of them, valid until the path's next dispatch.
+
+`path.timer = StageTimer(device)` records CUDA events and host time at the paths' named sub-steps (count exchange,
+permutation, payload all-to-all, unpack...), for the per-stage breakdown in scripts/gpu_dispatch.py.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -62,6 +70,90 @@ def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Any = None,
     dist = _dist()
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, group=group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Steady-state helpers: buffers that only grow, a side stream, the stage timer
+# ---------------------------------------------------------------------------------------------------------------
+
+GROW_ROWS = 256  # a growing buffer is rounded up to this many rows, so slightly larger steps reuse it
+
+
+def grow_rows(buf: torch.Tensor | None, rows: int, make) -> torch.Tensor:
+    """`buf` when it has at least `rows` rows, else `make(n)` with n >= rows (allocation happens on the first
+    step of a size only, i.e. in warm-up)."""
+    if buf is not None and buf.shape[0] >= rows:
+        return buf
+    return make(max(GROW_ROWS, -(-rows // GROW_ROWS) * GROW_ROWS))
+
+
+class SideStream:
+    """A second CUDA stream for small work that should overlap the main stream's (the count exchange beside the
+    permutation). In stream order instead on a CPU and while a CUDA graph is being captured."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._main = None
+
+    @contextmanager
+    def fork(self) -> Iterator[None]:
+        if self.stream is None or torch.cuda.is_current_stream_capturing():
+            self._main = None
+            yield
+            return
+        self._main = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self._main)  # sees everything launched so far (the plan)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        if self._main is not None:
+            self._main.wait_stream(self.stream)
+            self._main = None
+
+
+class StageTimer:
+    """Named points inside one call: a CUDA event on the stream current at that point (GPU time) and the host
+    clock (when the launch call returned). `table()` gives, per point, the median over calls of both, relative to
+    the call's start: a GPU time far behind the host time means the GPU waited for launches (host-bound)."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.calls: list[list[tuple[str, Any, float]]] = []
+        self._cur: list[tuple[str, Any, float]] | None = None
+
+    def begin(self) -> None:
+        self._cur = []
+        self.mark("start")
+
+    def mark(self, label: str) -> None:
+        if self._cur is None:
+            return
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self._cur.append((label, ev, time.perf_counter()))
+
+    def end(self) -> None:
+        self.mark("end")
+        self.calls.append(self._cur)
+        self._cur = None
+
+    def table(self) -> list[dict[str, Any]]:
+        """[{label, gpu_us, host_us}] in the order of the first call (gpu_us None without CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        per: dict[str, dict[str, list[float]]] = {}
+        for call in self.calls:
+            _, ev0, h0 = call[0]
+            for label, ev, h in call:
+                d = per.setdefault(label, {"gpu": [], "host": []})
+                d["host"].append((h - h0) * 1e6)
+                if ev is not None:
+                    d["gpu"].append(ev0.elapsed_time(ev) * 1e3)
+        return [{"label": k, "gpu_us": statistics.median(v["gpu"]) if v["gpu"] else None,
+                 "host_us": statistics.median(v["host"])} for k, v in per.items()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,6 +346,11 @@ class DispatchPath:
         self.top_k = top_k
         self.dtype = dtype
         self.device = torch.device(device)
+        self.timer: StageTimer | None = None
+
+    def _mark(self, label: str) -> None:
+        if self.timer is not None:
+            self.timer.mark(label)
 
     # -- interface ---------------------------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

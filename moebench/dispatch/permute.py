@@ -1,0 +1,240 @@
+"""What the all-to-all paths share on the device: the send plan, the wire row layout, id localisation.
+
+`plan_sends` turns the routing into the send plan in ONE Triton program (a scan over row tiles): for every (row,
+destination rank) pair the row's slot in that destination's block, per-destination row counts (optionally capped
+at a fixed capacity, with a sticky overflow flag) and their exclusive prefix sums (where each block starts in an
+exact-size send buffer). It replaces about fifteen small torch launches (mask, one-hot scatter, cumsum, sums, ...)
+and reads `is_padding` itself, so the step needs no host synchronisation before the count exchange.
+
+`RowLayout`: one wire row is the hidden row followed by its routing metadata (the K ids, the K fp32 weights' bits
+and the source row index), so rows and routing travel in ONE all_to_all instead of two. Both parts start on a
+`ROW_ALIGN`-byte boundary, which keeps every view's row stride a multiple of 16 elements: Triton vectorises the
+row copies only when it can prove that alignment.
+
+`localize_ids`: global expert ids -> this rank's local ids (-1 elsewhere) in one pass, from a strided view
+(the agrs receive side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.kernels._triton import check_triton_device, next_pow2
+from moebench.padding import check_mask
+
+ROW_ALIGN = 32  # bytes; see the module docstring
+PLAN_TILE_ELEMENTS = 16384  # (row, slot, destination) triples per scan step of plan_sends
+PLAN_NUM_WARPS = 8
+LOCALIZE_BLOCK_ROWS = 256
+LOCALIZE_NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wire rows: hidden row + routing metadata
+# ---------------------------------------------------------------------------------------------------------------
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A byte buffer [rows, row_bytes]: bytes [0, x_bytes) are the hidden row (dtype), bytes [meta_offset,
+    meta_offset + 4 * meta_words) are int32 words: K ids, K weights (fp32 bits), the source row."""
+
+    hidden: int
+    top_k: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def x_bytes(self) -> int:
+        return self.hidden * self.element_size
+
+    @property
+    def meta_words(self) -> int:
+        return 2 * self.top_k + 1
+
+    @property
+    def meta_offset(self) -> int:
+        return _round_up(self.x_bytes, ROW_ALIGN)
+
+    @property
+    def row_bytes(self) -> int:
+        return _round_up(self.meta_offset + 4 * self.meta_words, ROW_ALIGN)
+
+    def empty(self, rows: int, device: torch.device | str) -> torch.Tensor:
+        return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)
+
+    def x(self, buf: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] view of the hidden rows (row stride row_bytes / element size)."""
+        return buf[:, :self.x_bytes].view(self.dtype)
+
+    def meta(self, buf: torch.Tensor) -> torch.Tensor:
+        """[rows, 2K+1] int32 view of the metadata."""
+        return buf[:, self.meta_offset:self.meta_offset + 4 * self.meta_words].view(torch.int32)
+
+    def ids(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.meta(buf)[:, :self.top_k]
+
+    def weights(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.meta(buf)[:, self.top_k:2 * self.top_k].view(torch.float32)
+
+    def src_row(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.meta(buf)[:, 2 * self.top_k]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The send plan
+# ---------------------------------------------------------------------------------------------------------------
+
+def plan_sends_torch(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_per_rank: int,
+                     world_size: int, num_experts: int, capacity: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference. -> (send_pos int32 [T, R], counts int32 [R], offsets int32 [R], overflow bool [] on the device).
+
+    A slot is live when 0 <= id < num_experts and its row is not padding; row t goes to rank d when a live slot
+    has id // experts_per_rank == d. send_pos[t, d] = the number of rows t' < t that go to d (rows keep their
+    order within a destination), -1 when t does not go to d. counts[d] = rows going to d, capped at `capacity`
+    when capacity > 0; overflow = capacity > 0 and some uncapped count exceeds it. offsets = exclusive prefix
+    sums of counts.
+    """
+    check_mask(is_padding, topk_ids.shape[0])
+    T = topk_ids.shape[0]
+    ids = topk_ids.to(torch.int64)
+    live = (ids >= 0) & (ids < num_experts)
+    if is_padding is not None:
+        live &= ~is_padding.to(torch.bool).unsqueeze(1)
+    dest = torch.where(live, ids.div(experts_per_rank, rounding_mode="floor"), world_size)
+    goes = torch.zeros(T, world_size + 1, dtype=torch.bool, device=ids.device)
+    goes.scatter_(1, dest, True)  # column R collects the slots that go nowhere
+    goes = goes[:, :world_size]
+    pos = torch.cumsum(goes.to(torch.int32), dim=0, dtype=torch.int32) - 1
+    send_pos = torch.where(goes, pos, torch.full_like(pos, -1)).contiguous()
+    raw = goes.sum(0, dtype=torch.int32)
+    counts = torch.clamp(raw, max=capacity) if capacity > 0 else raw
+    overflow = (raw > capacity).any() if capacity > 0 else torch.zeros((), dtype=torch.bool, device=ids.device)
+    offsets = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    return send_pos, counts.to(torch.int32), offsets, overflow
+
+
+@triton.jit
+def _plan_sends_kernel(ids_ptr, stride_ids, pad_ptr, send_pos_ptr, counts_ptr, offsets_ptr, overflow_ptr, T,
+                       experts_per_rank, num_experts, capacity, R: tl.constexpr, R_PAD: tl.constexpr,
+                       K: tl.constexpr, K_PAD: tl.constexpr, HAS_PAD: tl.constexpr, HAS_OVERFLOW: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    # One program: a scan over row tiles with a running count per destination (T is a few thousand rows, so one
+    # program's serial steps cost less than a second launch for a cross-program prefix would).
+    rows = tl.arange(0, BLOCK_T)
+    ks = tl.arange(0, K_PAD)
+    ds = tl.arange(0, R_PAD)
+    carry = tl.zeros([R_PAD], dtype=tl.int32)
+    for start in range(0, T, BLOCK_T):
+        t = start + rows
+        t_ok = t < T
+        ids = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + ks[None, :],
+                      mask=t_ok[:, None] & (ks[None, :] < K), other=-1)
+        live = (ids >= 0) & (ids < num_experts)
+        if HAS_PAD:
+            pad = tl.load(pad_ptr + t, mask=t_ok, other=1)
+            live = live & (pad == 0)[:, None]
+        dest = tl.where(live, ids // experts_per_rank, -1).to(tl.int32)  # [BLOCK_T, K_PAD]
+        hit = (dest[:, :, None] == ds[None, None, :]).to(tl.int32)  # [BLOCK_T, K_PAD, R_PAD]
+        goes = tl.max(hit, axis=1)  # [BLOCK_T, R_PAD]: at least one live slot for that destination
+        pos = carry[None, :] + tl.cumsum(goes, axis=0) - 1
+        tl.store(send_pos_ptr + t[:, None].to(tl.int64) * R + ds[None, :], tl.where(goes > 0, pos, -1),
+                 mask=t_ok[:, None] & (ds[None, :] < R))
+        carry += tl.sum(goes, axis=0)
+    capped = tl.where(capacity > 0, tl.minimum(carry, capacity), carry)
+    d_ok = ds < R
+    tl.store(counts_ptr + ds, capped, mask=d_ok)
+    tl.store(offsets_ptr + ds, tl.cumsum(capped, axis=0) - capped, mask=d_ok)
+    if HAS_OVERFLOW:
+        over = tl.max(((capacity > 0) & (carry > capacity) & d_ok).to(tl.int32), axis=0)
+        tl.store(overflow_ptr, tl.maximum(tl.load(overflow_ptr), over))  # sticky until the owner resets it
+
+
+def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_per_rank: int, world_size: int,
+               num_experts: int, *, capacity: int = 0, send_pos: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+               overflow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton: plan_sends_torch's contract, written into the given buffers (allocated when None): send_pos int32
+    [T, R] contiguous, counts and offsets int32 [R] (contiguous), overflow int32 [1] raised to 1 (never lowered)
+    on overflow. No host synchronisation. Returns (send_pos, counts, offsets)."""
+    T, K = topk_ids.shape
+    R = world_size
+    check_mask(is_padding, T)
+    dev = topk_ids.device
+    if send_pos is None:
+        send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
+    if counts is None:
+        counts = torch.empty(R, dtype=torch.int32, device=dev)
+    if offsets is None:
+        offsets = torch.empty(R, dtype=torch.int32, device=dev)
+    for name, buf, shape in (("send_pos", send_pos, (T, R)), ("counts", counts, (R,)), ("offsets", offsets, (R,))):
+        if tuple(buf.shape) != shape or buf.dtype != torch.int32 or not buf.is_contiguous():
+            raise ValueError(f"plan_sends: {name} must be a contiguous int32 tensor of shape {shape}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or (K > 1 and topk_ids.stride(1) != 1):
+        raise ValueError("plan_sends: topk_ids must be int32/int64 with contiguous rows")
+    check_triton_device(topk_ids, send_pos, counts, offsets, is_padding, overflow)
+    pad = is_padding.view(torch.uint8) if is_padding is not None and is_padding.dtype == torch.bool else is_padding
+    k_pad, r_pad = max(2, next_pow2(K)), max(2, next_pow2(R))
+    block_t = max(16, min(1024, PLAN_TILE_ELEMENTS // (k_pad * r_pad)))
+    _plan_sends_kernel[(1,)](
+        topk_ids, topk_ids.stride(0), pad if pad is not None else topk_ids, send_pos, counts, offsets,
+        overflow if overflow is not None else counts, T, int(experts_per_rank), int(num_experts), int(capacity),
+        R=R, R_PAD=r_pad, K=K, K_PAD=k_pad, HAS_PAD=pad is not None, HAS_OVERFLOW=overflow is not None,
+        BLOCK_T=block_t, num_warps=PLAN_NUM_WARPS)
+    return send_pos, counts, offsets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Global -> local expert ids
+# ---------------------------------------------------------------------------------------------------------------
+
+def localize_ids_torch(global_ids: torch.Tensor, expert_offset: int, experts_per_rank: int) -> torch.Tensor:
+    """Reference: int32 [N, K], global id - expert_offset where that lies in [0, experts_per_rank) (and the id is
+    >= 0), else -1."""
+    g = global_ids.to(torch.int64)
+    loc = g - expert_offset
+    keep = (g >= 0) & (loc >= 0) & (loc < experts_per_rank)
+    return torch.where(keep, loc, torch.full_like(loc, -1)).to(torch.int32)
+
+
+@triton.jit
+def _localize_ids_kernel(src_ptr, stride_src, out_ptr, n_rows, expert_offset, experts_per_rank, K: tl.constexpr,
+                         K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, K_PAD)
+    m = (rows < n_rows)[:, None] & (ks < K)[None, :]
+    g = tl.load(src_ptr + rows[:, None] * stride_src + ks[None, :], mask=m, other=-1)
+    loc = g - expert_offset
+    keep = (g >= 0) & (loc >= 0) & (loc < experts_per_rank)
+    tl.store(out_ptr + rows[:, None] * K + ks[None, :], tl.where(keep, loc, -1).to(tl.int32), mask=m)
+
+
+def localize_ids(global_ids: torch.Tensor, expert_offset: int, experts_per_rank: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton: localize_ids_torch's contract into `out` (int32 [N, K] contiguous; allocated when None).
+    `global_ids` may be a strided view (contiguous rows), e.g. the id columns of a metadata buffer."""
+    N, K = global_ids.shape
+    if out is None:
+        out = torch.empty(N, K, dtype=torch.int32, device=global_ids.device)
+    if tuple(out.shape) != (N, K) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"localize_ids: out must be a contiguous int32 tensor of shape {(N, K)}")
+    if K > 1 and global_ids.stride(1) != 1:
+        raise ValueError("localize_ids: global_ids rows must be contiguous")
+    if N == 0:
+        return out
+    check_triton_device(global_ids, out)
+    _localize_ids_kernel[(triton.cdiv(N, LOCALIZE_BLOCK_ROWS),)](
+        global_ids, global_ids.stride(0), out, N, int(expert_offset), int(experts_per_rank), K=K,
+        K_PAD=max(2, next_pow2(K)), BLOCK_R=LOCALIZE_BLOCK_ROWS, num_warps=LOCALIZE_NUM_WARPS)
+    return out
