@@ -12,6 +12,7 @@ from moebench.kernels._grouped_gemm import (
     GemmConfig,
     align_routes,
     align_routes_torch,
+    align_scratch_size,
     choose_config,
     down_proj,
     down_proj_torch,
@@ -97,7 +98,8 @@ def test_align_routes_exact(device, K, num_experts, block_m, m):
                                torch.empty(-(-(m * K + num_experts * (block_m - 1)) // block_m), dtype=torch.int32,
                                            device=device),
                                torch.empty(1, dtype=torch.int32, device=device),
-                               torch.empty(num_experts, dtype=torch.int32, device=device))]
+                               torch.empty(align_scratch_size(m * K, num_experts), dtype=torch.int32,
+                                           device=device))]
     got = align_routes(ids, num_experts, block_m, out=tuple(out))
     ref = align_routes_torch(ids, num_experts, block_m)
     for name, a, b in zip(("sorted_ids", "expert_ids", "num_post_padded"), got, ref):
@@ -108,14 +110,57 @@ def test_align_routes_exact(device, K, num_experts, block_m, m):
         assert torch.equal(a.cpu(), b.cpu())
 
 
+def _gpu_choose_config(monkeypatch, *args):
+    """choose_config as on a GPU (under the interpreter it returns CPU-sized tiles)."""
+    import sys
+
+    gg = sys.modules[choose_config.__module__]
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    return choose_config(*args)
+
+
+def test_choose_config_tiers(monkeypatch):
+    # The issue-3 target shape: 256 routes per expert -> BM128, gate/up N128 K64 w8 s3 + TMA, down N256 K64 w8 s3 + TMA
+    big = _gpu_choose_config(monkeypatch, 4096 * 8, 128, 7168, 2048)
+    assert big == ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True),
+                                GemmConfig(256, 64, 8, 8, 3, weight_tma=True), reduce_block_h=1024)
+    assert big.short() == "BM128 up:N128K64w8s3g8tma down:N256K64w8s3g8tma"
+    assert _gpu_choose_config(monkeypatch, 128 * 128, 128, 7168, 2048).block_m == 128  # 128 routes per expert
+    mid = _gpu_choose_config(monkeypatch, 127 * 128, 128, 7168, 2048)
+    assert mid.block_m == 64 and not mid.gate_up.weight_tma and not mid.down.weight_tma
+    assert _gpu_choose_config(monkeypatch, 48 * 128, 128, 7168, 2048).block_m == 32
+    assert _gpu_choose_config(monkeypatch, 8 * 128, 128, 7168, 2048).block_m == 16
+    # Small hidden/intermediate sizes shrink the tiles but keep the TMA request (the launch checks the layout).
+    small = _gpu_choose_config(monkeypatch, 32 * 8, 2, 64, 32)
+    assert small.block_m == 128 and small.gate_up.weight_tma and small.down.weight_tma
+    assert (small.gate_up.block_n, small.gate_up.block_k, small.down.block_n, small.down.block_k) == (32, 64, 64, 32)
+
+
+def test_large_tier_config_runs(device, monkeypatch):
+    """The BM128 + TMA tier's config (tiles shrunk to H=64, I=32) end to end in the interpreter / on a GPU."""
+    K, m, e = 2, 128, 2  # 128 routes per expert
+    cfg = _gpu_choose_config(monkeypatch, m * K, e, H, I)
+    monkeypatch.undo()
+    assert cfg.block_m == 128
+    x, w13, w2, w, ids = _problem(device, K, seed=12, m=m, e=e, skip_frac=0.3, high_ids=False)
+    ids[-5:] = -1  # padded rows
+    assert _weight_operand(w13, cfg.gate_up.block_n, cfg.gate_up, I)[1]
+    assert _weight_operand(w2, cfg.down.block_n, cfg.down, H)[1]
+    out = poison(torch.empty(m, H, dtype=torch.bfloat16, device=device))
+    fused_experts(x, w13, w2, w, ids, config=cfg, out=out)
+    ref = fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)
+    assert _frob(out, ref) < 1e-2
+    assert (out[-5:] == 0).all()
+
+
 def test_sub_kernels_vs_references(device):
     K = 6
     x, w13, w2, w, ids = _problem(device, K, seed=3)
     cfg = choose_config(M * K, E, H, I)
     ws = make_workspace(M, K, E, H, I, config=cfg, device=device)
-    for t in (ws.act, ws.y):
+    for t in (ws.act, ws.y, ws.align_scratch, ws.sorted_ids, ws.expert_ids, ws.num_post):
         poison(t)
-    s, e, n = align_routes(ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.counts))
+    s, e, n = align_routes(ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
     num_post = int(n)
     gate_up_swiglu(x, w13, s, e, n, K, cfg.block_m, cfg.gate_up, ws.act)
     act_ref = gate_up_swiglu_torch(x, w13, s, e, n, K, cfg.block_m)

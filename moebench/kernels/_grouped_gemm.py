@@ -3,12 +3,13 @@
 Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
   align_routes      topk_ids -> sorted_ids (routes grouped by expert, each expert's segment padded to a multiple
                     of BLOCK_M with the pad value R), expert_ids (owner of each BLOCK_M block), num_post_padded.
-                    Same contract as SPEC's moe_align_block_size (without expert_map); skipped routes (id < 0 or
-                    id >= E) are never placed, so no later kernel sees them.
+                    This is SPEC's moe_align_block_size (without expert_map; its Triton kernels do the work);
+                    skipped routes (id < 0 or id >= E) are never placed, so no later kernel sees them.
   gate_up_swiglu    act[j] = silu(x[tok] @ w13[e, :I].T) * (x[tok] @ w13[e, I:].T) for sorted position j;
                     both halves in one program so the SwiGLU is an epilogue. Rows of act are sorted positions.
   down_proj         y[i] = topk_weight[i] * (act[j] @ w2[e].T), written at the route's own row i.
-  sum_slots         out[m] = sum over valid k of y[m*K + k] (fp32, k ascending); invalid slots never loaded.
+  sum_slots         out[m] = sum over valid k of y[m*K + k] (fp32, k ascending); invalid slots never loaded
+                    (masked_moe_sum's kernel, with ids >= E skipped too).
 The GEMM kernels are persistent: a fixed number of programs (what fits on the GPU) walk the tiles of the blocks
 that exist, num_post_padded being read on the device, so skipped routes cost no GEMM work, no program launch, and
 nothing synchronises with the host (CUDA-graph capturable).
@@ -18,6 +19,7 @@ Each Triton kernel has a plain-torch reference `<name>_torch` below it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,8 @@ import triton
 import triton.language as tl
 
 from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
+from moebench.kernels.masked_moe_sum import _round_store_value, launch_masked_sum, soft_bf16, sum_launch_config
+from moebench.kernels.moe_align_block_size import default_block_routes, moe_align_block_size
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,14 +87,19 @@ def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: 
         bm, up, down = 16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4)
     elif rows_per_expert <= 48:
         bm, up, down = 32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
-    elif rows_per_expert <= 384:
+    elif rows_per_expert < 128:
         bm, up, down = 64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4)
     else:
-        bm, up, down = 128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3)
-    up = GemmConfig(_fit(up.block_n, intermediate), _fit(up.block_k, hidden), up.group_m, up.num_warps,
-                    up.num_stages)
-    down = GemmConfig(_fit(down.block_n, hidden), _fit(down.block_k, intermediate), down.group_m, down.num_warps,
-                      down.num_stages)
+        # Measured on an H200 (128 experts, 4096 tokens x top-8, H=7168, I=2048; us at 0% / 50% of routes
+        # skipped): gate/up N128 K64 w8 s3 with TMA weights 4036 / 2821 (BM64's default 5198 at 0%), down N256 K64
+        # w8 s3 2113 / 1495 plain, 2158 / 1453 with TMA. TMA for down: the faster one where routes are skipped.
+        # BM128 pads each expert's last block further, but halves the weight re-reads per row.
+        bm = 128
+        up = GemmConfig(128, 64, 8, 8, 3, weight_tma=True)
+        down = GemmConfig(256, 64, 8, 8, 3, weight_tma=True)
+    # (_weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)
+    up = dataclasses.replace(up, block_n=_fit(up.block_n, intermediate), block_k=_fit(up.block_k, hidden))
+    down = dataclasses.replace(down, block_n=_fit(down.block_n, hidden), block_k=_fit(down.block_k, intermediate))
     return ExpertsConfig(bm, up, down, reduce_block_h=_fit(1024, hidden))
 
 
@@ -107,60 +116,12 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Alignment: two passes, one program per expert (plus one for the tail). Each program scans the routes in
-# ascending order, which makes the placement stable without a sort and without atomics.
+# Alignment: SPEC's moe_align_block_size (its count / scan / scatter kernels), without an expert map
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _count_routes_kernel(ids_ptr, counts_ptr, num_routes, CHUNK: tl.constexpr):
-    expert = tl.program_id(0)
-    count = tl.zeros((), dtype=tl.int32)
-    for start in range(0, num_routes, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_routes, other=-1)
-        count += tl.sum((ids == expert).to(tl.int32), axis=0)
-    tl.store(counts_ptr + expert, count)
-
-
-@triton.jit
-def _place_routes_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                         num_routes, num_experts, sorted_capacity, block_capacity,
-                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    pid = tl.program_id(0)
-    e_offs = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + e_offs, mask=e_offs < num_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    total = tl.sum(padded, axis=0)
-    if pid < num_experts:
-        seg_start = tl.sum(tl.where(e_offs < pid, padded, 0), axis=0)
-        placed = tl.zeros((), dtype=tl.int32)
-        for start in range(0, num_routes, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < num_routes, other=-1)
-            hit = ids == pid
-            rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            tl.store(sorted_ptr + seg_start + placed + rank, offs, mask=hit)
-            placed += tl.sum(hit.to(tl.int32), axis=0)
-        seg_len = (placed + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        # at most BLOCK_M - 1 pad entries close the segment
-        pad_offs = seg_start + placed + tl.arange(0, BLOCK_M)
-        tl.store(sorted_ptr + pad_offs, tl.full((BLOCK_M,), 0, tl.int32) + num_routes,
-                 mask=pad_offs < seg_start + seg_len)
-        first_block = seg_start // BLOCK_M
-        num_blocks = seg_len // BLOCK_M
-        for b in range(0, num_blocks, CHUNK):
-            b_offs = b + tl.arange(0, CHUNK)
-            tl.store(expert_ids_ptr + first_block + b_offs, tl.full((CHUNK,), 0, tl.int32) + pid,
-                     mask=b_offs < num_blocks)
-    else:
-        # the tail program: the total, then the pad value / -1 past it (SPEC's full-capacity contract)
-        tl.store(num_post_ptr, total)
-        for start in range(total, sorted_capacity, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + num_routes, mask=offs < sorted_capacity)
-        for start in range(total // BLOCK_M, block_capacity, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(expert_ids_ptr + offs, tl.full((CHUNK,), -1, tl.int32), mask=offs < block_capacity)
+def align_scratch_size(num_routes: int, num_experts: int) -> int:
+    """int32 elements of the alignment scratch (moe_align_block_size's workspace at its default block of routes)."""
+    return triton.cdiv(num_routes, default_block_routes(num_routes)) * num_experts + num_experts
 
 
 def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -168,30 +129,20 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [cap], expert_ids int32 [cap/BM], num_post_padded int32 [1]); see the module docstring.
 
-    `out` = (sorted_ids, expert_ids, num_post_padded, counts [E] int32 scratch) preallocated, for timed runs.
+    `out` = (sorted_ids, expert_ids, num_post_padded, scratch) preallocated, for timed runs; scratch is int32 with
+    at least align_scratch_size(M*K, E) elements (its contents need no initialisation).
     """
     check_triton_device(topk_ids)
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    num_routes = ids.numel()
-    cap, bcap = align_capacity(num_routes, num_experts, block_m)
+    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
     if out is None:
-        dev = topk_ids.device
-        out = (torch.empty(cap, dtype=torch.int32, device=dev), torch.empty(bcap, dtype=torch.int32, device=dev),
-               torch.empty(1, dtype=torch.int32, device=dev), torch.empty(num_experts, dtype=torch.int32, device=dev))
-    sorted_ids, expert_ids, num_post, counts = out
-    if num_routes == 0:
-        sorted_ids.fill_(0)
-        expert_ids.fill_(-1)
-        num_post.zero_()
-        return sorted_ids, expert_ids, num_post
-    chunk = min(1024, next_pow2(num_routes))
-    _count_routes_kernel[(num_experts,)](ids, counts, num_routes, CHUNK=chunk, num_warps=4)
-    _place_routes_kernel[(num_experts + 1,)](ids, counts, sorted_ids, expert_ids, num_post, num_routes,
-                                             num_experts, cap, bcap, BLOCK_M=block_m,
-                                             E_PAD=next_pow2(num_experts), CHUNK=chunk, num_warps=4)
-    return sorted_ids, expert_ids, num_post
+        return moe_align_block_size(ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_post, scratch = out
+    need = align_scratch_size(ids.numel(), num_experts)
+    if scratch.dtype != torch.int32 or scratch.numel() < need:
+        raise ValueError(f"alignment scratch: need int32 with >= {need} elements (align_scratch_size), got "
+                         f"{scratch.dtype} with {scratch.numel()}")
+    return moe_align_block_size(ids, num_experts, block_m, out=(sorted_ids, expert_ids, num_post),
+                                workspace=scratch[:need])
 
 
 def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -218,20 +169,9 @@ def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 # Grouped GEMMs
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _round_store_value(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 -> output dtype. SOFT_BF16 (CPU interpreter only, whose fp32->bf16 cast truncates): round to nearest
-    even on the bit pattern, as the GPU's cvt.rn does, so CPU tests see GPU-like rounding error."""
-    if SOFT_BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(dtype)
-
-
 def _soft_bf16(t: torch.Tensor) -> bool:
-    return interpreting() and t.dtype == torch.bfloat16
+    """The CPU interpreter's fp32 -> bf16 cast truncates: round to nearest even in the kernel instead."""
+    return soft_bf16(t)
 
 
 @triton.jit
@@ -482,34 +422,21 @@ def down_proj_torch(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Ten
 # Slot reduction (deterministic: fp32, k ascending, no atomics)
 # ---------------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, top_k, num_experts, stride_ym, stride_om,
-                      BLOCK_H: tl.constexpr, SOFT_BF16: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < hidden
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(0, top_k):
-        e = tl.load(ids_ptr + m * top_k + k)
-        # a skipped slot's row was never written: it is not loaded at all
-        if (e >= 0) & (e < num_experts):
-            v = tl.load(y_ptr + (m * top_k + k) * stride_ym + offs_h, mask=h_ok, other=0.0)
-            acc += v.to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_h, _round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16),
-             mask=h_ok)
-
-
 def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor,
               block_h: int = 1024) -> torch.Tensor:
-    """out[m] = sum over k with 0 <= topk_ids[m,k] < num_experts of y[m*K + k] (fp32 in order k, rounded once)."""
+    """out[m] = sum over k with 0 <= topk_ids[m,k] < num_experts of y[m*K + k] (fp32 in order k, rounded once).
+    The rows of skipped slots are never loaded (they were never written). masked_moe_sum's kernel: two rows per
+    program, all slot loads of a row block in flight together, padded row blocks store zeros only."""
     M, K = topk_ids.shape
     H = out.shape[1]
     if M == 0:
         return out
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    block_h = min(block_h, next_pow2(H))
-    _sum_slots_kernel[(M, triton.cdiv(H, block_h))](y, ids, out, H, K, num_experts, y.stride(0), out.stride(0),
-                                                     BLOCK_H=block_h, SOFT_BF16=_soft_bf16(out), num_warps=4)
+    if K == 0:
+        return out.zero_()
+    assert y.shape == (M * K, H) and y.stride(1) == 1 and out.stride(1) == 1
+    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
+    launch_masked_sum(y, (K * y.stride(0), y.stride(0)), ids, out, num_experts=num_experts,
+                      launch=sum_launch_config(H, block_h))
     return out
 
 

@@ -2,8 +2,8 @@
 
     out[m] = sum over valid k of topk_weights[m,k] * (silu(x[m] @ w13[e,:I].T) * (x[m] @ w13[e,I:].T)) @ w2[e].T
 
-`fused_experts` is the Triton path (align -> gate/up + SwiGLU grouped GEMM -> down grouped GEMM with the top-k
-weight -> deterministic slot sum; see `_grouped_gemm`). `fused_experts_torch` is the literal reference (fp32 by
+`fused_experts` is the Triton path (align (moe_align_block_size's kernels) -> gate/up + SwiGLU grouped GEMM -> down
+grouped GEMM with the top-k weight -> deterministic slot sum (masked_moe_sum's kernel); see `_grouped_gemm`). `fused_experts_torch` is the literal reference (fp32 by
 default; bf16 compute for the eager peer), `fused_experts_grouped_mm` the torch._grouped_mm baseline.
 
 Registered impls (target "kernel", NVTX stage "experts"):
@@ -29,6 +29,7 @@ from moebench.kernels._grouped_gemm import (
     ExpertsConfig,
     align_capacity,
     align_routes,
+    align_scratch_size,
     choose_config,
     down_proj,
     gate_up_swiglu,
@@ -77,7 +78,7 @@ class ExpertsWorkspace:
     sorted_ids: torch.Tensor  # int32 [R + E*(BM-1)]
     expert_ids: torch.Tensor  # int32 [cdiv(that, BM)]
     num_post: torch.Tensor  # int32 [1]
-    counts: torch.Tensor  # int32 [E]
+    align_scratch: torch.Tensor  # int32 [align_scratch_size(R, E)]: moe_align_block_size's workspace
     act: torch.Tensor  # [max_blocks*BM, I] SwiGLU output per sorted position
     y: torch.Tensor  # [R, H] weighted expert output per route
 
@@ -96,7 +97,7 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     return ExpertsWorkspace(
         cfg, num_tokens, top_k, num_experts, hidden, intermediate,
         sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32), num_post=torch.empty(1, **i32),
-        counts=torch.empty(num_experts, **i32),
+        align_scratch=torch.empty(align_scratch_size(R, num_experts), **i32),
         act=torch.empty(rows, intermediate, dtype=dtype, device=device),
         y=torch.empty(R, hidden, dtype=dtype, device=device))
 
@@ -134,7 +135,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     ws = workspace
     if alignment is None:
         sorted_ids, expert_ids, num_post = align_routes(
-            topk_ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.counts))
+            topk_ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
     else:
         sorted_ids, expert_ids, num_post = alignment
         cap, bcap = align_capacity(M * K, E, cfg.block_m)
