@@ -182,6 +182,9 @@ def _slug(values: dict) -> str:
 
 
 def _gpu_label(manifest: dict) -> str:
+    env = manifest.get("env") or {}
+    if env.get("gpu") and str(manifest.get("device", "cuda")).startswith("cuda"):
+        return str(env["gpu"])  # the runner's manifest: env.gpu names the device the points ran on
     gpu = manifest.get("gpu")
     if isinstance(gpu, str) and gpu:
         return gpu
