@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Check and time moe_align_block_size and masked_moe_sum on one GPU (issue 3 targets).
 
-    python3 scripts/gpu_align_sum.py               # the target shapes, about 30-50 s including JIT compiles
-    python3 scripts/gpu_align_sum.py --sweep-block-routes   # plus alignment at 256..4096 routes per program
+    python3 scripts/gpu_align_sum.py               # the target shapes, about 20-30 s including JIT compiles
+    python3 scripts/gpu_align_sum.py --sweep-block-routes   # plus alignment at 128..2048 routes per program and
+                                                            # masked_moe_sum launch shapes (under 60 s in all)
     python3 scripts/gpu_align_sum.py --cpu-smoke   # the script's own logic at tiny shapes in the interpreter
 
 Alignment: T in {64, 8192, 65536}, K=8, E=256, block_size 64, a quarter of the rows padded (ids -1); Triton vs the
@@ -11,6 +12,9 @@ masked_moe_sum: T=8192, K=8, H=7168 bf16, padding 0 and 0.5 (NaN in the -1 slots
 `intermediate.sum(dim=1)` (GPU.md: 332 us). Targets: within 10% of eager sum unpadded; padded at most 0.6x its own
 unpadded time.
 Every output is checked exactly against the reference before it is timed (a wrong one is reported, not timed).
+The `#` lines before the table: the alignment's launch shapes and per-kernel device time (count / scan / scatter,
+torch.profiler) at T=64 and the middle T, then (with the sweep) the same per block_routes and the masked sum per
+launch shape (rows x columns per program, warps).
 Times: median over --reps replays of a CUDA graph holding --unroll calls (us per call); a path that cannot be
 captured falls back to CUDA events and says so. GB/s counts the bytes the implementation must move (align: ids
 read + outputs written; sum: valid slots read + output written); %roof is against the 4247 GB/s copy roof.
@@ -33,10 +37,17 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch  # noqa: E402
+from moebench.kernels.masked_moe_sum import (  # noqa: E402
+    SumLaunch,
+    masked_moe_sum,
+    masked_moe_sum_torch,
+    sum_launch_config,
+)
 from moebench.kernels.moe_align_block_size import (  # noqa: E402
+    align_launch_shapes,
     align_workspace,
     alloc_align_outputs,
+    default_block_routes,
     moe_align_block_size,
     moe_align_block_size_torch,
 )
@@ -130,16 +141,19 @@ def align_rows(args, device) -> list[list[str]]:
     return rows
 
 
-def align_breakdown(args, device, block_routes: int | None = None) -> str:
-    """Per-kernel device time of the three alignment launches at the middle T (torch.profiler), if it works.
+def align_breakdown(args, device, T: int, block_routes: int | None = None) -> str:
+    """Per-kernel device time of the three alignment launches at T tokens (torch.profiler), if it works.
 
     With `block_routes`, that many routes per program instead of the default (checked exactly first), and the
     graph-replay time of the whole alignment too.
     """
     if device.type != "cuda":
         return ""
-    T = args.align_tokens[len(args.align_tokens) // 2]
-    label = f"# align T={T} block_routes={block_routes or 'default'}:"
+    used = block_routes or default_block_routes(T * 8)
+    shapes = align_launch_shapes(T * 8, args.experts, args.block_size, used)
+    label = (f"# align T={T} block_routes={block_routes or f'default ({used})'} grids "
+             f"count {shapes['count_grid']} scan {shapes['scan_grid']} scatter {shapes['scatter_grid']} "
+             f"(route blocks {shapes['num_blocks']}, {shapes['route_warps']} warps):")
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -182,39 +196,46 @@ def sum_rows(args, device) -> list[list[str]]:
     x = torch.randn(T, K, H, generator=g, device=device, dtype=torch.bfloat16)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
     eager_out = torch.empty_like(out)
-    unpadded_us = None
+    default = sum_launch_config(H)
+    launches = [default]
+    if args.sweep_block_routes:  # launch shapes around the default; rows1 H1024 w4 is the previous kernel's shape
+        launches += [c for c in (SumLaunch(1, 1024, 4), SumLaunch(4, 1024, 4), SumLaunch(2, 2048, 8),
+                                 SumLaunch(1, 2048, 8), SumLaunch(2, 512, 2), SumLaunch(4, 512, 4))
+                     if c != default and c.block_h <= H]
+        if CPU_SMOKE:
+            launches += [SumLaunch(1, 128, 1), SumLaunch(4, 64, 1)]
+    unpadded_us: dict[SumLaunch, float] = {}
     eager_us = None
     for padding in (0.0, 0.5):
         ids = random_routing(T, K, 256, padding, device, seed=2)
         if padding:
             x[ids < 0] = float("nan")  # a skipped slot that gets loaded turns its row into NaN
         ref = masked_moe_sum_torch(x, ids)
-        out.fill_(float("nan"))
-        masked_moe_sum(x, ids, out=out)
-        mismatches = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
-        finite = bool(torch.isfinite(out).all())
-        if device.type == "cpu" and finite:
-            # The interpreter truncates fp32 -> bf16 (a GPU rounds to nearest): allow one bf16 ulp there.
-            ulp = torch.pow(2.0, torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
-            mismatches = int(((out.float() - ref.float()).abs() > ulp).sum())
         valid_slots = int((ids >= 0).sum())
         nbytes = valid_slots * H * 2 + T * H * 2
         us_eager, mode_eager = time_call(lambda: torch.sum(x, dim=1, out=eager_out), device, args.unroll,
                                          args.reps)
         if padding == 0.0:
             eager_us = us_eager
-        if mismatches == 0 and finite:
-            us, mode = time_call(lambda: masked_moe_sum(x, ids, out=out), device, args.unroll, args.reps)
-            note = f"{eager_us / us:.2f}x of eager sum(pad 0) speed"
-            if padding == 0.0:
-                unpadded_us = us
-            elif unpadded_us:
-                note += f", {us / unpadded_us:.2f}x own unpadded time (target <= 0.6)"
-            rows.append([f"sum pad={padding}", "triton", "ok", f"{us:.1f}", f"{nbytes / us / 1e3:.0f}",
-                         f"{100 * nbytes / us / 1e3 / (BYTE_ROOF / 1e9):.1f}", note, mode])
-        else:
-            rows.append([f"sum pad={padding}", "triton", f"WRONG mism={mismatches} finite={finite}", "-", "-", "-",
-                         "-", "-"])
+        for launch in launches:
+            name = "triton" if launch == default else "triton " + launch.short()
+            out.fill_(float("nan"))
+            masked_moe_sum(x, ids, out=out, launch=launch)
+            mismatches = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
+            finite = bool(torch.isfinite(out).all())
+            if mismatches == 0 and finite:
+                us, mode = time_call(lambda: masked_moe_sum(x, ids, out=out, launch=launch), device, args.unroll,
+                                     args.reps)
+                note = f"{eager_us / us:.2f}x of eager sum(pad 0) speed"
+                if padding == 0.0:
+                    unpadded_us[launch] = us
+                elif launch in unpadded_us:
+                    note += f", {us / unpadded_us[launch]:.2f}x own unpadded time (target <= 0.6)"
+                rows.append([f"sum pad={padding}", name, "ok", f"{us:.1f}", f"{nbytes / us / 1e3:.0f}",
+                             f"{100 * nbytes / us / 1e3 / (BYTE_ROOF / 1e9):.1f}", note, mode])
+            else:
+                rows.append([f"sum pad={padding}", name, f"WRONG mism={mismatches} finite={finite}", "-", "-", "-",
+                             "-", "-"])
         all_bytes = T * K * H * 2 + T * H * 2
         rows.append([f"sum pad={padding}", "eager sum(dim=1)", "unmasked", f"{us_eager:.1f}",
                      f"{all_bytes / us_eager / 1e3:.0f}", f"{100 * all_bytes / us_eager / 1e3 / (BYTE_ROOF / 1e9):.1f}",
@@ -228,7 +249,8 @@ def main() -> int:
     ap.add_argument("--unroll", type=int, default=20, help="calls captured per CUDA graph")
     ap.add_argument("--reps", type=int, default=30, help="graph replays timed")
     ap.add_argument("--sweep-block-routes", action="store_true",
-                    help="also time the alignment at T=8192 with 256..4096 routes per program (adds ~30 s)")
+                    help="also time the alignment at T=8192 with 128..2048 routes per program and masked_moe_sum "
+                         "under other launch shapes (adds ~20 s)")
     args = ap.parse_args()
     if CPU_SMOKE:
         device = torch.device("cpu")
@@ -244,10 +266,13 @@ def main() -> int:
         args.sum_tokens, args.hidden = 8192, 7168
     t0 = time.perf_counter()
     rows = align_rows(args, device)
-    breakdown = align_breakdown(args, device)
+    mid_tokens = args.align_tokens[len(args.align_tokens) // 2]
+    breakdown = "\n".join(b for b in (align_breakdown(args, device, T) for T in
+                                       dict.fromkeys((args.align_tokens[0], mid_tokens))) if b)
     if args.sweep_block_routes:
-        for block_routes in (256, 512, 1024, 2048, 4096):
-            breakdown += "\n" + align_breakdown(args, device, block_routes)
+        for block_routes in (128, 256, 512, 1024, 2048):
+            line = align_breakdown(args, device, mid_tokens, block_routes)
+            breakdown += ("\n" if breakdown and line else "") + line
     rows += sum_rows(args, device)
     header = ["case", "impl", "check", "us", "GB/s", "%roof", "ratio", "timing"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
