@@ -4,12 +4,14 @@
     python3 scripts/gpu_dispatch.py                   # 2 GPUs, the target shapes, about 60-90 s
     python3 scripts/gpu_dispatch.py --json OUT.json   # also write the rows as JSON
     python3 scripts/gpu_dispatch.py --cpu-smoke       # the script's own logic on 2 gloo CPU ranks, tiny shapes
+    python3 scripts/gpu_dispatch.py --profile --configs pad0 --no-check   # + torch.profiler kernel tables
 
 Per rank: 4096 tokens, H=7168 bf16, top-8 of 256 experts, uniform routing (moebench.inputs: make_batch + route,
 seed offset = rank). Configurations: `pad0` (no padding: compare with GPU.md's NCCL and DeepEP anchors), and
 `pad50` with half the rows padded (repeat fill: identical rows, so they pile onto the same experts) both masked
 (mask-aware: padded rows are not sent) and unmasked (oblivious: they travel).
-Rows: raw NCCL all_to_all_single of pre-permuted rows (GB/s counting all received rows, own included), then per
+Rows: raw NCCL all_to_all_single of pre-permuted rows (GB/s counting all received rows, own included; `raw_wire`:
+the same rows in the paths' wire format, hidden row + routing in one row), then per
 path (a2a with its count exchange and permutation, a2a_fixed with capacity policy exact, agrs) the dispatch,
 the combine, and the round trip (dispatch + a trivial expert + combine); DeepEP's legacy Buffer when deep_ep
 imports (normal mode; low-latency at 128 tokens with --deepep-ll).
@@ -18,6 +20,11 @@ Every path is first checked against the single-process reference (received rows 
 bf16 tolerance); a wrong path is reported and not timed. Times: CUDA events around each iteration after a barrier,
 per-iteration max over ranks (moebench.dist.max_over_ranks), median of --iters (>= 20). GB/s = rank 0's payload
 bytes received (hidden + ids + weights per row; combine: hidden per row; own rank's rows included) / median.
+`%raw`: the raw all_to_all's median / this row's median (dispatch and combine move the same rows as the raw one).
+Then a per-stage breakdown of every path's dispatch and combine (moebench.dispatch.base.StageTimer: CUDA events at
+the paths' sub-steps: plan, count exchange, pack, counts on the host, payload all-to-all, unpack / reduce; and the
+host clock when each launch returned), per rank, and the targets. `--profile`: per path, the top GPU kernels of
+the round trip (torch.profiler, self device time per iteration).
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moebench import dist as mdist  # noqa: E402
 from moebench.check import compare_close  # noqa: E402
 from moebench.dispatch.a2a import destination_order  # noqa: E402
-from moebench.dispatch.base import (EPLayout, all_to_all_single, capacity_for, check_received,  # noqa: E402
-                                    count_padding_received, effective_ids, gather_inputs, max_rows_per_pair,
-                                    scaled_expert, scaled_expert_reference, token_in_rank)
+from moebench.dispatch.base import (EPLayout, StageTimer, all_to_all_single, capacity_for,  # noqa: E402
+                                    check_received, count_padding_received, effective_ids, gather_inputs,
+                                    max_rows_per_pair, scaled_expert, scaled_expert_reference, token_in_rank)
 from moebench.dispatch.bench import make_path, padded_rows_sent  # noqa: E402
+from moebench.dispatch.permute import RowLayout  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,10 +69,13 @@ def parse_args(argv=None):
     ap.add_argument("--no-check", action="store_true", help="skip the reference checks (faster)")
     ap.add_argument("--deepep-ll", action="store_true", help="also DeepEP low-latency mode at 128 tokens/rank")
     ap.add_argument("--json", default=None, help="write the result rows to this file")
+    ap.add_argument("--stage-iters", type=int, default=10, help="calls per per-stage breakdown (0: none)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler top kernels of each path's round trip")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo CPU ranks, tiny shapes, interpreter")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.tokens, args.hidden, args.experts, args.top_k, args.iters, args.warmup = 32, 64, 16, 4, 3, 1
+        args.stage_iters = min(args.stage_iters, 2)
     elif args.iters < 20:
         ap.error("--iters must be >= 20 (medians of fewer samples are noise)")
     return args
@@ -102,6 +113,50 @@ def timed(fn, ctx, warmup: int, iters: int) -> dict:
             "slowest_rank": rm.slowest_rank}
 
 
+def breakdown(path, fn, ctx, iters: int) -> list[dict]:
+    """The path's StageTimer points over `iters` calls of fn (ranks lined up by a barrier before each call)."""
+    import torch.distributed as dist
+
+    timer = StageTimer(ctx.device)
+    path.timer = timer
+    try:
+        for _ in range(iters):
+            dist.barrier(group=ctx.group)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            timer.begin()
+            fn()
+            timer.end()
+    finally:
+        path.timer = None
+    return timer.table()
+
+
+def profile_kernels(fn, ctx, iters: int = 5, top: int = 12) -> list[tuple[str, float, float]]:
+    """(name, calls per iteration, self device us per iteration) of the busiest GPU kernels/ops of fn."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    if ctx.device.type != "cuda":
+        return []
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            dist.barrier(group=ctx.group)
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if t and t > 0:
+            rows.append((e.key, e.count / iters, t / iters))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
+
+
 def _all_ok(ok: bool, ctx) -> bool:
     import torch.distributed as dist
 
@@ -125,6 +180,8 @@ def worker(ctx, args) -> list[dict]:
     layout = EPLayout(ctx.rank, R, args.experts, ctx.group)
     paths = [p for p in args.paths.split(",") if p]
     rows: list[dict] = []
+    stages: list[dict] = []
+    profiles: list[dict] = []
     for config in [c for c in args.configs.split(",") if c]:
         pad, masked = CONFIGS[config]
         p = Params(num_tokens=args.tokens, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
@@ -149,6 +206,18 @@ def worker(ctx, args) -> list[dict]:
                                             world_size=R), ctx, args.warmup, args.iters)
         rows.append(_row(config, "nccl_a2a_raw", "rows only", t, recv_x.numel() * recv_x.element_size(),
                          recv_rows=sum(recv_splits), padded_sent=sent_padding))
+        raw_us = t["p50_us"]
+        # the same rows in the paths' wire format (hidden row + routing, 32-byte aligned): the format's own cost
+        wire = RowLayout(args.hidden, args.top_k, x.dtype)
+        send_w = wire.empty(sum(send_splits), x.device)
+        wire.x(send_w).copy_(send_x)
+        recv_w = wire.empty(sum(recv_splits), x.device)
+        t = timed(lambda: all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=ctx.group,
+                                            world_size=R), ctx, args.warmup, args.iters)
+        payload = recv_w.shape[0] * (wire.x_bytes + 8 * args.top_k)  # as the paths count it: hidden + ids + weights
+        rows.append(_row(config, "nccl_a2a_raw", "raw_wire", t, payload, raw_us=raw_us, recv_rows=sum(recv_splits),
+                         padded_sent=sent_padding, note=f"{wire.row_bytes} B/row"))
+        del send_w, recv_w, send_x, recv_x
 
         g = None if args.no_check else gather_inputs(x, ids, w, batch.is_padding, mask is not None, layout)
         for kind in paths:
@@ -201,10 +270,17 @@ def worker(ctx, args) -> list[dict]:
             common = dict(check=check, recv_rows=stats.recv_rows, note=note,
                           padded_sent=padded_rows_sent(path, ids_eff, batch.is_padding))
             t = timed(lambda: path.dispatch(x, ids, w, mask), ctx, args.warmup, args.iters)
-            rows.append(_row(config, kind, "dispatch", t, stats.recv_payload_bytes,
+            rows.append(_row(config, kind, "dispatch", t, stats.recv_payload_bytes, raw_us=raw_us,
                              wire_bytes=stats.wire_recv_bytes, **common))
+            d0 = path.dispatch(x, ids, w, mask)  # the handle of the latest dispatch (buffers are reused)
             t = timed(lambda: path.combine(y0, d0.handle, out=out), ctx, args.warmup, args.iters)
-            rows.append(_row(config, kind, "combine", t, stats.combine_recv_bytes, **common))
+            rows.append(_row(config, kind, "combine", t, stats.combine_recv_bytes, raw_us=raw_us, **common))
+            if args.stage_iters > 0:
+                for stage, fn in (("dispatch", lambda: path.dispatch(x, ids, w, mask)),
+                                  ("combine", lambda: path.combine(y0, d0.handle, out=out))):
+                    stages.append({"config": config, "path": kind, "stage": stage,
+                                   "points": breakdown(path, fn, ctx, args.stage_iters)})
+                d0 = path.dispatch(x, ids, w, mask)
 
             def round_trip():
                 d = path.dispatch(x, ids, w, mask)
@@ -213,6 +289,8 @@ def worker(ctx, args) -> list[dict]:
             t = timed(round_trip, ctx, args.warmup, args.iters)
             rows.append(_row(config, kind, "round trip", t, stats.recv_payload_bytes + stats.combine_recv_bytes,
                              **common))
+            if args.profile:
+                profiles.append({"config": config, "path": kind, "kernels": profile_kernels(round_trip, ctx)})
             path.close()
             del path, d0, y0
             if ctx.device.type == "cuda":
@@ -221,7 +299,7 @@ def worker(ctx, args) -> list[dict]:
 
     if args.deepep_ll and "deepep" in paths:
         rows.extend(_deepep_low_latency(ctx, args, layout))
-    return rows
+    return {"rows": rows, "stages": stages, "profiles": profiles}
 
 
 def _deepep_low_latency(ctx, args, layout) -> list[dict]:
@@ -266,15 +344,72 @@ def _deepep_low_latency(ctx, args, layout) -> list[dict]:
 def print_table(rows: list[dict], header: str) -> None:
     print(f"# {header}")
     print(f"# {'config':<15} {'path':<13} {'stage':<10} {'p50_us':>9} {'min_us':>9} {'MB':>8} {'GB/s':>7} "
-          f"{'rows':>6} {'pad_sent':>8} {'slow':>4}  check / note")
+          f"{'%raw':>5} {'rows':>6} {'pad_sent':>8} {'slow':>4}  check / note")
     for r in rows:
         if "p50_us" not in r:
             print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {'-':>9} {'-':>9} {'-':>8} {'-':>7} "
-                  f"{'-':>6} {'-':>8} {'-':>4}  {r.get('check', '')} {r.get('note', '')}")
+                  f"{'-':>5} {'-':>6} {'-':>8} {'-':>4}  {r.get('check', '')} {r.get('note', '')}")
             continue
+        pct = f"{100 * r['raw_us'] / r['p50_us']:>5.0f}" if r.get("raw_us") else f"{'':>5}"
         print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {r['p50_us']:>9.1f} {r['min_us']:>9.1f} "
-              f"{r['bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {r.get('recv_rows', ''):>6} "
+              f"{r['bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {pct} {r.get('recv_rows', ''):>6} "
               f"{r.get('padded_sent', ''):>8} {r['slowest_rank']:>4}  {r.get('check', '')} {r.get('note', '')}")
+
+
+def print_stages(per_rank: list[list[dict]], iters: int) -> None:
+    """Per path and stage: each StageTimer point, per rank: GPU us and host us since the call's start."""
+    if not per_rank or not per_rank[0]:
+        return
+    R = len(per_rank)
+    print(f"# per-stage breakdown, median of {iters} calls; us since the call's start. gpu: CUDA event on the "
+          f"stream current at that point (the count exchange: the side stream); host: when that launch returned. "
+          f"gpu well below host = the GPU waited for the CPU.")
+    cols = " ".join(f"{f'r{r} gpu':>8} {f'r{r} host':>8}" for r in range(R))
+    print(f"# {'config':<15} {'path':<10} {'stage':<9} {'point':<15} {cols}")
+    for i, entry in enumerate(per_rank[0]):
+        for j, pt in enumerate(entry["points"]):
+            vals = []
+            for r in range(R):
+                q = per_rank[r][i]["points"][j] if i < len(per_rank[r]) and j < len(per_rank[r][i]["points"]) \
+                    else {}
+                g, h = q.get("gpu_us"), q.get("host_us")
+                vals.append(f"{g:>8.1f}" if g is not None else f"{'-':>8}")
+                vals.append(f"{h:>8.1f}" if h is not None else f"{'-':>8}")
+            head = (entry["config"], entry["path"], entry["stage"]) if j == 0 else ("", "", "")
+            print(f"  {head[0]:<15} {head[1]:<10} {head[2]:<9} {pt['label']:<15} {' '.join(vals)}")
+
+
+def print_profiles(profiles: list[dict]) -> None:
+    for prof in profiles:
+        print(f"# torch.profiler, rank 0, {prof['config']} {prof['path']} round trip: top kernels by self device "
+              f"time per iteration")
+        for name, calls, us in prof["kernels"]:
+            print(f"  {us:>9.1f} us {calls:>5.1f}x  {name[:100]}")
+
+
+def print_targets(rows: list[dict]) -> None:
+    """The issue's targets, from the table: a2a dispatch >= 90% of raw, masked/unmasked <= 0.6, ..."""
+    def p50(config, path, stage):
+        for r in rows:
+            if (r["config"], r["path"], r["stage"]) == (config, path, stage) and "p50_us" in r:
+                return r["p50_us"]
+        return None
+
+    raw = p50("pad0", "nccl_a2a_raw", "rows only")
+    lines = []
+    for path in ("a2a", "a2a_fixed", "agrs"):
+        for stage in ("dispatch", "combine"):
+            t = p50("pad0", path, stage)
+            if raw and t:
+                goal = " (target >= 90%)" if (path, stage) == ("a2a", "dispatch") else ""
+                lines.append(f"pad0 {path} {stage}: {100 * raw / t:.0f}% of raw all_to_all bandwidth{goal}")
+    for path in ("a2a", "a2a_fixed"):
+        m, u = p50("pad50_masked", path, "dispatch"), p50("pad50_unmasked", path, "dispatch")
+        if m and u:
+            goal = " (target <= 0.60)" if path == "a2a" else ""
+            lines.append(f"pad50 {path} dispatch masked / unmasked: {m / u:.2f}{goal}")
+    if lines:
+        print("# targets: " + "; ".join(lines))
 
 
 def main(argv=None) -> int:
@@ -285,7 +420,7 @@ def main(argv=None) -> int:
         print(f"needs {args.world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
     results = mdist.spawn(worker, args.world, backend=backend, args=(args,), timeout_s=600)
-    rows = results[0]
+    rows = results[0]["rows"]
     dev = "cpu (gloo, interpreter)" if args.cpu_smoke else torch.cuda.get_device_name(0)
     try:
         import triton
@@ -294,12 +429,16 @@ def main(argv=None) -> int:
     except ImportError:  # pragma: no cover
         tv = "?"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+    print_stages([r["stages"] for r in results], args.stage_iters)
+    print_profiles(results[0]["profiles"])
     print_table(rows, f"{args.world} x {dev}; torch {torch.__version__}, triton {tv}, nccl {nccl}; "
                       f"T={args.tokens}/rank H={args.hidden} E={args.experts} top-{args.top_k}; "
                       f"median of {args.iters} iters (per-iteration max over ranks); bytes are rank 0's, own rows "
                       f"included; {time.time() - t0:.0f} s")
+    print_targets(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "stages": [r["stages"] for r in results],
+                                               "profiles": results[0]["profiles"]}, indent=1))
     bad = [r for r in rows if str(r.get("check", "")).startswith("WRONG")]
     return 1 if bad else 0
 

@@ -1,6 +1,8 @@
-"""Dispatch paths (agrs, a2a, a2a_fixed) on spawned gloo ranks against the single-process reference; the
-fixed-capacity pack/combine Triton kernels (interpreter) against their torch references; capacity policies;
-the registered dispatch impls end to end; DeepEP detection. GPU (2 GPUs): NCCL paths and a2a_fixed in a CUDA graph.
+"""Dispatch paths (agrs, a2a, a2a_fixed; Triton and torch-reference variants) on spawned gloo ranks against the
+single-process reference; the Triton kernels (interpreter) against their torch references, exactly: the send plan,
+pack/combine in fixed-capacity and exact-block modes on wire-row views, id localisation; the wire row layout;
+capacity policies; the stage timer; buffer reuse; the registered dispatch impls end to end; DeepEP detection.
+GPU (2 GPUs): NCCL paths and a2a_fixed in a CUDA graph.
 """
 
 import os
@@ -14,9 +16,11 @@ from moebench.dispatch.a2a import A2APath, destination_order
 from moebench.dispatch.a2a_fixed import (A2AFixedPath, combine_fixed, combine_fixed_torch, pack_fixed,
                                          pack_fixed_torch, send_positions)
 from moebench.dispatch.agrs import AGRSPath
-from moebench.dispatch.base import (EPLayout, capacity_for, check_received, count_padding_received,
-                                    effective_ids, gather_inputs, max_rows_per_pair, scaled_expert,
-                                    scaled_expert_reference, token_in_rank)
+from moebench.dispatch.base import (GROW_ROWS, EPLayout, StageTimer, capacity_for, check_received,
+                                    count_padding_received, effective_ids, gather_inputs, grow_rows, local_ids,
+                                    max_rows_per_pair, scaled_expert, scaled_expert_reference, token_in_rank)
+from moebench.dispatch.permute import (RowLayout, localize_ids, localize_ids_torch, plan_sends,
+                                       plan_sends_torch)
 
 T, H, K, E = 12, 32, 3, 8  # K = 3: the Triton kernels pad the slot axis to a power of two
 NUM_PADDING = 4
@@ -68,7 +72,7 @@ def round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=None):
     return res
 
 
-def _paths_worker(ctx, policies):
+def _paths_worker(ctx, policies, bench=None):
     import torch.distributed as dist
 
     layout = EPLayout(ctx.rank, ctx.world_size, E, ctx.group)
@@ -77,7 +81,9 @@ def _paths_worker(ctx, policies):
     for masked in (True, False):
         mask = is_padding if masked else None
         max_rows = max_rows_per_pair(ids, mask, layout)
-        paths = {"agrs": AGRSPath(layout, hidden=H, top_k=K), "a2a": A2APath(layout, hidden=H, top_k=K)}
+        paths = {"agrs": AGRSPath(layout, hidden=H, top_k=K), "a2a": A2APath(layout, hidden=H, top_k=K),
+                 "agrs.torch": AGRSPath(layout, hidden=H, top_k=K, use_triton=False),
+                 "a2a.torch": A2APath(layout, hidden=H, top_k=K, use_triton=False)}
         for policy in policies:
             cap = capacity_for(policy, max_rows, T)
             paths[f"a2a_fixed.{policy}"] = A2AFixedPath(layout, hidden=H, top_k=K, num_tokens=T, capacity=cap)
@@ -99,6 +105,8 @@ def _paths_worker(ctx, policies):
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
     out["overflow_flagged"] = bool(flag.item()) or max_rows == 1
     out["interpret"] = os.environ.get("TRITON_INTERPRET")
+    if bench is not None:  # the registered impls in the same ranks (one spawn less)
+        out["bench"] = _bench_worker(ctx, *bench)
     return out
 
 
@@ -149,12 +157,17 @@ def _use_router_or_stand_in(inputs_module):
 # ---------------------------------------------------------------------------------------------------------------
 
 POLICIES = ("exact", "pow2", "max")
-PATHS = ("agrs", "a2a") + tuple(f"a2a_fixed.{p}" for p in POLICIES) + ("a2a_fixed.torch",)
+PATHS = ("agrs", "a2a", "agrs.torch", "a2a.torch") + tuple(f"a2a_fixed.{p}" for p in POLICIES) + \
+    ("a2a_fixed.torch",)
+BENCH_IMPLS = ("dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed")
+BENCH_PARAMS = {"num_tokens": 16, "hidden": 64, "num_experts": 8, "top_k": 3, "padding_ratio": 0.25,
+                "padding_fill": "repeat", "num_max_tokens_per_rank": 16, "capacity_policy": "pow2"}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {R: mdist.spawn(_paths_worker, R, backend="gloo", args=(POLICIES if R == 2 else ("exact",),),
+    return {R: mdist.spawn(_paths_worker, R, backend="gloo",
+                           args=(POLICIES, (BENCH_IMPLS, BENCH_PARAMS)) if R == 2 else (("exact",),),
                            timeout_s=240)
             for R in (2, 4)}
 
@@ -184,7 +197,7 @@ def test_path_matches_single_process_reference(runs, R, name, masked):
 def test_padded_rows_sent_only_when_not_masked(runs, R, name):
     masked = [r[(name, True)] for r in runs[R]]
     unmasked = [r[(name, False)] for r in runs[R]]
-    if name == "agrs":
+    if name.startswith("agrs"):
         # every row travels (all_gather), but masked padded rows must not carry a route anywhere
         assert sum(r["padded_rows_received"] for r in masked) == R * R * NUM_PADDING
         assert sum(r["padded_routes_received"] for r in masked) == 0
@@ -232,11 +245,8 @@ def test_traffic_accounting_is_consistent_across_ranks(runs, R):
 
 
 @pytest.fixture(scope="module")
-def bench_runs():
-    params = {"num_tokens": 16, "hidden": 64, "num_experts": 8, "top_k": 3, "padding_ratio": 0.25,
-              "padding_fill": "repeat", "num_max_tokens_per_rank": 16, "capacity_policy": "pow2"}
-    impls = ("dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed")
-    return mdist.spawn(_bench_worker, 2, backend="gloo", args=(impls, params), timeout_s=240)
+def bench_runs(runs):
+    return [per_rank["bench"] for per_rank in runs[2]]
 
 
 @pytest.mark.parametrize("impl", ["dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed"])
@@ -359,6 +369,169 @@ def test_combine_fixed_triton_matches_torch(R, cap):
     assert (got[(send_pos < 0).all(dim=1)] == 0).all()
 
 
+# -- the send plan, wire rows, exact-block pack/combine, id localisation --------------------------------------------
+
+def _routing(T_, K_, E_, seed, dtype=torch.int32):
+    """Random ids in [-1, E_ + 2): -1 slots and out-of-range ids (which route nowhere) included, repeats allowed."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, E_ + 2, (T_, K_), generator=g).to(dtype)
+    pad = torch.rand(T_, generator=g) < 0.3
+    return ids, pad
+
+
+PLAN_CASES = [  # (T, K, E, R, capacity, id dtype)
+    (37, 3, 8, 2, 0, torch.int32), (100, 8, 64, 4, 5, torch.int64), (40, 6, 24, 3, 0, torch.int32),
+    (9, 1, 4, 1, 0, torch.int32), (0, 2, 4, 2, 3, torch.int32), (300, 8, 16, 8, 30, torch.int32)]
+
+
+@pytest.mark.parametrize("T_,K_,E_,R,cap,dt", PLAN_CASES)
+@pytest.mark.parametrize("masked", [True, False])
+def test_plan_sends_triton_matches_torch(T_, K_, E_, R, cap, dt, masked):
+    ids, pad = _routing(T_, K_, E_, seed=T_ + K_ + R + cap, dtype=dt)
+    mask = pad if masked else None
+    send_pos = poison(torch.empty(T_, R, dtype=torch.int32))
+    counts, offsets = poison(torch.empty(R, dtype=torch.int32)), poison(torch.empty(R, dtype=torch.int32))
+    overflow = torch.zeros(1, dtype=torch.int32)
+    plan_sends(ids, mask, E_ // R, R, E_, capacity=cap, send_pos=send_pos, counts=counts, offsets=offsets,
+               overflow=overflow)
+    ref_pos, ref_counts, ref_offsets, ref_over = plan_sends_torch(ids, mask, E_ // R, R, E_, cap)
+    for name, got, ref in (("send_pos", send_pos, ref_pos), ("counts", counts, ref_counts),
+                           ("offsets", offsets, ref_offsets)):
+        res = compare_exact(name, got, ref)
+        assert res.ok, res.detail
+    assert int(overflow) == int(ref_over)
+    # the reference against the older torch helpers: same slots, same counts before the cap
+    in_rank = token_in_rank(effective_ids(ids.to(torch.int32), mask), EPLayout(0, R, E_))
+    old_pos, old_counts = send_positions(in_rank)
+    assert torch.equal(ref_pos, old_pos)
+    assert torch.equal(ref_counts, torch.clamp(old_counts, max=cap) if cap else old_counts)
+    assert bool(ref_over) == bool(cap and (old_counts > cap).any())
+    if masked and T_:
+        assert (send_pos[pad] == -1).all()
+
+
+def test_plan_sends_overflow_is_sticky_and_mask_checked():
+    ids, _ = _routing(50, 4, 8, seed=3)
+    over = torch.ones(1, dtype=torch.int32)
+    plan_sends(ids, None, 4, 2, 8, capacity=50, overflow=over)  # no overflow this time: the flag stays raised
+    assert int(over) == 1
+    with pytest.raises(ValueError, match="is_padding size mismatch, expected: 50, got: 49"):
+        plan_sends(ids, torch.zeros(49, dtype=torch.bool), 4, 2, 8)
+
+
+def test_row_layout_views_alias_one_aligned_row():
+    lay = RowLayout(7168, 8, torch.bfloat16)
+    assert lay.row_bytes % 32 == 0 and lay.meta_offset == 7168 * 2
+    assert lay.row_bytes - lay.x_bytes - 4 * lay.meta_words < 32  # padding below one alignment unit
+    small = RowLayout(H, K)
+    assert small.row_bytes == WIRE_ROW
+    buf = torch.zeros(5, small.row_bytes, dtype=torch.uint8)
+    x, ids, w, src = small.x(buf), small.ids(buf), small.weights(buf), small.src_row(buf)
+    assert x.stride(0) % 16 == 0 and small.meta(buf).stride(0) * 4 == small.row_bytes  # vectorisable rows
+    g = torch.Generator().manual_seed(1)
+    xv = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    wv = torch.rand(5, K, generator=g)
+    x.copy_(xv)
+    ids.copy_(torch.arange(15, dtype=torch.int32).view(5, K))
+    w.copy_(wv)
+    src.copy_(torch.arange(5, dtype=torch.int32) + 100)
+    raw = buf.view(torch.int32)
+    for r in range(5):  # the bytes of each row are the hidden row, then ids, weights, source row
+        assert torch.equal(buf[r, :H * 2].view(torch.bfloat16), xv[r])
+        m = raw[r, small.meta_offset // 4:small.meta_offset // 4 + 2 * K + 1]
+        assert m[:K].tolist() == list(range(3 * r, 3 * r + 3)) and torch.equal(m[K:2 * K].view(torch.float32), wv[r])
+        assert int(m[2 * K]) == 100 + r
+
+
+@pytest.mark.parametrize("R,dt,masked", [(2, torch.int32, True), (3, torch.int64, False), (4, torch.int32, False)])
+def test_pack_and_combine_exact_blocks_match_torch(R, dt, masked):
+    """capacity 0 (the a2a path): blocks at the plan's offsets, wire-row views, int64 ids, padded rows unsent."""
+    E_ = 4 * R
+    ids, pad = _routing(T, K, E_, seed=40 + R, dtype=dt)
+    mask = pad if masked else None
+    g = torch.Generator().manual_seed(R)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    send_pos, counts, offsets, _ = plan_sends_torch(ids, mask, E_ // R, R, E_)
+    S = int(counts.sum())
+    lay = RowLayout(H, K)
+    outs = []
+    for fn in (pack_fixed, pack_fixed_torch):
+        buf = lay.empty(S + 2, "cpu")
+        poison(buf)
+        fn(x, send_pos, ids, w, lay.x(buf), lay.meta(buf), 0, E_ // R, offsets=offsets)
+        outs.append(buf)
+    assert compare_exact("wire rows", outs[0], outs[1]).ok  # poisoned bytes (padding, spare rows) untouched too
+    meta = lay.meta(outs[1])
+    assert (outs[1][S:] == poison(torch.empty(1, dtype=torch.uint8))).all()  # spare rows never written
+    for d in range(R):  # block d holds the rows that go to d, ascending, with ids local to d
+        rows = meta[int(offsets[d]):int(offsets[d]) + int(counts[d]), 2 * K].tolist()
+        assert rows == (send_pos[:, d] >= 0).nonzero().flatten().tolist()
+    if masked:
+        assert not set(meta[:S, 2 * K].tolist()) & set(pad.nonzero().flatten().tolist())
+    # combine: back rows past S are NaN and never read
+    back = torch.full((S + 2, H), float("nan"), dtype=torch.bfloat16)
+    back[:S] = torch.randn(S, H, generator=g).to(torch.bfloat16)
+    got, ref = poison(torch.empty(T, H, dtype=torch.bfloat16)), poison(torch.empty(T, H, dtype=torch.bfloat16))
+    combine_fixed(back, send_pos, got, 0, offsets=offsets)
+    combine_fixed_torch(back, send_pos, ref, 0, offsets=offsets)
+    res = compare_close("combined", got, ref, 1e-2, 4e-3)  # interpreter bf16 rounding may differ by one ulp
+    assert res.ok, res.detail
+    assert (got[(send_pos < 0).all(dim=1)] == 0).all()
+    with pytest.raises(ValueError, match="offsets"):
+        combine_fixed(back, send_pos, got, 0)
+
+
+def test_localize_ids_matches_torch_on_a_strided_view():
+    g = torch.Generator().manual_seed(5)
+    meta = torch.randint(-3, 40, (70, 2 * K + 1), generator=g, dtype=torch.int32)
+    view = meta[:, :K]  # the id columns of a metadata buffer (row stride 2K+1)
+    for rank in range(4):
+        out = poison(torch.empty(70, K, dtype=torch.int32))
+        localize_ids(view, rank * 8, 8, out=out)
+        ref = localize_ids_torch(view, rank * 8, 8)
+        assert compare_exact("local", out, ref).ok
+        assert torch.equal(ref, local_ids(view, EPLayout(rank, 4, 32)))  # the path's torch helper agrees
+
+
+def test_stage_timer_records_the_path_steps_in_order():
+    layout = EPLayout(0, 1, E)
+    x, ids, w, is_padding = make_inputs(0, seed=4)
+    path = A2APath(layout, hidden=H, top_k=K)
+    timer = StageTimer("cpu")
+    path.timer = timer
+    for _ in range(2):
+        timer.begin()
+        d = path.dispatch(x, ids, w, is_padding)
+        timer.end()
+    timer.begin()
+    path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
+    timer.end()
+    table = timer.table()
+    assert [r["label"] for r in table] == ["start", "plan", "pack", "count_exchange", "counts_on_host",
+                                           "payload_a2a", "end", "reduce"]
+    assert all(r["gpu_us"] is None and r["host_us"] >= 0 for r in table) and table[0]["host_us"] == 0
+    path.timer = None
+    path.dispatch(x, ids, w, is_padding)  # no timer: no marks
+    assert len(timer.calls) == 3
+
+
+def test_buffers_are_reused_across_steps():
+    layout = EPLayout(0, 1, E)
+    x, ids, w, is_padding = make_inputs(0, seed=6)
+    path = A2APath(layout, hidden=H, top_k=K)
+    d = path.dispatch(x, ids, w, is_padding)
+    bufs = (path.send_buf.data_ptr(), path.recv_buf.data_ptr(), path.send_pos.data_ptr())
+    path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
+    back = path.back.data_ptr()
+    d = path.dispatch(x, ids, w, None)  # more rows (padding sent), still within the grown buffers
+    path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
+    assert (path.send_buf.data_ptr(), path.recv_buf.data_ptr(), path.send_pos.data_ptr()) == bufs
+    assert path.back.data_ptr() == back
+    assert d.recv_x.data_ptr() == path.recv_buf.data_ptr()  # zero-copy receive views
+    assert grow_rows(None, 1, lambda n: torch.empty(n)).shape[0] == GROW_ROWS
+
+
 def test_capacity_policies():
     assert capacity_for("exact", 37, 64) == 37
     assert capacity_for("pow2", 37, 64) == 64
@@ -415,6 +588,45 @@ def test_validate_rejects_simulated_and_oversized_batches():
     assert "num_max_tokens_per_rank" in registry.get("dispatch.a2a_fixed").validate(
         Params(num_tokens=64, num_max_tokens_per_rank=32))
     assert registry.get("dispatch.a2a").validate(Params(num_tokens=64, num_max_tokens_per_rank=32)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the kernels at the target shape (one GPU), then two GPUs with NCCL
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,cap", [(2, 0), (2, 2100), (8, 0), (8, 300)])  # the capped ones overflow
+def test_kernels_bitwise_on_gpu_at_target_shape(R, cap):
+    dev = torch.device("cuda")
+    Tg, Hg, Kg, Eg = 4096, 7168, 8, 256
+    g = torch.Generator(device=dev).manual_seed(R + cap)
+    ids = torch.argsort(torch.rand(Tg, Eg, generator=g, device=dev), dim=1)[:, :Kg].to(torch.int32)
+    ids[torch.rand(Tg, Kg, generator=g, device=dev) < 0.05] = -1
+    pad = torch.rand(Tg, generator=g, device=dev) < 0.3
+    x = torch.randn(Tg, Hg, generator=g, device=dev).to(torch.bfloat16)
+    w = torch.rand(Tg, Kg, generator=g, device=dev)
+    over = torch.zeros(1, dtype=torch.int32, device=dev)
+    send_pos, counts, offsets = plan_sends(ids, pad, Eg // R, R, Eg, capacity=cap, overflow=over)
+    ref = plan_sends_torch(ids, pad, Eg // R, R, Eg, cap)
+    for name, got, r in zip(("send_pos", "counts", "offsets"), (send_pos, counts, offsets), ref[:3]):
+        assert compare_exact(name, got, r).ok, name
+    assert int(over) == int(ref[3])
+    lay = RowLayout(Hg, Kg)
+    rows = R * cap if cap else int(counts.sum())
+    bufs = []
+    for fn in (pack_fixed, pack_fixed_torch):
+        buf = poison(lay.empty(rows, dev))
+        fn(x, send_pos, ids, w, lay.x(buf), lay.meta(buf), cap, Eg // R, offsets=offsets)
+        bufs.append(buf)
+    assert compare_exact("wire rows", bufs[0], bufs[1]).ok
+    back = torch.randn(rows, Hg, generator=g, device=dev).to(torch.bfloat16)
+    outs = [poison(torch.empty(Tg, Hg, dtype=torch.bfloat16, device=dev)) for _ in range(2)]
+    combine_fixed(back, send_pos, outs[0], cap, offsets=offsets)
+    combine_fixed_torch(back, send_pos, outs[1], cap, offsets=offsets)
+    assert compare_exact("combined", outs[0], outs[1]).ok  # fp32 in destination order, rounded once: bitwise
+    meta = lay.meta(bufs[0])
+    assert compare_exact("local", localize_ids(meta[:, :Kg], Eg // R, Eg // R),
+                         localize_ids_torch(meta[:, :Kg], Eg // R, Eg // R)).ok
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Dispatch, one step:
   1. `plan_sends` (one Triton program): each (row, destination) pair's slot, the rows per destination and where
      each destination's block starts (exclusive prefix), all on the device; padded rows go nowhere when masked.
-  2. On a side stream, the count exchange (one tiny all_to_all) and its copy to pinned host memory, overlapping
-     3. the pack kernel, which writes every row once per destination, its routing (ids made local to that
-     destination, weights, source row) in the same wire row (moebench.dispatch.permute.RowLayout), straight into
-     the preallocated send buffer.
+  2. The pack kernel writes every row once per destination, its routing (ids made local to that destination,
+     weights, source row) in the same wire row (moebench.dispatch.permute.RowLayout), straight into the
+     preallocated send buffer; meanwhile
+  3. on a side stream that waits for the plan only, the count exchange (one tiny all_to_all) and its copy to
+     pinned host memory.
   4. The host waits for the counts (the one host synchronisation this path has), then ONE all_to_all_single with
      exact split sizes moves rows and routing together. The receiver gets views into its receive buffer: nothing
      to unpack, the ids are already local.
@@ -92,16 +93,18 @@ class A2APath(DispatchPath):
 
         run_plan(self.use_triton, topk_ids, is_padding, lay, 0, send_pos, self.counts[0], self.offsets)
         self._mark("plan")
-        with self.side.fork():  # the count exchange and its trip to the host overlap the pack
+        self.side.fork_here()
+        # the pack first (it is the longer job), then the count exchange and its trip to the host beside it
+        pack = pack_fixed if self.use_triton else pack_fixed_torch
+        pack(x, send_pos, topk_ids, topk_weights, self.rows.x(self.send_buf), self.rows.meta(self.send_buf), 0,
+             lay.experts_per_rank, offsets=self.offsets)
+        self._mark("pack")
+        with self.side.run():
             all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=R)
             if self.counts_ready is not None:
                 self.host_counts.copy_(self.counts, non_blocking=True)
                 self.counts_ready.record()
             self._mark("count_exchange")
-        pack = pack_fixed if self.use_triton else pack_fixed_torch
-        pack(x, send_pos, topk_ids, topk_weights, self.rows.x(self.send_buf), self.rows.meta(self.send_buf), 0,
-             lay.experts_per_rank, offsets=self.offsets)
-        self._mark("pack")
         if self.counts_ready is not None:
             self.counts_ready.synchronize()  # the host sync: split sizes for the payload
             send_splits, recv_splits = self.host_counts.tolist()

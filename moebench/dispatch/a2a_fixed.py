@@ -6,11 +6,11 @@ too. The per-destination counts are exchanged on the device beside the rows; the
 past each source's count with `globalize_recv_topk_idx` (ids are sent as destination-local values and validated
 on receipt, offset 0 and bound E/R), so garbage, including valid-looking ids, can never be routed.
 
-One step: `plan_sends` (one Triton program: slots, capped counts, overflow flag) -> the count exchange on a side
-stream, overlapping -> the pack kernel (rows and their routing into one wire row each, moebench.dispatch.permute
-.RowLayout) -> ONE all_to_all_single of the wire rows -> ids copied out and neutralised. Combine: one
-all_to_all_single back, then one kernel sums each row's returned partial outputs by (row, destination) slot,
-in destination order (deterministic, no atomics).
+One step: `plan_sends` (one Triton program: slots, capped counts, overflow flag) -> the pack kernel (rows and their
+routing into one wire row each, moebench.dispatch.permute.RowLayout), with the count exchange beside it on a side
+stream -> ONE all_to_all_single of the wire rows -> ids copied out and neutralised. Combine: one all_to_all_single
+back, then one kernel sums each row's returned partial outputs by (row, destination) slot, in destination order
+(deterministic, no atomics). Under CUDA-graph capture everything runs in stream order.
 
 `capacity` is a compile-time constant (tl.constexpr) of the pack and combine kernels: each distinct capacity is
 one Triton compilation, which is the recompile cost the capacity policies (exact / pow2 / max) trade against
@@ -298,12 +298,13 @@ class A2AFixedPath(DispatchPath):
         run_plan(self.use_triton, topk_ids, is_padding, lay, cap, self.send_pos, self.send_counts, self.offsets,
                  self.overflow)
         self._mark("plan")
-        with self.side.fork():  # the count exchange overlaps the pack
-            all_to_all_single(self.recv_counts, self.send_counts, group=lay.group, world_size=R)
-            self._mark("count_exchange")
+        self.side.fork_here()
         pack = pack_fixed if self.use_triton else pack_fixed_torch
         pack(x, self.send_pos, topk_ids, topk_weights, self.send_x, self.send_meta, cap, lay.experts_per_rank)
         self._mark("pack")
+        with self.side.run():  # the count exchange overlaps the pack (it needs the plan only)
+            all_to_all_single(self.recv_counts, self.send_counts, group=lay.group, world_size=R)
+            self._mark("count_exchange")
         self.side.join()
         all_to_all_single(self.recv_buf, self.send_buf, group=lay.group, world_size=R)
         self._mark("payload_a2a")

@@ -89,20 +89,29 @@ def grow_rows(buf: torch.Tensor | None, rows: int, make) -> torch.Tensor:
 
 class SideStream:
     """A second CUDA stream for small work that should overlap the main stream's (the count exchange beside the
-    permutation). In stream order instead on a CPU and while a CUDA graph is being captured."""
+    permutation). `fork_here()` right after the work the side job needs, then more main-stream work, then
+    `with side.run():` the side job, and `join()` before main-stream work that needs its result. In stream order
+    instead on a CPU and while a CUDA graph is being captured."""
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if cuda else None
+        self._forked = torch.cuda.Event() if cuda else None
         self._main = None
 
-    @contextmanager
-    def fork(self) -> Iterator[None]:
+    def fork_here(self) -> None:
         if self.stream is None or torch.cuda.is_current_stream_capturing():
             self._main = None
-            yield
             return
         self._main = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self._main)  # sees everything launched so far (the plan)
+        self._forked.record(self._main)
+
+    @contextmanager
+    def run(self) -> Iterator[None]:
+        if self._main is None:
+            yield
+            return
+        self.stream.wait_event(self._forked)  # only what the main stream had at fork_here()
         with torch.cuda.stream(self.stream):
             yield
 
