@@ -381,7 +381,8 @@ def _routing(T_, K_, E_, seed, dtype=torch.int32):
 
 PLAN_CASES = [  # (T, K, E, R, capacity, id dtype)
     (37, 3, 8, 2, 0, torch.int32), (100, 8, 64, 4, 5, torch.int64), (40, 6, 24, 3, 0, torch.int32),
-    (9, 1, 4, 1, 0, torch.int32), (0, 2, 4, 2, 3, torch.int32), (300, 8, 16, 8, 30, torch.int32)]
+    (9, 1, 4, 1, 0, torch.int32), (0, 2, 4, 2, 3, torch.int32), (300, 8, 16, 8, 30, torch.int32),
+    (40, 4, 128, 64, 0, torch.int32)]  # R = 64: the [rows, slots, destinations] variant (no 32-bit bit set)
 
 
 @pytest.mark.parametrize("T_,K_,E_,R,cap,dt", PLAN_CASES)

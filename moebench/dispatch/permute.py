@@ -27,7 +27,7 @@ from moebench.kernels._triton import check_triton_device, next_pow2
 from moebench.padding import check_mask
 
 ROW_ALIGN = 32  # bytes; see the module docstring
-PLAN_TILE_ELEMENTS = 16384  # (row, slot, destination) triples per scan step of plan_sends
+PLAN_TILE_ELEMENTS = 8192  # (row, slot[, destination]) elements per scan step of plan_sends
 PLAN_NUM_WARPS = 8
 LOCALIZE_BLOCK_ROWS = 256
 LOCALIZE_NUM_WARPS = 4
@@ -126,8 +126,13 @@ def plan_sends_torch(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, ex
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit(do_not_specialize=["T", "capacity"])  # one compile for every batch size and capacity
 def _plan_sends_kernel(ids_ptr, stride_ids, pad_ptr, send_pos_ptr, counts_ptr, offsets_ptr, overflow_ptr, T,
-                       experts_per_rank, num_experts, capacity, R: tl.constexpr, R_PAD: tl.constexpr,
+                       num_experts, capacity, EXPERTS_PER_RANK: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
                        K: tl.constexpr, K_PAD: tl.constexpr, HAS_PAD: tl.constexpr, HAS_OVERFLOW: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     # One program: a scan over row tiles with a running count per destination (T is a few thousand rows, so one
@@ -145,9 +150,15 @@ def _plan_sends_kernel(ids_ptr, stride_ids, pad_ptr, send_pos_ptr, counts_ptr, o
         if HAS_PAD:
             pad = tl.load(pad_ptr + t, mask=t_ok, other=1)
             live = live & (pad == 0)[:, None]
-        dest = tl.where(live, ids // experts_per_rank, -1).to(tl.int32)  # [BLOCK_T, K_PAD]
-        hit = (dest[:, :, None] == ds[None, None, :]).to(tl.int32)  # [BLOCK_T, K_PAD, R_PAD]
-        goes = tl.max(hit, axis=1)  # [BLOCK_T, R_PAD]: at least one live slot for that destination
+        # a compile-time divisor: a shift or a multiply instead of a ~20-instruction integer division per slot
+        dest = tl.where(live, ids // EXPERTS_PER_RANK, -1).to(tl.int32)  # [BLOCK_T, K_PAD]
+        if R_PAD <= 32:
+            # a row's destinations as a bit set (OR over its slots, within a thread), then one bit per column
+            bits = tl.reduce(tl.where(dest >= 0, 1 << tl.maximum(dest, 0), 0), 1, _bit_or)  # [BLOCK_T]
+            goes = (bits[:, None] >> ds[None, :]) & 1  # [BLOCK_T, R_PAD]
+        else:
+            hit = (dest[:, :, None] == ds[None, None, :]).to(tl.int32)  # [BLOCK_T, K_PAD, R_PAD]
+            goes = tl.max(hit, axis=1)  # [BLOCK_T, R_PAD]: at least one live slot for that destination
         pos = carry[None, :] + tl.cumsum(goes, axis=0) - 1
         tl.store(send_pos_ptr + t[:, None].to(tl.int64) * R + ds[None, :], tl.where(goes > 0, pos, -1),
                  mask=t_ok[:, None] & (ds[None, :] < R))
@@ -186,11 +197,11 @@ def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_
     check_triton_device(topk_ids, send_pos, counts, offsets, is_padding, overflow)
     pad = is_padding.view(torch.uint8) if is_padding is not None and is_padding.dtype == torch.bool else is_padding
     k_pad, r_pad = max(2, next_pow2(K)), max(2, next_pow2(R))
-    block_t = max(16, min(1024, PLAN_TILE_ELEMENTS // (k_pad * r_pad)))
+    block_t = max(16, min(1024, PLAN_TILE_ELEMENTS // (k_pad * (1 if r_pad <= 32 else r_pad))))
     _plan_sends_kernel[(1,)](
         topk_ids, topk_ids.stride(0), pad if pad is not None else topk_ids, send_pos, counts, offsets,
-        overflow if overflow is not None else counts, T, int(experts_per_rank), int(num_experts), int(capacity),
-        R=R, R_PAD=r_pad, K=K, K_PAD=k_pad, HAS_PAD=pad is not None, HAS_OVERFLOW=overflow is not None,
+        overflow if overflow is not None else counts, T, int(num_experts), int(capacity),
+        EXPERTS_PER_RANK=int(experts_per_rank), R=R, R_PAD=r_pad, K=K, K_PAD=k_pad, HAS_PAD=pad is not None, HAS_OVERFLOW=overflow is not None,
         BLOCK_T=block_t, num_warps=PLAN_NUM_WARPS)
     return send_pos, counts, offsets
 
