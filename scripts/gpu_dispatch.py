@@ -20,7 +20,8 @@ Every path is first checked against the single-process reference (received rows 
 bf16 tolerance); a wrong path is reported and not timed. Times: CUDA events around each iteration after a barrier,
 per-iteration max over ranks (moebench.dist.max_over_ranks), median of --iters (>= 20). GB/s = rank 0's payload
 bytes received (hidden + ids + weights per row; combine: hidden per row; own rank's rows included) / median.
-`%raw`: the raw all_to_all's median / this row's median (dispatch and combine move the same rows as the raw one).
+`%raw`: the raw all_to_all's median / this row's median (a2a and a2a_fixed move the raw one's rows, a2a_fixed in
+capacity-sized blocks; agrs moves every row of every rank, so there it is indicative only).
 Then a per-stage breakdown of every path's dispatch and combine (moebench.dispatch.base.StageTimer: CUDA events at
 the paths' sub-steps: plan, count exchange, pack, counts on the host, payload all-to-all, unpack / reduce; and the
 host clock when each launch returned), per rank, and the targets. `--profile`: per path, the top GPU kernels of
@@ -408,8 +409,8 @@ def print_targets(rows: list[dict]) -> None:
         if m and u:
             goal = " (target <= 0.60)" if path == "a2a" else ""
             lines.append(f"pad50 {path} dispatch masked / unmasked: {m / u:.2f}{goal}")
-    if lines:
-        print("# targets: " + "; ".join(lines))
+    for line in lines:
+        print(f"# target check: {line}")
 
 
 def main(argv=None) -> int:
