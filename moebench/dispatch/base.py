@@ -221,21 +221,9 @@ def local_ids(global_ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     return torch.where(mine, g - off, torch.full_like(g, -1))
 
 
-def pack_meta(ids: torch.Tensor, weights: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """int32 [T, 2K+1]: ids, the fp32 weights' bits, and one int per row (source row index or padding flag).
-
-    One metadata buffer means one collective for the routing instead of three.
-    """
-    T, K = ids.shape
-    meta = torch.empty(T, 2 * K + 1, dtype=torch.int32, device=ids.device)
-    meta[:, :K] = ids
-    meta[:, K:2 * K] = weights.to(torch.float32).contiguous().view(torch.int32)
-    meta[:, 2 * K] = tail
-    return meta
-
-
 def meta_weights(meta: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The fp32 weights inside a metadata buffer (a strided view, no copy)."""
+    """The fp32 weights inside an int32 metadata buffer [rows, 2K+1] (ids, weights' bits, one int per row): a strided
+    view, no copy."""
     return meta[:, top_k:2 * top_k].view(torch.float32)
 
 
