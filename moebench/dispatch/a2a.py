@@ -80,6 +80,24 @@ class A2APath(DispatchPath):
         self.send_buf: torch.Tensor | None = None
         self.recv_buf: torch.Tensor | None = None
         self.back: torch.Tensor | None = None
+        self._send_views: tuple[torch.Tensor, ...] = ()
+        self._recv_views: tuple[torch.Tensor, ...] = ()
+
+    def _reserve(self, T: int, dev: torch.device) -> None:
+        """Grow the send-side buffers to a step of T rows; the dtype views are made once per buffer (each costs
+        microseconds of host time, and the host is on this path's critical path before the payload launch)."""
+        R, K = self.layout.world_size, self.top_k
+        self.send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
+        buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
+        if buf is not self.send_buf:
+            self.send_buf = buf
+            self._send_views = (self.rows.x(buf), self.rows.meta(buf))
+
+    def _reserve_recv(self, N: int, dev: torch.device) -> None:
+        buf = grow_rows(self.recv_buf, N, lambda n: self.rows.empty(n, dev))
+        if buf is not self.recv_buf:
+            self.recv_buf = buf
+            self._recv_views = (self.rows.x(buf), self.rows.ids(buf), self.rows.weights(buf), self.rows.src_row(buf))
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay: EPLayout = self.layout
@@ -87,8 +105,7 @@ class A2APath(DispatchPath):
         T, K = topk_ids.shape
         check_mask(is_padding, T)
         dev = x.device
-        self.send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
-        self.send_buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
+        self._reserve(T, dev)
         send_pos = self.send_pos[:T]
 
         run_plan(self.use_triton, topk_ids, is_padding, lay, 0, send_pos, self.counts[0], self.offsets)
@@ -96,8 +113,8 @@ class A2APath(DispatchPath):
         self.side.fork_here()
         # the pack first (it is the longer job), then the count exchange and its trip to the host beside it
         pack = pack_fixed if self.use_triton else pack_fixed_torch
-        pack(x, send_pos, topk_ids, topk_weights, self.rows.x(self.send_buf), self.rows.meta(self.send_buf), 0,
-             lay.experts_per_rank, offsets=self.offsets)
+        send_x, send_meta = self._send_views
+        pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.experts_per_rank, offsets=self.offsets)
         self._mark("pack")
         with self.side.run():
             all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=R)
@@ -113,14 +130,14 @@ class A2APath(DispatchPath):
         self.side.join()
         self._mark("counts_on_host")
         S, N = sum(send_splits), sum(recv_splits)
-        self.recv_buf = grow_rows(self.recv_buf, N, lambda n: self.rows.empty(n, dev))
-        recv = self.recv_buf[:N]
-        all_to_all_single(recv, self.send_buf[:S], recv_splits, send_splits, group=lay.group, world_size=R)
+        self._reserve_recv(N, dev)
+        all_to_all_single(self.recv_buf[:N], self.send_buf[:S], recv_splits, send_splits, group=lay.group,
+                          world_size=R)
         self._mark("payload_a2a")
-        handle = A2AHandle(send_pos, self.offsets, send_splits, recv_splits, T, self.rows.src_row(recv))
-        return Dispatched(recv_x=self.rows.x(recv), recv_topk_ids=self.rows.ids(recv),
-                          recv_topk_weights=self.rows.weights(recv), num_recv=N, handle=handle,
-                          send_counts=send_splits, recv_counts=recv_splits)
+        recv_x, recv_ids, recv_w, recv_src = (v[:N] for v in self._recv_views)
+        handle = A2AHandle(send_pos, self.offsets, send_splits, recv_splits, T, recv_src)
+        return Dispatched(recv_x=recv_x, recv_topk_ids=recv_ids, recv_topk_weights=recv_w, num_recv=N,
+                          handle=handle, send_counts=send_splits, recv_counts=recv_splits)
 
     def combine(self, expert_out, handle: A2AHandle, out=None):
         lay = self.layout
