@@ -9,7 +9,7 @@ LOGS=$PWD/.out/logs
 mkdir -p "$OUT" "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # keep what the caller put there
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .deb/*.deb >/dev/null 2>&1; then  # libdw/libelf for `nsys stats` (GPU.md)
