@@ -114,7 +114,8 @@ def _sync_ranks(group: Any, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
+def _event_samples(step, timing: Timing, device, range_name, group, hook) -> list[float]:
+    """Time `step` timing.iters times with CUDA events (each inside the NVTX range); ms -> us."""
     n = timing.iters
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -127,15 +128,20 @@ def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[fl
             _sync_ranks(group, device)
         with _range(range_name):
             starts[i].record()
-            fn()
+            step()
             ends[i].record()
         done = i + 1
+        # Ranks must take the same number of samples, so only a single process stops early.
         if group is None and time.perf_counter() > deadline:
             break
     torch.cuda.synchronize(device)
     if hook:
         hook("stop")
     return [starts[i].elapsed_time(ends[i]) * 1e3 for i in range(done)]
+
+
+def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
+    return _event_samples(fn, timing, device, range_name, group, hook)
 
 
 def _time_graph(fn, timing: Timing, device, range_name, hook) -> list[float]:
@@ -152,27 +158,9 @@ def _time_graph(fn, timing: Timing, device, range_name, hook) -> list[float]:
             fn()
     graph.replay()
     torch.cuda.synchronize(device)
-    n = timing.iters
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    deadline = time.perf_counter() + timing.max_seconds
-    done = 0
-    if hook:
-        hook("start")
-    for i in range(n):
-        with _range(range_name):
-            starts[i].record()
-            graph.replay()
-            ends[i].record()
-        done = i + 1
-        if time.perf_counter() > deadline:
-            break
-    torch.cuda.synchronize(device)
-    if hook:
-        hook("stop")
-    samples = [starts[i].elapsed_time(ends[i]) * 1e3 / timing.unroll for i in range(done)]
+    samples = _event_samples(graph.replay, timing, device, range_name, None, hook)
     del graph
-    return samples
+    return [s / timing.unroll for s in samples]
 
 
 def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
