@@ -1,0 +1,85 @@
+"""Measurement core: statistics, mode resolution, wall-clock sampling, per-iteration max over ranks (gloo)."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
+from moebench.sweep import Timing
+
+
+def test_summarize_hand_computed():
+    st = summarize([4.0, 1.0, 3.0, 2.0, 10.0])
+    assert st["n"] == 5 and st["p50"] == 3.0 and st["min"] == 1.0 and st["max"] == 10.0
+    assert st["mean"] == 4.0
+    assert math.isclose(st["p10"], 1.4) and math.isclose(st["p90"], 7.6)  # linear interpolation
+    assert math.isclose(st["cv"], math.sqrt(((0 + 9 + 1 + 4 + 36) / 5)) / 4.0)
+    assert summarize([]) == {"n": 0}
+    assert percentile([5.0], 90) == 5.0
+
+
+def test_resolve_mode():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode("auto", cpu, True) == ("wall", "")
+    mode, note = resolve_mode("cuda_graph", cpu, True)
+    assert mode == "wall" and "needs CUDA" in note
+    assert resolve_mode("auto", gpu, True) == ("cuda_graph", "")
+    assert resolve_mode("auto", gpu, False)[0] == "events"
+    mode, note = resolve_mode("cuda_graph", gpu, False)
+    assert mode == "events" and "not graph-capturable" in note
+    assert resolve_mode("events", gpu, True) == ("events", "")
+
+
+def test_wall_mode_keeps_every_sample_and_warms_up():
+    calls = []
+    res = measure(lambda: calls.append(1), Timing(mode="auto", warmup=3, iters=7), torch.device("cpu"))
+    assert res.mode == "wall" and len(res.samples_us) == 7 and len(calls) == 10
+    assert res.stats["n"] == 7 and all(s >= 0 for s in res.samples_us)
+
+
+def test_max_seconds_stops_sampling_early():
+    import time
+
+    res = measure(lambda: time.sleep(0.02), Timing(warmup=0, iters=1000, max_seconds=0.1), torch.device("cpu"))
+    assert 1 <= len(res.samples_us) < 20
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # rank r's sample i is 10*i + r, except that rank 0 is slowest on iteration 2; rank 1 took one more sample
+        samples = [10.0 * i + rank for i in range(4 + rank)]
+        if rank == 0:
+            samples[2] = 100.0
+        maxed, info = reduce_over_ranks(samples, dist.group.WORLD, torch.device("cpu"))
+        results[rank] = (maxed, info)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_over_ranks_per_iteration_max_gloo():
+    world = 3
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(world, _free_port(), results), nprocs=world, join=True)
+        out = dict(results)
+    for rank in range(world):
+        maxed, info = out[rank]
+        # common prefix of 4 samples; per iteration the max over ranks
+        assert maxed == [2.0, 12.0, 100.0, 32.0]
+        assert info["world_size"] == 3
+        assert info["slowest_rank"] == 2  # attains the max on 3 of 4 iterations
+        assert info["slowest_share"] == pytest.approx(0.75)
+        assert info["per_rank_p50_us"][1] == pytest.approx(16.0)
