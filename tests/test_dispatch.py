@@ -112,10 +112,9 @@ def _paths_worker(ctx, policies, bench=None):
 
 def _bench_worker(ctx, impls, params):
     """Registered impls end to end on this rank (build -> check -> run)."""
-    from moebench import inputs, registry
+    from moebench import registry
     from moebench.sweep import Params
 
-    _use_router_or_stand_in(inputs)
     out = {}
     for impl_name in impls:
         for mask in (True, False):
@@ -131,25 +130,6 @@ def _bench_worker(ctx, impls, params):
                                       "graph": case.graph_capturable}
             case.cleanup()
     return out
-
-
-def _stand_in_route(p, batch, *, use_mask=None):
-    """Softmax top-k in plain torch, used only while moebench.kernels.topk_softmax is not in the tree."""
-    masked = p.mask if use_mask is None else use_mask
-    probs = torch.softmax(batch.logits.float(), dim=-1)
-    w, ids = torch.topk(probs, p.top_k, dim=-1)
-    ids = ids.to(torch.int32)
-    if masked:
-        ids[batch.is_padding] = -1
-        w[batch.is_padding] = 0.0
-    return w, ids
-
-
-def _use_router_or_stand_in(inputs_module):
-    try:
-        import moebench.kernels.topk_softmax  # noqa: F401
-    except ModuleNotFoundError:
-        inputs_module.route = _stand_in_route
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,16 +270,12 @@ def test_single_rank_paths(kind, masked):
 
 
 @pytest.mark.parametrize("impl", ["dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed"])
-def test_registered_impls_on_one_rank(impl, monkeypatch):
+def test_registered_impls_on_one_rank(impl):
     """ep_size 1: no process group, the paths degenerate to local compute and still check out."""
-    from moebench import inputs, registry
+    from moebench import registry
     from moebench.registry import RunContext
     from moebench.sweep import Params
 
-    try:
-        import moebench.kernels.topk_softmax  # noqa: F401
-    except ModuleNotFoundError:
-        monkeypatch.setattr(inputs, "route", _stand_in_route)
     p = Params(num_tokens=16, hidden=64, num_experts=8, top_k=3, padding_ratio=0.25, num_max_tokens_per_rank=16,
                capacity_policy="max")
     case = registry.get(impl).build(p, RunContext(device=torch.device("cpu")))

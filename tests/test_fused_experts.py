@@ -28,6 +28,7 @@ from moebench.kernels.fused_experts import (
     make_expert_weights,
     make_workspace,
 )
+from moebench.kernels.moe_align_block_size import moe_align_block_size
 
 M, H, I, E = 16, 64, 32, 4
 
@@ -187,10 +188,6 @@ def test_precomputed_alignment(device):
     x, w13, w2, w, ids = _problem(device, K, seed=4)
     cfg = choose_config(M * K, E, H, I)
     own = fused_experts(x, w13, w2, w, ids, config=cfg)
-    try:
-        from moebench.kernels.moe_align_block_size import moe_align_block_size
-    except ModuleNotFoundError:
-        from moebench.kernels._grouped_gemm import align_routes as moe_align_block_size
     given = fused_experts(x, w13, w2, w, ids, config=cfg, alignment=moe_align_block_size(ids, E, cfg.block_m))
     assert torch.equal(own.cpu().view(torch.int16), given.cpu().view(torch.int16))
     with pytest.raises(ValueError, match="alignment"):
@@ -276,26 +273,7 @@ def test_shape_errors(device):
         fused_experts(x, w13, w2, w[:, :1], ids)
 
 
-def _simple_route(p, batch, *, use_mask=None):
-    """Stand-in for inputs.route while the router module is absent: softmax top-k, padded rows -1 / 0.0."""
-    probs = torch.softmax(batch.logits.float(), dim=-1)
-    w, ids = probs.topk(p.top_k, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
-    mask = batch.is_padding if (p.mask if use_mask is None else use_mask) else None
-    if mask is not None:
-        ids = torch.where(mask[:, None], -1, ids)
-        w = torch.where(mask[:, None], 0.0, w)
-    return w, ids.to(torch.int32)
-
-
-def test_registered_impls_check(device, monkeypatch):
-    try:  # inputs.route needs both router modules
-        import moebench.kernels.grouped_topk  # noqa: F401
-        import moebench.kernels.topk_softmax  # noqa: F401
-    except ModuleNotFoundError:
-        import moebench.inputs
-
-        monkeypatch.setattr(moebench.inputs, "route", _simple_route)
+def test_registered_impls_check(device):
     from moebench.registry import RunContext, get
     from moebench.sweep import Params
 

@@ -152,26 +152,8 @@ def test_rejects_bad_shapes(device):
     with pytest.raises(TypeError):
         masked_moe_sum(x, ids.float())
 
-def stand_in_route(p, batch, *, use_mask=None):
-    """Used for inputs.route only while the router module is absent: softmax top-k, padded rows -1 when masked."""
-    weights, ids = torch.softmax(batch.logits.float(), dim=-1).topk(p.top_k, dim=-1)
-    if p.mask if use_mask is None else use_mask:
-        ids = ids.masked_fill(batch.is_padding[:, None], -1)
-        weights = weights.masked_fill(batch.is_padding[:, None], 0.0)
-    return weights, ids.to(torch.int32)
 
-
-def router_or_stand_in(monkeypatch):
-    try:
-        import moebench.kernels.topk_softmax  # noqa: F401
-    except ModuleNotFoundError:
-        import moebench.inputs
-
-        monkeypatch.setattr(moebench.inputs, "route", stand_in_route)
-
-
-def test_registration_cases(device, monkeypatch):
-    router_or_stand_in(monkeypatch)
+def test_registration_cases(device):
     from moebench.registry import RunContext, get
     from moebench.sweep import Params
 

@@ -171,12 +171,13 @@ def test_pcp_local_mask_on_gathered_rows_raises():
 
 
 def test_pcp_local_mask_rejected_by_router():
-    topk = pytest.importorskip("moebench.kernels.topk_softmax")
+    from moebench.kernels.topk_softmax import topk_softmax_torch
+
     peers = [(_rows(2, 8, seed=r), _mask([0, 1])) for r in range(2)]
     logits, mg = pcp_gather(peers[0][0], peers[0][1], peers=peers)
     with pytest.raises(ValueError, match="is_padding size mismatch, expected: 4, got: 2"):
-        topk.topk_softmax_torch(logits, 2, True, is_padding=peers[0][1])
-    _, ids = topk.topk_softmax_torch(logits, 2, True, is_padding=mg)
+        topk_softmax_torch(logits, 2, True, is_padding=peers[0][1])
+    _, ids = topk_softmax_torch(logits, 2, True, is_padding=mg)
     assert (ids[mg] == -1).all() and (ids[~mg] >= 0).all()
 
 

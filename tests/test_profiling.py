@@ -317,9 +317,6 @@ def test_profile_point_that_never_times(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_profile_point_gpu(tmp_path):
     """Whole path on a GPU with the real runner: nsys when found (else torch.profiler with CUDA activities)."""
-    runner = pytest.importorskip("moebench.runner")
-    if not hasattr(runner, "run_single_point"):
-        pytest.skip("moebench.runner.run_single_point not there yet")
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: prof\ntarget: router\nimpls: [topk_softmax.triton]\n"
                      "fixed: {num_tokens: 1024, num_experts: 256, top_k: 8, padding_ratio: 0.25}\n"

@@ -279,28 +279,7 @@ def test_tolerant_fp8_comparison_catches_real_errors():
     assert fp8_interpreter_tolerant_mismatches(bad, ref).all()
 
 
-def _stand_in_route(p, batch, *, use_mask=None):
-    """inputs.route while the router module is absent: softmax top-k, padded rows -1 / 0.0 when masked."""
-    probs = torch.softmax(batch.logits.float(), dim=-1)
-    w, ids = probs.topk(p.top_k, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
-    if p.mask if use_mask is None else use_mask:
-        ids = torch.where(batch.is_padding[:, None], -1, ids)
-        w = torch.where(batch.is_padding[:, None], 0.0, w)
-    return w, ids.to(torch.int32)
-
-
-def _use_router_or_stand_in(monkeypatch):
-    try:
-        import moebench.kernels.topk_softmax  # noqa: F401
-    except ModuleNotFoundError:
-        import moebench.inputs
-
-        monkeypatch.setattr(moebench.inputs, "route", _stand_in_route)
-
-
-def test_registered_impls_check_and_count_harm(monkeypatch):
-    _use_router_or_stand_in(monkeypatch)
+def test_registered_impls_check_and_count_harm():
     from moebench.registry import RunContext, get
     from moebench.sweep import Params
 
