@@ -145,13 +145,8 @@ def load_all() -> None:
     global _loaded
     if _loaded:
         return
-    for mod in IMPL_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            # Only tolerate the module itself being absent (a partial checkout), never a broken import inside it.
-            if e.name != mod:
-                raise
+    for mod in IMPL_MODULES:  # every module must exist: a missing one is an error, not a silently smaller registry
+        importlib.import_module(mod)
     _loaded = True
 
 
