@@ -20,15 +20,13 @@ ep_size GPUs. Communication is not part of the simulation (a dispatch sweep meas
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
-from moebench.sweep import Params
+from moebench.sweep import Params, Timing
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
 REPS_CPU = 1  # on a CPU (the interpreter) one replay: the figures are only a smoke signal there
@@ -101,24 +99,12 @@ def rank_work(sim: SimulatedEP, rank: int) -> RankWork:
 
 
 def _time_median(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median microseconds of `reps` calls after one warm-up call (which also compiles)."""
-    fn()
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    return float(statistics.median(samples))
+    """Median microseconds of `reps` calls after one warm-up call (which also compiles): CUDA events on a GPU,
+    the host clock elsewhere (moebench.measure.timing, events mode; no time limit, so exactly `reps` samples)."""
+    from moebench.measure.timing import measure
+
+    timing = Timing(mode="events", warmup=1, iters=reps, unroll=1, max_seconds=float("inf"))
+    return float(measure(fn, timing, device).stats["p50"])
 
 
 class _RankRunner:
