@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
 CPU_SMOKE = "--cpu-smoke" in sys.argv
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_common import BYTE_ROOF, env_line, print_table, time_graph  # noqa: E402 (puts the repo on sys.path)
 
 from moebench.kernels.masked_moe_sum import (  # noqa: E402
     SumLaunch,
@@ -51,49 +48,6 @@ from moebench.kernels.moe_align_block_size import (  # noqa: E402
     moe_align_block_size,
     moe_align_block_size_torch,
 )
-
-BYTE_ROOF = 4247e9
-
-
-def time_call(fn, device, unroll: int, reps: int) -> tuple[float, str]:
-    """(median us per call, mode). CUDA-graph replay of `unroll` calls; events if capture fails; wall on CPU."""
-    if device.type != "cuda":
-        fn()
-        samples = []
-        for _ in range(max(1, reps // 10)):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples), "wall"
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(unroll):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        mode, per_rep, run = "graph", unroll, graph.replay
-    except Exception as e:  # e.g. a host sync inside the eager reference
-        torch.cuda.synchronize()
-        mode, per_rep, run = f"events ({type(e).__name__})", 1, fn
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / per_rep)
-    return statistics.median(samples), mode
 
 
 def random_routing(num_tokens: int, top_k: int, num_experts: int, padding_ratio: float, device, seed: int):
@@ -125,10 +79,10 @@ def align_rows(args, device) -> list[list[str]]:
         got = moe_align_block_size(ids, E, bs, out=out, workspace=ws)
         ok = same(got, ref)
         nbytes = ids.numel() * 4 + sum(t.numel() * 4 for t in out)
-        us_torch, mode_torch = time_call(lambda: moe_align_block_size_torch(ids, E, bs), device, args.unroll,
+        us_torch, mode_torch = time_graph(lambda: moe_align_block_size_torch(ids, E, bs), device, args.unroll,
                                          args.reps)
         if ok:
-            us, mode = time_call(lambda: moe_align_block_size(ids, E, bs, out=out, workspace=ws), device,
+            us, mode = time_graph(lambda: moe_align_block_size(ids, E, bs, out=out, workspace=ws), device,
                                  args.unroll, args.reps)
             rows.append([f"align T={T}", "triton", "ok", f"{us:.1f}", f"{nbytes / us / 1e3:.0f}",
                          f"{100 * nbytes / us / 1e3 / (BYTE_ROOF / 1e9):.1f}", f"{us_torch / us:.1f}x vs torch",
@@ -170,7 +124,7 @@ def align_breakdown(args, device, T: int, block_routes: int | None = None) -> st
             return f"{label} WRONG"
         whole = ""
         if block_routes:
-            us, mode = time_call(call, device, args.unroll, args.reps)
+            us, mode = time_graph(call, device, args.unroll, args.reps)
             whole = f" whole {us:.1f} us ({mode});"
         torch.cuda.synchronize()
         n = 20
@@ -213,7 +167,7 @@ def sum_rows(args, device) -> list[list[str]]:
         ref = masked_moe_sum_torch(x, ids)
         valid_slots = int((ids >= 0).sum())
         nbytes = valid_slots * H * 2 + T * H * 2
-        us_eager, mode_eager = time_call(lambda: torch.sum(x, dim=1, out=eager_out), device, args.unroll,
+        us_eager, mode_eager = time_graph(lambda: torch.sum(x, dim=1, out=eager_out), device, args.unroll,
                                          args.reps)
         if padding == 0.0:
             eager_us = us_eager
@@ -224,7 +178,7 @@ def sum_rows(args, device) -> list[list[str]]:
             mismatches = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
             finite = bool(torch.isfinite(out).all())
             if mismatches == 0 and finite:
-                us, mode = time_call(lambda: masked_moe_sum(x, ids, out=out, launch=launch), device, args.unroll,
+                us, mode = time_graph(lambda: masked_moe_sum(x, ids, out=out, launch=launch), device, args.unroll,
                                      args.reps)
                 note = f"{eager_us / us:.2f}x of eager sum(pad 0) speed"
                 if padding == 0.0:
@@ -274,15 +228,10 @@ def main() -> int:
             line = align_breakdown(args, device, mid_tokens, block_routes)
             breakdown += ("\n" if breakdown and line else "") + line
     rows += sum_rows(args, device)
-    header = ["case", "impl", "check", "us", "GB/s", "%roof", "ratio", "timing"]
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    print(f"# {name}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(env_line(device, f"{time.perf_counter() - t0:.0f} s"))
     if breakdown:
         print(breakdown)
-    for r in [header] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(["case", "impl", "check", "us", "GB/s", "%roof", "ratio", "timing"], rows)
     return 1 if any(r[2].startswith("WRONG") for r in rows) else 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,8 +42,7 @@ if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (here and in the spawned ranks)
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_common  # noqa: E402,F401 (puts the repo root on sys.path for moebench)
 
 from moebench import dist as mdist  # noqa: E402
 from moebench.check import compare_close  # noqa: E402
@@ -54,6 +52,8 @@ from moebench.dispatch.base import (EPLayout, StageTimer, all_to_all_single, cap
                                     max_rows_per_pair, scaled_expert, scaled_expert_reference, token_in_rank)
 from moebench.dispatch.bench import make_path, padded_rows_sent  # noqa: E402
 from moebench.dispatch.permute import RowLayout  # noqa: E402
+from moebench.measure.timing import measure  # noqa: E402
+from moebench.sweep import Timing  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -86,32 +86,14 @@ CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (
 
 
 def timed(fn, ctx, warmup: int, iters: int) -> dict:
-    """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank."""
-    import torch.distributed as dist
+    """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank.
 
-    cuda = ctx.device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        dist.barrier(group=ctx.group)
-        if cuda:
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            samples.append(e0.elapsed_time(e1) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    rm = mdist.max_over_ranks(samples, ctx.group)
-    return {"p50_us": statistics.median(rm.per_iter_max), "min_us": min(rm.per_iter_max),
-            "slowest_rank": rm.slowest_rank}
+    Ranks line up on a barrier (and a device sync) before each iteration; CUDA events on a GPU, host clock on
+    the CPU. No early stop: every rank takes `iters` samples."""
+    res = measure(fn, Timing(mode="events", warmup=warmup, iters=iters, max_seconds=float("inf")), ctx.device,
+                  group=ctx.group, barrier=True)
+    slowest = res.ranks["slowest_rank"] if res.ranks else 0
+    return {"p50_us": res.stats["p50"], "min_us": res.stats["min"], "slowest_rank": slowest}
 
 
 def breakdown(path, fn, ctx, iters: int) -> list[dict]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,7 @@ if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_common import BYTE_ROOF, FLOP_ROOF, env_line, time_events  # noqa: E402 (puts the repo on sys.path)
 
 from moebench.kernels._grouped_gemm import (  # noqa: E402
     ExpertsConfig,
@@ -54,9 +52,6 @@ from moebench.kernels.fused_experts import (  # noqa: E402
     make_expert_weights,
     make_workspace,
 )
-
-FLOP_ROOF = 714e12
-BYTE_ROOF = 4247e9
 
 # The previous default at this shape (BM64, no TMA), kept as a row of table 1.
 OLD_DEFAULT = ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4))
@@ -77,24 +72,9 @@ DOWN_CANDIDATES = [
 ]
 
 
-def cuda_time_us(fn, iters: int, warmup: int = 3) -> float:
-    if CPU_SMOKE:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+def cuda_time_us(fn, iters: int) -> float:
+    """Median us of `iters` CUDA-event-timed calls after 3 warm-up calls (one wall-clock call on the CPU)."""
+    return time_events(fn, torch.device("cpu" if CPU_SMOKE else "cuda"), iters)
 
 
 def frob(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -179,13 +159,10 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("# needs a CUDA GPU")
         return 2
-    import triton
-
     dev = torch.device("cpu" if CPU_SMOKE else "cuda")
     M, K, E, H, I = args.tokens, args.top_k, args.experts, args.hidden, args.inter
     t_start = time.time()
-    gpu = "CPU interpreter smoke run" if CPU_SMOKE else torch.cuda.get_device_name()
-    print(f"# {gpu} torch {torch.__version__} triton {triton.__version__}")
+    print(env_line(dev))
     print(f"# M={M} tokens x top-{K} = {M * K} routes, {E} local experts, H={H}, I={I}")
     w13, w2 = make_expert_weights(E, H, I, seed=0, device=dev)
     have_gmm = hasattr(torch, "_grouped_mm") and (CPU_SMOKE or torch.cuda.get_device_capability() >= (9, 0))

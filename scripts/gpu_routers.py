@@ -20,65 +20,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
 CPU_SMOKE = "--cpu-smoke" in sys.argv
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_common import BYTE_ROOF, env_line, print_table, time_graph  # noqa: E402 (puts the repo on sys.path)
 
 ts = importlib.import_module("moebench.kernels.topk_softmax")  # the package re-exports a function of that name
 gt = importlib.import_module("moebench.kernels.grouped_topk")
 
-BYTE_ROOF = 4247e9
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def time_call(fn, device, unroll: int, reps: int) -> tuple[float, str]:
-    """(median us per call, mode): CUDA-graph replay of `unroll` calls, events if capture fails, wall on CPU."""
-    if device.type != "cuda":
-        fn()
-        samples = []
-        for _ in range(max(1, reps // 10)):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples), "wall"
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(unroll):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        mode, per_rep, run = "graph", unroll, graph.replay
-    except Exception as e:  # e.g. a host sync inside an eager reference
-        torch.cuda.synchronize()
-        mode, per_rep, run = f"events ({type(e).__name__})", 1, fn
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / per_rep)
-    return statistics.median(samples), mode
 
 
 def make_inputs(num_tokens, num_experts, dtype, padding_ratio, with_bias, device, seed):
@@ -144,21 +99,13 @@ def run_point(point, args, device, time_ref=True) -> list[str]:
     if not res.ok:
         print(f"# {label(point)} T={point['T']}: {res.detail}")
         return row + ["-"] * 6
-    us, mode = time_call(tri, device, args.unroll, args.reps)
+    us, mode = time_graph(tri, device, args.unroll, args.reps)
     gbps = nbytes / us / 1e3
     ref_us = None
     if time_ref:
-        ref_us, _ = time_call(eager, device, max(1, args.unroll // 4), max(5, args.reps // 2))
+        ref_us, _ = time_graph(eager, device, max(1, args.unroll // 4), max(5, args.reps // 2))
     return row + [f"{us:.2f}", f"{gbps:.0f}", f"{100 * gbps * 1e9 / BYTE_ROOF:.1f}",
                   f"{ref_us:.1f}" if ref_us else "-", f"{ref_us / us:.1f}x" if ref_us else "-", mode]
-
-
-def print_table(rows, header):
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:>{w}}}" if i else f"{{:<{w}}}" for i, w in enumerate(widths))
-    print(fmt.format(*header))
-    for r in rows:
-        print(fmt.format(*r))
 
 
 def points(args) -> list[dict]:
@@ -221,14 +168,10 @@ def main() -> int:
     rows = [run_point(p, args, device) for p in points(args)]
     if args.sweep_config:
         rows += sweep_configs(args, device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    import triton
-
-    print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}, Q_AXIS={ts.Q_AXIS}, "
-          f"{time.time() - t0:.0f} s")
+    print(env_line(device, f"Q_AXIS={ts.Q_AXIS}", f"{time.time() - t0:.0f} s"))
     print("# GPU.md eager figures at T=8192: topk softmax 127 us (target <= ~12 us), grouped sigmoid+bias 390 us "
           "(target <= ~39 us); T=65536 target >= 70% roof")
-    print_table(rows, header)
+    print_table(header, rows, right_align=True)
     wrong = [r for r in rows if r[2].startswith("WRONG")]
     if wrong:
         print(f"# {len(wrong)} point(s) WRONG")

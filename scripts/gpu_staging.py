@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
 CPU_SMOKE = "--cpu-smoke" in sys.argv
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton loads
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_common import BYTE_ROOF as COPY_ROOF  # noqa: E402 (puts the repo on sys.path)
+from gpu_common import env_line, time_events, time_graph  # noqa: E402
 
 from moebench.check import compare_exact, poison  # noqa: E402
 from moebench.kernels.apply_expert_map import apply_expert_map, apply_expert_map_torch, build_expert_map  # noqa: E402
@@ -41,57 +39,15 @@ from moebench.kernels.prepare_moe_inputs import (DEFAULT_ELEMS_PER_PROGRAM, DEFA
                                                  alloc_outputs, compare_staging, prepare_moe_inputs,
                                                  prepare_moe_inputs_oblivious, prepare_moe_inputs_torch)
 
-COPY_ROOF = 4247e9  # B/s, device-to-device copy on the H200 (GPU.md)
 LAUNCH_FLOOR_US = 1.08  # empty kernel, CUDA-graph replay
 CALLS_PER_GRAPH = 20
 REPLAYS = 15
 
 
-def time_graph(fn, device) -> float:
-    """Median us per call: CALLS_PER_GRAPH calls captured in one graph, REPLAYS replays timed with events."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (and JIT) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return statistics.median(samples)
-
-
-def time_eager(fn, device, iters=10) -> float:
-    fn()
-    if device.type != "cuda":
-        return time_graph(fn, device)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+def time_graph_call(fn, device) -> float:
+    """Median us per call: CALLS_PER_GRAPH calls captured in one graph, REPLAYS replays timed with events.
+    No events fallback: every kernel here must be capturable. CPU: one wall-clock call (the check ran it)."""
+    return time_graph(fn, device, CALLS_PER_GRAPH, REPLAYS, fallback=False, cpu_warmup=0)[0]
 
 
 ROWS: list[tuple] = []
@@ -132,7 +88,8 @@ def bench_staging(T, H, K, G, fmt, device, *, oblivious=False, tune=None, label=
     del ref
     us = None
     if res.ok:
-        us = time_graph(lambda: fn(hidden, topk_weights, topk_ids, is_padding, G, fmt, out=outs, tune=tune), device)
+        us = time_graph_call(lambda: fn(hidden, topk_weights, topk_ids, is_padding, G, fmt, out=outs, tune=tune),
+                             device)
     name = label or ("prepare_moe_inputs.oblivious" if oblivious else "prepare_moe_inputs.triton")
     report(name, f"T={T} H={H} K={K} G={G} {fmt}", res.ok, res.detail, us,
            staging_bytes(T, H, K, G, fmt, masked=not oblivious),
@@ -142,7 +99,8 @@ def bench_staging(T, H, K, G, fmt, device, *, oblivious=False, tune=None, label=
 
 def bench_staging_reference(T, H, K, G, device):
     hidden, topk_weights, topk_ids, is_padding = staging_inputs(T, H, K, device)
-    us = time_eager(lambda: prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, is_padding, G), device)
+    us = time_events(lambda: prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, is_padding, G), device, 10,
+                     warmup=1)
     report("prepare_moe_inputs.torch", f"T={T} H={H} K={K} G={G} ue8m0_packed", True, "", us,
            staging_bytes(T, H, K, G, "ue8m0_packed"), "eager, events")
 
@@ -154,7 +112,7 @@ def bench_expert_map(T, K, device, E=256, ep_size=8):
     out = poison(torch.empty(T, K, dtype=torch.int64, device=device))
     apply_expert_map(topk_ids, expert_map, out=out)
     res = compare_exact("local_ids", out, apply_expert_map_torch(topk_ids, expert_map))
-    us = time_graph(lambda: apply_expert_map(topk_ids, expert_map, out=out), device) if res.ok else None
+    us = time_graph_call(lambda: apply_expert_map(topk_ids, expert_map, out=out), device) if res.ok else None
     report("apply_expert_map.triton", f"T={T} K={K} E={E}", res.ok, res.detail, us, T * K * (4 + 8) + E * 4,
            f"{us / LAUNCH_FLOOR_US:.2f}x launch floor" if us and T * K < 4096 else "")
 
@@ -170,7 +128,7 @@ def bench_globalize(T, K, device, E=256, ep_size=8):
     buf = source.clone()
     globalize_recv_topk_idx(buf, n, offset, E)
     res = compare_exact("recv_topk_idx", buf, globalize_recv_topk_idx_torch(source.clone(), n, offset, E))
-    us = time_graph(lambda: globalize_recv_topk_idx(buf, n, offset, E), device) if res.ok else None
+    us = time_graph_call(lambda: globalize_recv_topk_idx(buf, n, offset, E), device) if res.ok else None
     report("globalize_recv_topk_idx.triton", f"N={T} K={K} num_recv={num_recv}", res.ok, res.detail, us,
            2 * T * K * 8 + 4, f"{us / LAUNCH_FLOOR_US:.2f}x launch floor" if us and T * K < 4096 else "")
 
@@ -198,8 +156,7 @@ def main() -> int:
     big_T = 16 if args.cpu_smoke else 8192
     t_start = time.time()
     if device.type == "cuda":
-        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"triton {__import__('triton').__version__}")
+        print(env_line(device))
     print(f"# default staging launch: {DEFAULT_ELEMS_PER_PROGRAM} values/program, {DEFAULT_NUM_WARPS} warps; "
           f"{CALLS_PER_GRAPH} calls per graph, median of {REPLAYS} replays", flush=True)
 
