@@ -24,9 +24,12 @@ from typing import Any, Callable, Iterable
 # Each plot kind: file-name stem and the sentence the index shows under it.
 KINDS: dict[str, str] = {
     "latency_vs_tokens": "p50 latency vs tokens per rank (log-log), one line per padding ratio; masked solid, "
-                         "unmasked dashed; band = p10..p90.",
-    "saving_vs_padding": "p50 with the padding mask / p50 without it, vs padding ratio, one line per num_tokens; "
-                         "dashed: the same ratio of the roofline times (the ideal when only real work is done).",
+                         "unmasked (mask=False, or the mask-oblivious twin impl in the same panel) dashed; "
+                         "band = p10..p90.",
+    "saving_vs_padding": "p50 with the padding mask / p50 without it (same impl at mask=False, or its "
+                         "mask-oblivious twin, e.g. layer.masked / layer.oblivious), vs padding ratio, one line per "
+                         "num_tokens; dashed: the same ratio of the roofline times (the ideal when only real work "
+                         "is done).",
     "expert_load": "Routes per expert (real vs padding, stacked) at the point with the largest padding share, "
                    "masked vs unmasked.",
     "rank_load": "Routes per EP rank (real vs padding, stacked), slowest rank marked, at the point with the "
@@ -36,7 +39,7 @@ KINDS: dict[str, str] = {
                     "layer timed as one.",
     "ep_scaling": "p50 vs EP size; hollow markers are simulated (computed) EP sizes.",
     "jit_compiles": "Cumulative Triton compiles (and compile seconds) over a batch-size trace per capacity "
-                    "policy; dashed: the predicted count.",
+                    "policy; dashed: the predicted count. Runs that could not count compiles (CPU) are left out.",
 }
 
 FOLDED = ("seed", "repeat")  # repeated measurements of one point: aggregated (median), never split on
@@ -296,7 +299,7 @@ def _grid(n: int, max_cols: int = 3) -> tuple[int, int]:
 
 
 def _save(fig, path: Path, title: str) -> None:
-    width_chars = int(fig.get_size_inches()[0] * 14)  # ~ characters of a 10 pt title per inch
+    width_chars = int(fig.get_size_inches()[0] * 12.5)  # ~ characters of a 10 pt title per inch
     lines = [textwrap.fill(line, width_chars) for line in title.split("\n")]
     fig.suptitle("\n".join(lines), fontsize=10)
     fig.tight_layout()
@@ -332,13 +335,81 @@ def _colors(n: int, cmap: str = "viridis") -> list:
     return [cm(0.05 + 0.8 * i / (n - 1)) for i in range(n)]
 
 
-_LINESTYLE = {True: "-", False: "--", None: "-"}
-_MASK_WORD = {True: "masked", False: "unmasked", None: ""}
+# Per mode (see _mode_of): masked solid, unmasked dashed, the mask-oblivious twin dashed too unless it shares a
+# panel with an unmasked (mask=False) line, then dash-dot (see _mode_styles).
+_MODE_STYLE = {"masked": "-", "unmasked": "--", "oblivious": "--", None: "-"}
+_MODE_ORDER = ("masked", "unmasked", "oblivious", None)
+# Variants preferred as the mask-aware partner of an oblivious twin when a kernel has several mask-aware impls
+# (fused_experts.triton, not the eager fused_experts.torch reference).
+_TWIN_VARIANTS = ("masked", "triton")
+
+
+def _mode_of(r: dict) -> str | None:
+    """"masked" / "unmasked" for a mask-aware impl run with mask=True / False, "oblivious" for a mask-oblivious
+    twin (record mask_aware false: it ignores the mask param, so that param says nothing), None otherwise."""
+    if r.get("mask_aware") is False:
+        return "oblivious"
+    m = _param(r, "mask")
+    return ("masked" if m else "unmasked") if isinstance(m, bool) else None
 
 
 def _mask_of(r: dict) -> bool | None:
-    m = _param(r, "mask")
-    return m if isinstance(m, bool) else None
+    """True: padded rows skipped; False: computed like real ones (mask=False or a mask-oblivious impl)."""
+    mode = _mode_of(r)
+    return None if mode is None else mode == "masked"
+
+
+def _kernel_of(r: dict) -> str:
+    return str(r.get("kernel") or str(r.get("impl", "")).split(".", 1)[0])
+
+
+def _twin_impls(records: list[dict]) -> dict[str, str]:
+    """Mask-oblivious impl -> its mask-aware twin among these records: the same kernel, variant "masked" or
+    "triton" first, else the kernel's only mask-aware impl. Oblivious impls without a twin are left out."""
+    aware: dict[str, list[str]] = {}
+    oblivious: dict[str, str] = {}
+    for r in records:
+        impl = r.get("impl")
+        if r.get("mask_aware") is False:
+            oblivious.setdefault(impl, _kernel_of(r))
+        elif impl not in aware.setdefault(_kernel_of(r), []):
+            aware[_kernel_of(r)].append(impl)
+    out = {}
+    for impl, kernel in oblivious.items():
+        cands = aware.get(kernel, [])
+        pick = next((c for v in _TWIN_VARIANTS for c in cands if c.split(".", 1)[-1] == v), None)
+        if pick is None and len(cands) == 1:
+            pick = cands[0]
+        if pick is not None:
+            out[impl] = pick
+    return out
+
+
+def _panels(records: list[dict]) -> dict[str, str]:
+    """impl -> panel name: a mask-aware impl and its oblivious twin share one panel ("A vs B"), others their own."""
+    twins = _twin_impls(records)
+    joined: dict[str, list[str]] = {}
+    for r in records:
+        base = twins.get(r["impl"], r["impl"])
+        if r["impl"] not in joined.setdefault(base, [base]):
+            joined[base].append(r["impl"])
+    return {impl: " vs ".join(members) for members in joined.values() for impl in members}
+
+
+def _mode_styles(records: list[dict]) -> dict[str | None, str]:
+    styles = dict(_MODE_STYLE)
+    modes = {_mode_of(r) for r in records}
+    if "unmasked" in modes and "oblivious" in modes:
+        styles["oblivious"] = "-."
+    return styles
+
+
+def _series_label(impl: str, mode: str | None) -> str:
+    """impl plus its mode word, unless the impl's own name already says it (layer.masked, x.oblivious)."""
+    variant = impl.split(".", 1)[-1]
+    if mode is None or variant == mode:
+        return impl
+    return f"{impl} {'mask-oblivious' if mode == 'oblivious' else mode}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,22 +426,24 @@ def _latency_vs_tokens(run: Run, out: Path) -> list[_Plot]:
     for group, rs in _split(recs, dims):
         if len({_param(r, "num_tokens") for r in rs}) < 2:
             continue
-        impls = list(dict.fromkeys(r["impl"] for r in rs))
+        panel_of = _panels(rs)  # a mask-aware impl and its oblivious twin share a panel
+        panels = list(dict.fromkeys(panel_of[r["impl"]] for r in rs))
+        styles = _mode_styles(rs)
         ratios = _sorted_unique(_param(r, "padding_ratio") for r in rs) or [None]
         colors = dict(zip(ratios, _colors(len(ratios))))
-        nrows, ncols = _grid(len(impls))
+        nrows, ncols = _grid(len(panels))
         fig, axes = _figure(nrows, ncols, sharey=True)
-        for ax, impl in zip(axes.flat, impls):
-            agg = _aggregate([r for r in rs if r["impl"] == impl],
-                             lambda r: (_param(r, "padding_ratio"), _mask_of(r), _param(r, "num_tokens")))
+        for ax, panel in zip(axes.flat, panels):
+            agg = _aggregate([r for r in rs if panel_of[r["impl"]] == panel],
+                             lambda r: (_param(r, "padding_ratio"), _mode_of(r), _param(r, "num_tokens")))
             for ratio in ratios:
-                for mask in (True, False, None):
-                    pts = sorted((k[2], v) for k, v in agg.items() if k[0] == ratio and k[1] is mask)
+                for mode in _MODE_ORDER:
+                    pts = sorted((k[2], v) for k, v in agg.items() if k[0] == ratio and k[1] == mode)
                     if not pts:
                         continue
                     xs = [x for x, _ in pts]
-                    label = f"pad {_fmt_value(ratio)}" + (f", {_MASK_WORD[mask]}" if mask is not None else "")
-                    ax.plot(xs, [v["p50"] for _, v in pts], _LINESTYLE[mask], marker="o", ms=3,
+                    label = f"pad {_fmt_value(ratio)}" + (f", {mode}" if mode is not None else "")
+                    ax.plot(xs, [v["p50"] for _, v in pts], styles[mode], marker="o", ms=3,
                             color=colors[ratio], label=label)
                     band = [(x, v["p10"], v["p90"]) for x, v in pts if v["p10"] and v["p90"]]
                     if len(band) >= 2:
@@ -379,13 +452,13 @@ def _latency_vs_tokens(run: Run, out: Path) -> list[_Plot]:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             _log2_ticks(ax, [_param(r, "num_tokens") for r in rs])
-            ax.set_title(impl, fontsize=9)
+            ax.set_title(panel, fontsize=9)
             ax.set_xlabel("num_tokens (rows per rank)")
             ax.grid(True, which="both", alpha=0.3)
         for ax in axes[:, 0]:
             ax.set_ylabel("latency p50 (us), band p10-p90")
         axes.flat[0].legend(fontsize=7, loc="upper left")
-        _hide_unused(axes, len(impls))
+        _hide_unused(axes, len(panels))
         title = _title(run, "Latency vs tokens", rs, dims, group)
         path = out / f"latency_vs_tokens{_slug(group)}.png"
         _save(fig, path, title)
@@ -393,33 +466,54 @@ def _latency_vs_tokens(run: Run, out: Path) -> list[_Plot]:
     return plots
 
 
+def _saving_pairs(records: list[dict], twins: dict[str, str]) -> tuple[dict[tuple, tuple[float, float | None]],
+                                                                      set[tuple]]:
+    """{(panel, num_tokens, padding_ratio): (p50 masked / p50 partner, roofline_us ratio or None)} over records of
+    one figure (other params equal), and the (impl, num_tokens, ratio, mode) keys that went into a pair."""
+    agg = _aggregate(records, lambda r: (r["impl"], _param(r, "num_tokens"), _param(r, "padding_ratio"),
+                                         _mode_of(r)))
+    pairs: dict[tuple, tuple[float, float | None]] = {}
+    used_keys: set[tuple] = set()
+    for (impl, tokens, ratio, mode), v in agg.items():
+        if mode in ("oblivious", "unmasked") or not v["p50"]:
+            continue
+        refs = []
+        if mode == "masked":
+            refs.append((f"{impl}: mask on / off", (impl, tokens, ratio, "unmasked")))
+        # the oblivious twin's partner: the impl at mask=True, or without a mask param (then it always masks)
+        refs += [(f"{impl} / {o}", (o, tokens, ratio, "oblivious")) for o, a in twins.items() if a == impl]
+        for panel, ref_key in refs:
+            other = agg.get(ref_key)
+            if not other or not other["p50"]:
+                continue
+            roof = v["roofline_us"] / other["roofline_us"] if v["roofline_us"] and other["roofline_us"] else None
+            pairs[(panel, tokens, ratio)] = (v["p50"] / other["p50"], roof)
+            used_keys |= {(impl, tokens, ratio, mode), ref_key}
+    return pairs, used_keys
+
+
 def _saving_vs_padding(run: Run, out: Path) -> list[_Plot]:
-    recs = [r for r in run.ok if _p(r) is not None and _mask_of(r) is not None]
+    """Pairs a masked point with its unmasked partner at otherwise equal params: the same mask-aware impl at
+    mask=False, or the impl's mask-oblivious twin (layer.masked vs layer.oblivious)."""
+    recs = [r for r in run.ok if _p(r) is not None]
+    twins = _twin_impls(recs)
+    recs = [r for r in recs if _mode_of(r) is not None or r["impl"] in twins.values()]
     dims = ("num_tokens", "padding_ratio", "mask", "impl")
     plots = []
     for group, rs in _split(recs, dims):
-        agg = _aggregate(rs, lambda r: (r["impl"], _param(r, "num_tokens"), _param(r, "padding_ratio"),
-                                        _mask_of(r)))
-        # pairs: (impl, num_tokens, ratio) -> (measured ratio, roofline ratio or None)
-        pairs: dict[tuple, tuple[float, float | None]] = {}
-        for (impl, tokens, ratio, mask), v in agg.items():
-            other = agg.get((impl, tokens, ratio, False))
-            if mask is True and other and v["p50"] and other["p50"]:
-                roof = (v["roofline_us"] / other["roofline_us"]
-                        if v["roofline_us"] and other["roofline_us"] else None)
-                pairs[(impl, tokens, ratio)] = (v["p50"] / other["p50"], roof)
+        pairs, used_keys = _saving_pairs(rs, twins)
         if not pairs:
             continue
-        impls = list(dict.fromkeys(k[0] for k in pairs))
+        panels = list(dict.fromkeys(k[0] for k in pairs))
         tokens_all = _sorted_unique(k[1] for k in pairs)
         colors = dict(zip(tokens_all, _colors(len(tokens_all), "plasma")))
         ratios_all = _sorted_unique(k[2] for k in pairs)
-        nrows, ncols = _grid(len(impls))
+        nrows, ncols = _grid(len(panels))
         fig, axes = _figure(nrows, ncols, sharey=True)
-        for ax, impl in zip(axes.flat, impls):
+        for ax, panel in zip(axes.flat, panels):
             ideal_labelled = False
             for tokens in tokens_all:
-                pts = sorted((k[2], v) for k, v in pairs.items() if k[0] == impl and k[1] == tokens)
+                pts = sorted((k[2], v) for k, v in pairs.items() if k[0] == panel and k[1] == tokens)
                 if not pts:
                     continue
                 xs = [x for x, _ in pts]
@@ -434,14 +528,15 @@ def _saving_vs_padding(run: Run, out: Path) -> list[_Plot]:
             grid = [lo + (hi - lo) * i / 20 for i in range(21)] if hi > lo else [lo]
             ax.plot(grid, [1 - x for x in grid], ":", color="grey", label="1 - padding ratio")
             ax.axhline(1.0, color="black", lw=0.8, alpha=0.5)
-            ax.set_title(impl, fontsize=9)
+            ax.set_title(panel, fontsize=9)
             ax.set_xlabel("padding ratio (share of rows that are padding)")
             ax.grid(True, alpha=0.3)
         for ax in axes[:, 0]:
-            ax.set_ylabel("p50 masked / p50 unmasked (lower = saving)")
+            ax.set_ylabel("p50 masked / p50 unmasked or oblivious\n(lower = saving)")
         axes.flat[0].legend(fontsize=7)
-        _hide_unused(axes, len(impls))
-        used = [r for r in rs if (r["impl"], _param(r, "num_tokens"), _param(r, "padding_ratio")) in pairs]
+        _hide_unused(axes, len(panels))
+        used = [r for r in rs if (r["impl"], _param(r, "num_tokens"), _param(r, "padding_ratio"), _mode_of(r))
+                in used_keys]
         title = _title(run, "Saving from the padding mask", used, dims, group)
         path = out / f"saving_vs_padding{_slug(group)}.png"
         _save(fig, path, title)
@@ -455,15 +550,24 @@ def _padding_share(loads_real: list, loads_pad: list) -> float:
 
 
 def _twin(records: list[dict], rec: dict) -> dict | None:
-    """The record of the same impl and parameters with the mask flipped (the masked / unmasked partner)."""
-    mask = _mask_of(rec)
-    if mask is None:
+    """The masked / unmasked partner of `rec` at otherwise equal params: the same impl with the mask flipped, else
+    the impl's mask-aware or mask-oblivious twin (layer.masked <-> layer.oblivious)."""
+    mode = _mode_of(rec)
+    twins = _twin_impls(records)
+    if mode == "masked":
+        wanted = [(rec["impl"], ("unmasked",))] + [(o, ("oblivious",)) for o, a in twins.items() if a == rec["impl"]]
+    elif mode == "unmasked":
+        wanted = [(rec["impl"], ("masked",))]
+    elif mode == "oblivious" and rec["impl"] in twins:
+        wanted = [(twins[rec["impl"]], ("masked", None))]
+    else:
         return None
-    want = {k: _hashable(v) for k, v in rec["params"].items() if k != "mask"}
-    for r in records:
-        if r["impl"] == rec["impl"] and _mask_of(r) is (not mask) and \
-                {k: _hashable(v) for k, v in r["params"].items() if k != "mask"} == want:
-            return r
+    same = {k: _hashable(v) for k, v in rec["params"].items() if k != "mask"}
+    for impl, modes in wanted:
+        for r in records:
+            if r["impl"] == impl and _mode_of(r) in modes and \
+                    {k: _hashable(v) for k, v in r["params"].items() if k != "mask"} == same:
+                return r
     return None
 
 
@@ -526,9 +630,8 @@ def _load_bars(run: Run, out: Path, kind: str, real_key: str, pad_key: str, spli
                 ax.set_ylabel("routes per expert (token-expert pairs)")
             mom = max(totals) / mean if mean else float("nan")
             share = _padding_share(real, pad)
-            mask_word = {True: "masked", False: "unmasked", None: ""}[_mask_of(r)]
             where = f"T={_param(r, 'num_tokens')}, padding ratio {_fmt_value(_param(r, 'padding_ratio'))}"
-            ax.set_title(f"{r['impl']} {mask_word} ({where})\npadding share of routes {share:.0%}, "
+            ax.set_title(f"{_series_label(r['impl'], _mode_of(r))} ({where})\npadding share of routes {share:.0%}, "
                          f"max/mean {mom:.2f}", fontsize=9)
             ax.legend(fontsize=7)
             ax.grid(True, axis="y", alpha=0.3)
@@ -569,18 +672,19 @@ def _roof_fraction(run: Run, out: Path) -> list[_Plot]:
         ratios = _sorted_unique(_param(r, "padding_ratio") for r in rs) or [None]
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         colors = dict(zip(impls, _colors(len(impls), "tab10")))
+        styles = _mode_styles(rs)
         nrows, ncols = _grid(len(ratios))
         fig, axes = _figure(nrows, ncols, sharey=True)
         for ax, ratio in zip(axes.flat, ratios):
             sub = [r for r in rs if _param(r, "padding_ratio") == ratio]
-            agg = _aggregate(sub, lambda r: (r["impl"], _mask_of(r), _param(r, "num_tokens")))
+            agg = _aggregate(sub, lambda r: (r["impl"], _mode_of(r), _param(r, "num_tokens")))
             for impl in impls:
-                for mask in (True, False, None):
+                for mode in _MODE_ORDER:
                     pts = sorted((k[2], v["roof_fraction"]) for k, v in agg.items()
-                                 if k[0] == impl and k[1] is mask and v["roof_fraction"])
+                                 if k[0] == impl and k[1] == mode and v["roof_fraction"])
                     if pts:
-                        ax.plot([x for x, _ in pts], [y for _, y in pts], _LINESTYLE[mask], marker="o", ms=3,
-                                color=colors[impl], label=f"{impl} {_MASK_WORD[mask]}".strip())
+                        ax.plot([x for x, _ in pts], [y for _, y in pts], styles[mode], marker="o", ms=3,
+                                color=colors[impl], label=_series_label(impl, mode))
             ax.axhline(1.0, color="black", lw=0.8, alpha=0.5)
             ax.set_xscale("log", base=2)
             _log2_ticks(ax, [_param(r, "num_tokens") for r in rs])
@@ -623,12 +727,19 @@ def _layer_stages(run: Run, out: Path) -> list[_Plot]:
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         ratios = _sorted_unique(_param(r, "padding_ratio") for r in rs) or [None]
         masks = [m for m in (True, False, None) if any(_mask_of(r) is m for r in rs)]
+        modes = {_mode_of(r) for r in rs}
+        unmasked_word = " / ".join(w for m, w in (("unmasked", "unmasked"), ("oblivious", "mask-oblivious"))
+                                   if m in modes)
         nrows, ncols = _grid(len(impls), 2)
-        fig, axes = _figure(nrows, ncols, panel_w=max(5.0, 1.2 * len(ratios) * len(masks)), sharey=True)
+        # bar slots per panel: an oblivious twin's panel has only unmasked bars, not an empty masked slot
+        panel_masks = {impl: [m for m in masks if any(r["impl"] == impl and _mask_of(r) is m for r in rs)]
+                       for impl in impls}
+        slots = max(len(m) for m in panel_masks.values())
+        fig, axes = _figure(nrows, ncols, panel_w=max(5.0, 1.2 * len(ratios) * slots), sharey=True)
         for ax, impl in zip(axes.flat, impls):
-            width = 0.8 / len(masks)
+            width = 0.8 / len(panel_masks[impl])
             for xi, ratio in enumerate(ratios):
-                for mi, mask in enumerate(masks):
+                for mi, mask in enumerate(panel_masks[impl]):
                     sub = [r for r in rs if r["impl"] == impl and _param(r, "padding_ratio") == ratio
                            and _mask_of(r) is mask]
                     if not sub:
@@ -647,7 +758,8 @@ def _layer_stages(run: Run, out: Path) -> list[_Plot]:
                         ax.plot([x - width * 0.45, x + width * 0.45], [whole, whole], color="black", lw=1.5)
             ax.set_xticks(range(len(ratios)))
             ax.set_xticklabels([_fmt_value(r) for r in ratios])
-            ax.set_xlabel("padding ratio" + ("  (plain = masked, hatched = unmasked)" if False in masks else ""))
+            ax.set_xlabel("padding ratio" + (f"  (plain = masked, hatched = {unmasked_word})" if False in masks
+                                             else ""))
             ax.set_title(impl, fontsize=9)
             ax.grid(True, axis="y", alpha=0.3)
         for ax in axes[:, 0]:
@@ -656,7 +768,7 @@ def _layer_stages(run: Run, out: Path) -> list[_Plot]:
 
         handles = [Patch(color=stage_colors[s], label=s) for s in stages]
         if False in masks:
-            handles.append(Patch(facecolor="lightgrey", hatch="//", label="unmasked"))
+            handles.append(Patch(facecolor="lightgrey", hatch="//", label=unmasked_word))
         if any(_p(r) for r in rs):
             from matplotlib.lines import Line2D
 
@@ -683,20 +795,21 @@ def _ep_scaling(run: Run, out: Path) -> list[_Plot]:
         ratios = _sorted_unique(_param(r, "padding_ratio") for r in rs) or [None]
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         colors = dict(zip(impls, _colors(len(impls), "tab10")))
+        styles = _mode_styles(rs)
         nrows, ncols = _grid(len(ratios))
         fig, axes = _figure(nrows, ncols, sharey=True)
         any_sim = False
         for ax, ratio in zip(axes.flat, ratios):
             sub = [r for r in rs if _param(r, "padding_ratio") == ratio]
-            agg = _aggregate(sub, lambda r: (r["impl"], _mask_of(r), _param(r, "ep_size")))
+            agg = _aggregate(sub, lambda r: (r["impl"], _mode_of(r), _param(r, "ep_size")))
             for impl in impls:
-                for mask in (True, False, None):
-                    pts = sorted((k[2], v) for k, v in agg.items() if k[0] == impl and k[1] is mask)
+                for mode in _MODE_ORDER:
+                    pts = sorted((k[2], v) for k, v in agg.items() if k[0] == impl and k[1] == mode)
                     if not pts:
                         continue
                     c = colors[impl]
-                    ax.plot([x for x, _ in pts], [v["p50"] for _, v in pts], _LINESTYLE[mask], color=c,
-                            label=f"{impl} {_MASK_WORD[mask]}".strip())
+                    ax.plot([x for x, _ in pts], [v["p50"] for _, v in pts], styles[mode], color=c,
+                            label=_series_label(impl, mode))
                     for x, v in pts:
                         ax.plot([x], [v["p50"]], "o", ms=6, color=c,
                                 markerfacecolor="none" if v["simulated"] else c)
@@ -737,6 +850,15 @@ def _trace_steps(r: dict) -> list[dict] | None:
     return None
 
 
+def _compiles_counted(r: dict) -> bool:
+    """False where the run could not count compiles (CPU / interpreter: "unsupported" or null per step): such a
+    record has no compile curve to draw, and drawing its nulls as zeros would look like a perfect result."""
+    if (r.get("info") or {}).get("observed_compiles") == "unsupported":
+        return False
+    return all(isinstance(s.get("compiles"), (int, float)) and not isinstance(s.get("compiles"), bool)
+               for s in _trace_steps(r) or [])
+
+
 def _cumulative(values: list[float]) -> list[float]:
     out, total = [], 0.0
     for v in values:
@@ -748,7 +870,8 @@ def _cumulative(values: list[float]) -> list[float]:
 def _jit_compiles(run: Run, out: Path) -> list[_Plot]:
     """`info.trace_steps[i]["compiles"]` / `["compile_s"]` are per step (this plot accumulates them);
     `info.predicted_compiles` is a total (horizontal line) or a per-step cumulative list."""
-    recs = [r for r in run.ok if _trace_steps(r) and _param(r, "capacity_policy") is not None]
+    recs = [r for r in run.ok if _trace_steps(r) and _param(r, "capacity_policy") is not None
+            and _compiles_counted(r)]
     if not recs:
         return []
     dims = ("capacity_policy", "impl")

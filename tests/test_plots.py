@@ -248,3 +248,116 @@ def test_torn_last_line_is_ignored(tmp_path):
 def test_not_a_run_dir(tmp_path):
     with pytest.raises(FileNotFoundError):
         plots.make_plots(tmp_path)
+
+
+def _twin_layer_run(tmp_path: Path) -> FakeRun:
+    """The layer sweep's shape: layer.masked vs its mask-oblivious twin, both at the default mask=True param."""
+    run = FakeRun(tmp_path, name="layer-20261130T000000Z", sweep="layer", target="layer")
+    for local in (32, 64):
+        for tokens in (256, 1024):
+            for ratio in (0.0, 0.25, 0.5):
+                for impl, aware in (("layer.masked", True), ("layer.oblivious", False)):
+                    work = tokens * ((1 - ratio) if aware else 1.0)
+                    rec = run.add(impl, p50=5.0 + 0.1 * work, num_tokens=tokens, padding_ratio=ratio, mask=True,
+                                  num_experts=64, num_local_experts=local)
+                    rec["mask_aware"] = aware
+                    rec["roofline_us"] = 1.0 + 0.05 * work
+                    rec["roof_fraction"] = rec["roofline_us"] / rec["stats"]["p50"]
+    return run
+
+
+def test_mask_aware_vs_oblivious_twins_make_the_saving_plot(tmp_path):
+    run = _twin_layer_run(tmp_path)
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    for p in paths:
+        _assert_png(p)
+    names = sorted(p.name for p in paths if p.name.startswith("saving_vs_padding"))
+    assert names == ["saving_vs_padding__num_local_experts-32.png", "saving_vs_padding__num_local_experts-64.png"]
+    meta = _meta(out)
+    saving = [p for p in meta["plots"] if p["kind"] == "saving_vs_padding"]
+    assert all(p["points"] == len(run.records) // 2 for p in saving)
+    # one latency panel per twin pair: its records are drawn together
+    lat = [p for p in meta["plots"] if p["kind"] == "latency_vs_tokens"]
+    assert len(lat) == 2 and all(p["points"] == len(run.records) // 2 for p in lat)
+    # the ratios drawn: masked / oblivious p50 and the same ratio of roofline_us
+    recs = [r for r in run.records if r["params"]["num_local_experts"] == 32]
+    assert plots._twin_impls(recs) == {"layer.oblivious": "layer.masked"}
+    assert plots._panels(recs) == {"layer.masked": "layer.masked vs layer.oblivious",
+                                   "layer.oblivious": "layer.masked vs layer.oblivious"}
+    pairs, used = plots._saving_pairs(recs, plots._twin_impls(recs))
+    assert len(pairs) == 6 and len(used) == 12
+    for (panel, tokens, ratio), (measured, roof) in pairs.items():
+        assert panel == "layer.masked / layer.oblivious"
+        work = tokens * (1 - ratio)
+        assert measured == pytest.approx((5.0 + 0.1 * work) / (5.0 + 0.1 * tokens))
+        assert roof == pytest.approx((1.0 + 0.05 * work) / (1.0 + 0.05 * tokens))
+    # the load plot pairs the masked point with its oblivious twin at equal params
+    best = max(recs, key=lambda r: (r["params"]["padding_ratio"], r["params"]["num_tokens"], r["impl"]))
+    twin = plots._twin(recs, best)
+    assert twin is not None and twin["impl"] != best["impl"] and twin["params"] == best["params"]
+
+
+def test_mask_param_and_twin_impl_pairings_side_by_side(tmp_path):
+    run = FakeRun(tmp_path, target="kernel")
+    for ratio in (0.0, 0.5):
+        for tokens in (64, 256):
+            for impl, masks in (("fused_experts.triton", (True, False)), ("fused_experts.torch", (True, False)),
+                                ("fused_experts.oblivious", (True,))):
+                for mask in masks:
+                    rec = run.add(impl, num_tokens=tokens, padding_ratio=ratio, mask=mask, num_experts=64,
+                                  imbalance=False)
+                    rec["mask_aware"] = impl != "fused_experts.oblivious"
+    recs = run.records
+    # the oblivious twin pairs with the Triton kernel, not with the eager torch reference
+    assert plots._twin_impls(recs) == {"fused_experts.oblivious": "fused_experts.triton"}
+    assert plots._mode_of(recs[-1]) == "oblivious" and plots._mask_of(recs[-1]) is False
+    pairs, _ = plots._saving_pairs(recs, plots._twin_impls(recs))
+    assert {k[0] for k in pairs} == {"fused_experts.triton: mask on / off", "fused_experts.torch: mask on / off",
+                                     "fused_experts.triton / fused_experts.oblivious"}
+    assert len(pairs) == 3 * 4
+    p50 = {(r["impl"], r["params"]["num_tokens"], r["params"]["padding_ratio"], plots._mode_of(r)):
+           r["stats"]["p50"] for r in recs}
+    measured, _ = pairs[("fused_experts.triton / fused_experts.oblivious", 256, 0.5)]
+    assert measured == pytest.approx(p50[("fused_experts.triton", 256, 0.5, "masked")]
+                                     / p50[("fused_experts.oblivious", 256, 0.5, "oblivious")])
+    # unmasked (mask=False) and oblivious lines share a panel: told apart by their line style
+    styles = plots._mode_styles(recs)
+    assert len({styles["masked"], styles["unmasked"], styles["oblivious"]}) == 3
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    assert "saving_vs_padding" in _kinds(paths)
+    for p in paths:
+        _assert_png(p)
+
+
+def _jit_record(run: FakeRun, policy: str, counted: bool) -> dict:
+    per_step = [1, 1, 0, 1, 0, 0]
+    rec = run.add("jit_trace.a2a_fixed", num_tokens=256, capacity_policy=policy, imbalance=False)
+    steps = [{"step": i, "batch": 16 * (i % 4 + 1), "capacity": 32,
+              "compiles": c if counted else None, "compile_s": 0.3 * c if counted else None}
+             for i, c in enumerate(per_step)]
+    rec["info"] = {"trace_steps": steps, "predicted_compiles": sum(per_step),
+                   "observed_compiles": sum(per_step) if counted else "unsupported"}
+    return rec
+
+
+def test_jit_records_without_compile_counts_are_not_drawn(tmp_path):
+    run = FakeRun(tmp_path, target="jit_trace")
+    _jit_record(run, "exact", counted=True)
+    _jit_record(run, "pow2", counted=False)
+    uncounted = _jit_record(run, "max", counted=True)
+    uncounted["info"]["trace_steps"][2]["compiles"] = "unsupported"  # one step unknown: the curve is unknown
+    assert [plots._compiles_counted(r) for r in run.records] == [True, False, False]
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    jit = [p for p in _meta(out)["plots"] if p["kind"] == "jit_compiles"]
+    assert len(jit) == 1 and jit[0]["points"] == 1
+    _assert_png(out / jit[0]["file"])
+
+    # a CPU run where nothing could be counted: no compiles plot at all rather than flat zeros
+    cpu = FakeRun(tmp_path / "cpu", target="jit_trace")
+    for policy in ("exact", "pow2"):
+        _jit_record(cpu, policy, counted=False)
+    out_cpu = tmp_path / "out_cpu"
+    assert "jit_compiles" not in _kinds(plots.make_plots(cpu.write(), out_cpu))
