@@ -18,17 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, next_pow2
+from moebench.kernels._triton import next_pow2
 from moebench.kernels.topk_softmax import (
     INT32_MIN,
     RouterReference,
     check_router_args,
-    check_triton_router_limits,
-    compare_routing,
     mask_padded_rows_torch,
     Q_AXIS,
     orderable_key,
     pick_topk_3d,
+    register_router_impls,
     renormalize_torch,
     router_launch_config,
     router_limits_problem,
@@ -40,6 +39,7 @@ from moebench.kernels.topk_softmax import (
     slice_index,
     slot_tile,
     store_rows,
+    triton_router_operands,
 )
 
 SCORINGS = ("softmax", "sigmoid")
@@ -224,15 +224,9 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
     """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
     num_tokens, num_experts = _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
-    check_triton_router_limits(num_experts, top_k)
-    check_triton_device(logits, is_padding, bias)
-    weights, ids = router_outputs(num_tokens, top_k, logits.device, out)
+    logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
         return weights, ids
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
     group_size = num_experts // num_expert_group
     g_pad, gs_pad = next_pow2(num_expert_group), next_pow2(group_size)
     block_t, num_warps = router_launch_config(g_pad * gs_pad)
@@ -257,55 +251,14 @@ def _validate(p) -> str | None:
         p.num_experts, p.top_k, p.num_expert_group, p.topk_group, p.scoring, p.bias)
 
 
-def _build(variant: str):
-    def build(p, ctx):
-        from moebench.check import poison
-        from moebench.inputs import make_batch
-        from moebench.registry import Case, Routing
-
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        mask = batch.mask
-        bias = batch.bias if p.bias else None
-        num_tokens, top_k = batch.num_tokens, p.top_k
-        out = router_outputs(num_tokens, top_k, ctx.device, None)
-        fn = grouped_topk if variant == "triton" else grouped_topk_torch
-        kwargs = dict(scoring=p.scoring, bias=bias, renormalize=p.renormalize,
-                      routed_scaling_factor=p.routed_scaling_factor, is_padding=mask)
-
-        def run():
-            return fn(batch.logits, top_k, p.num_expert_group, p.topk_group, out=out, **kwargs)
-
-        def check():
-            ref = grouped_topk_reference(batch.logits, top_k, p.num_expert_group, p.topk_group, **kwargs)
-            for t in out:
-                poison(t)
-            run()
-            return compare_routing(out[0], out[1], ref)
-
-        nbytes = batch.logits.numel() * batch.logits.element_size() + num_tokens * top_k * (4 + 4)
-        note = "logits read + weights and ids written"
-        if mask is not None:
-            nbytes += num_tokens
-            note += " + mask"
-        if bias is not None:
-            nbytes += bias.numel() * 4
-            note += " + bias"
-        return Case(run=run, check=check, bytes_moved=nbytes, bytes_note=note,
-                    routing=Routing(out[1], batch.is_padding, p.num_experts, p.ep_size), nvtx_stage="route")
-    return build
-
-
-def _register() -> None:
-    from moebench.registry import Impl, register
-
-    descriptions = {
-        "triton": "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [group, row, member] tile, "
-                  "iterative group and expert picks, is_padding rows written as -1 / 0.0",
-        "torch": "eager torch grouped top-k with stable descending sorts (the reference)",
-    }
-    for variant, text in descriptions.items():
-        register(Impl(f"grouped_topk.{variant}", targets=("router", "kernel"), build=_build(variant),
-                      description=text, validate=_validate))
-
-
-_register()
+register_router_impls(
+    "grouped_topk",
+    {
+        "triton": (grouped_topk, "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [group, row, "
+                                 "member] tile, iterative group and expert picks, is_padding rows written as -1 / 0.0"),
+        "torch": (grouped_topk_torch, "eager torch grouped top-k with stable descending sorts (the reference)"),
+    },
+    grouped_topk_reference,
+    knobs=lambda p: dict(top_k=p.top_k, num_expert_group=p.num_expert_group, topk_group=p.topk_group,
+                         scoring=p.scoring, renormalize=p.renormalize, routed_scaling_factor=p.routed_scaling_factor),
+    validate=_validate)

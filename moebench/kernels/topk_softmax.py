@@ -18,6 +18,7 @@ show one, weights against the reference's scores at the chosen ids).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -324,20 +325,31 @@ def router_launch_config(row_elements: int) -> tuple[int, int]:
     return block_t, num_warps
 
 
+def triton_router_operands(logits: torch.Tensor, top_k: int, num_experts: int, is_padding: torch.Tensor | None,
+                           bias: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor] | None):
+    """The Triton routers' common launch preamble (arguments already checked): (logits, bias, weights, ids).
+
+    Limits and device checked, outputs are the caller's buffers or new ones, and logits rows and the bias made
+    unit-stride because the kernels address them as row_base + expert.
+    """
+    check_triton_router_limits(num_experts, top_k)
+    check_triton_device(logits, is_padding, bias)
+    weights, ids = router_outputs(logits.shape[0], top_k, logits.device, out)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return logits, bias, weights, ids
+
+
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
-    check_triton_router_limits(num_experts, top_k)
-    check_triton_device(logits, is_padding, bias)
-    weights, ids = router_outputs(num_tokens, top_k, logits.device, out)
+    logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
         return weights, ids
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
     e_pad = next_pow2(num_experts)
     block_t, num_warps = router_launch_config(e_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
@@ -511,53 +523,66 @@ def compare_routing(weights: torch.Tensor, ids: torch.Tensor, ref: RouterReferen
 # Registration (targets "router" and "kernel")
 # ---------------------------------------------------------------------------------------------------------------
 
-def _build(variant: str):
-    def build(p, ctx):
-        from moebench.check import poison
-        from moebench.inputs import make_batch
-        from moebench.registry import Case, Routing
+def router_case(p, ctx, route, reference):
+    """The benchmark Case of a registered router (topk_softmax, grouped_topk) at point p.
 
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        mask = batch.mask  # None when the point routes padded rows like real ones
-        bias = batch.bias if p.bias else None
-        num_tokens, top_k = batch.num_tokens, p.top_k
-        out = router_outputs(num_tokens, top_k, ctx.device, None)
-        fn = topk_softmax if variant == "triton" else topk_softmax_torch
+    route(logits, *, is_padding, bias, out) runs the router into `out`; reference(logits, *, is_padding, bias)
+    gives its RouterReference. Both already carry the point's other knobs (top_k, renormalize, groups, ...).
+    """
+    from moebench.check import poison
+    from moebench.inputs import make_batch
+    from moebench.registry import Case, Routing
 
-        def run():
-            return fn(batch.logits, top_k, p.renormalize, is_padding=mask, bias=bias, out=out)
+    batch = make_batch(p, ctx.device, need_hidden=False)
+    mask = batch.mask  # None when the point routes padded rows like real ones
+    bias = batch.bias if p.bias else None
+    num_tokens, top_k = batch.num_tokens, p.top_k
+    out = router_outputs(num_tokens, top_k, ctx.device, None)
 
-        def check():
-            ref = topk_softmax_reference(batch.logits, top_k, p.renormalize, is_padding=mask, bias=bias)
-            for t in out:
-                poison(t)
-            run()
-            return compare_routing(out[0], out[1], ref)
+    def run():
+        return route(batch.logits, is_padding=mask, bias=bias, out=out)
 
-        nbytes = batch.logits.numel() * batch.logits.element_size() + num_tokens * top_k * (4 + 4)
-        note = "logits read + weights and ids written"
-        if mask is not None:
-            nbytes += num_tokens
-            note += " + mask"
-        if bias is not None:
-            nbytes += bias.numel() * 4
-            note += " + bias"
-        return Case(run=run, check=check, bytes_moved=nbytes, bytes_note=note,
-                    routing=Routing(out[1], batch.is_padding, p.num_experts, p.ep_size), nvtx_stage="route")
-    return build
+    def check():
+        ref = reference(batch.logits, is_padding=mask, bias=bias)
+        for t in out:
+            poison(t)
+        run()
+        return compare_routing(out[0], out[1], ref)
+
+    nbytes = batch.logits.numel() * batch.logits.element_size() + num_tokens * top_k * (4 + 4)
+    note = "logits read + weights and ids written"
+    if mask is not None:
+        nbytes += num_tokens
+        note += " + mask"
+    if bias is not None:
+        nbytes += bias.numel() * 4
+        note += " + bias"
+    return Case(run=run, check=check, bytes_moved=nbytes, bytes_note=note,
+                routing=Routing(out[1], batch.is_padding, p.num_experts, p.ep_size), nvtx_stage="route")
 
 
-def _register() -> None:
+def register_router_impls(kernel: str, variants: dict, reference, knobs, validate) -> None:
+    """Register `<kernel>.<variant>` (targets router and kernel) for each variant: (router function, description).
+
+    knobs(p) gives the point's keyword arguments shared by the router and `reference` (top_k, renormalize, ...).
+    """
     from moebench.registry import Impl, register
 
-    descriptions = {
-        "triton": "Triton softmax top-k router: a row block per program, K iterative arg-max picks, is_padding "
-                  "rows written as -1 / 0.0 without reading their logits",
-        "torch": "eager torch softmax + stable descending sort (the reference)",
-    }
-    for variant, text in descriptions.items():
-        register(Impl(f"topk_softmax.{variant}", targets=("router", "kernel"), build=_build(variant),
-                      description=text, validate=lambda p: router_limits_problem(p.num_experts, p.top_k)))
+    for variant, (route, text) in variants.items():
+        def build(p, ctx, route=route):
+            kwargs = knobs(p)
+            return router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
+
+        register(Impl(f"{kernel}.{variant}", targets=("router", "kernel"), build=build, description=text,
+                      validate=validate))
 
 
-_register()
+register_router_impls(
+    "topk_softmax",
+    {
+        "triton": (topk_softmax, "Triton softmax top-k router: a row block per program, K iterative arg-max picks, "
+                                 "is_padding rows written as -1 / 0.0 without reading their logits"),
+        "torch": (topk_softmax_torch, "eager torch softmax + stable descending sort (the reference)"),
+    },
+    topk_softmax_reference, knobs=lambda p: dict(top_k=p.top_k, renormalize=p.renormalize),
+    validate=lambda p: router_limits_problem(p.num_experts, p.top_k))
