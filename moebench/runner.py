@@ -4,6 +4,7 @@ and JIT compiles, append the record, print the table row."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import traceback
@@ -235,12 +236,40 @@ def dry_run(sweep: Sweep, out=None) -> int:
     return 0
 
 
+def _torchrun_context(dev: torch.device) -> RunContext | None:
+    """Under torchrun: join its process group (every rank runs `moebench run`); else None."""
+    from moebench import dist as mdist
+
+    if not mdist.launched_by_torchrun():
+        return None
+    return mdist.init_from_env("nccl" if dev.type == "cuda" else "gloo")
+
+
+def _share_run_dir(run_dir: Path | None, ctx: RunContext | None) -> Path:
+    """Rank 0 made the run directory; every torchrun rank needs its path."""
+    if ctx is None or ctx.world_size == 1:
+        return run_dir
+    import torch.distributed as dist
+
+    box = [str(run_dir) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return Path(box[0])
+
+
 def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | None = None,
               resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path = "plots",
               out=None) -> tuple[int, Path]:
-    """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed."""
+    """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
+
+    Launched by torchrun, every rank calls this: rank 0 owns the run directory, the table and the single-rank
+    points; the multi-rank points of the torchrun world size run on all ranks; other world sizes are skipped."""
     dev = pick_device(device)
     points = expand(sweep)
+    trun = _torchrun_context(dev)
+    if trun is not None:
+        dev = trun.device
+    leader = trun is None or trun.rank == 0
+    run_dir = None
     if resume:
         run_dir = Path(resume)
         manifest = load_manifest(run_dir)
@@ -249,15 +278,18 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
         if manifest.get("sweep", {}).get("name") != sweep.name:
             raise ValueError(f"--resume {run_dir}: that run is of sweep {manifest.get('sweep', {}).get('name')!r}, "
                              f"not {sweep.name!r}")
-    else:
+    elif leader:
         run_dir = new_run_dir(out_base, sweep.name)
-        write_manifest(run_dir, sweep.to_dict(), len(points), str(dev))
+        write_manifest(run_dir, sweep.to_dict(), len(points), str(dev),
+                       {"torchrun_world_size": trun.world_size} if trun is not None else None)
+    run_dir = _share_run_dir(run_dir, trun)
     writer = RecordWriter(run_dir)
     done = {r["key"] for r in load_records(run_dir) if "key" in r}
 
-    table = Table(_param_columns(sweep), out=out)
+    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
-                  + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
+                  + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
+                  + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
     table.comment(f"timing: mode {sweep.timing.mode}, warm-up {sweep.timing.warmup}, iters {sweep.timing.iters}"
                   f", unroll {sweep.timing.unroll}; p50/p10/p90 per point in us; run dir {run_dir}")
     for k, v in sweep.fixed.items():
@@ -267,7 +299,6 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     table.header()
 
     todo = [pt for pt in points if pt.key not in done]
-    progress = _Progress(len(todo))
     single = [pt for pt in todo if _needs_world(pt) == 1]
     multi: dict[int, list[Point]] = {}
     for pt in todo:
@@ -275,19 +306,27 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
         if w > 1:
             multi.setdefault(w, []).append(pt)
 
+    # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
+    for world, pts in sorted(multi.items()):
+        if trun is not None and world != trun.world_size:
+            if leader:
+                for rec in _skip_all(sweep, pts, writer, f"needs {world} ranks; torchrun started {trun.world_size}"):
+                    table.row(rec)
+            continue
+        for rec in run_multi_rank(sweep, pts, world, dev, run_dir):
+            if leader:
+                table.row(rec)
+    if not leader:
+        return 0, run_dir
+
+    progress = _Progress(len(single))
     ctx = RunContext(device=dev)
-    n_done = 0
-    for pt in single:
+    for n_done, pt in enumerate(single):
         progress.update(n_done, pt.impl)
         rec = execute_point(pt, sweep, ctx)
         writer.append(rec)
         progress.close()
         table.row(rec)
-        n_done += 1
-    for world, pts in sorted(multi.items()):
-        for rec in run_multi_rank(sweep, pts, world, dev, run_dir):
-            table.row(rec)
-        n_done += len(pts)
     progress.close()
 
     records = sorted(load_records(run_dir), key=lambda r: r.get("point", 0))
@@ -306,24 +345,35 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     return (1 if bad else 0), run_dir
 
 
+def _skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: str,
+              status: str = "skipped") -> list[dict]:
+    recs = []
+    for pt in points:
+        rec = {"point": pt.index, "key": pt.key, "impl": pt.impl, "target": sweep.target,
+               "params": pt.params.to_dict(), "status": status, "reason": reason}
+        writer.append(rec)
+        recs.append(rec)
+    return recs
+
+
 def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.device, run_dir: Path) -> list[dict]:
     """Run points that need `world` processes: in this process group when launched by torchrun with that world
-    size, else spawned (one process per GPU, or gloo ranks on the CPU). Returns the records written."""
+    size, else spawned (one process per GPU, or gloo ranks on the CPU). Returns the records written. A rank group
+    that dies (a crash, a hang past its deadline) fails its unrecorded points with the error and the sweep goes on."""
     writer = RecordWriter(run_dir)
     if dev.type == "cuda" and torch.cuda.device_count() < world:
-        recs = []
-        for pt in points:
-            rec = {"point": pt.index, "key": pt.key, "impl": pt.impl, "target": sweep.target,
-                   "params": pt.params.to_dict(), "status": "skipped",
-                   "reason": f"needs {world} GPUs, {torch.cuda.device_count()} present (use ep_mode: simulated)"}
-            writer.append(rec)
-            recs.append(rec)
-        return recs
+        return _skip_all(sweep, points, writer, f"needs {world} GPUs, {torch.cuda.device_count()} present "
+                                                "(use ep_mode: simulated)")
     from moebench import dist as mdist
 
     keys = {pt.key for pt in points}
-    mdist.run_in_world(_world_worker, world, dev.type, args=(sweep.to_dict(), sweep.source,
-                                                            [pt.index for pt in points], str(run_dir)))
+    try:
+        mdist.run_in_world(_world_worker, world, dev.type, args=(sweep.to_dict(), sweep.source,
+                                                                [pt.index for pt in points], str(run_dir)))
+    except mdist.SpawnError as e:
+        recorded = {r.get("key") for r in load_records(run_dir)}
+        _skip_all(sweep, [pt for pt in points if pt.key not in recorded], writer,
+                  f"rank group failed: {str(e).splitlines()[0][:300]}", status="failed")
     return [r for r in sorted(load_records(run_dir), key=lambda r: r.get("point", 0)) if r.get("key") in keys]
 
 
