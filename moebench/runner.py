@@ -54,10 +54,8 @@ def _stage_name(impl: registry.Impl, case: Case | None) -> str:
 
 
 def _jit_counter():
-    try:
-        from moebench.measure.jit import JitCounter
-    except ImportError:  # pragma: no cover - measure.jit ships with the package
-        return None
+    from moebench.measure.jit import JitCounter
+
     return JitCounter()
 
 
