@@ -1,0 +1,62 @@
+"""The other subcommands: compare, list, plot (and their one-line errors)."""
+
+import json
+import subprocess
+import sys
+
+from moebench.compare import compare_records, compare_runs
+
+
+def _rec(key, impl, p50, status="ok", **params):
+    return {"key": key, "impl": impl, "status": status, "params": params, "stats": {"p50": p50}}
+
+
+def _write_run(path, records, axes):
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"sweep": {"name": "x", "axes": axes}}))
+    (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_compare_matches_by_key_and_skips_non_ok():
+    a = [_rec("k1", "i.triton", 10.0, num_tokens=1), _rec("k2", "i.triton", 20.0, num_tokens=2),
+         _rec("k3", "i.triton", 5.0, status="failed", num_tokens=3)]
+    b = [_rec("k2", "i.triton", 10.0, num_tokens=2), _rec("k1", "i.triton", 15.0, num_tokens=1),
+         _rec("k3", "i.triton", 1.0, num_tokens=3), _rec("k4", "i.triton", 1.0, num_tokens=4)]
+    rows = compare_records(a, b)
+    assert [(r["params"]["num_tokens"], r["ratio"]) for r in rows] == [(2, 0.5), (1, 1.5)]
+
+
+def test_compare_runs_prints_ratios_and_geomean(tmp_path, capsys):
+    _write_run(tmp_path / "a", [_rec("k1", "i.triton", 10.0, num_tokens=1),
+                                _rec("k2", "i.triton", 20.0, num_tokens=2)], {"num_tokens": [1, 2]})
+    _write_run(tmp_path / "b", [_rec("k1", "i.triton", 40.0, num_tokens=1),
+                                _rec("k2", "i.triton", 5.0, num_tokens=2)], {"num_tokens": [1, 2]})
+    assert compare_runs(tmp_path / "a", tmp_path / "b") == 0
+    out = capsys.readouterr().out
+    assert "2 matching points" in out and "4.000" in out and "0.250" in out
+    assert "geometric mean B/A: 1.000" in out
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_compare_and_plot_reject_non_run_dirs(tmp_path):
+    for args in (("compare", str(tmp_path), str(tmp_path)), ("plot", str(tmp_path))):
+        proc = _cli(*args)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "not a run directory" in lines[0], proc.stderr
+
+
+def test_cli_list_names_impls_and_bundled_sweeps():
+    proc = _cli("list")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("topk_softmax.triton", "layer.masked", "dispatch.a2a_fixed", "jit_trace.a2a_fixed",
+                 "fused_experts.oblivious", "quickstart", "routers"):
+        assert name in proc.stdout
+    import importlib.util
+
+    (deepep_line,) = [line for line in proc.stdout.splitlines() if line.split()[:1] == ["dispatch.deepep"]]
+    if importlib.util.find_spec("deep_ep") is None:  # the line says why it cannot run here
+        assert " no " in deepep_line and "deep_ep not installed" in deepep_line
