@@ -387,6 +387,28 @@ def test_plan_sends_triton_matches_torch(T_, K_, E_, R, cap, dt, masked):
         assert (send_pos[pad] == -1).all()
 
 
+@pytest.mark.parametrize("T_,block_rows", [(1100, 16), (300, 32), (17, 16)])  # 69 blocks: two NB chunks of 64
+@pytest.mark.parametrize("cap", [0, 40])
+def test_plan_sends_many_blocks_match_torch(T_, block_rows, cap):
+    """The cross-block prefix: many small blocks, with and without a capacity, masked."""
+    ids, pad = _routing(T_, 4, 32, seed=T_ + block_rows, dtype=torch.int32)
+    send_pos = poison(torch.empty(T_, 4, dtype=torch.int32))
+    counts, offsets = poison(torch.empty(4, dtype=torch.int32)), poison(torch.empty(4, dtype=torch.int32))
+    overflow = torch.zeros(1, dtype=torch.int32)
+    plan_sends(ids, pad, 8, 4, 32, capacity=cap, send_pos=send_pos, counts=counts, offsets=offsets,
+               overflow=overflow, block_rows=block_rows)
+    ref_pos, ref_counts, ref_offsets, ref_over = plan_sends_torch(ids, pad, 8, 4, 32, cap)
+    for name, got, ref in (("send_pos", send_pos, ref_pos), ("counts", counts, ref_counts),
+                           ("offsets", offsets, ref_offsets)):
+        res = compare_exact(name, got, ref)
+        assert res.ok, res.detail
+    assert int(overflow) == int(ref_over)
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        plan_sends(ids, pad, 8, 4, 32, block_rows=24)
+    with pytest.raises(ValueError, match="block_counts must be contiguous int32"):
+        plan_sends(ids, pad, 8, 4, 32, block_rows=16, block_counts=torch.empty(3, dtype=torch.int32))
+
+
 def test_plan_sends_overflow_is_sticky_and_mask_checked():
     ids, _ = _routing(50, 4, 8, seed=3)
     over = torch.ones(1, dtype=torch.int32)
@@ -627,10 +649,27 @@ def _gpu_worker(ctx):
         cap = capacity_for("pow2", mrpp(ids, mask, layout), Tg)
         for name, path in (("agrs", AGRSPath(layout, hidden=Hg, top_k=Kg, device="cuda")),
                            ("a2a", A2APath(layout, hidden=Hg, top_k=Kg, device="cuda")),
+                           ("a2a.eager", A2APath(layout, hidden=Hg, top_k=Kg, device="cuda", graph=False)),
                            ("a2a_fixed", A2AFixedPath(layout, hidden=Hg, top_k=Kg, num_tokens=Tg, capacity=cap,
                                                       device="cuda"))):
             gs = 3 if name == "a2a_fixed" else None
             out[(name, masked)] = round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=gs)
+    # a2a's pre-payload graph replayed on new contents of the same buffers: every step must use its own counts
+    # (a stale count on the host would mis-size the payload); routing skewed differently at each step
+    a2a = A2APath(layout, hidden=Hg, top_k=Kg, device="cuda")
+    xs, ids_s, ws, pad_s = x.clone(), ids.clone(), w.clone(), is_padding.clone()
+    steps = {}
+    for trial in range(4):
+        xs.copy_(torch.randn(Tg, Hg, generator=g, device="cuda").to(torch.bfloat16))
+        scores = torch.rand(Tg, 64, generator=g, device="cuda")
+        scores[:, :32] += 0.3 * trial  # more and more routes to rank 0's experts
+        ids_s.copy_(torch.argsort(scores, dim=1, descending=True)[:, :Kg].to(torch.int32))
+        pad_s.copy_(torch.rand(Tg, generator=g, device="cuda") < 0.2 * trial)
+        res = round_trip(a2a, xs, ids_s, ws, pad_s, True, layout)
+        steps[trial] = (res["recv_ok"] and res["combined_ok"] and res["padded_rows_received"] == 0,
+                        f"{res['recv_detail']} {res['combined_detail']}",
+                        tuple(res["stats"]["rows_sent_per_dest"]))
+    out["a2a_graph_steps"] = (steps, len(a2a._graphs))
     # a2a_fixed captured once in a CUDA graph, replayed after the inputs change in place
     cap = capacity_for("max", 0, Tg)
     path = A2AFixedPath(layout, hidden=Hg, top_k=Kg, num_tokens=Tg, capacity=cap, device="cuda")
@@ -672,6 +711,13 @@ def test_nccl_paths_and_graph_replay_on_two_gpus():
             if key == "graph":
                 for trial, (ok, detail) in res.items():
                     assert ok, f"rank {rank} replay {trial}: {detail}"
+                continue
+            if key == "a2a_graph_steps":
+                steps, num_graphs = res
+                for trial, (ok, detail, _) in steps.items():
+                    assert ok, f"rank {rank} a2a graph step {trial}: {detail}"
+                assert num_graphs == 1, "one capture for every step on the same buffers"
+                assert len({sent for _, _, sent in steps.values()}) > 1, "the steps should send different counts"
                 continue
             assert res["recv_ok"], f"rank {rank} {key}: {res['recv_detail']}"
             assert res["combined_ok"], f"rank {rank} {key}: {res['combined_detail']}"

@@ -1,7 +1,7 @@
 """`a2a`: exact-size all-to-all.
 
 Dispatch, one step:
-  1. `plan_sends` (one Triton program): each (row, destination) pair's slot, the rows per destination and where
+  1. `plan_sends` (two Triton launches): each (row, destination) pair's slot, the rows per destination and where
      each destination's block starts (exclusive prefix), all on the device; padded rows go nowhere when masked.
   2. The pack kernel writes every row once per destination, its routing (ids made local to that destination,
      weights, source row) in the same wire row (moebench.dispatch.permute.RowLayout), straight into the
@@ -11,15 +11,24 @@ Dispatch, one step:
   4. The host waits for the counts (the one host synchronisation this path has), then ONE all_to_all_single with
      exact split sizes moves rows and routing together. The receiver gets views into its receive buffer: nothing
      to unpack, the ids are already local.
+On a GPU, steps 1-3 are captured once per input signature (tensor addresses, shapes, strides, dtypes) as one CUDA
+graph and replayed: one launch instead of five or six, each of which costs 10-40 us of host time on the lent
+machines, and the host is on this path's critical path (it must read the counts before it can launch the
+payload). The counts' arrival is an external event recorded inside the graph, so the host waits for the count
+exchange only, not for the pack. Replaying a graph on the same addresses reads whatever those tensors hold now,
+so a new batch in the same buffers (what a serving engine does) needs no new capture. `graph=False` runs the
+steps eagerly.
 Combine: one all_to_all_single of the expert outputs back (reversed splits), then one kernel sums each row's
 partial outputs by (row, destination) slot, in destination order: deterministic, no atomics, no zero-fill.
 
 Buffers are kept from call to call and only grow (send: T*min(R, K) rows, the most a step can send; receive and
-combine: the largest step seen), so a steady-state step allocates nothing.
+combine: the largest step seen), so a steady-state step allocates nothing; growing a send-side buffer drops the
+captured graphs (they hold its old address).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +37,7 @@ from moebench.dispatch.a2a_fixed import (_use_triton, combine_fixed, combine_fix
                                          pack_fixed_torch, run_plan)
 from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
                                     all_to_all_single, grow_rows)
-from moebench.dispatch.permute import RowLayout
+from moebench.dispatch.permute import RowLayout, plan_scratch
 from moebench.padding import check_mask
 
 
@@ -64,10 +73,15 @@ class A2APath(DispatchPath):
     receives = "token"
     graph_capturable = False  # the split sizes are read back on the host
 
+    MAX_GRAPHS = 16  # captured pre-payload graphs kept (least recently used dropped first)
+
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", use_triton: bool | None = None):
+                 device: torch.device | str = "cpu", use_triton: bool | None = None, graph: bool | None = None):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
         self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self.graph = (self.device.type == "cuda" and self.use_triton) if graph is None else graph
+        if self.graph and self.device.type != "cuda":
+            raise ValueError("a2a: graph=True needs a CUDA device")
         self.rows = RowLayout(hidden, top_k, dtype)
         R, dev = layout.world_size, self.device
         cuda = dev.type == "cuda"
@@ -75,8 +89,12 @@ class A2APath(DispatchPath):
         self.offsets = torch.zeros(R, dtype=torch.int32, device=dev)
         self.host_counts = torch.zeros(2, R, dtype=torch.int32, pin_memory=cuda)
         self.counts_ready = torch.cuda.Event() if cuda else None
+        # recorded inside the captured graph, waited on by the host: cudaEventRecordExternal
+        self.counts_ready_graph = torch.cuda.Event(external=True) if self.graph else None
         self.side = SideStream(dev)
+        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
         self.send_pos: torch.Tensor | None = None
+        self.plan_scratch: torch.Tensor | None = None
         self.send_buf: torch.Tensor | None = None
         self.recv_buf: torch.Tensor | None = None
         self.back: torch.Tensor | None = None
@@ -87,17 +105,81 @@ class A2APath(DispatchPath):
         """Grow the send-side buffers to a step of T rows; the dtype views are made once per buffer (each costs
         microseconds of host time, and the host is on this path's critical path before the payload launch)."""
         R, K = self.layout.world_size, self.top_k
-        self.send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
+        send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
         buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
+        if send_pos is not self.send_pos:
+            self.send_pos = send_pos
+            self.plan_scratch = plan_scratch(send_pos.shape[0], K, R, dev)
+            self._graphs.clear()
         if buf is not self.send_buf:
             self.send_buf = buf
             self._send_views = (self.rows.x(buf), self.rows.meta(buf))
+            self._graphs.clear()
 
     def _reserve_recv(self, N: int, dev: torch.device) -> None:
         buf = grow_rows(self.recv_buf, N, lambda n: self.rows.empty(n, dev))
         if buf is not self.recv_buf:
             self.recv_buf = buf
             self._recv_views = (self.rows.x(buf), self.rows.ids(buf), self.rows.weights(buf), self.rows.src_row(buf))
+
+    def _pre_payload(self, x, topk_ids, topk_weights, is_padding, T: int, record) -> None:
+        """Plan, then the pack on this stream and the count exchange (+ its copy to the host, then `record`) on
+        the side stream beside it. The caller joins the side stream."""
+        lay: EPLayout = self.layout
+        send_pos = self.send_pos[:T]
+        run_plan(self.use_triton, topk_ids, is_padding, lay, 0, send_pos, self.counts[0], self.offsets,
+                 block_counts=self.plan_scratch)
+        self._mark("plan")
+        self.side.fork_here()
+        # the pack first (it is the longer job), then the count exchange and its trip to the host beside it
+        pack = pack_fixed if self.use_triton else pack_fixed_torch
+        send_x, send_meta = self._send_views
+        pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.experts_per_rank, offsets=self.offsets)
+        self._mark("pack")
+        with self.side.run():
+            all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=lay.world_size)
+            if record is not None:
+                self.host_counts.copy_(self.counts, non_blocking=True)
+                record.record()
+            self._mark("count_exchange")
+
+    def _graph_for(self, x, topk_ids, topk_weights, is_padding, T: int) -> torch.cuda.CUDAGraph:
+        """The captured pre-payload stage for these inputs' addresses and layouts (captured on first use)."""
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t is not None else None
+                    for t in (x, topk_ids, topk_weights, is_padding))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        # once eagerly first: compiles and loads the kernels, which must not happen during capture
+        self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=self.counts_ready)
+        self.side.join()
+        torch.cuda.current_stream(self.device).synchronize()
+        timer, self.timer = self.timer, None  # timing events cannot be captured
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread-local: the process group's watchdog thread keeps querying its events during the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                main = torch.cuda.current_stream()
+                side = self.side.stream
+                run_plan(True, topk_ids, is_padding, self.layout, 0, self.send_pos[:T], self.counts[0],
+                         self.offsets, block_counts=self.plan_scratch)
+                side.wait_stream(main)  # the count exchange needs the plan only
+                send_x, send_meta = self._send_views
+                pack_fixed(x, self.send_pos[:T], topk_ids, topk_weights, send_x, send_meta, 0,
+                           self.layout.experts_per_rank, offsets=self.offsets)
+                with torch.cuda.stream(side):
+                    all_to_all_single(self.counts[1], self.counts[0], group=self.layout.group,
+                                      world_size=self.layout.world_size)
+                    self.host_counts.copy_(self.counts, non_blocking=True)
+                    self.counts_ready_graph.record()
+                main.wait_stream(side)  # a capture must rejoin every stream it forked
+        finally:
+            self.timer = timer
+        self._graphs[key] = graph
+        while len(self._graphs) > self.MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return graph
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay: EPLayout = self.layout
@@ -108,26 +190,20 @@ class A2APath(DispatchPath):
         self._reserve(T, dev)
         send_pos = self.send_pos[:T]
 
-        run_plan(self.use_triton, topk_ids, is_padding, lay, 0, send_pos, self.counts[0], self.offsets)
-        self._mark("plan")
-        self.side.fork_here()
-        # the pack first (it is the longer job), then the count exchange and its trip to the host beside it
-        pack = pack_fixed if self.use_triton else pack_fixed_torch
-        send_x, send_meta = self._send_views
-        pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.experts_per_rank, offsets=self.offsets)
-        self._mark("pack")
-        with self.side.run():
-            all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=R)
-            if self.counts_ready is not None:
-                self.host_counts.copy_(self.counts, non_blocking=True)
-                self.counts_ready.record()
-            self._mark("count_exchange")
-        if self.counts_ready is not None:
-            self.counts_ready.synchronize()  # the host sync: split sizes for the payload
+        if self.graph:
+            graph = self._graph_for(x, topk_ids, topk_weights, is_padding, T)
+            graph.replay()
+            self._mark("pre_payload_graph")
+            self.counts_ready_graph.synchronize()  # the host sync: split sizes for the payload
             send_splits, recv_splits = self.host_counts.tolist()
         else:
-            send_splits, recv_splits = self.counts.tolist()
-        self.side.join()
+            self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=self.counts_ready)
+            if self.counts_ready is not None:
+                self.counts_ready.synchronize()  # the host sync: split sizes for the payload
+                send_splits, recv_splits = self.host_counts.tolist()
+            else:
+                send_splits, recv_splits = self.counts.tolist()
+            self.side.join()
         self._mark("counts_on_host")
         S, N = sum(send_splits), sum(recv_splits)
         self._reserve_recv(N, dev)

@@ -6,7 +6,7 @@ too. The per-destination counts are exchanged on the device beside the rows; the
 past each source's count with `globalize_recv_topk_idx` (ids are sent as destination-local values and validated
 on receipt, offset 0 and bound E/R), so garbage, including valid-looking ids, can never be routed.
 
-One step: `plan_sends` (one Triton program: slots, capped counts, overflow flag) -> the pack kernel (rows and their
+One step: `plan_sends` (two Triton launches: slots, capped counts, overflow flag) -> the pack kernel (rows and their
 routing into one wire row each, moebench.dispatch.permute.RowLayout), with the count exchange beside it on a side
 stream -> ONE all_to_all_single of the wire rows -> ids copied out and neutralised. Combine: one all_to_all_single
 back, then one kernel sums each row's returned partial outputs by (row, destination) slot, in destination order
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
                                     all_to_all_single)
-from moebench.dispatch.permute import RowLayout, plan_sends, plan_sends_torch
+from moebench.dispatch.permute import RowLayout, plan_scratch, plan_sends, plan_sends_torch
 from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
 from moebench.padding import check_mask
 
@@ -225,11 +225,13 @@ def _use_triton(device: torch.device) -> bool:
 
 def run_plan(use_triton: bool, topk_ids: torch.Tensor, is_padding: torch.Tensor | None, layout: EPLayout,
              capacity: int, send_pos: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-             overflow: torch.Tensor | None = None) -> None:
-    """The send plan into the path's buffers: the Triton program, or the torch reference (copied in)."""
+             overflow: torch.Tensor | None = None, block_counts: torch.Tensor | None = None) -> None:
+    """The send plan into the path's buffers: the Triton kernels (`block_counts`: their scratch, see plan_sends),
+    or the torch reference (copied in)."""
     args = (topk_ids, is_padding, layout.experts_per_rank, layout.world_size, layout.num_experts)
     if use_triton:
-        plan_sends(*args, capacity=capacity, send_pos=send_pos, counts=counts, offsets=offsets, overflow=overflow)
+        plan_sends(*args, capacity=capacity, send_pos=send_pos, counts=counts, offsets=offsets, overflow=overflow,
+                   block_counts=block_counts)
         return
     sp, c, o, over = plan_sends_torch(*args, capacity=capacity)
     send_pos.copy_(sp)
@@ -287,6 +289,7 @@ class A2AFixedPath(DispatchPath):
         self.send_pos = torch.empty(self.num_tokens, R, dtype=torch.int32, device=dev)
         self.back = torch.empty(rows, hidden, dtype=dtype, device=dev)
         self.overflow = torch.zeros(1, dtype=torch.int32, device=dev)  # sticky until reset_overflow()
+        self.plan_scratch = plan_scratch(self.num_tokens, top_k, R, dev)  # no allocation under graph capture
         self.side = SideStream(self.device)
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
@@ -296,7 +299,7 @@ class A2AFixedPath(DispatchPath):
             raise ValueError(f"a2a_fixed was built for {self.num_tokens} rows, got {x.shape[0]}")
         check_mask(is_padding, x.shape[0])
         run_plan(self.use_triton, topk_ids, is_padding, lay, cap, self.send_pos, self.send_counts, self.offsets,
-                 self.overflow)
+                 self.overflow, self.plan_scratch)
         self._mark("plan")
         self.side.fork_here()
         pack = pack_fixed if self.use_triton else pack_fixed_torch
