@@ -7,7 +7,7 @@ Dispatch, one step:
      weights, source row) in the same wire row (moebench.dispatch.permute.RowLayout), straight into the
      preallocated send buffer; meanwhile
   3. on a side stream that waits for the plan only, the count exchange (one tiny all_to_all) and its copy to
-     pinned host memory.
+     pinned host memory (in the captured graph: before the pack, in stream order; see _graph_for).
   4. The host waits for the counts (the one host synchronisation this path has), then ONE all_to_all_single with
      exact split sizes moves rows and routing together. The receiver gets views into its receive buffer: nothing
      to unpack, the ids are already local.
@@ -66,6 +66,11 @@ def destination_order(in_rank: torch.Tensor, num_sent: int) -> torch.Tensor:
     index = torch.empty(num_sent + 1, dtype=torch.int64, device=in_rank.device)
     index.scatter_(0, target, rows)
     return index[:num_sent]
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    """What a captured graph depends on: the address and the layout (a graph replays on whatever is there)."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 class A2APath(DispatchPath):
@@ -145,8 +150,7 @@ class A2APath(DispatchPath):
 
     def _graph_for(self, x, topk_ids, topk_weights, is_padding, T: int) -> torch.cuda.CUDAGraph:
         """The captured pre-payload stage for these inputs' addresses and layouts (captured on first use)."""
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t is not None else None
-                    for t in (x, topk_ids, topk_weights, is_padding))
+        key = (_signature(x), _signature(topk_ids), _signature(topk_weights), _signature(is_padding))
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
@@ -160,20 +164,19 @@ class A2APath(DispatchPath):
         try:
             # thread-local: the process group's watchdog thread keeps querying its events during the capture
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                main = torch.cuda.current_stream()
-                side = self.side.stream
                 run_plan(True, topk_ids, is_padding, self.layout, 0, self.send_pos[:T], self.counts[0],
                          self.offsets, block_counts=self.plan_scratch)
-                side.wait_stream(main)  # the count exchange needs the plan only
+                # The count exchange and its trip to the host come before the pack, in stream order: on a branch
+                # beside the pack, the tiny NCCL kernel found every SM taken by the pack's blocks and finished
+                # only after it (measured: the host got the counts ~50 us later). The host needs the counts
+                # first; the pack (~50 us) is done long before the host has launched the payload.
+                all_to_all_single(self.counts[1], self.counts[0], group=self.layout.group,
+                                  world_size=self.layout.world_size)
+                self.host_counts.copy_(self.counts, non_blocking=True)
+                self.counts_ready_graph.record()
                 send_x, send_meta = self._send_views
                 pack_fixed(x, self.send_pos[:T], topk_ids, topk_weights, send_x, send_meta, 0,
                            self.layout.experts_per_rank, offsets=self.offsets)
-                with torch.cuda.stream(side):
-                    all_to_all_single(self.counts[1], self.counts[0], group=self.layout.group,
-                                      world_size=self.layout.world_size)
-                    self.host_counts.copy_(self.counts, non_blocking=True)
-                    self.counts_ready_graph.record()
-                main.wait_stream(side)  # a capture must rejoin every stream it forked
         finally:
             self.timer = timer
         self._graphs[key] = graph

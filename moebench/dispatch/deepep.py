@@ -122,6 +122,13 @@ class DeepEPNormalPath(DispatchPath):
                           num_recv=recv_x.shape[0], handle=NormalHandle(handle, x.shape[0], ids),
                           send_counts=num_tokens_per_rank, recv_counts=recv_counts)
 
+    def dispatch_cached(self, x, handle: NormalHandle) -> torch.Tensor:
+        """Dispatch `x` again along a previous dispatch's layout (DeepEP's cached mode: no layout kernel, no
+        count notification, no CPU sync). This is what DeepEP's own intranode test times; a serving step with new
+        routing cannot use it, so moebench reports it beside the full dispatch, never instead of it."""
+        recv_x, _, _, _, _, _ = self.buffer.dispatch(x, handle=handle.deepep_handle)
+        return recv_x
+
     def combine(self, expert_out, handle: NormalHandle, out=None):
         combined_x, _, _ = self.buffer.combine(expert_out, handle.deepep_handle)
         if out is None:
