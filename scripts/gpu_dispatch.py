@@ -13,8 +13,10 @@ seed offset = rank). Configurations: `pad0` (no padding: compare with GPU.md's N
 Rows: raw NCCL all_to_all_single of pre-permuted rows (GB/s counting all received rows, own included; `raw_wire`:
 the same rows in the paths' wire format, hidden row + routing in one row), then per
 path (a2a with its count exchange and permutation, a2a_fixed with capacity policy exact, agrs) the dispatch,
-the combine, and the round trip (dispatch + a trivial expert + combine); DeepEP's legacy Buffer when deep_ep
-imports (normal mode; low-latency at 128 tokens with --deepep-ll).
+the combine, and the round trip (dispatch + a trivial expert + combine); a2a_fixed's dispatch also as a CUDA-graph
+replay (`graph`: it has no host sync); DeepEP's legacy Buffer when deep_ep imports (normal mode, and its
+cached-layout dispatch `cached`, which is what DeepEP's own test times; low-latency at 128 tokens with
+--deepep-ll).
 `pad_sent`: padded (row, destination) pairs rank 0 puts on the wire (agrs: every padded row to every rank).
 Every path is first checked against the single-process reference (received rows bitwise, combined output within
 bf16 tolerance); a wrong path is reported and not timed. Times: CUDA events around each iteration after a barrier,
@@ -85,12 +87,12 @@ def parse_args(argv=None):
 CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
 
 
-def timed(fn, ctx, warmup: int, iters: int) -> dict:
+def timed(fn, ctx, warmup: int, iters: int, mode: str = "events") -> dict:
     """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank.
 
     Ranks line up on a barrier (and a device sync) before each iteration; CUDA events on a GPU, host clock on
     the CPU. No early stop: every rank takes `iters` samples."""
-    res = measure(fn, Timing(mode="events", warmup=warmup, iters=iters, max_seconds=float("inf")), ctx.device,
+    res = measure(fn, Timing(mode=mode, warmup=warmup, iters=iters, max_seconds=float("inf")), ctx.device,
                   group=ctx.group, barrier=True)
     slowest = res.ranks["slowest_rank"] if res.ranks else 0
     return {"p50_us": res.stats["p50"], "min_us": res.stats["min"], "slowest_rank": slowest}
@@ -260,6 +262,10 @@ def worker(ctx, args) -> list[dict]:
                 t = timed(lambda: path.dispatch_cached(x, d0.handle), ctx, args.warmup, args.iters)
                 rows.append(_row(config, kind, "cached", t, stats.recv_payload_bytes, raw_us=raw_us,
                                  **{**common, "note": "cached layout (DeepEP's test method; no count exchange)"}))
+            if kind == "a2a_fixed" and ctx.device.type == "cuda":  # no host sync: how a serving engine runs it
+                t = timed(lambda: path.dispatch(x, ids, w, mask), ctx, args.warmup, args.iters, mode="cuda_graph")
+                rows.append(_row(config, kind, "graph", t, stats.recv_payload_bytes, raw_us=raw_us,
+                                 **{**common, "note": f"{note}; dispatch captured in a CUDA graph, replayed"}))
             # DeepEP's combine returns a new tensor: copying it into `out` would time a 58 MB copy too
             out_arg = None if kind == "deepep" else out
             t = timed(lambda: path.combine(y0, d0.handle, out=out_arg), ctx, args.warmup, args.iters)

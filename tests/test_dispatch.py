@@ -689,6 +689,12 @@ def _gpu_worker(ctx):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    # the runner's multi-rank graph timing: every rank captures the step and replays it after a barrier
+    from moebench.measure.timing import measure
+    from moebench.sweep import Timing
+    res = measure(step, Timing(mode="cuda_graph", warmup=2, iters=5, max_seconds=60.0), torch.device("cuda"),
+                  graph_capturable=True, group=ctx.group, barrier=True)
+    out["graph_timing"] = (res.mode, len(res.samples_us), res.ranks["world_size"] if res.ranks else 0)
     replay = {}
     for trial in range(2):
         x.copy_(torch.randn(Tg, Hg, generator=g, device="cuda").to(torch.bfloat16))
@@ -711,6 +717,9 @@ def test_nccl_paths_and_graph_replay_on_two_gpus():
             if key == "graph":
                 for trial, (ok, detail) in res.items():
                     assert ok, f"rank {rank} replay {trial}: {detail}"
+                continue
+            if key == "graph_timing":
+                assert res[0] == "cuda_graph" and res[1] == 5 and res[2] == 2, res
                 continue
             if key == "a2a_graph_steps":
                 steps, num_graphs = res

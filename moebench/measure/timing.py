@@ -78,15 +78,15 @@ def measure(fn: Callable[[], Any], timing: Timing, device: torch.device, *, grap
     """
     mode, note = resolve_mode(timing.mode, device, graph_capturable)
     world = _world_size(group)
-    if world > 1 and mode == "cuda_graph":
-        mode, note = "events", "multi-rank: events used (collectives are timed per step)"
     for _ in range(timing.warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
     if mode == "cuda_graph":
-        samples = _time_graph(fn, timing, device, range_name, hook)
+        # multi-rank: every rank captures its step, collectives included, and the replays are lined up by a
+        # barrier like eager steps (a serving engine replays such a step as a graph: no host launch costs)
+        samples = _time_graph(fn, timing, device, range_name, hook, group if barrier else None)
     elif mode == "events":
         samples = _time_events(fn, timing, device, range_name, group if barrier else None, hook)
     else:
@@ -144,8 +144,9 @@ def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[fl
     return _event_samples(fn, timing, device, range_name, group, hook)
 
 
-def _time_graph(fn, timing: Timing, device, range_name, hook) -> list[float]:
+def _time_graph(fn, timing: Timing, device, range_name, hook, group=None) -> list[float]:
     # Capture on a side stream as torch requires; `unroll` calls per graph amortise the replay launch.
+    # Thread-local capture: a process group's watchdog thread keeps querying its events meanwhile.
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -153,12 +154,14 @@ def _time_graph(fn, timing: Timing, device, range_name, hook) -> list[float]:
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         for _ in range(timing.unroll):
             fn()
+    if group is not None:
+        _sync_ranks(group, device)
     graph.replay()
     torch.cuda.synchronize(device)
-    samples = _event_samples(graph.replay, timing, device, range_name, None, hook)
+    samples = _event_samples(graph.replay, timing, device, range_name, group, hook)
     del graph
     return [s / timing.unroll for s in samples]
 
