@@ -155,11 +155,79 @@ def worker(ctx):
         a2a_remote()
         torch.cuda.current_stream().wait_stream(side)
 
+    out["a2a_host"] = _a2a_host_breakdown(ctx, lay, x, ids, w)
     for name, fn, nbytes in (("all", a2a_all, recv_x.numel() * 2), ("remote", a2a_remote, remote_recv.numel() * 2),
                              ("remote+own copy", a2a_remote_own, recv_x.numel() * 2)):
         res = measure(fn, timing, dev, group=ctx.group, barrier=True)
         out["wire_us"][name] = (res.stats["p50"], nbytes)
     return out
+
+
+def _a2a_host_breakdown(ctx, lay, x, ids, w, iters: int = 30) -> dict:
+    """Host clock inside A2APath.dispatch (graph mode), us since the call, median of `iters` calls after a barrier:
+    where the host spends the time between the call and the payload's launch."""
+    import torch.distributed as dist
+
+    import moebench.dispatch.a2a as a2a_mod
+
+    path = a2a_mod.A2APath(lay, hidden=x.shape[1], top_k=ids.shape[1], device=x.device)
+    for _ in range(3):
+        path.dispatch(x, ids, w, None)
+    torch.cuda.synchronize()
+    marks: dict[str, list[float]] = {}
+    t0 = [0.0]
+
+    def mark(name):
+        marks.setdefault(name, []).append((time.perf_counter() - t0[0]) * 1e6)
+
+    class Replay:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            mark("replay enter")
+            self.graph.replay()
+            mark("replay exit")
+
+    class Counts:
+        def __init__(self, event):
+            self.event = event
+
+        def synchronize(self):
+            mark("wait counts enter")
+            self.event.synchronize()
+            mark("wait counts exit")
+
+    graph_for, event, a2a = path._graph_for, path.counts_ready_graph, a2a_mod.all_to_all_single
+
+    def timed_graph_for(*a, **k):
+        mark("graph lookup enter")
+        return Replay(graph_for(*a, **k))
+
+    def timed_a2a(*a, **k):
+        mark("payload call enter")
+        a2a(*a, **k)
+        mark("payload call exit")
+
+    path._graph_for, path.counts_ready_graph, a2a_mod.all_to_all_single = timed_graph_for, Counts(event), timed_a2a
+    gpu = []
+    try:
+        for _ in range(iters):
+            dist.barrier(group=ctx.group)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0[0] = time.perf_counter()
+            path.dispatch(x, ids, w, None)
+            mark("return")
+            end.record()
+            end.synchronize()
+            gpu.append(start.elapsed_time(end) * 1e3)
+    finally:
+        path._graph_for, path.counts_ready_graph, a2a_mod.all_to_all_single = graph_for, event, a2a
+    res = {k: statistics.median(v) for k, v in marks.items()}
+    res["GPU end (events)"] = statistics.median(gpu)
+    return res
 
 
 def main() -> int:
@@ -174,6 +242,8 @@ def main() -> int:
             print(f"  host   {k:<34} {v:8.1f} us")
         for k, v in r["kernel_us"].items():
             print(f"  kernel {k:<34} {v:8.1f} us")
+        for k, v in r["a2a_host"].items():
+            print(f"  a2a dispatch host: {k:<25} {v:8.1f} us since the call")
     for k, (us, nbytes) in res[0]["wire_us"].items():
         print(f"  wire   {k:<34} {us:8.1f} us  {nbytes / 1e6:7.2f} MB  {nbytes / us / 1e3:6.1f} GB/s (rank 0 bytes)")
     return 0

@@ -191,9 +191,7 @@ class A2APath(DispatchPath):
         check_mask(is_padding, T)
         dev = x.device
         self._reserve(T, dev)
-        send_pos = self.send_pos[:T]
-
-        if self.graph:
+        if self.graph:  # nothing else before the replay: the host is on the critical path until the payload
             graph = self._graph_for(x, topk_ids, topk_weights, is_padding, T)
             graph.replay()
             self._mark("pre_payload_graph")
@@ -214,7 +212,7 @@ class A2APath(DispatchPath):
                           world_size=R)
         self._mark("payload_a2a")
         recv_x, recv_ids, recv_w, recv_src = (v[:N] for v in self._recv_views)
-        handle = A2AHandle(send_pos, self.offsets, send_splits, recv_splits, T, recv_src)
+        handle = A2AHandle(self.send_pos[:T], self.offsets, send_splits, recv_splits, T, recv_src)
         return Dispatched(recv_x=recv_x, recv_topk_ids=recv_ids, recv_topk_weights=recv_w, num_recv=N,
                           handle=handle, send_counts=send_splits, recv_counts=recv_splits)
 
