@@ -350,8 +350,8 @@ def _deepep_low_latency(ctx, args, layout) -> list[dict]:
     why = deepep.unavailable() or (None if ctx.device.type == "cuda" else "needs CUDA")
     if why:
         return [_row("ll128", "deepep_ll", "-", None, 0, note=f"skipped: {why}")]
-    p = Params(num_tokens=128, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k, ep_size=layout.world_size,
-               low_latency=True)
+    p = Params(num_tokens=128, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
+               ep_size=layout.world_size, low_latency=True)
     batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
     w, ids = inputs.route(p, batch)
     x = batch.hidden
