@@ -575,8 +575,10 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
     nsys (found by find_nsys) and CUDA: the point is re-launched as `python -m moebench profile ... --inner`
     under `nsys profile` with capture limited to the timed iterations, then `nsys stats` CSVs are written next
     to the .nsys-rep. Otherwise torch.profiler records the timed iterations in this process and a chrome trace
-    (trace.json) is exported. Either way the per-range summary goes to profile_summary.csv, is printed when
-    `echo`, and the returned dict is saved as profile.json. `use_nsys=False` forces torch.profiler.
+    (trace.json) is exported; so it is too when nsys writes no report at all (its importer failing without
+    libdw, say), with `nsys_error` and a `note` saying so. Either way the per-range summary goes to
+    profile_summary.csv, is printed when `echo`, and the returned dict is saved as profile.json.
+    `use_nsys=False` forces torch.profiler.
     """
     import torch
 
@@ -589,6 +591,15 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
     if nsys and device.startswith("cuda") and torch.cuda.is_available():
         _load_point(sweep_path, point_index, overrides)  # fail fast on a bad sweep or index, before nsys starts
         result = _profile_nsys(nsys, sweep_path, point_index, out_dir, overrides, device, iters, timeout_s)
+        if not (out_dir / "profile.nsys-rep").exists():
+            # nsys ran but wrote no report (its importer needs libdw.so.1: GPU.md): the point is still profiled,
+            # with torch.profiler, and the result says why
+            why = result["error"] or "nsys wrote no report"
+            inner_log = result["files"]
+            result = _profile_torch(sweep_path, point_index, out_dir, overrides, device, iters)
+            result["files"] += inner_log
+            result["nsys_error"] = why
+            result["note"] = f"nsys wrote no report, torch.profiler used instead: {why.splitlines()[0][:200]}"
     else:
         result = _profile_torch(sweep_path, point_index, out_dir, overrides, device, iters)
     if result["summary"]:
@@ -598,6 +609,8 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
     if echo:
         print(f"# profile ({result['mode']}) of point {point_index} -> {out_dir}")
         print(format_summary(result["summary"]))
+        if result.get("note"):
+            print(f"# note: {result['note']}")
         if result["error"]:
             print(f"# error: {result['error']}")
     return result

@@ -323,6 +323,8 @@ def test_profile_point_gpu(tmp_path):
                      "timing: {mode: events, warmup: 3, iters: 10}\n")
     res = profiling.profile_point(sweep, 0, tmp_path / "out", None, "cuda", iters=10)
     print(json.dumps({k: v for k, v in res.items() if k != "summary"}, indent=1, default=str))
+    if res.get("nsys_error"):  # nsys wrote no report (no libdw): torch.profiler stood in and the note says why
+        assert res["mode"] == "torch.profiler" and "torch.profiler used instead" in res["note"], res
     if res["mode"] == "nsys":
         assert (tmp_path / "out" / "profile.nsys-rep").exists()
         if res["error"]:  # nsys stats unusable (libdw missing): the report is kept and the error says why
@@ -331,3 +333,23 @@ def test_profile_point_gpu(tmp_path):
     (s,) = [s for s in res["summary"] if s["range"] == "moebench/topk_softmax/topk_softmax.triton"
             or s["range"].endswith("/topk_softmax.triton")]
     assert s["count"] == 10 and s["kernels"], s
+
+
+def test_profile_point_falls_back_when_nsys_writes_no_report(tmp_path, monkeypatch):
+    """nsys present but its importer fails (no libdw on the H200 image): no .nsys-rep, so the point is profiled
+    with torch.profiler instead and the result says why."""
+    calls = []
+    monkeypatch.setattr(profiling, "find_nsys", lambda *a, **k: "/fake/nsys")
+    monkeypatch.setattr(profiling, "_load_point", lambda *a, **k: ("SWEEP", None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profiling, "_profile_nsys", lambda *a, **k: calls.append("nsys") or {
+        "mode": "nsys", "files": [str(tmp_path / "profile_inner.log")], "summary": [],
+        "error": "nsys profile rc=0: Importer error status: An unknown error occurred."})
+    monkeypatch.setattr(profiling, "_profile_torch", lambda *a, **k: calls.append("torch") or {
+        "mode": "torch.profiler", "files": [], "summary": [], "error": None})
+    res = profiling.profile_point("s.yaml", 0, tmp_path, None, "cuda", iters=2, echo=False)
+    assert calls == ["nsys", "torch"]
+    assert res["mode"] == "torch.profiler" and res["error"] is None
+    assert "Importer error" in res["nsys_error"] and "torch.profiler used instead" in res["note"]
+    assert str(tmp_path / "profile_inner.log") in res["files"]
+    assert json.loads((tmp_path / "profile.json").read_text())["nsys_error"].startswith("nsys profile rc=0")
