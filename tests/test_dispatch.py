@@ -409,6 +409,19 @@ def test_plan_sends_many_blocks_match_torch(T_, block_rows, cap):
         plan_sends(ids, pad, 8, 4, 32, block_rows=16, block_counts=torch.empty(3, dtype=torch.int32))
 
 
+def test_plan_block_rows_do_not_follow_the_batch_size():
+    """BLOCK_T is a constexpr of the plan kernels: a block size that followed T would recompile them per size."""
+    from moebench.dispatch.permute import PLAN_TILE_ELEMENTS, plan_block_rows, plan_scratch
+
+    for K, R in ((8, 2), (8, 8), (1, 1), (8, 64), (6, 3)):
+        sizes = {plan_block_rows(T, K, R) for T in (1, 17, 128, 1000, 4096, 65536)}
+        assert len(sizes) == 1, (K, R, sizes)
+        (b,) = sizes
+        assert b >= 16 and b & (b - 1) == 0
+        assert b == 16 or b * max(2, 1 << (K - 1).bit_length()) * (1 if R <= 32 else 64) <= PLAN_TILE_ELEMENTS
+        assert plan_scratch(4096, K, R, "cpu").numel() == -(-4096 // b) * R
+
+
 def test_plan_sends_overflow_is_sticky_and_mask_checked():
     ids, _ = _routing(50, 4, 8, seed=3)
     over = torch.ones(1, dtype=torch.int32)

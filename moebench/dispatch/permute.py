@@ -30,7 +30,7 @@ from moebench.padding import check_mask
 
 ROW_ALIGN = 32  # bytes; see the module docstring
 PLAN_TILE_ELEMENTS = 8192  # most (row, slot[, destination]) elements one plan program holds
-PLAN_PROGRAMS = 64  # plan_sends aims at this many programs (blocks of rows)
+PLAN_BLOCK_ROWS = 64  # rows per plan program (a constant: see plan_block_rows)
 PLAN_NB_CHUNK = 64  # block counts summed per step when a program adds up the earlier blocks
 PLAN_NUM_WARPS = 4
 LOCALIZE_BLOCK_ROWS = 256
@@ -207,18 +207,18 @@ def _plan_positions_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, send_
 
 
 def plan_block_rows(T: int, K: int, R: int) -> int:
-    """Rows per program of plan_sends: about PLAN_PROGRAMS programs, at least 16 rows, and a tile of at most
-    PLAN_TILE_ELEMENTS (row, slot[, destination]) elements."""
+    """Rows per program of plan_sends: PLAN_BLOCK_ROWS, fewer where a [rows, slots(, destinations)] tile would
+    pass PLAN_TILE_ELEMENTS, never fewer than 16. Independent of T on purpose: BLOCK_T is a compile-time constant,
+    so a value that followed the batch size would recompile the plan for every new size range (T only sets the
+    number of programs: 64 at T=4096)."""
     k_pad, r_pad = max(2, next_pow2(K)), max(2, next_pow2(R))
-    most = max(16, PLAN_TILE_ELEMENTS // (k_pad * (1 if r_pad <= 32 else r_pad)))
-    return max(16, min(most, next_pow2(triton.cdiv(max(T, 1), PLAN_PROGRAMS))))
+    most = PLAN_TILE_ELEMENTS // (k_pad * (1 if r_pad <= 32 else r_pad))
+    return max(16, min(PLAN_BLOCK_ROWS, next_pow2(most + 1) // 2))
 
 
 def plan_scratch(num_tokens: int, top_k: int, world_size: int, device: torch.device | str) -> torch.Tensor:
-    """The block-counts scratch plan_sends needs for any step of up to `num_tokens` rows (default block sizes:
-    at most PLAN_PROGRAMS blocks while blocks are not at their size cap, cdiv(T, cap) past it)."""
-    blocks = max(1, min(triton.cdiv(num_tokens, 16), PLAN_PROGRAMS),
-                 triton.cdiv(num_tokens, plan_block_rows(num_tokens, top_k, world_size)))
+    """The block-counts scratch plan_sends needs for any step of up to `num_tokens` rows (default block size)."""
+    blocks = max(1, triton.cdiv(num_tokens, plan_block_rows(num_tokens, top_k, world_size)))
     return torch.empty(blocks * world_size, dtype=torch.int32, device=device)
 
 
@@ -267,7 +267,7 @@ def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_
     _plan_positions_kernel[(num_blocks,)](
         topk_ids, topk_ids.stride(0), pad_arg, block_counts, send_pos, counts, offsets,
         overflow if overflow is not None else counts, T, num_blocks, int(num_experts), int(capacity),
-        HAS_OVERFLOW=overflow is not None, NB_CHUNK=min(PLAN_NB_CHUNK, max(2, next_pow2(num_blocks))), **common)
+        HAS_OVERFLOW=overflow is not None, NB_CHUNK=PLAN_NB_CHUNK, **common)
     return send_pos, counts, offsets
 
 
