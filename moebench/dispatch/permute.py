@@ -206,11 +206,11 @@ def _plan_positions_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, send_
             tl.store(overflow_ptr, tl.maximum(tl.load(overflow_ptr), over))  # sticky until the owner resets it
 
 
-def plan_block_rows(T: int, K: int, R: int) -> int:
+def plan_block_rows(K: int, R: int) -> int:
     """Rows per program of plan_sends: PLAN_BLOCK_ROWS, fewer where a [rows, slots(, destinations)] tile would
-    pass PLAN_TILE_ELEMENTS, never fewer than 16. Independent of T on purpose: BLOCK_T is a compile-time constant,
-    so a value that followed the batch size would recompile the plan for every new size range (T only sets the
-    number of programs: 64 at T=4096)."""
+    pass PLAN_TILE_ELEMENTS, never fewer than 16. Not a function of the batch size on purpose: BLOCK_T is a
+    compile-time constant, so a value that followed it would recompile the plan for every new size range (the
+    batch size only sets the number of programs: 64 at 4096 rows)."""
     k_pad, r_pad = max(2, next_pow2(K)), max(2, next_pow2(R))
     most = PLAN_TILE_ELEMENTS // (k_pad * (1 if r_pad <= 32 else r_pad))
     return max(16, min(PLAN_BLOCK_ROWS, next_pow2(most + 1) // 2))
@@ -218,7 +218,7 @@ def plan_block_rows(T: int, K: int, R: int) -> int:
 
 def plan_scratch(num_tokens: int, top_k: int, world_size: int, device: torch.device | str) -> torch.Tensor:
     """The block-counts scratch plan_sends needs for any step of up to `num_tokens` rows (default block size)."""
-    blocks = max(1, triton.cdiv(num_tokens, plan_block_rows(num_tokens, top_k, world_size)))
+    blocks = max(1, triton.cdiv(num_tokens, plan_block_rows(top_k, world_size)))
     return torch.empty(blocks * world_size, dtype=torch.int32, device=device)
 
 
@@ -248,7 +248,7 @@ def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_
             raise ValueError(f"plan_sends: {name} must be a contiguous int32 tensor of shape {shape}")
     if topk_ids.dtype not in (torch.int32, torch.int64) or (K > 1 and topk_ids.stride(1) != 1):
         raise ValueError("plan_sends: topk_ids must be int32/int64 with contiguous rows")
-    block_t = block_rows or plan_block_rows(T, K, R)
+    block_t = block_rows or plan_block_rows(K, R)
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"plan_sends: block_rows must be a power of two >= 16, got {block_t}")
     num_blocks = max(1, triton.cdiv(T, block_t))  # one program even for T == 0: it writes the zero totals
