@@ -17,7 +17,9 @@ machines, and the host is on this path's critical path (it must read the counts 
 payload). The counts' arrival is an external event recorded inside the graph, so the host waits for the count
 exchange only, not for the pack. Replaying a graph on the same addresses reads whatever those tensors hold now,
 so a new batch in the same buffers (what a serving engine does) needs no new capture. `graph=False` runs the
-steps eagerly.
+steps eagerly. Known limit: a capture runs one eager count exchange first, so all ranks must miss the cache on the
+same call (they do in moebench: fresh path per point, fixed inputs); ranks whose input addresses diverge would
+pair their count exchanges wrongly.
 Combine: one all_to_all_single of the expert outputs back (reversed splits), then one kernel sums each row's
 partial outputs by (row, destination) slot, in destination order: deterministic, no atomics, no zero-fill.
 
