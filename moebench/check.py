@@ -3,11 +3,29 @@ error for floats. Used by the tests and by every Case.check before a point is ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from moebench.registry import CheckResult
-
 _SHOW = 5  # mismatches listed in a detail string
+
+
+@dataclass
+class CheckResult:
+    """Outcome of comparing an implementation against its reference on the case's inputs."""
+
+    ok: bool
+    detail: str = ""  # first mismatches, human readable; empty when ok
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. {"x_q.max_rel": 0.0, "ids.mismatches": 0}
+
+    @staticmethod
+    def merge(*results: "CheckResult") -> "CheckResult":
+        ok = all(r.ok for r in results)
+        detail = "; ".join(r.detail for r in results if r.detail and not r.ok)
+        metrics: dict[str, float] = {}
+        for r in results:
+            metrics.update(r.metrics)
+        return CheckResult(ok, detail, metrics)
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

@@ -305,7 +305,7 @@ def check_trace(info: dict[str, Any], p: Params) -> CheckResult:
 
 def _build(p: Params, ctx: RunContext) -> Case:
     from moebench.dispatch.a2a_fixed import combine_fixed_torch, pack_fixed_torch
-    from moebench.kernels._triton import interpreting
+    from moebench.kernels._details.jit import interpreting
 
     use_triton = ctx.is_cuda or interpreting()
     info = run_trace(p, ctx.device, use_triton=use_triton)

@@ -36,7 +36,7 @@ import torch
 
 from moebench.check import compare_close, compare_exact, poison
 from moebench.kernels._grouped_gemm import choose_config, down_proj, gate_up_swiglu, max_blocks
-from moebench.kernels._triton import interpreting
+from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import (
     apply_expert_map,
     apply_expert_map_oblivious_torch,
@@ -69,7 +69,7 @@ from moebench.kernels.topk_softmax import (
     topk_softmax_reference,
 )
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
-from moebench.runner import roofline_us
+from moebench.measure.roofline import roofline_us
 
 __all__ = ["LayerPipeline", "rank0_expert_map", "layer_reference_rows", "STAGES"]
 

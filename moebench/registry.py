@@ -1,39 +1,37 @@
 """The one registry: every timed implementation (kernel variant, stage, dispatch path, layer) is an `Impl`.
 
-A new kernel or dispatch path is one module that calls `register(Impl(...))` at import time, plus one line in
-`IMPL_MODULES` below so the runner imports it. The runner only ever sees `Impl` and the `Case` its `build`
-returns; it knows nothing about any particular kernel.
+Impls are registered by the modules of `moebench.bench` (found by discovery: every module of that package is
+imported, none is listed by hand), each with the one decorator:
+
+    @register_impl("topk_softmax.triton", targets=("router", "kernel"), description="...")
+    def build(p: Params, ctx: RunContext) -> Case: ...
+
+The runner only ever sees `Impl` and the `Case` its `build` returns; it knows nothing about any particular
+kernel. An oblivious impl (the pre-fix behaviour) names the mask-aware impl it is the twin of (`twin_of=`), and
+plots and tables pair them by that declaration, never by name.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
+
+from moebench.check import CheckResult
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from moebench.sweep import Params
 
+__all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "register", "register_impl",
+           "load_all", "get", "all_impls", "BENCH_PACKAGE"]
+
 # Sweep targets. An impl declares which of them it can be timed under.
 TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace")
 
-# Modules that register impls. Order only affects `moebench list`.
-IMPL_MODULES = (
-    "moebench.kernels.topk_softmax",
-    "moebench.kernels.grouped_topk",
-    "moebench.kernels.prepare_moe_inputs",
-    "moebench.kernels.apply_expert_map",
-    "moebench.kernels.globalize_recv_topk_idx",
-    "moebench.kernels.moe_align_block_size",
-    "moebench.kernels.masked_moe_sum",
-    "moebench.kernels.fused_experts",
-    "moebench.layer",
-    "moebench.dispatch.bench",
-    "moebench.jit_trace",
-    "moebench.simulate",
-)
+BENCH_PACKAGE = "moebench.bench"  # every module of it registers impls at import
 
 
 @dataclass
@@ -49,24 +47,6 @@ class RunContext:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
-
-
-@dataclass
-class CheckResult:
-    """Outcome of comparing an implementation against its reference on the case's inputs."""
-
-    ok: bool
-    detail: str = ""  # first mismatches, human readable; empty when ok
-    metrics: dict[str, float] = field(default_factory=dict)  # e.g. {"x_q.max_rel": 0.0, "ids.mismatches": 0}
-
-    @staticmethod
-    def merge(*results: "CheckResult") -> "CheckResult":
-        ok = all(r.ok for r in results)
-        detail = "; ".join(r.detail for r in results if r.detail and not r.ok)
-        metrics: dict[str, float] = {}
-        for r in results:
-            metrics.update(r.metrics)
-        return CheckResult(ok, detail, metrics)
 
 
 @dataclass
@@ -116,6 +96,10 @@ class Impl:
     validate: Callable[["Params"], str | None] = lambda p: None
     multi_rank: bool = False  # needs ep_size processes (dispatch paths)
     mask_aware: bool = True  # False for the "oblivious" twins that reproduce pre-fix behaviour
+    # The mask-aware impl whose pre-fix behaviour this one reproduces (set on oblivious twins only): plots and
+    # tables pair the two by this declaration.
+    twin_of: str | None = None
+    baseline: bool = False  # the family's reference (plain torch, the judge of every other impl)
 
     @property
     def kernel(self) -> str:
@@ -131,23 +115,57 @@ _loaded = False
 
 
 def register(impl: Impl) -> Impl:
+    """Add one impl (the decorator below and plugins call this)."""
     if impl.name in _IMPLS:
         raise ValueError(f"impl {impl.name!r} registered twice")
+    if "." not in impl.name:
+        raise ValueError(f"impl {impl.name!r}: names are <family>.<variant>")
     bad = [t for t in impl.targets if t not in TARGETS]
     if bad:
         raise ValueError(f"impl {impl.name!r}: unknown targets {bad}")
+    if impl.twin_of is not None and impl.mask_aware:
+        raise ValueError(f"impl {impl.name!r}: twin_of is for mask-oblivious twins (mask_aware=False)")
     _IMPLS[impl.name] = impl
     return impl
 
 
+def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
+                  available: Callable[[RunContext], str | None] | None = None,
+                  validate: Callable[["Params"], str | None] | None = None, multi_rank: bool = False,
+                  twin_of: str | None = None, baseline: bool = False
+                  ) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
+    """Decorator: register `build(p, ctx) -> Case` as the impl `name`. `twin_of` marks a mask-oblivious twin
+    (and implies mask_aware=False)."""
+    def deco(build: Callable[["Params", RunContext], Case]) -> Callable[["Params", RunContext], Case]:
+        kw: dict[str, Any] = {}
+        if available is not None:
+            kw["available"] = available
+        if validate is not None:
+            kw["validate"] = validate
+        register(Impl(name, targets=tuple(targets), build=build, description=description, multi_rank=multi_rank,
+                      mask_aware=twin_of is None, twin_of=twin_of, baseline=baseline, **kw))
+        return build
+    return deco
+
+
+def bench_modules() -> list[str]:
+    """The modules of `moebench.bench`, sorted (their order is the order of `moebench list`)."""
+    pkg = importlib.import_module(BENCH_PACKAGE)
+    return sorted(f"{BENCH_PACKAGE}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
 def load_all() -> None:
-    """Import every impl module once (registration happens at import)."""
+    """Import every bench module once (registration happens at import); a module that fails to import is an
+    error, not a silently smaller registry."""
     global _loaded
     if _loaded:
         return
-    for mod in IMPL_MODULES:  # every module must exist: a missing one is an error, not a silently smaller registry
-        importlib.import_module(mod)
     _loaded = True
+    for mod in bench_modules():
+        importlib.import_module(mod)
+    for impl in _IMPLS.values():
+        if impl.twin_of is not None and impl.twin_of not in _IMPLS:
+            raise ValueError(f"impl {impl.name!r}: twin_of names {impl.twin_of!r}, which is not registered")
 
 
 def get(name: str) -> Impl:

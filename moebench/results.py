@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from moebench.measure.roofline import current_roofs
+
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
 SUMMARY = "summary.csv"
@@ -182,7 +184,7 @@ def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str
         "env": environment(),
         "sweep": sweep_dict,
         "num_points": num_points,
-        "roofs": {"copy_gbps": 4247.0, "bf16_tflops": 714.0, "source": "GPU.md, measured on one H200"},
+        "roofs": current_roofs().as_dict(),
     }
     if extra:
         manifest.update(extra)

@@ -18,10 +18,9 @@ from moebench import registry
 from moebench.registry import Case, CheckResult, RunContext
 from moebench.report import Table
 from moebench.results import RecordWriter, load_manifest, load_records, new_run_dir, write_manifest, write_summary
+from moebench.measure.roofline import roofline_us
 from moebench.sweep import Point, Sweep, Timing, expand
 
-COPY_ROOF_GBPS = 4247.0  # GPU.md: H200 device-to-device copy, read + write
-BF16_ROOF_TFLOPS = 714.0  # GPU.md: H200 bf16 8192^3 torch matmul
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -32,10 +31,6 @@ def pick_device(requested: str | None) -> torch.device:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here")
     return torch.device(requested)
-
-
-def roofline_us(flops: int, bytes_moved: int) -> float:
-    return max(flops / (BF16_ROOF_TFLOPS * 1e12), bytes_moved / (COPY_ROOF_GBPS * 1e9)) * 1e6
 
 
 def _error_line(e: BaseException) -> str:
@@ -79,6 +74,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
     timing = timing or sweep.timing
     rec: dict[str, Any] = {"point": point.index, "key": point.key, "impl": impl.name, "kernel": impl.kernel,
                            "variant": impl.variant, "target": sweep.target, "mask_aware": impl.mask_aware,
+                           "twin_of": impl.twin_of,
                            "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device)}
     reason = impl.available(ctx)
     if reason:

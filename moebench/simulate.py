@@ -145,7 +145,7 @@ class _RankRunner:
 
 
 def _use_triton(ctx: RunContext) -> bool:
-    from moebench.kernels._triton import interpreting
+    from moebench.kernels._details.jit import interpreting
 
     return ctx.is_cuda or interpreting()
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moebench.check import poison
-from moebench.kernels._triton import next_pow2
+from moebench.kernels._details.jit import next_pow2
 from moebench.kernels.moe_align_block_size import (align_workspace, alloc_align_outputs, moe_align_block_size,
                                                    moe_align_block_size_torch)
 

@@ -7,8 +7,8 @@ import socket
 import pytest
 import torch
 
-from moebench import padding
-from moebench.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
+from moebench.inputs import padding
+from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)
 from moebench.sweep import Params
 

@@ -40,7 +40,7 @@ from moebench.dispatch.a2a_fixed import (_use_triton, combine_fixed, combine_fix
 from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
                                     all_to_all_single, grow_rows)
 from moebench.dispatch.permute import RowLayout, plan_scratch
-from moebench.padding import check_mask
+from moebench.kernels._details.args import check_mask
 
 
 @dataclass

@@ -30,8 +30,8 @@ import triton.language as tl
 from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
                                     all_to_all_single)
 from moebench.dispatch.permute import RowLayout, plan_scratch, plan_sends, plan_sends_torch
-from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
-from moebench.padding import check_mask
+from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
+from moebench.kernels._details.args import check_mask
 
 BLOCK_H = 1024  # hidden columns per program: 2 KB of bf16 (one 16-byte vector per thread), 7 programs per 7168
 NUM_WARPS = 4

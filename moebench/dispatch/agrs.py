@@ -18,7 +18,7 @@ from moebench.dispatch.a2a_fixed import _use_triton
 from moebench.dispatch.base import (DispatchPath, Dispatched, ReceivedRows, all_gather_rows, local_ids,
                                     meta_weights, reduce_scatter_rows)
 from moebench.dispatch.permute import localize_ids
-from moebench.padding import check_mask
+from moebench.kernels._details.args import check_mask
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from moebench.padding import check_mask
+from moebench.kernels._details.args import check_mask
 from moebench.registry import CheckResult
 
 CAPACITY_POLICIES = ("exact", "pow2", "max")

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, next_pow2
-from moebench.padding import check_mask
+from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels._details.args import check_mask
 
 ROW_ALIGN = 32  # bytes; see the module docstring
 PLAN_TILE_ELEMENTS = 8192  # most (row, slot[, destination]) elements one plan program holds

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
+from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
 from moebench.kernels.masked_moe_sum import _round_store_value, launch_masked_sum, soft_bf16, sum_launch_config
 from moebench.kernels.moe_align_block_size import default_block_routes, moe_align_block_size
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from moebench.check import compare_exact, poison
-from moebench.kernels._triton import check_triton_device
+from moebench.kernels._details.jit import check_triton_device
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 # One elementwise pass: 2048 ids per program (4 warps, 16 per thread) keeps a 65536x8 input at ~256 programs

@@ -36,7 +36,7 @@ from moebench.kernels._grouped_gemm import (
     max_blocks,
     sum_slots,
 )
-from moebench.kernels._triton import check_triton_device, interpreting
+from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 __all__ = ["fused_experts", "fused_experts_torch", "fused_experts_grouped_mm", "ExpertsWorkspace", "make_workspace",

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moebench.check import compare_exact
-from moebench.kernels._triton import check_triton_device
+from moebench.kernels._details.jit import check_triton_device
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 BLOCK = 2048  # ids per program: one elementwise pass (see apply_expert_map for the sizing)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import next_pow2
+from moebench.kernels._details.jit import next_pow2
 from moebench.kernels.topk_softmax import (
     INT32_MIN,
     RouterReference,

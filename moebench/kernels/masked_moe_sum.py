@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, interpreting, next_pow2
+from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,

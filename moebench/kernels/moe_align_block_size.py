@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, next_pow2
+from moebench.kernels._details.jit import check_triton_device, next_pow2
 
 _INT32_MAX = 2**31 - 1
 _FILL_BLOCK = 1024  # largest step of the pad fill (offsets may run this far past the capacity)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from moebench.check import compare_exact, poison
-from moebench.kernels._triton import check_triton_device
-from moebench.padding import check_mask
+from moebench.kernels._details.jit import check_triton_device
+from moebench.kernels._details.args import check_mask
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 SCALE_FORMATS = ("ue8m0_packed", "fp32")

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._triton import check_triton_device, next_pow2
-from moebench.padding import check_mask
+from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels._details.args import check_mask
 
 MAX_EXPERTS = 1024  # the Triton routers hold a whole row of scores in registers
 MAX_TOP_K = 32

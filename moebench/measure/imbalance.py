@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from moebench.padding import check_mask
+from moebench.kernels._details.args import check_mask
 
 
 def _check_routing(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:

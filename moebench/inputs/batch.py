@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.padding import fill_rows, ratio_mask
-from moebench.routing import DTYPES, expert_prior, real_logits
+from moebench.inputs.padding import fill_rows, ratio_mask
+from moebench.inputs.routing import DTYPES, expert_prior, real_logits
 from moebench.sweep import Params
 
 
@@ -34,7 +34,7 @@ def padding_mask(p: Params, device: torch.device | str) -> torch.Tensor:
     """The mask of this point's producer, for one rank (padding.producer_mask documents which rank)."""
     if p.padding_producer == "ratio":
         return ratio_mask(p.num_tokens, p.padding_ratio, device)
-    from moebench import padding
+    from moebench.inputs import padding
 
     return padding.producer_mask(p, device)
 

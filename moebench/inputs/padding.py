@@ -21,16 +21,9 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from moebench.sweep import Params
 
+from moebench.kernels._details.args import check_mask  # noqa: E402  (re-exported)
+
 FILLS = ("zeros", "repeat", "stale", "random")
-
-
-def check_mask(is_padding: torch.Tensor | None, rows: int) -> None:
-    """The one size check every masked entry point makes (SPEC: never a silent broadcast)."""
-    if is_padding is None:
-        return
-    if is_padding.dim() != 1 or is_padding.shape[0] != rows:
-        got = is_padding.shape[0] if is_padding.dim() == 1 else tuple(is_padding.shape)
-        raise ValueError(f"is_padding size mismatch, expected: {rows}, got: {got}")
 
 
 def ratio_mask(num_tokens: int, padding_ratio: float, device: torch.device | str = "cpu") -> torch.Tensor:
