@@ -87,7 +87,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from moebench.profiling import profile_inner, profile_point
+    from moebench.profile import profile_inner, profile_point
     from moebench.results import utc_stamp
     from moebench.sweep import load_sweep
 

@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebench import profiling
-from moebench.profiling import nvtx_range, range_name
+from moebench.measure import nvtx
+from moebench.measure.nvtx import nvtx_range, range_name
+from moebench.profile import driver, format_summary, summarize_nsys_csv, summarize_trace, write_summary_csv
 
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
-    profiling.find_nsys.cache_clear()
+    driver.find_nsys.cache_clear()
     yield
-    profiling.find_nsys.cache_clear()
+    driver.find_nsys.cache_clear()
 
 
 def test_range_name():
@@ -32,11 +33,11 @@ def test_range_name():
 
 @pytest.mark.parametrize("prefer", ["nvtx", "torch", "none"])
 def test_nvtx_range_without_cuda(prefer, monkeypatch):
-    name, push, pop = profiling._select_backend(prefer)
+    name, push, pop = nvtx._select_backend(prefer)
     assert name in ("nvtx", "torch.cuda.nvtx", "none")
     if prefer == "none" or not torch.cuda.is_available():
         assert name != "torch.cuda.nvtx"  # torch.cuda.nvtx only ever on CUDA
-    monkeypatch.setattr(profiling, "_backend", lambda: (name, push, pop))
+    monkeypatch.setattr(nvtx, "_backend", lambda: (name, push, pop))
     x = torch.randn(8, 8)
     with nvtx_range(range_name("router", "x.torch")) as r:
         with nvtx_range("moebench/inner/y.torch"):
@@ -50,7 +51,7 @@ def test_nvtx_range_without_cuda(prefer, monkeypatch):
 
 def test_nvtx_range_counts_push_pop(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(profiling, "_backend",
+    monkeypatch.setattr(nvtx, "_backend",
                         lambda: ("fake", lambda n: calls.append("push " + n), lambda: calls.append("pop")))
     with nvtx_range("moebench/a/b.c"):
         with pytest.raises(KeyError):
@@ -60,13 +61,13 @@ def test_nvtx_range_counts_push_pop(monkeypatch):
 
 
 def test_real_backend_is_usable():
-    assert profiling.nvtx_backend() in ("nvtx", "torch.cuda.nvtx", "none")
+    assert nvtx.nvtx_backend() in ("nvtx", "torch.cuda.nvtx", "none")
     with nvtx_range("moebench/smoke/x.torch"):
         pass
 
 
 def test_find_nsys_none_or_executable():
-    path = profiling.find_nsys()
+    path = driver.find_nsys()
     assert path is None or (os.path.isfile(path) and os.access(path, os.X_OK))
 
 
@@ -80,25 +81,25 @@ def _fake_exe(path: Path) -> Path:
 def test_find_nsys_on_path_then_globs(tmp_path, monkeypatch):
     monkeypatch.delenv("MOEBENCH_NSYS", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(profiling, "NSYS_GLOBS", (str(tmp_path / "opt" / "**" / "target-linux-x64" / "nsys"),))
-    assert profiling.find_nsys() is None
+    monkeypatch.setattr(driver, "NSYS_GLOBS", (str(tmp_path / "opt" / "**" / "target-linux-x64" / "nsys"),))
+    assert driver.find_nsys() is None
     # non-executable file is not taken
     noexec = tmp_path / "opt" / "ncu" / "2024.1.0" / "target-linux-x64" / "nsys"
     noexec.parent.mkdir(parents=True)
     noexec.write_text("")
-    profiling.find_nsys.cache_clear()
-    assert profiling.find_nsys() is None
+    driver.find_nsys.cache_clear()
+    assert driver.find_nsys() is None
     old = _fake_exe(tmp_path / "opt" / "ncu" / "2024.6.0" / "target-linux-x64" / "nsys")
     new = _fake_exe(tmp_path / "opt" / "ncu" / "2025.3.1" / "host" / "target-linux-x64" / "nsys")
-    profiling.find_nsys.cache_clear()
-    assert profiling.find_nsys() == str(new)  # newest version first
+    driver.find_nsys.cache_clear()
+    assert driver.find_nsys() == str(new)  # newest version first
     on_path = _fake_exe(tmp_path / "bin" / "nsys")
     monkeypatch.setenv("PATH", str(on_path.parent))
-    profiling.find_nsys.cache_clear()
-    assert profiling.find_nsys() == str(on_path)  # PATH wins over the globs
+    driver.find_nsys.cache_clear()
+    assert driver.find_nsys() == str(on_path)  # PATH wins over the globs
     monkeypatch.setenv("MOEBENCH_NSYS", str(old))
-    profiling.find_nsys.cache_clear()
-    assert profiling.find_nsys() == str(old)  # explicit override wins over PATH
+    driver.find_nsys.cache_clear()
+    assert driver.find_nsys() == str(old)  # explicit override wins over PATH
 
 
 def _tiny_workload(iters_a: int, iters_b: int) -> None:
@@ -121,7 +122,7 @@ def test_summary_of_a_real_cpu_trace(tmp_path):
         _tiny_workload(5, 3)
     trace = tmp_path / "trace.json"
     prof.export_chrome_trace(str(trace))
-    summary = profiling.summarize_trace(trace)
+    summary = summarize_trace(trace)
     by = {s["range"]: s for s in summary}
     assert list(by) == ["moebench/router/topk_softmax.torch", "moebench/reduce/masked_moe_sum.torch"]
     router, reduce = by["moebench/router/topk_softmax.torch"], by["moebench/reduce/masked_moe_sum.torch"]
@@ -136,12 +137,12 @@ def test_summary_of_a_real_cpu_trace(tmp_path):
     assert reduce_ops.get("aten::mul") == 3 and reduce_ops.get("aten::sum") == 3
     assert "aten::matmul" not in reduce_ops  # ops are attributed to the range they ran in
     # the same summary from the loaded JSON, and the CSV / table
-    assert profiling.summarize_trace(json.loads(trace.read_text())) == summary
-    csv_path = profiling.write_summary_csv(summary, tmp_path / "s.csv")
+    assert summarize_trace(json.loads(trace.read_text())) == summary
+    csv_path = write_summary_csv(summary, tmp_path / "s.csv")
     rows = csv_path.read_text().splitlines()
     assert rows[0].startswith("range,count,cpu_total_us")
     assert sum(r.startswith("moebench/router/topk_softmax.torch,5,") for r in rows) == len(router["kernels"])
-    table = profiling.format_summary(summary)
+    table = format_summary(summary)
     assert "moebench/router/topk_softmax.torch" in table and "aten::topk" in table
 
 
@@ -181,14 +182,14 @@ def test_summary_matches_kernels_by_correlation():
         {"ph": "X", "cat": "gpu_user_annotation", "name": "moebench/route/a.triton", "ts": 220, "dur": 11,
          "pid": 0, "tid": 7},
     ]
-    (s,) = profiling.summarize_trace({"traceEvents": ev})
+    (s,) = summarize_trace({"traceEvents": ev})
     assert s["count"] == 2 and s["cpu_total_us"] == 100
     assert s["device_total_us"] == 23 and s["device_source"] == "gpu_user_annotation"
     assert s["kernel_kind"] == "gpu_kernel"
     assert [(k["name"], k["count"], k["total_us"]) for k in s["kernels"]] == \
         [("_topk_softmax_kernel", 2, 17), ("_renorm_kernel", 2, 4)]
     # without the gpu-side annotation, device time is the kernels' sum
-    (s2,) = profiling.summarize_trace({"traceEvents": [e for e in ev if e["cat"] != "gpu_user_annotation"]})
+    (s2,) = summarize_trace({"traceEvents": [e for e in ev if e["cat"] != "gpu_user_annotation"]})
     assert s2["device_total_us"] == 21 and s2["device_source"] == "kernels"
 
 
@@ -207,8 +208,8 @@ def test_nsys_csv_summary(tmp_path):
     by test_profile_point_gpu)."""
     (tmp_path / "profile_nvtx_sum.csv").write_text(NVTX_SUM)
     (tmp_path / "profile_nvtx_kern_sum.csv").write_text(NVTX_KERN_SUM)
-    (s,) = profiling.summarize_nsys_csv(tmp_path / "profile_nvtx_sum.csv", tmp_path / "profile_nvtx_kern_sum.csv",
-                                        tmp_path / "absent.csv")
+    (s,) = summarize_nsys_csv(tmp_path / "profile_nvtx_sum.csv", tmp_path / "profile_nvtx_kern_sum.csv",
+                              tmp_path / "absent.csv")
     assert s["range"] == "moebench/experts/fused_experts.triton" and s["count"] == 20
     assert s["cpu_total_us"] == 400.0 and s["cpu_mean_us"] == 20.0
     assert [(k["name"], k["count"], k["total_us"]) for k in s["kernels"]] == \
@@ -217,14 +218,14 @@ def test_nsys_csv_summary(tmp_path):
 
 
 def test_nsys_commands():
-    cmd = profiling.nsys_profile_command("/x/nsys", "sweeps/a.yaml", 3, "/tmp/run", ["top_k=4"], "cuda", 7)
+    cmd = driver.nsys_profile_command("/x/nsys", "sweeps/a.yaml", 3, "/tmp/run", ["top_k=4"], "cuda", 7)
     joined = " ".join(cmd)
     for part in ("profile -t cuda,nvtx -s none --cpuctxsw=none --capture-range=cudaProfilerApi "
                  "--capture-range-end=stop", "-o /tmp/run/profile", "-m moebench profile sweeps/a.yaml --point 3 "
                  "--inner --device cuda --iters 7", "--set top_k=4"):
         assert part in joined
-    stats = profiling.nsys_stats_command("/x/nsys", "/tmp/run/profile.nsys-rep", "nvtx_sum,cuda_gpu_kern_sum",
-                                         "/tmp/run/profile")
+    stats = driver.nsys_stats_command("/x/nsys", "/tmp/run/profile.nsys-rep", "nvtx_sum,cuda_gpu_kern_sum",
+                                      "/tmp/run/profile")
     assert stats[:5] == ["/x/nsys", "stats", "--report", "nvtx_sum,cuda_gpu_kern_sum", "--format"]
 
 
@@ -254,7 +255,7 @@ def test_nsys_driver_with_a_fake_nsys(tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / "profile_nvtx_sum.csv").write_text("stale")  # an earlier profile's file must not be reused
-    res = profiling._profile_nsys(str(fake), "sweeps/x.yaml", 1, out, ["top_k=4"], "cuda", 5, timeout_s=60)
+    res = driver._profile_nsys(str(fake), "sweeps/x.yaml", 1, out, ["top_k=4"], "cuda", 5, timeout_s=60)
     assert res["error"] is None, res["error"]
     assert (out / "profile.nsys-rep").exists() and (out / "profile_cuda_gpu_kern_sum.csv").exists()
     assert "--point 1 --inner --device cuda --iters 5" in (out / "profile_inner.log").read_text()
@@ -262,7 +263,7 @@ def test_nsys_driver_with_a_fake_nsys(tmp_path, monkeypatch):
     assert s["range"] == "moebench/experts/fused_experts.triton" and s["count"] == 20 and len(s["kernels"]) == 2
 
     monkeypatch.setenv("FAKE_NSYS_FAIL", "1")
-    res = profiling._profile_nsys(str(fake), "sweeps/x.yaml", 1, out, None, "cuda", 5, timeout_s=60)
+    res = driver._profile_nsys(str(fake), "sweeps/x.yaml", 1, out, None, "cuda", 5, timeout_s=60)
     assert (out / "profile.nsys-rep").exists() and not list(out.glob("profile_*.csv"))
     assert "libdw.so.1" in res["error"] and res["summary"] == []
     assert str(out / "profile.nsys-rep") in res["files"]
@@ -290,14 +291,14 @@ def _fake_runner(monkeypatch, reach_timing: bool = True):
     runner.run_single_point = run_single_point
     monkeypatch.setitem(sys.modules, "moebench.runner", runner)
     point = types.SimpleNamespace(impl="topk_softmax.torch")
-    monkeypatch.setattr(profiling, "_load_point", lambda path, index, overrides: ("SWEEP", point))
+    monkeypatch.setattr(driver, "_load_point", lambda path, index, overrides: ("SWEEP", point))
     return seen
 
 
 def test_profile_point_torch_profiler(tmp_path, monkeypatch, capsys):
     seen = _fake_runner(monkeypatch)
     out = tmp_path / "prof"
-    res = profiling.profile_point("sweeps/x.yaml", 2, out, ["top_k=4"], "cpu", iters=4, use_nsys=False)
+    res = driver.profile_point("sweeps/x.yaml", 2, out, ["top_k=4"], "cpu", iters=4, use_nsys=False)
     assert seen == {"sweep": "SWEEP", "point_index": 2, "device": "cpu", "iters": 4}
     assert res["mode"] == "torch.profiler" and res["error"] is None and res["point_status"] == "ok"
     (s,) = res["summary"]
@@ -310,7 +311,7 @@ def test_profile_point_torch_profiler(tmp_path, monkeypatch, capsys):
 
 def test_profile_point_that_never_times(tmp_path, monkeypatch):
     _fake_runner(monkeypatch, reach_timing=False)
-    res = profiling.profile_point("sweeps/x.yaml", 0, tmp_path, None, "cpu", iters=2, use_nsys=False, echo=False)
+    res = driver.profile_point("sweeps/x.yaml", 0, tmp_path, None, "cpu", iters=2, use_nsys=False, echo=False)
     assert res["summary"] == [] and "never reached" in res["error"] and res["point_status"] == "wrong"
 
 
@@ -321,7 +322,7 @@ def test_profile_point_gpu(tmp_path):
     sweep.write_text("name: prof\ntarget: router\nimpls: [topk_softmax.triton]\n"
                      "fixed: {num_tokens: 1024, num_experts: 256, top_k: 8, padding_ratio: 0.25}\n"
                      "timing: {mode: events, warmup: 3, iters: 10}\n")
-    res = profiling.profile_point(sweep, 0, tmp_path / "out", None, "cuda", iters=10)
+    res = driver.profile_point(sweep, 0, tmp_path / "out", None, "cuda", iters=10)
     print(json.dumps({k: v for k, v in res.items() if k != "summary"}, indent=1, default=str))
     if res.get("nsys_error"):  # nsys wrote no report (no libdw): torch.profiler stood in and the note says why
         assert res["mode"] == "torch.profiler" and "torch.profiler used instead" in res["note"], res
@@ -339,15 +340,15 @@ def test_profile_point_falls_back_when_nsys_writes_no_report(tmp_path, monkeypat
     """nsys present but its importer fails (no libdw on the H200 image): no .nsys-rep, so the point is profiled
     with torch.profiler instead and the result says why."""
     calls = []
-    monkeypatch.setattr(profiling, "find_nsys", lambda *a, **k: "/fake/nsys")
-    monkeypatch.setattr(profiling, "_load_point", lambda *a, **k: ("SWEEP", None))
+    monkeypatch.setattr(driver, "find_nsys", lambda *a, **k: "/fake/nsys")
+    monkeypatch.setattr(driver, "_load_point", lambda *a, **k: ("SWEEP", None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(profiling, "_profile_nsys", lambda *a, **k: calls.append("nsys") or {
+    monkeypatch.setattr(driver, "_profile_nsys", lambda *a, **k: calls.append("nsys") or {
         "mode": "nsys", "files": [str(tmp_path / "profile_inner.log")], "summary": [],
         "error": "nsys profile rc=0: Importer error status: An unknown error occurred."})
-    monkeypatch.setattr(profiling, "_profile_torch", lambda *a, **k: calls.append("torch") or {
+    monkeypatch.setattr(driver, "_profile_torch", lambda *a, **k: calls.append("torch") or {
         "mode": "torch.profiler", "files": [], "summary": [], "error": None})
-    res = profiling.profile_point("s.yaml", 0, tmp_path, None, "cuda", iters=2, echo=False)
+    res = driver.profile_point("s.yaml", 0, tmp_path, None, "cuda", iters=2, echo=False)
     assert calls == ["nsys", "torch"]
     assert res["mode"] == "torch.profiler" and res["error"] is None
     assert "Importer error" in res["nsys_error"] and "torch.profiler used instead" in res["note"]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moebench.measure import nvtx
 from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
 from moebench.sweep import Timing
 
@@ -47,6 +48,19 @@ def test_max_seconds_stops_sampling_early():
 
     res = measure(lambda: time.sleep(0.02), Timing(warmup=0, iters=1000, max_seconds=0.1), torch.device("cpu"))
     assert 1 <= len(res.samples_us) < 20
+
+
+def test_each_timed_iteration_runs_inside_its_nvtx_range(monkeypatch):
+    events = []
+    monkeypatch.setattr(nvtx, "_backend", lambda: ("fake", lambda n: events.append("push " + n),
+                                                   lambda: events.append("pop")))
+    name = nvtx.range_name("route", "topk_softmax.torch")
+    measure(lambda: events.append("run"), Timing(warmup=2, iters=3), torch.device("cpu"), range_name=name)
+    # warm-up calls stay outside the range; each timed call sits inside one push/pop
+    assert events == ["run", "run"] + ["push moebench/route/topk_softmax.torch", "run", "pop"] * 3
+    events.clear()
+    measure(lambda: events.append("run"), Timing(warmup=0, iters=2), torch.device("cpu"))
+    assert events == ["run", "run"]  # no range name: no range
 
 
 def _free_port():

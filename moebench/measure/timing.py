@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from moebench.measure.nvtx import nvtx_range
 from moebench.sweep import Timing
 
 
@@ -61,8 +62,6 @@ def resolve_mode(requested: str, device: torch.device, graph_capturable: bool) -
 def _range(range_name: str | None):
     if not range_name:
         return nullcontext()
-    from moebench.profiling import nvtx_range
-
     return nvtx_range(range_name)
 
 
