@@ -106,6 +106,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
 
                 res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
                 rec["timing_mode"] = res.mode
+                rec["timing_unroll"] = res.unroll
                 if res.note:
                     rec["timing_note"] = res.note
                 rec["samples_us"] = res.samples_us

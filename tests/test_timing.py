@@ -97,3 +97,27 @@ def test_reduce_over_ranks_per_iteration_max_gloo():
         assert info["slowest_rank"] == 2  # attains the max on 3 of 4 iterations
         assert info["slowest_share"] == pytest.approx(0.75)
         assert info["per_rank_p50_us"][1] == pytest.approx(16.0)
+
+
+def test_choose_unroll_hides_the_replay_launch():
+    from moebench.measure.timing import AUTO_MAX_UNROLL, AUTO_REPLAY_US, choose_unroll
+
+    assert choose_unroll(2.8) == min(AUTO_MAX_UNROLL, math.ceil(AUTO_REPLAY_US / 2.8))  # 2.8 us: capped
+    assert choose_unroll(20.0) == math.ceil(AUTO_REPLAY_US / 20.0)
+    assert choose_unroll(AUTO_REPLAY_US * 2) == 1  # long calls are replayed alone
+    assert choose_unroll(100.0) == 5
+    assert choose_unroll(0.0) == AUTO_MAX_UNROLL
+
+
+@pytest.mark.gpu
+def test_auto_mode_unrolls_a_short_kernel_and_says_so():
+    import torch
+
+    from moebench.measure.timing import measure
+    from moebench.sweep import Timing
+
+    x = torch.randn(1024, device="cuda")
+    res = measure(lambda: x.mul_(1.0), Timing(mode="auto", warmup=2, iters=5), torch.device("cuda"))
+    assert res.mode == "cuda_graph" and res.unroll > 1 and f"{res.unroll} calls per replay" in res.note
+    fixed = measure(lambda: x.mul_(1.0), Timing(mode="cuda_graph", warmup=2, iters=5, unroll=3), torch.device("cuda"))
+    assert fixed.unroll == 3 and fixed.note == ""

@@ -25,6 +25,7 @@ class TimingResult:
     stats: dict[str, float]
     note: str = ""  # why the requested mode was changed, if it was
     ranks: dict[str, Any] | None = field(default=None)
+    unroll: int = 1  # calls per graph replay actually used (auto mode may raise it: see choose_unroll)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -59,6 +60,33 @@ def resolve_mode(requested: str, device: torch.device, graph_capturable: bool) -
     return requested, ""
 
 
+# `auto` on a GPU: one graph replay must last long enough that its launch (15-60 us on the H200 hosts) is hidden,
+# as triton.testing.do_bench_cudagraph does by capturing many calls. Calls per replay are chosen from one timed
+# eager call so that a replay lasts at least AUTO_REPLAY_US, at most AUTO_MAX_UNROLL calls.
+AUTO_REPLAY_US = 500.0
+AUTO_MAX_UNROLL = 100
+
+
+def choose_unroll(call_us: float) -> int:
+    """Calls per graph replay for a call of `call_us` microseconds (auto mode)."""
+    if not call_us > 0:
+        return AUTO_MAX_UNROLL
+    return max(1, min(AUTO_MAX_UNROLL, math.ceil(AUTO_REPLAY_US / call_us)))
+
+
+def _one_call_us(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median of three event-timed eager calls (after warm-up): the estimate auto-unroll works from."""
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[1]
+
+
 def _range(range_name: str | None):
     if not range_name:
         return nullcontext()
@@ -82,10 +110,15 @@ def measure(fn: Callable[[], Any], timing: Timing, device: torch.device, *, grap
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+    unroll = timing.unroll
+    if mode == "cuda_graph" and timing.mode == "auto" and timing.unroll == 1 and world == 1:
+        # single process only: a multi-rank replay stays one collective step so its per-iteration max means one step
+        unroll = choose_unroll(_one_call_us(fn, device))
+        note = f"auto: {unroll} calls per replay"
     if mode == "cuda_graph":
         # multi-rank: every rank captures its step, collectives included, and the replays are lined up by a
         # barrier like eager steps (a serving engine replays such a step as a graph: no host launch costs)
-        samples = _time_graph(fn, timing, device, range_name, hook, group if barrier else None)
+        samples = _time_graph(fn, timing, device, range_name, hook, group if barrier else None, unroll)
     elif mode == "events":
         samples = _time_events(fn, timing, device, range_name, group if barrier else None, hook)
     else:
@@ -94,7 +127,8 @@ def measure(fn: Callable[[], Any], timing: Timing, device: torch.device, *, grap
     ranks = None
     if world > 1:
         samples, ranks = reduce_over_ranks(samples, group, device)
-    return TimingResult(mode=mode, samples_us=samples, stats=summarize(samples), note=note, ranks=ranks)
+    return TimingResult(mode=mode, samples_us=samples, stats=summarize(samples), note=note, ranks=ranks,
+                        unroll=unroll if mode == "cuda_graph" else 1)
 
 
 def _world_size(group: Any) -> int:
@@ -143,7 +177,7 @@ def _time_events(fn, timing: Timing, device, range_name, group, hook) -> list[fl
     return _event_samples(fn, timing, device, range_name, group, hook)
 
 
-def _time_graph(fn, timing: Timing, device, range_name, hook, group=None) -> list[float]:
+def _time_graph(fn, timing: Timing, device, range_name, hook, group=None, unroll: int | None = None) -> list[float]:
     # Capture on a side stream as torch requires; `unroll` calls per graph amortise the replay launch.
     # Thread-local capture: a process group's watchdog thread keeps querying its events meanwhile.
     stream = torch.cuda.Stream(device)
@@ -152,9 +186,10 @@ def _time_graph(fn, timing: Timing, device, range_name, hook, group=None) -> lis
         fn()  # one more eager call on the capture stream (lazy init, allocator warm-up)
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
+    unroll = timing.unroll if unroll is None else unroll
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        for _ in range(timing.unroll):
+        for _ in range(unroll):
             fn()
     if group is not None:
         _sync_ranks(group, device)
@@ -162,7 +197,7 @@ def _time_graph(fn, timing: Timing, device, range_name, hook, group=None) -> lis
     torch.cuda.synchronize(device)
     samples = _event_samples(graph.replay, timing, device, range_name, group, hook)
     del graph
-    return [s / timing.unroll for s in samples]
+    return [s / unroll for s in samples]
 
 
 def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[float]:
