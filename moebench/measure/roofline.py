@@ -1,9 +1,10 @@
 """The roofs a measurement is judged against: one table per device, named in every run's manifest.
 
-A roofline time is max(FLOPs / FLOP roof, bytes / copy roof). The figures are measured, not datasheet numbers:
-the copy roof is a 1 GiB device-to-device copy counting read + write, the FLOP roof a bf16 8192^3 torch matmul
-(fp8 the same shape through torch._scaled_mm). Devices not in the table are judged against the H200's figures,
-and the manifest says so.
+A roofline time is max(FLOPs / FLOP roof, bytes / copy roof). The copy and bf16 figures are measured, not
+datasheet numbers (docs/hardware.md#roofs): the copy roof is a 1 GiB device-to-device copy counting read + write,
+the bf16 roof an 8192^3 torch matmul. The fp8 roof is not measured: it is twice the bf16 figure, Hopper's fp8
+tensor-core rate being twice its bf16 rate. Devices not in the table are judged against the H200's figures, and
+the manifest names the table used.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class Roofs:
 
 
 H200 = Roofs("H200", copy_gbps=4247.0, bf16_tflops=714.0, fp8_tflops=1428.0,
-             source="measured on one H200 (docs/benchmarks.md): 1 GiB copy; bf16 8192^3 torch matmul; fp8 as 2x bf16")
+             source="measured on one H200 (docs/hardware.md#roofs): 1 GiB copy, bf16 8192^3 torch matmul; fp8 = 2x bf16, "
+                    "not measured")
 
 # Keyed by a substring of torch.cuda.get_device_name().
 ROOFS_BY_DEVICE: dict[str, Roofs] = {"H200": H200}
