@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from moebench import plots  # noqa: E402
+from moebench import plots, registry  # noqa: E402
 from moebench.plots import pairing  # noqa: E402
 from moebench.plots.jit import compiles_counted  # noqa: E402
 from moebench.plots.saving import saving_pairs  # noqa: E402
@@ -334,6 +334,78 @@ def test_mask_param_and_twin_impl_pairings_side_by_side(tmp_path):
     assert "saving_vs_padding" in _kinds(paths)
     for p in paths:
         _assert_png(p)
+
+
+def test_twins_pair_by_declaration_never_by_name(tmp_path):
+    run = FakeRun(tmp_path, target="kernel")
+    for tokens in (64, 256):
+        for impl, twin_of in (("fused_experts.triton", None), ("fused_experts.torch", None),
+                              ("fused_experts.oblivious", "fused_experts.torch"),  # declares the torch impl
+                              ("masked_moe_sum.triton", None),
+                              ("masked_moe_sum.oblivious", None),  # mask-oblivious, declares no twin
+                              ("moe_align_block_size.oblivious", "moe_align_block_size.triton")):  # twin absent
+            rec = run.add(impl, num_tokens=tokens, padding_ratio=0.5, mask=True, num_experts=64, imbalance=False,
+                          twin_of=twin_of)
+            rec["mask_aware"] = twin_of is None and impl.split(".")[1] != "oblivious"
+    recs = run.records
+    assert pairing.twin_impls(recs) == {"fused_experts.oblivious": "fused_experts.torch"}
+    names = pairing.panel_names(recs)
+    assert names["fused_experts.oblivious"] == names["fused_experts.torch"] == \
+        "fused_experts.torch vs fused_experts.oblivious"
+    assert names["fused_experts.triton"] == "fused_experts.triton"
+    assert names["masked_moe_sum.oblivious"] == "masked_moe_sum.oblivious"
+    assert names["moe_align_block_size.oblivious"] == "moe_align_block_size.oblivious"
+    pairs, _ = saving_pairs(recs, pairing.twin_impls(recs))
+    assert {k[0] for k in pairs} == {"fused_experts.torch / fused_experts.oblivious"}
+    undeclared = next(r for r in recs if r["impl"] == "masked_moe_sum.oblivious")
+    assert pairing.partner(recs, undeclared) is None
+
+
+def _without_twin_of(records: list[dict]) -> list[dict]:
+    """Records as runs before `twin_of` was recorded wrote them."""
+    return [{k: v for k, v in r.items() if k != "twin_of"} for r in records]
+
+
+def test_records_without_twin_of_fall_back_to_the_registry(tmp_path, monkeypatch):
+    old = _without_twin_of([r for r in _twin_layer_run(tmp_path).records
+                            if r["params"]["num_local_experts"] == 32])
+
+    def build(p, ctx):
+        raise AssertionError("plots never build an impl")
+
+    declared = {"layer.oblivious": registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                 mask_aware=False, twin_of="layer.masked")}
+    monkeypatch.setattr(registry, "all_impls", lambda: declared)
+    assert pairing.twin_impls(old) == {"layer.oblivious": "layer.masked"}
+    pairs, _ = saving_pairs(old, pairing.twin_impls(old))
+    assert {k[0] for k in pairs} == {"layer.masked / layer.oblivious"} and len(pairs) == 6
+
+    # the impl unknown to the registry, or declaring no twin there: not paired, whatever its name says
+    monkeypatch.setattr(registry, "all_impls", lambda: {})
+    assert pairing.twin_impls(old) == {}
+    assert pairing.panel_names(old) == {"layer.masked": "layer.masked", "layer.oblivious": "layer.oblivious"}
+    declared["layer.oblivious"] = registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                mask_aware=False)
+    monkeypatch.setattr(registry, "all_impls", lambda: declared)
+    assert pairing.twin_impls(old) == {}
+
+    # a record's own twin_of wins over the registry (even a null one: the impl was nobody's twin then)
+    recorded = [dict(r, twin_of=None) for r in old]
+    declared["layer.oblivious"] = registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                mask_aware=False, twin_of="layer.masked")
+    assert pairing.twin_impls(recorded) == {}
+
+
+def test_unpaired_twins_make_no_saving_plot(tmp_path, monkeypatch):
+    """End to end: the layer sweep's records without twin_of and an empty registry draw the two impls apart."""
+    run = _twin_layer_run(tmp_path)
+    run.records = _without_twin_of(run.records)
+    monkeypatch.setattr(registry, "all_impls", lambda: {})
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    assert "saving_vs_padding" not in _kinds(paths)
+    lat = [p for p in _meta(out)["plots"] if p["kind"] == "latency_vs_tokens"]
+    assert len(lat) == 2 and all(p["points"] == len(run.records) // 2 for p in lat)
 
 
 def test_figure_kinds_are_unique_and_none_prefixes_another():

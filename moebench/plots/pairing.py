@@ -1,5 +1,10 @@
-"""Which records are drawn against which: masked vs unmasked modes, and mask-oblivious twins paired with a
-mask-aware impl of the same kernel."""
+"""Which records are drawn against which: masked vs unmasked modes, and mask-oblivious twins paired with the
+mask-aware impl they declare (`twin_of`), never by their names.
+
+A record names its twin in `twin_of` (the runner writes the impl's declaration into every record: null for an
+impl that is nobody's twin). Records written before that field existed are looked up in the registry by impl
+name; an impl unknown there too is not paired.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,6 @@ from moebench.plots.common import hashable, param
 # panel with an unmasked (mask=False) line, then dash-dot (see mode_styles).
 MODE_STYLE = {"masked": "-", "unmasked": "--", "oblivious": "--", None: "-"}
 MODE_ORDER = ("masked", "unmasked", "oblivious", None)
-# Variants preferred as the mask-aware partner of an oblivious twin when a kernel has several mask-aware impls
-# (fused_experts.triton, not the eager fused_experts.torch reference).
-TWIN_VARIANTS = ("masked", "triton")
 
 
 def mode_of(r: dict) -> str | None:
@@ -29,30 +31,31 @@ def mask_of(r: dict) -> bool | None:
     return None if mode is None else mode == "masked"
 
 
-def kernel_of(r: dict) -> str:
-    return str(r.get("kernel") or str(r.get("impl", "")).split(".", 1)[0])
+def declared_twin(r: dict) -> str | None:
+    """The mask-aware impl this record's impl is the mask-oblivious twin of, as declared: the record's own
+    `twin_of`, else (a record older than that field) the registry's declaration, else None."""
+    if "twin_of" in r:
+        return r["twin_of"] or None
+    from moebench import registry
+
+    try:
+        impl = registry.all_impls().get(r.get("impl"))
+    except ImportError:  # plotting stored records needs no kernels: without them an old record stays unpaired
+        return None
+    return impl.twin_of if impl is not None else None
 
 
 def twin_impls(records: list[dict]) -> dict[str, str]:
-    """Mask-oblivious impl -> its mask-aware twin among these records: the same kernel, variant "masked" or
-    "triton" first, else the kernel's only mask-aware impl. Oblivious impls without a twin are left out."""
-    aware: dict[str, list[str]] = {}
-    oblivious: dict[str, str] = {}
+    """Mask-oblivious impl -> the mask-aware impl it declares as its twin, for the twins whose partner has
+    records here too (others are left out)."""
+    declared: dict[str, str | None] = {}
+    present = set()
     for r in records:
         impl = r.get("impl")
-        if r.get("mask_aware") is False:
-            oblivious.setdefault(impl, kernel_of(r))
-        elif impl not in aware.setdefault(kernel_of(r), []):
-            aware[kernel_of(r)].append(impl)
-    out = {}
-    for impl, kernel in oblivious.items():
-        cands = aware.get(kernel, [])
-        pick = next((c for v in TWIN_VARIANTS for c in cands if c.split(".", 1)[-1] == v), None)
-        if pick is None and len(cands) == 1:
-            pick = cands[0]
-        if pick is not None:
-            out[impl] = pick
-    return out
+        present.add(impl)
+        if impl not in declared:
+            declared[impl] = declared_twin(r) if mode_of(r) == "oblivious" else None
+    return {impl: twin for impl, twin in declared.items() if twin is not None and twin in present}
 
 
 def panel_names(records: list[dict]) -> dict[str, str]:
