@@ -10,7 +10,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from moebench import plots  # noqa: E402
+from moebench import plots, registry  # noqa: E402
+from moebench.plots import pairing  # noqa: E402
+from moebench.plots.jit import compiles_counted  # noqa: E402
+from moebench.plots.saving import saving_pairs  # noqa: E402
 from moebench.sweep import Params  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -62,7 +65,9 @@ class FakeRun:
         self.rng = random.Random(1234)
 
     def add(self, impl: str, status: str = "ok", p50: float | None = None, imbalance: bool = True,
-            **params) -> dict:
+            twin_of: str | None = None, **params) -> dict:
+        """`twin_of`: the mask-aware impl that `impl` is the mask-oblivious twin of (makes the record's
+        mask_aware false), as the runner copies both from the impl's declaration."""
         p = Params(**params).to_dict()
         tokens, ratio = p["num_tokens"], p["padding_ratio"]
         work = tokens * (1 - ratio if p["mask"] else 1.0)
@@ -77,7 +82,8 @@ class FakeRun:
                "roofline_us": roof, "roof_fraction": roof / p50,
                "imbalance": _imbalance(self.rng, p["num_experts"], p["ep_size"], tokens, ratio, p["top_k"],
                                        p["mask"]) if imbalance else None,
-               "jit": None, "stages": {}, "ranks": None, "info": {}}
+               "jit": None, "stages": {}, "ranks": None, "info": {}, "mask_aware": twin_of is None,
+               "twin_of": twin_of}
         self.records.append(rec)
         return rec
 
@@ -256,11 +262,10 @@ def _twin_layer_run(tmp_path: Path) -> FakeRun:
     for local in (32, 64):
         for tokens in (256, 1024):
             for ratio in (0.0, 0.25, 0.5):
-                for impl, aware in (("layer.masked", True), ("layer.oblivious", False)):
-                    work = tokens * ((1 - ratio) if aware else 1.0)
+                for impl, twin_of in (("layer.masked", None), ("layer.oblivious", "layer.masked")):
+                    work = tokens * ((1 - ratio) if twin_of is None else 1.0)
                     rec = run.add(impl, p50=5.0 + 0.1 * work, num_tokens=tokens, padding_ratio=ratio, mask=True,
-                                  num_experts=64, num_local_experts=local)
-                    rec["mask_aware"] = aware
+                                  num_experts=64, num_local_experts=local, twin_of=twin_of)
                     rec["roofline_us"] = 1.0 + 0.05 * work
                     rec["roof_fraction"] = rec["roofline_us"] / rec["stats"]["p50"]
     return run
@@ -282,10 +287,10 @@ def test_mask_aware_vs_oblivious_twins_make_the_saving_plot(tmp_path):
     assert len(lat) == 2 and all(p["points"] == len(run.records) // 2 for p in lat)
     # the ratios drawn: masked / oblivious p50 and the same ratio of roofline_us
     recs = [r for r in run.records if r["params"]["num_local_experts"] == 32]
-    assert plots._twin_impls(recs) == {"layer.oblivious": "layer.masked"}
-    assert plots._panels(recs) == {"layer.masked": "layer.masked vs layer.oblivious",
+    assert pairing.twin_impls(recs) == {"layer.oblivious": "layer.masked"}
+    assert pairing.panel_names(recs) == {"layer.masked": "layer.masked vs layer.oblivious",
                                    "layer.oblivious": "layer.masked vs layer.oblivious"}
-    pairs, used = plots._saving_pairs(recs, plots._twin_impls(recs))
+    pairs, used = saving_pairs(recs, pairing.twin_impls(recs))
     assert len(pairs) == 6 and len(used) == 12
     for (panel, tokens, ratio), (measured, roof) in pairs.items():
         assert panel == "layer.masked / layer.oblivious"
@@ -294,7 +299,7 @@ def test_mask_aware_vs_oblivious_twins_make_the_saving_plot(tmp_path):
         assert roof == pytest.approx((1.0 + 0.05 * work) / (1.0 + 0.05 * tokens))
     # the load plot pairs the masked point with its oblivious twin at equal params
     best = max(recs, key=lambda r: (r["params"]["padding_ratio"], r["params"]["num_tokens"], r["impl"]))
-    twin = plots._twin(recs, best)
+    twin = pairing.partner(recs, best)
     assert twin is not None and twin["impl"] != best["impl"] and twin["params"] == best["params"]
 
 
@@ -305,30 +310,110 @@ def test_mask_param_and_twin_impl_pairings_side_by_side(tmp_path):
             for impl, masks in (("fused_experts.triton", (True, False)), ("fused_experts.torch", (True, False)),
                                 ("fused_experts.oblivious", (True,))):
                 for mask in masks:
-                    rec = run.add(impl, num_tokens=tokens, padding_ratio=ratio, mask=mask, num_experts=64,
-                                  imbalance=False)
-                    rec["mask_aware"] = impl != "fused_experts.oblivious"
+                    run.add(impl, num_tokens=tokens, padding_ratio=ratio, mask=mask, num_experts=64,
+                            imbalance=False,
+                            twin_of="fused_experts.triton" if impl == "fused_experts.oblivious" else None)
     recs = run.records
-    # the oblivious twin pairs with the Triton kernel, not with the eager torch reference
-    assert plots._twin_impls(recs) == {"fused_experts.oblivious": "fused_experts.triton"}
-    assert plots._mode_of(recs[-1]) == "oblivious" and plots._mask_of(recs[-1]) is False
-    pairs, _ = plots._saving_pairs(recs, plots._twin_impls(recs))
+    # the oblivious twin pairs with the impl it declares (the Triton kernel), not the eager torch reference
+    assert pairing.twin_impls(recs) == {"fused_experts.oblivious": "fused_experts.triton"}
+    assert pairing.mode_of(recs[-1]) == "oblivious" and pairing.mask_of(recs[-1]) is False
+    pairs, _ = saving_pairs(recs, pairing.twin_impls(recs))
     assert {k[0] for k in pairs} == {"fused_experts.triton: mask on / off", "fused_experts.torch: mask on / off",
                                      "fused_experts.triton / fused_experts.oblivious"}
     assert len(pairs) == 3 * 4
-    p50 = {(r["impl"], r["params"]["num_tokens"], r["params"]["padding_ratio"], plots._mode_of(r)):
+    p50 = {(r["impl"], r["params"]["num_tokens"], r["params"]["padding_ratio"], pairing.mode_of(r)):
            r["stats"]["p50"] for r in recs}
     measured, _ = pairs[("fused_experts.triton / fused_experts.oblivious", 256, 0.5)]
     assert measured == pytest.approx(p50[("fused_experts.triton", 256, 0.5, "masked")]
                                      / p50[("fused_experts.oblivious", 256, 0.5, "oblivious")])
     # unmasked (mask=False) and oblivious lines share a panel: told apart by their line style
-    styles = plots._mode_styles(recs)
+    styles = pairing.mode_styles(recs)
     assert len({styles["masked"], styles["unmasked"], styles["oblivious"]}) == 3
     out = tmp_path / "out"
     paths = plots.make_plots(run.write(), out)
     assert "saving_vs_padding" in _kinds(paths)
     for p in paths:
         _assert_png(p)
+
+
+def test_twins_pair_by_declaration_never_by_name(tmp_path):
+    run = FakeRun(tmp_path, target="kernel")
+    for tokens in (64, 256):
+        for impl, twin_of in (("fused_experts.triton", None), ("fused_experts.torch", None),
+                              ("fused_experts.oblivious", "fused_experts.torch"),  # declares the torch impl
+                              ("masked_moe_sum.triton", None),
+                              ("masked_moe_sum.oblivious", None),  # mask-oblivious, declares no twin
+                              ("moe_align_block_size.oblivious", "moe_align_block_size.triton")):  # twin absent
+            rec = run.add(impl, num_tokens=tokens, padding_ratio=0.5, mask=True, num_experts=64, imbalance=False,
+                          twin_of=twin_of)
+            rec["mask_aware"] = twin_of is None and impl.split(".")[1] != "oblivious"
+    recs = run.records
+    assert pairing.twin_impls(recs) == {"fused_experts.oblivious": "fused_experts.torch"}
+    names = pairing.panel_names(recs)
+    assert names["fused_experts.oblivious"] == names["fused_experts.torch"] == \
+        "fused_experts.torch vs fused_experts.oblivious"
+    assert names["fused_experts.triton"] == "fused_experts.triton"
+    assert names["masked_moe_sum.oblivious"] == "masked_moe_sum.oblivious"
+    assert names["moe_align_block_size.oblivious"] == "moe_align_block_size.oblivious"
+    pairs, _ = saving_pairs(recs, pairing.twin_impls(recs))
+    assert {k[0] for k in pairs} == {"fused_experts.torch / fused_experts.oblivious"}
+    undeclared = next(r for r in recs if r["impl"] == "masked_moe_sum.oblivious")
+    assert pairing.partner(recs, undeclared) is None
+
+
+def _without_twin_of(records: list[dict]) -> list[dict]:
+    """Records as runs before `twin_of` was recorded wrote them."""
+    return [{k: v for k, v in r.items() if k != "twin_of"} for r in records]
+
+
+def test_records_without_twin_of_fall_back_to_the_registry(tmp_path, monkeypatch):
+    old = _without_twin_of([r for r in _twin_layer_run(tmp_path).records
+                            if r["params"]["num_local_experts"] == 32])
+
+    def build(p, ctx):
+        raise AssertionError("plots never build an impl")
+
+    declared = {"layer.oblivious": registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                 mask_aware=False, twin_of="layer.masked")}
+    monkeypatch.setattr(registry, "all_impls", lambda: declared)
+    assert pairing.twin_impls(old) == {"layer.oblivious": "layer.masked"}
+    pairs, _ = saving_pairs(old, pairing.twin_impls(old))
+    assert {k[0] for k in pairs} == {"layer.masked / layer.oblivious"} and len(pairs) == 6
+
+    # the impl unknown to the registry, or declaring no twin there: not paired, whatever its name says
+    monkeypatch.setattr(registry, "all_impls", lambda: {})
+    assert pairing.twin_impls(old) == {}
+    assert pairing.panel_names(old) == {"layer.masked": "layer.masked", "layer.oblivious": "layer.oblivious"}
+    declared["layer.oblivious"] = registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                mask_aware=False)
+    monkeypatch.setattr(registry, "all_impls", lambda: declared)
+    assert pairing.twin_impls(old) == {}
+
+    # a record's own twin_of wins over the registry (even a null one: the impl was nobody's twin then)
+    recorded = [dict(r, twin_of=None) for r in old]
+    declared["layer.oblivious"] = registry.Impl("layer.oblivious", targets=("layer",), build=build,
+                                                mask_aware=False, twin_of="layer.masked")
+    assert pairing.twin_impls(recorded) == {}
+
+
+def test_unpaired_twins_make_no_saving_plot(tmp_path, monkeypatch):
+    """End to end: the layer sweep's records without twin_of and an empty registry draw the two impls apart."""
+    run = _twin_layer_run(tmp_path)
+    run.records = _without_twin_of(run.records)
+    monkeypatch.setattr(registry, "all_impls", lambda: {})
+    out = tmp_path / "out"
+    paths = plots.make_plots(run.write(), out)
+    assert "saving_vs_padding" not in _kinds(paths)
+    lat = [p for p in _meta(out)["plots"] if p["kind"] == "latency_vs_tokens"]
+    assert len(lat) == 2 and all(p["points"] == len(run.records) // 2 for p in lat)
+
+
+def test_figure_kinds_are_unique_and_none_prefixes_another():
+    """A figure's files are found by their kind's prefix (stale-file removal, the index): no kind may be a
+    prefix of another's, or re-plotting one would delete or list the other's images."""
+    kinds = [f.kind for f in plots.FIGURES]
+    assert len(set(kinds)) == len(kinds) and all(f.blurb for f in plots.FIGURES)
+    assert not [(a, b) for a in kinds for b in kinds if a != b and b.startswith(a)]
 
 
 def _jit_record(run: FakeRun, policy: str, counted: bool) -> dict:
@@ -348,7 +433,7 @@ def test_jit_records_without_compile_counts_are_not_drawn(tmp_path):
     _jit_record(run, "pow2", counted=False)
     uncounted = _jit_record(run, "max", counted=True)
     uncounted["info"]["trace_steps"][2]["compiles"] = "unsupported"  # one step unknown: the curve is unknown
-    assert [plots._compiles_counted(r) for r in run.records] == [True, False, False]
+    assert [compiles_counted(r) for r in run.records] == [True, False, False]
     out = tmp_path / "out"
     paths = plots.make_plots(run.write(), out)
     jit = [p for p in _meta(out)["plots"] if p["kind"] == "jit_compiles"]
