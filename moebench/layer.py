@@ -43,7 +43,8 @@ from moebench.kernels.apply_expert_map import (
     apply_expert_map_torch,
 )
 from moebench.kernels.fused_experts import fused_experts_torch, make_expert_weights
-from moebench.kernels.grouped_topk import grouped_args_problem, grouped_topk, grouped_topk_reference
+from moebench.kernels.grouped_topk import grouped_args_problem, grouped_topk
+from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.kernels.masked_moe_sum import masked_moe_sum, moe_sum_oblivious
 from moebench.kernels.moe_align_block_size import (
     align_capacity,
@@ -59,15 +60,7 @@ from moebench.kernels.prepare_moe_inputs import (
     prepare_moe_inputs_oblivious,
     prepare_moe_inputs_torch,
 )
-from moebench.kernels.topk_softmax import (
-    MAX_TOP_K,
-    RouterReference,
-    compare_routing,
-    router_limits_problem,
-    router_outputs,
-    topk_softmax,
-    topk_softmax_reference,
-)
+from moebench.kernels.topk_softmax import MAX_TOP_K, router_limits_problem, router_outputs, topk_softmax
 from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 from moebench.measure.roofline import roofline_us
 

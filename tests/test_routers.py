@@ -12,14 +12,9 @@ import pytest
 import torch
 
 from moebench.check import poison
-from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_reference, grouped_topk_torch
-from moebench.kernels.topk_softmax import (
-    RouterReference,
-    compare_routing,
-    topk_softmax,
-    topk_softmax_reference,
-    topk_softmax_torch,
-)
+from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
+from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch
+from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
