@@ -53,9 +53,9 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size,
     moe_align_block_size_torch,
 )
+from moebench.bench.staging import compare_staging
 from moebench.kernels.prepare_moe_inputs import (
     alloc_outputs,
-    compare_staging,
     prepare_moe_inputs,
     prepare_moe_inputs_oblivious,
     prepare_moe_inputs_torch,

@@ -14,9 +14,9 @@ import torch
 from moebench.check import poison
 from moebench.kernels import prepare_moe_inputs as prepare_moe_inputs_export
 from moebench.kernels import prepare_moe_inputs_torch as prepare_moe_inputs_torch_export
-from moebench.kernels.prepare_moe_inputs import (alloc_outputs, compare_staging, fp8_interpreter_tolerant_mismatches,
-                                                 prepare_moe_inputs, prepare_moe_inputs_oblivious,
-                                                 prepare_moe_inputs_torch, rows_differing)
+from moebench.bench.staging import compare_staging, fp8_interpreter_tolerant_mismatches, rows_differing
+from moebench.kernels.prepare_moe_inputs import (alloc_outputs, prepare_moe_inputs, prepare_moe_inputs_oblivious,
+                                                 prepare_moe_inputs_torch)
 
 FORMATS = [(32, "ue8m0_packed"), (128, "ue8m0_packed"), (32, "fp32"), (128, "fp32")]
 
