@@ -12,9 +12,9 @@ from moebench.kernels import globalize_recv_topk_idx_torch as globalize_torch_ex
 from moebench.kernels.apply_expert_map import (apply_expert_map, apply_expert_map_oblivious,
                                                apply_expert_map_oblivious_torch, apply_expert_map_torch,
                                                build_expert_map)
+from moebench.bench.expert_ids import make_receive_buffer
 from moebench.kernels.globalize_recv_topk_idx import (globalize_oblivious_reference, globalize_recv_topk_idx,
-                                                      globalize_recv_topk_idx_oblivious, globalize_recv_topk_idx_torch,
-                                                      make_receive_buffer)
+                                                      globalize_recv_topk_idx_oblivious, globalize_recv_topk_idx_torch)
 
 
 def gen(seed):
