@@ -25,18 +25,18 @@ from moebench.sweep import Params, Timing
 CPU = RunContext(device=torch.device("cpu"))
 
 # The sweep defaults (a DeepSeek-V3-like layer) shrunk to what Triton's interpreter runs in well under a second.
-SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=32, group_size=32, block_size=16,
+SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
              padding_ratio=0.25, num_max_tokens_per_rank=16)
 FAMILY_OVERRIDES = {
     "ep_sim": dict(ep_mode="simulated", ep_size=2),  # its validate accepts simulated points only
     "jit_trace": dict(hidden=32, trace=[5, 17, 5, 40], num_max_tokens_per_rank=48, padding_ratio=0.0),
 }
-TIMING = Timing(mode="wall", warmup=1, iters=2, max_seconds=60.0)
+TIMING = Timing(mode="wall", warmup=0, iters=1, max_seconds=60.0)
 RANGE = re.compile(r"moebench/[a-z0-9_]+/[a-z0-9_]+\.[a-z0-9_]+")
 
 
 def small_params(impl: registry.Impl) -> Params:
-    p = dataclasses.replace(Params(), **SMALL, **FAMILY_OVERRIDES.get(impl.kernel, {}))
+    p = dataclasses.replace(Params(), **{**SMALL, **FAMILY_OVERRIDES.get(impl.kernel, {})})
     if impl.multi_rank:
         p = dataclasses.replace(p, ep_size=1)  # one process: the path degenerates to local compute
     return p
