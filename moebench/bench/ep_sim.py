@@ -1,4 +1,5 @@
-"""The ep_sim bench family, `ep_mode: simulated`: expert parallelism with more EP ranks than GPUs, computed and replayed on one GPU.
+"""The ep_sim bench family, `ep_mode: simulated`: expert parallelism with more EP ranks than GPUs, computed and
+replayed on one GPU.
 
 A point of `ep_sim.experts` stands for p.ep_size EP ranks, each holding p.num_tokens rows: rank s's batch is
 inputs.make_batch(p, seed_offset=s) (so every rank has its own padding, filled per p.padding_fill), routed over all

@@ -165,6 +165,7 @@ _GLOBALIZE_DESCRIPTIONS = {
     "oblivious": "before the fix: offset added to every row's non-negative ids, stale rows kept",
 }
 for _variant in ("triton", "torch", "oblivious"):
-    register_impl(f"globalize_recv_topk_idx.{_variant}", targets=("kernel",), description=_GLOBALIZE_DESCRIPTIONS[_variant],
+    register_impl(f"globalize_recv_topk_idx.{_variant}", targets=("kernel",),
+                  description=_GLOBALIZE_DESCRIPTIONS[_variant],
                   twin_of="globalize_recv_topk_idx.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_globalize_build(_variant))

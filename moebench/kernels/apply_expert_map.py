@@ -1,8 +1,8 @@
 """Global -> local expert ids on one EP rank, keeping -1 as -1 (docs/contracts.md "apply_expert_map").
 
-`apply_expert_map_oblivious` (also `apply_expert_map.oblivious`) is the code before the fix, `expert_map[topk_ids]`: a -1 ("no expert", e.g. a
-masked padded row) indexes from the end and becomes the local id of the last expert, so on the rank that owns
-that expert every padded slot turns into real work.
+`apply_expert_map_oblivious` (also `apply_expert_map.oblivious`) is the code before the fix, `expert_map[topk_ids]`:
+a -1 ("no expert", e.g. a masked padded row) indexes from the end and becomes the local id of the last expert, so on
+the rank that owns that expert every padded slot turns into real work.
 """
 
 from __future__ import annotations

@@ -144,8 +144,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, *, compute_dtype: torch.dtype = torch.float32,
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The contract literally: per expert, the valid slots routed to it; h = x @ w13[e].T, a = silu(h[:, :I]) * h[:, I:],
-    y = a @ w2[e].T (matmuls in `compute_dtype`; SwiGLU in fp32 then rounded to compute_dtype), then
+    """The contract literally: per expert, the valid slots routed to it; h = x @ w13[e].T, a = silu(h[:, :I]) *
+    h[:, I:], y = a @ w2[e].T (matmuls in `compute_dtype`; SwiGLU in fp32 then rounded to compute_dtype), then
     out[m] = sum over valid k (ascending) of topk_weights[m,k] * y_k in fp32. Output dtype: out_dtype or x.dtype."""
     M, K, E, H, I = expert_shapes(x, w13, w2, topk_weights, topk_ids)
     ids = topk_ids.long()

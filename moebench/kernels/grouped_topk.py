@@ -1,4 +1,5 @@
-"""grouped_topk: the grouped (DeepSeek-V3 style) router (docs/contracts.md "Routers"), Triton kernel beside its torch reference.
+"""grouped_topk: the grouped (DeepSeek-V3 style) router (docs/contracts.md "Routers"), Triton kernel beside its torch
+reference.
 
 s = softmax(logits) or sigmoid(logits) in fp32, b = s + bias (or s). The E experts form `num_expert_group` equal
 contiguous groups; a group's score is the sum of the top-2 of b in it when a bias is given, else the max of s.

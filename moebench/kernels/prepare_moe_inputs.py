@@ -1,13 +1,14 @@
 """Input staging for the DeepSeek-V4 "MegaMoE" path: per-token-group fp8 quantisation of the hidden states
 plus the routing outputs as the expert kernel wants them (int64 ids, fp32 weights), padded rows masked.
 
-docs/contracts.md "prepare_moe_inputs". One Triton launch does everything; `prepare_moe_inputs_torch` is the reference.
+docs/contracts.md "prepare_moe_inputs". One Triton launch does everything; `prepare_moe_inputs_torch` is the
+reference.
 The Triton kernel is bitwise equal to the reference on a GPU because both compute, in fp32 and in the same
 order: amax -> max(amax, 1e-4) -> IEEE division by 448 -> (UE8M0: exponent round-up on the fp32 bits) ->
 IEEE reciprocal -> one multiply -> round-to-nearest-even cast to e4m3fn.
 
-`prepare_moe_inputs_oblivious` (also `prepare_moe_inputs.oblivious`) is the staging before the fix: the padding mask is ignored, so padded rows keep
-the ids and weights their router gave them.
+`prepare_moe_inputs_oblivious` (also `prepare_moe_inputs.oblivious`) is the staging before the fix: the padding mask
+is ignored, so padded rows keep the ids and weights their router gave them.
 """
 
 from __future__ import annotations
