@@ -1,2 +1,199 @@
-"""Transitional: registrations still live in the modules imported here (moved by the redesign)."""
-import moebench.kernels.fused_experts  # noqa: F401
+"""The expert-computation bench family (target "kernel", NVTX stage "experts"):
+  fused_experts.triton      the Triton path
+  fused_experts.torch       eager loop over experts (bf16 matmuls, fp32 accumulate)
+  fused_experts.grouped_mm  torch._grouped_mm on rows sorted by expert (CUDA sm90+ only)
+  fused_experts.oblivious   the pre-fix twin: -1 read as the last local expert (python's expert_map[-1]), so
+                            padded and non-local routes do GEMM work on that expert; info["corrupted_rows"]
+Inputs of a point: p.num_tokens rows of make_batch's hidden states, routed by inputs.route (masked when p.mask);
+global ids become rank 0's local ids through its expert map: g -> g if g < p.local_experts else -1 (non-local
+routes are skipped, as on an EP rank of the all-gather path). With num_experts == local_experts every real route
+is local. Weights are seeded N(0, 1/fan_in) (inputs.make_expert_weights).
+
+Declared work is kernels.fused_experts.expert_work over the useful (valid) routes, for every variant, so their
+roofline fractions compare. `check_experts_out` (the fp32 reference on all rows, or a seeded sample when that is
+too costly) is shared with ep_sim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.check import CheckResult, compare_close, poison
+from moebench.inputs import make_batch, make_expert_weights, route
+from moebench.kernels._details.jit import interpreting
+from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
+from moebench.kernels.fused_experts import (
+    expert_shapes,
+    expert_work,
+    fused_experts,
+    fused_experts_grouped_mm,
+    fused_experts_torch,
+    grouped_mm_available,
+    make_workspace,
+)
+from moebench.registry import Case, Routing, RunContext, register_impl
+
+__all__ = ["reference_rows", "check_experts_out", "experts_info", "triton_available"]
+
+
+def reference_rows(num_rows: int, routes_flops: float, device: torch.device, seed: int) -> torch.Tensor | None:
+    """Rows the fp32 reference is computed on: all (None) when affordable, else a seeded sample (each output row
+    depends only on its own input row and routes, so a sample checks those rows exactly)."""
+    budget = 4e12 if device.type == "cuda" else 2e10
+    if routes_flops <= budget:
+        return None
+    n = max(64, int(num_rows * budget / routes_flops))
+    g = torch.Generator()
+    g.manual_seed(seed + 99)
+    return torch.randperm(num_rows, generator=g)[:n].sort().values.to(device)
+
+
+def check_experts_out(out: torch.Tensor, x, w13, w2, topk_weights, ids, *, seed: int) -> CheckResult:
+    """out vs the fp32 reference (max-rel 5e-2, RMS/Frobenius-rel 1e-2); rows without a valid slot exactly 0."""
+    M, K, E, H, I = expert_shapes(x, w13, w2, topk_weights, ids)
+    valid = (ids >= 0) & (ids < E)
+    flops = 2.0 * float(valid.sum()) * 3 * H * I
+    rows = reference_rows(M, flops, x.device, seed)
+    sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+    ref = fused_experts_torch(sel(x), w13, w2, sel(topk_weights), sel(ids), out_dtype=torch.float32)
+    got = sel(out).float()
+    res = compare_close("out", got, ref, max_rel=5e-2, rms_rel=1e-2)
+    frob = (torch.linalg.vector_norm((got - ref).double()) / torch.linalg.vector_norm(ref.double()).clamp_min(1e-30))
+    res.metrics["out.frobenius_rel"] = float(frob)
+    res.metrics["out.rows_checked"] = float(got.shape[0])
+    empty_rows = ~valid.any(dim=1)
+    checks = [res]
+    if not torch.isfinite(out).all():
+        bad = (~torch.isfinite(out)).any(dim=1).nonzero().flatten()[:5].tolist()
+        checks.append(CheckResult(False, f"out: non-finite (unwritten?) rows, first {bad}"))
+    if bool(empty_rows.any()) and bool((out[empty_rows] != 0).any()):
+        checks.append(CheckResult(False, "out: rows without a valid route are not zero"))
+    return CheckResult.merge(*checks)
+
+
+def experts_info(ids: torch.Tensor, num_experts: int) -> dict:
+    valid = (ids >= 0) & (ids < num_experts)
+    return {"valid_routes": int(valid.sum()), "skipped_routes": int((~valid).sum()),
+            "experts_used": int(torch.unique(ids[valid]).numel())}
+
+
+def _build(p, ctx: RunContext, variant: str) -> Case:
+    dev = ctx.device
+    batch = make_batch(p, dev)
+    topk_weights, global_ids = route(p, batch)
+    topk_weights = topk_weights.float().contiguous()
+    E, H, I = p.local_experts, p.hidden, p.intermediate
+    # rank 0's expert map: g -> g if g < E (its local experts) else -1
+    ids = apply_expert_map_torch(global_ids, build_expert_map(p.num_experts, num_local_experts=E)).to(torch.int32)
+    x = batch.hidden
+    M, K = ids.shape
+    w13, w2 = make_expert_weights(E, H, I, seed=p.seed, device=dev)
+    info = experts_info(ids, E)
+    # declared work is the useful work (valid routes) for every variant, so their roofline fractions compare
+    valid = (ids >= 0) & (ids < E)
+    tokens_read = int(valid.any(dim=1).sum())
+    flops, bytes_moved = expert_work(info["valid_routes"], info["experts_used"], tokens_read, H, I, out_rows=M,
+                                     top_k=K)
+    note = "weights of experts with >=1 route + x rows + act/y written+read + out (useful routes only)"
+    routing_ids = global_ids
+    out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    state = {"x": x, "w13": w13, "w2": w2}
+    graph_ok = True
+
+    if variant in ("triton", "oblivious"):
+        ws = make_workspace(M, K, E, H, I, dtype=x.dtype, device=dev)
+        info["config"] = ws.config.short()
+        run_ids = ids
+        if variant == "oblivious":
+            # pre-fix: expert_map[-1] wraps to the last local expert; ids >= E would fault, so they stay skipped
+            wrapped = torch.empty_like(ids)
+            last = torch.tensor(E - 1, dtype=ids.dtype, device=dev)
+
+            def remap():
+                torch.where(ids < 0, last, ids, out=wrapped)
+
+            remap()
+            run_ids = wrapped
+            info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
+            routing_ids = torch.where(global_ids < 0, torch.full_like(global_ids, E - 1), global_ids)
+        state["ws"] = ws
+
+        def run():
+            if variant == "oblivious":
+                remap()
+            return fused_experts(x, w13, w2, topk_weights, run_ids, workspace=ws, out=out)
+    elif variant == "torch":
+        graph_ok = False
+
+        def run():
+            out.copy_(fused_experts_torch(x, w13, w2, topk_weights, ids, compute_dtype=torch.bfloat16))
+    elif variant == "grouped_mm":
+        graph_ok = False
+
+        def run():
+            return fused_experts_grouped_mm(x, w13, w2, topk_weights, ids, out=out)
+    else:  # pragma: no cover
+        raise ValueError(variant)
+
+    def check() -> CheckResult:
+        poison(out)
+        if "ws" in state:
+            poison(state["ws"].act)
+            poison(state["ws"].y)
+        run()
+        if variant != "oblivious":
+            return check_experts_out(out, x, w13, w2, topk_weights, ids, seed=p.seed)
+        res = check_experts_out(out, x, w13, w2, topk_weights, run_ids, seed=p.seed)
+        # the harm: rows whose result differs from the masked computation
+        masked = fused_experts(x, w13, w2, topk_weights, ids, workspace=state["ws"])
+        diff = (out.float() - masked.float()).abs().amax(dim=1)
+        scale = masked.float().abs().amax(dim=1)
+        corrupted = ~(diff <= 1e-2 * scale)  # NaN counts as corrupted
+        info["corrupted_rows"] = int(corrupted.sum())
+        res.metrics["corrupted_rows"] = float(info["corrupted_rows"])
+        return res
+
+    def cleanup():
+        state.clear()
+
+    return Case(run=run, check=check, bytes_moved=bytes_moved, flops=flops, bytes_note=note,
+                routing=Routing(routing_ids, batch.is_padding, p.num_experts, p.ep_size),
+                graph_capturable=graph_ok, info=info, nvtx_stage="experts", cleanup=cleanup)
+
+
+def triton_available(ctx: RunContext) -> str | None:
+    if ctx.is_cuda or interpreting():
+        return None
+    return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
+
+
+def _grouped_mm_validate(p) -> str | None:
+    if p.hidden % 8 or p.intermediate % 8:
+        return "hidden/intermediate: torch._grouped_mm needs multiples of 8 (16-byte rows)"
+    return None
+
+
+
+@register_impl("fused_experts.triton", targets=("kernel",), available=triton_available,
+               description="Triton grouped GEMM: align, gate/up + SwiGLU, down + top-k weight, slot sum")
+def _build_triton(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "triton")
+
+
+@register_impl("fused_experts.torch", targets=("kernel",), baseline=True,
+               description="eager reference: loop over experts, index_select rows, bf16 matmuls")
+def _build_torch(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "torch")
+
+
+@register_impl("fused_experts.grouped_mm", targets=("kernel",), available=lambda ctx: grouped_mm_available(ctx.device),
+               validate=_grouped_mm_validate,
+               description="torch._grouped_mm on rows sorted by expert (+ eager SwiGLU and slot sum)")
+def _build_grouped_mm(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "grouped_mm")
+
+
+@register_impl("fused_experts.oblivious", targets=("kernel",), available=triton_available,
+               twin_of="fused_experts.triton", description="pre-fix twin: -1 routes computed on the last local expert")
+def _build_oblivious(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "oblivious")

@@ -1,2 +1,90 @@
-"""Transitional: registrations still live in the modules imported here (moved by the redesign)."""
-import moebench.kernels.masked_moe_sum  # noqa: F401
+"""The top-k reduction bench family: masked_moe_sum (target "kernel", NVTX stage "reduce"), with NaN planted in
+every skipped slot so that an implementation that loads one shows it."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.check import CheckResult, compare_close, compare_exact, poison
+from moebench.inputs import generator, make_batch, route
+from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
+from moebench.registry import Case, Routing, register_impl
+
+__all__ = ["compare_nan_aware"]
+
+
+def compare_nan_aware(name: str, out: torch.Tensor, ref: torch.Tensor, max_rel: float, rms_rel: float):
+    """NaN positions must match exactly; the finite elements are compared by max/RMS relative error."""
+    out_nan, ref_nan = torch.isnan(out), torch.isnan(ref)
+    nan_mismatch = int((out_nan != ref_nan).sum().item())
+    finite = ~(out_nan | ref_nan)
+    close = compare_close(name, out[finite], ref[finite], max_rel, rms_rel)
+    ok = close.ok and nan_mismatch == 0
+    detail = close.detail if nan_mismatch == 0 else f"{name}: NaN in {nan_mismatch} places the reference has none"
+    return CheckResult(ok, "" if ok else detail, {**close.metrics, f"{name}.nan_mismatches": float(nan_mismatch)})
+
+
+def _build_sum(variant: str):
+    def build(p, ctx):
+        batch = make_batch(p, ctx.device, need_hidden=False)
+        _, topk_ids = route(p, batch)
+        T, K = topk_ids.shape
+        H = p.hidden
+        g = generator(p.seed * 1_000_003 + 4243, ctx.device)
+        intermediate = torch.randn(T, K, H, generator=g, device=ctx.device, dtype=torch.bfloat16)
+        skipped = topk_ids < 0
+        intermediate[skipped] = float("nan")  # an implementation that loads a skipped slot shows NaN
+        out = torch.empty(T, H, dtype=intermediate.dtype, device=ctx.device)
+        ref = masked_moe_sum_torch(intermediate, topk_ids)
+        info = {}
+
+        if variant == "oblivious":
+            def run():
+                return moe_sum_oblivious(intermediate, out=out)
+            unmasked_ref = masked_moe_sum_torch(intermediate, torch.zeros_like(topk_ids))
+
+            def check():
+                poison(out)
+                run()
+                return compare_nan_aware("out", out, unmasked_ref, 1e-2, 1e-3)
+            # Harm done: rows with a skipped slot whose output is not the masked result (bit for bit).
+            got = moe_sum_oblivious(intermediate)
+            differs = (got.view(torch.int16) != ref.view(torch.int16)).any(dim=1)
+            info["corrupted_rows"] = int((differs & skipped.any(dim=1)).sum().item())
+            slots_read = T * K
+        else:
+            if variant == "torch":
+                def run():
+                    return masked_moe_sum_torch(intermediate, topk_ids, out=out)
+            else:
+                def run():
+                    return masked_moe_sum(intermediate, topk_ids, out=out)
+
+            def check():
+                poison(out)
+                run()
+                # fp32 accumulation in the same order: bitwise on a GPU; the CPU interpreter rounds fp32 -> bf16
+                # differently, hence the tolerance. The exact-mismatch count is reported either way.
+                res = compare_close("out", out, ref, 1e-2, 1e-2)
+                exact = compare_exact("out", out, ref)
+                return CheckResult(res.ok, res.detail, {**res.metrics, **exact.metrics})
+            slots_read = int((~skipped).sum().item())
+
+        elt = intermediate.element_size()
+        return Case(run=run, check=check,
+                    bytes_moved=slots_read * H * elt + T * H * elt + topk_ids.numel() * topk_ids.element_size(),
+                    bytes_note="slots read (valid only when masked) + output written + ids",
+                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
+                    info=info, nvtx_stage="reduce")
+    return build
+
+
+_DESCRIPTIONS = {
+    "triton": "Triton masked top-k sum (bf16 [T,K,H]); -1 slots are never loaded",
+    "torch": "eager torch masked sum, fp32 accumulation in slot order (the reference)",
+    "oblivious": "pre-fix torch.sum(dim=1): adds every slot, NaN/garbage in -1 slots reaches the output",
+}
+for _variant, _text in _DESCRIPTIONS.items():
+    register_impl(f"masked_moe_sum.{_variant}", targets=("kernel",), description=_text,
+                  twin_of="masked_moe_sum.triton" if _variant == "oblivious" else None,
+                  baseline=_variant == "torch")(_build_sum(_variant))

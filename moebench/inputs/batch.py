@@ -8,6 +8,8 @@ import torch
 
 from moebench.inputs.padding import fill_rows, ratio_mask
 from moebench.inputs.routing import DTYPES, expert_prior, real_logits
+from moebench.kernels.grouped_topk import grouped_topk_torch
+from moebench.kernels.topk_softmax import topk_softmax_torch
 from moebench.sweep import Params
 
 
@@ -76,9 +78,6 @@ def route(p: Params, batch: Batch, *, use_mask: bool | None = None) -> tuple[tor
 
     Uses grouped_topk when p.num_expert_group > 1, else topk_softmax; masked when p.mask (or `use_mask`).
     """
-    from moebench.kernels.grouped_topk import grouped_topk_torch
-    from moebench.kernels.topk_softmax import topk_softmax_torch
-
     masked = p.mask if use_mask is None else use_mask
     mask = batch.is_padding if masked else None
     if p.num_expert_group > 1 or p.scoring == "sigmoid":

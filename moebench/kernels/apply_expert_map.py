@@ -1,8 +1,8 @@
-"""Global -> local expert ids on one EP rank, keeping -1 as -1 (SPEC.md "apply_expert_map").
+"""Global -> local expert ids on one EP rank, keeping -1 as -1 (docs/contracts.md "apply_expert_map").
 
-`apply_expert_map.oblivious` is the code before the fix, `expert_map[topk_ids]`: a -1 ("no expert", e.g. a
-masked padded row) indexes from the end and becomes the local id of the last expert, so on the rank that owns
-that expert every padded slot turns into real work.
+`apply_expert_map_oblivious` (also `apply_expert_map.oblivious`) is the code before the fix, `expert_map[topk_ids]`:
+a -1 ("no expert", e.g. a masked padded row) indexes from the end and becomes the local id of the last expert, so on
+the rank that owns that expert every padded slot turns into real work.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.check import compare_exact, poison
 from moebench.kernels._details.jit import check_triton_device
-from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 # One elementwise pass: 2048 ids per program (4 warps, 16 per thread) keeps a 65536x8 input at ~256 programs
 # (about two per SM, enough bytes in flight) and a 64x8 input at one program.
@@ -21,16 +19,22 @@ BLOCK = 2048
 NUM_WARPS = 4
 
 
-def build_expert_map(num_experts: int, ep_size: int, rank: int, *, generator: torch.Generator | None = None,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """int32 [E] map for `rank`: it owns global experts [rank*E/R, (rank+1)*E/R) (SPEC), every other expert -1.
+def build_expert_map(num_experts: int, ep_size: int = 1, rank: int = 0, *, num_local_experts: int | None = None,
+                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 [E] map for `rank`: it owns the L global experts [rank*L, (rank+1)*L), every other expert is -1.
 
-    With a generator the owned experts get their local ids in a random order (a placement other than the
-    identity, so a kernel that ignores the map cannot pass); without, local id = global id - rank*E/R.
+    L is num_local_experts when given (e.g. rank 0 of a layer configured with fewer local experts), else E/ep_size
+    (the contract's layout). With a generator the owned experts get their local ids in a random order (a placement
+    other than the identity, so a kernel that ignores the map cannot pass); without, local id = global id - rank*L.
     """
-    if ep_size < 1 or num_experts % ep_size or not 0 <= rank < ep_size:
-        raise ValueError(f"bad EP layout: num_experts={num_experts}, ep_size={ep_size}, rank={rank}")
-    local = num_experts // ep_size
+    if num_local_experts is None:
+        if ep_size < 1 or num_experts % ep_size or not 0 <= rank < ep_size:
+            raise ValueError(f"bad EP layout: num_experts={num_experts}, ep_size={ep_size}, rank={rank}")
+        local = num_experts // ep_size
+    else:
+        local = num_local_experts
+        if local < 1 or rank < 0 or (rank + 1) * local > num_experts:
+            raise ValueError(f"bad EP layout: num_experts={num_experts}, num_local_experts={local}, rank={rank}")
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
     ids = torch.randperm(local, generator=generator) if generator is not None else torch.arange(local)
     expert_map[rank * local:(rank + 1) * local] = ids.to(torch.int32)
@@ -40,7 +44,7 @@ def build_expert_map(num_experts: int, ep_size: int, rank: int, *, generator: to
 def apply_expert_map_torch(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
     """Reference: int64 tensor of topk_ids' shape, expert_map[id] where 0 <= id < E, else -1 (new tensor).
 
-    An id >= E (outside the SPEC's inputs) is treated like -1 rather than read out of bounds.
+    An id >= E (outside the contract's inputs) is treated like -1 rather than read out of bounds.
     """
     ids = topk_ids.to(torch.int64)
     num_experts = expert_map.numel()
@@ -97,67 +101,3 @@ def apply_expert_map_oblivious_torch(topk_ids: torch.Tensor, expert_map: torch.T
 
 
 apply_expert_map.oblivious = apply_expert_map_oblivious  # type: ignore[attr-defined]
-
-
-def rows_differing(result: torch.Tensor, truth: torch.Tensor) -> int:
-    return int((result.to(torch.int64) != truth.to(torch.int64)).reshape(result.shape[0], -1).any(dim=1).sum())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration
-# ---------------------------------------------------------------------------------------------------------------
-
-def _make_build(variant: str):
-    def build(p, ctx: RunContext) -> Case:
-        from moebench.inputs import generator, make_batch, route
-
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
-        # The last rank owns the last expert: there a wrapped -1 lands on a real local expert (on rank 0 with
-        # ep_size > 1 it would land on a non-local -1 and hide the bug).
-        rank = p.ep_size - 1
-        expert_map = build_expert_map(p.num_experts, p.ep_size, rank, generator=generator(p.seed + 17, "cpu"),
-                                      device=ctx.device)
-        out = torch.empty(topk_ids.shape, dtype=torch.int64, device=ctx.device)
-
-        if variant == "triton":
-            def run():
-                return apply_expert_map(topk_ids, expert_map, out=out)
-        elif variant == "oblivious":
-            def run():
-                return apply_expert_map_oblivious(topk_ids, expert_map)
-        else:
-            def run():
-                return apply_expert_map_torch(topk_ids, expert_map)
-
-        reference = apply_expert_map_oblivious_torch if variant == "oblivious" else apply_expert_map_torch
-
-        def check() -> CheckResult:
-            if variant == "triton":
-                poison(out)
-            got = run()
-            ref = reference(topk_ids, expert_map)
-            if variant == "torch":  # the reference against its own CPU run
-                ref = reference(topk_ids.cpu(), expert_map.cpu())
-            return compare_exact("local_ids", got, ref)
-
-        _, true_ids = route(p, batch, use_mask=True)
-        corrupted = rows_differing(reference(topk_ids, expert_map), apply_expert_map_torch(true_ids, expert_map))
-        out_bytes = 8 if variant != "oblivious" else expert_map.element_size()
-        return Case(run=run, check=check,
-                    bytes_moved=topk_ids.numel() * (topk_ids.element_size() + out_bytes)
-                    + expert_map.numel() * expert_map.element_size(),
-                    bytes_note="ids read + local ids written + the map once",
-                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "rank": rank}, nvtx_stage="expert_map")
-    return build
-
-
-_DESCRIPTIONS = {
-    "triton": "global -> local expert ids, -1 kept (one elementwise Triton kernel)",
-    "torch": "eager torch reference: where(id >= 0, expert_map[clamped id], -1)",
-    "oblivious": "expert_map[topk_ids] before the fix: -1 wraps to the last expert",
-}
-for _variant in ("triton", "torch", "oblivious"):
-    register(Impl(f"apply_expert_map.{_variant}", targets=("kernel",), build=_make_build(_variant),
-                  description=_DESCRIPTIONS[_variant], mask_aware=_variant != "oblivious"))

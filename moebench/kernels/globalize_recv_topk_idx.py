@@ -1,13 +1,14 @@
-"""Neutralise a fixed-capacity receive buffer's ids and make them global (SPEC.md "globalize_recv_topk_idx").
+"""Neutralise a fixed-capacity receive buffer's ids and make them global (docs/contracts.md,
+"globalize_recv_topk_idx").
 
 After a no-host-sync dispatch (DeepEP V2 with do_expand=False, moebench's a2a_fixed) only the first `num_recv`
 rows of the receive buffer were written; the rest hold whatever was in memory, often ids that look valid. The
 kernel keeps `local + rank_expert_offset` only for slots that are local (>= 0), in range (< E) and in a written
 row (< num_recv, read on the device, so the call can be captured in a CUDA graph); everything else becomes -1.
 
-`globalize_recv_topk_idx.oblivious` is the code before the fix (the `torch.where` the vLLM fix replaced): it
-adds the offset to every non-negative slot of every row, with no row or range check, so stale rows are kept as
-if they had been received.
+`globalize_recv_topk_idx_oblivious` (also `globalize_recv_topk_idx.oblivious`) is the code before the fix (the
+`torch.where` the vLLM fix replaced): it adds the offset to every non-negative slot of every row, with no row or
+range check, so stale rows are kept as if they had been received.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.check import compare_exact
 from moebench.kernels._details.jit import check_triton_device
-from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 BLOCK = 2048  # ids per program: one elementwise pass (see apply_expert_map for the sizing)
 NUM_WARPS = 4
@@ -90,85 +89,3 @@ def globalize_oblivious_reference(recv_topk_idx: torch.Tensor, rank_expert_offse
 
 
 globalize_recv_topk_idx.oblivious = globalize_recv_topk_idx_oblivious  # type: ignore[attr-defined]
-
-
-def make_receive_buffer(local_ids: torch.Tensor, capacity: int, num_local_experts: int, *,
-                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A receive buffer as a no-sync dispatch leaves it: (recv [capacity, K] int64, num_recv int32 [1]).
-
-    Rows `< len(local_ids)` hold the received local ids; the rest hold garbage that looks valid (ids in
-    [0, num_local_experts) with some -1), as stale memory from an earlier step would.
-    """
-    num_recv, K = local_ids.shape
-    if num_recv > capacity:
-        raise ValueError(f"{num_recv} received rows do not fit a capacity of {capacity}")
-    device = local_ids.device
-    recv = torch.randint(-1, num_local_experts, (capacity, K), generator=generator, device=generator.device,
-                         dtype=torch.int64).to(device)
-    recv[:num_recv] = local_ids.to(torch.int64)
-    return recv, torch.tensor([num_recv], dtype=torch.int32, device=device)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration
-# ---------------------------------------------------------------------------------------------------------------
-
-def _make_build(variant: str):
-    def build(p, ctx: RunContext) -> Case:
-        from moebench.inputs import generator, make_batch, route
-
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
-        # This rank receives every row with at least one expert it owns, as local ids (-1 for the others).
-        rank = p.ep_size - 1  # a non-zero offset whenever ep_size > 1
-        local_experts = p.num_experts // p.ep_size
-        offset = rank * local_experts
-        ids = topk_ids.to(torch.int64)
-        is_local = (ids >= offset) & (ids < offset + local_experts)
-        local_ids = torch.where(is_local, ids - offset, torch.full_like(ids, -1))
-        local_ids = local_ids[is_local.any(dim=1)]  # host sync: build time only
-        capacity = max(p.num_max_tokens_per_rank, local_ids.shape[0])
-        source, num_recv = make_receive_buffer(local_ids, capacity, local_experts,
-                                               generator=generator(p.seed + 29, "cpu"))
-        buf = source.clone()
-
-        if variant == "triton":
-            def run():
-                return globalize_recv_topk_idx(buf, num_recv, offset, p.num_experts)
-        elif variant == "oblivious":
-            def run():
-                return globalize_recv_topk_idx_oblivious(buf, num_recv, offset, p.num_experts)
-        else:
-            def run():
-                return globalize_recv_topk_idx_torch(buf, num_recv, offset, p.num_experts)
-
-        def reference(src: torch.Tensor) -> torch.Tensor:
-            if variant == "oblivious":
-                return globalize_oblivious_reference(src, offset)
-            return globalize_recv_topk_idx_torch(src.clone(), num_recv.to(src.device), offset, p.num_experts)
-
-        def check() -> CheckResult:
-            buf.copy_(source)  # in place: the garbage tail doubles as the poison
-            run()
-            ref = reference(source.cpu() if variant == "torch" else source)
-            return compare_exact("recv_topk_idx", buf, ref.to(buf.device))
-
-        truth = globalize_recv_topk_idx_torch(source.clone(), num_recv, offset, p.num_experts)
-        corrupted = int((reference(source) != truth).any(dim=1).sum())
-        return Case(run=run, check=check, bytes_moved=2 * buf.numel() * buf.element_size() + 4,
-                    bytes_note="receive buffer read and written in place (repeated runs re-process the result)",
-                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "num_recv": int(local_ids.shape[0]), "capacity": capacity,
-                          "rank": rank},
-                    nvtx_stage="globalize")
-    return build
-
-
-_DESCRIPTIONS = {
-    "triton": "receive-buffer ids -> global, rows >= num_recv (read on device) and bad ids -> -1",
-    "torch": "eager torch reference of the same (in place, no host sync)",
-    "oblivious": "before the fix: offset added to every row's non-negative ids, stale rows kept",
-}
-for _variant in ("triton", "torch", "oblivious"):
-    register(Impl(f"globalize_recv_topk_idx.{_variant}", targets=("kernel",), build=_make_build(_variant),
-                  description=_DESCRIPTIONS[_variant], mask_aware=_variant != "oblivious"))

@@ -1,4 +1,5 @@
-"""grouped_topk: the grouped (DeepSeek-V3 style) router (SPEC.md "Routers"), Triton kernel beside its torch reference.
+"""grouped_topk: the grouped (DeepSeek-V3 style) router (docs/contracts.md "Routers"), Triton kernel beside its torch
+reference.
 
 s = softmax(logits) or sigmoid(logits) in fp32, b = s + bias (or s). The E experts form `num_expert_group` equal
 contiguous groups; a group's score is the sum of the top-2 of b in it when a bias is given, else the max of s.
@@ -9,7 +10,7 @@ the unbiased s at those ids, divided by their sum when `renormalize` (a zero sum
 
 The Triton kernel holds a block of rows as a 3-D tile of groups x rows x experts-per-group (both padded to powers
 of two and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
-topk_softmax's int-key iterative arg-max.
+topk_softmax's int-key iterative arg-max (kernels/_details/router_tiles).
 """
 
 from __future__ import annotations
@@ -19,28 +20,30 @@ import triton
 import triton.language as tl
 
 from moebench.kernels._details.jit import next_pow2
-from moebench.kernels.topk_softmax import (
-    INT32_MIN,
-    RouterReference,
+from moebench.kernels._details.router_common import (
     check_router_args,
     mask_padded_rows_torch,
+    renormalize_torch,
+    router_launch_config,
+    router_outputs,
+    select_desc_torch,
+    triton_router_operands,
+    write_out,
+)
+from moebench.kernels._details.router_tiles import (
+    INT32_MIN,
     Q_AXIS,
     orderable_key,
     pick_topk_3d,
-    register_router_impls,
-    renormalize_torch,
-    router_launch_config,
-    router_limits_problem,
-    router_outputs,
     row_reduce_max,
     row_reduce_sum,
     rows_to_tile,
-    select_desc_torch,
     slice_index,
     slot_tile,
     store_rows,
-    triton_router_operands,
 )
+
+__all__ = ["grouped_topk", "grouped_topk_torch", "grouped_topk_scores_torch", "grouped_args_problem", "SCORINGS"]
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -62,7 +65,7 @@ def grouped_args_problem(num_experts: int, top_k: int, num_expert_group: int, to
     return None
 
 
-def _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias, is_padding):
+def check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias, is_padding):
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
     why = grouped_args_problem(num_experts, top_k, num_expert_group, topk_group, scoring, bias is not None)
     if why:
@@ -71,7 +74,7 @@ def _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bi
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference (eager torch, SPEC.md literally)
+# Reference (eager torch, docs/contracts.md literally)
 # ---------------------------------------------------------------------------------------------------------------
 
 def grouped_topk_scores_torch(logits: torch.Tensor, num_expert_group: int, scoring: str = "softmax",
@@ -95,7 +98,7 @@ def grouped_topk_torch(logits: torch.Tensor, top_k: int, num_expert_group: int, 
                        routed_scaling_factor: float = 1.0, is_padding: torch.Tensor | None = None, *,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference grouped router: (weights fp32 [T, K], ids int32 [T, K])."""
-    num_tokens, num_experts = _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
+    num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     if out is not None:
         router_outputs(num_tokens, top_k, logits.device, out)
@@ -111,24 +114,7 @@ def grouped_topk_torch(logits: torch.Tensor, top_k: int, num_expert_group: int, 
     weights = weights * routed_scaling_factor
     ids = ids.to(torch.int32)
     mask_padded_rows_torch(weights, ids, is_padding)
-    if out is None:
-        return weights, ids
-    out[0].copy_(weights)
-    out[1].copy_(ids)
-    return out
-
-
-def grouped_topk_reference(logits, top_k, num_expert_group, topk_group, scoring="softmax", bias=None,
-                           renormalize=True, routed_scaling_factor=1.0, is_padding=None) -> RouterReference:
-    weights, ids = grouped_topk_torch(logits, top_k, num_expert_group, topk_group, scoring=scoring, bias=bias,
-                                      renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
-                                      is_padding=is_padding)
-    s, b, group_scores = grouped_topk_scores_torch(logits, num_expert_group, scoring, bias)
-    magnitude = s.abs() + (bias.float().abs() if bias is not None else 0.0)
-    per_group = magnitude.view(magnitude.shape[0], num_expert_group, -1).amax(dim=-1)
-    group_magnitude = 2 * per_group if bias is not None else per_group  # a top-2 sum vs a max
-    return RouterReference(weights, ids, s, b, magnitude, renormalize, routed_scaling_factor, is_padding,
-                           group_scores=group_scores, group_magnitude=group_magnitude, topk_group=topk_group)
+    return write_out(weights, ids, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +129,7 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
                          RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr):
     # Tile: groups (slice axis Q_AXIS) x rows x members; the groups of a row stay inside each thread (see
-    # topk_softmax.Q_AXIS), so the group scores are per-thread reductions plus a few lanes.
+    # router_tiles.Q_AXIS), so the group scores are per-thread reductions plus a few lanes.
     NONE: tl.constexpr = G_PAD * GS_PAD
     PADDED: tl.constexpr = (G != G_PAD) or (GS != GS_PAD)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -222,7 +208,7 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
                  is_padding: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
-    num_tokens, num_experts = _check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
+    num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
@@ -240,25 +226,3 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
         Q_AXIS=Q_AXIS, num_warps=num_warps)
     return weights, ids
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration (targets "router" and "kernel")
-# ---------------------------------------------------------------------------------------------------------------
-
-def _validate(p) -> str | None:
-    return router_limits_problem(p.num_experts, p.top_k) or grouped_args_problem(
-        p.num_experts, p.top_k, p.num_expert_group, p.topk_group, p.scoring, p.bias)
-
-
-register_router_impls(
-    "grouped_topk",
-    {
-        "triton": (grouped_topk, "Triton grouped router (softmax|sigmoid, bias, top-2 group scores): [group, row, "
-                                 "member] tile, iterative group and expert picks, is_padding rows written as -1 / 0.0"),
-        "torch": (grouped_topk_torch, "eager torch grouped top-k with stable descending sorts (the reference)"),
-    },
-    grouped_topk_reference,
-    knobs=lambda p: dict(top_k=p.top_k, num_expert_group=p.num_expert_group, topk_group=p.topk_group,
-                         scoring=p.scoring, renormalize=p.renormalize, routed_scaling_factor=p.routed_scaling_factor),
-    validate=_validate)

@@ -1,4 +1,4 @@
-"""masked_moe_sum: reduce the top-k expert outputs of each token, skipping slots whose id is -1 (SPEC.md).
+"""masked_moe_sum: reduce the top-k expert outputs of each token, skipping slots whose id is -1 (docs/contracts.md).
 
 out[m] = sum over k with topk_ids[m, k] >= 0 of intermediate[m, k], accumulated in fp32 in order k = 0..K-1 and
 rounded once to the intermediate's dtype. A skipped slot is never loaded: the Triton kernel derives each load's
@@ -9,7 +9,7 @@ The Triton kernel takes two rows per program: a padded row pair (all slots -1) o
 anything, and a real pair keeps 2 x K x 2 KB of loads in flight. fused_experts' slot sum uses the same kernel, with
 ids >= num_experts skipped as well (`launch_masked_sum(..., num_experts=E)`).
 
-The pre-fix path (`torch.sum(intermediate, dim=1)`, vLLM's ops.moe_sum) adds every slot; it is registered as the
+The pre-fix path (`torch.sum(intermediate, dim=1)`, vLLM's ops.moe_sum) adds every slot: `moe_sum_oblivious`, the
 oblivious twin.
 """
 
@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
+from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels._details.rounding import round_store_value, soft_bf16
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,
@@ -48,22 +49,6 @@ def moe_sum_oblivious(intermediate: torch.Tensor, out: torch.Tensor | None = Non
     if out is None:
         return intermediate.sum(dim=1)
     return torch.sum(intermediate, dim=1, out=out)
-
-
-@triton.jit
-def _round_store_value(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 -> output dtype. SOFT_BF16 (CPU interpreter only, whose fp32->bf16 cast truncates): round to nearest
-    even on the bit pattern, as the GPU's cvt.rn does, so CPU results match the GPU's rounding."""
-    if SOFT_BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(dtype)
-
-
-def soft_bf16(t: torch.Tensor) -> bool:
-    return interpreting() and t.dtype == torch.bfloat16
 
 
 @triton.jit
@@ -102,7 +87,7 @@ def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, n
             x = tl.load(inter_ptr + rows[:, None] * stride_inter_m + k * stride_inter_k + cols[None, :], mask=take,
                         other=0.0, eviction_policy="evict_first")
             acc = tl.where(take, acc + x.to(tl.float32), acc)
-        tl.store(out_ptrs, _round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=out_mask)
+        tl.store(out_ptrs, round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=out_mask)
 
 
 @dataclass(frozen=True)
@@ -163,96 +148,3 @@ def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torc
         return out.zero_()
     launch_masked_sum(intermediate, (intermediate.stride(0), intermediate.stride(1)), topk_ids, out, launch=launch)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration (target "kernel")
-# ---------------------------------------------------------------------------------------------------------------
-
-def _compare_nan_aware(name: str, out: torch.Tensor, ref: torch.Tensor, max_rel: float, rms_rel: float):
-    """NaN positions must match exactly; the finite elements are compared by max/RMS relative error."""
-    from moebench.check import compare_close
-    from moebench.registry import CheckResult
-
-    out_nan, ref_nan = torch.isnan(out), torch.isnan(ref)
-    nan_mismatch = int((out_nan != ref_nan).sum().item())
-    finite = ~(out_nan | ref_nan)
-    close = compare_close(name, out[finite], ref[finite], max_rel, rms_rel)
-    ok = close.ok and nan_mismatch == 0
-    detail = close.detail if nan_mismatch == 0 else f"{name}: NaN in {nan_mismatch} places the reference has none"
-    return CheckResult(ok, "" if ok else detail, {**close.metrics, f"{name}.nan_mismatches": float(nan_mismatch)})
-
-
-def _build_sum(variant: str):
-    def build(p, ctx):
-        from moebench.check import compare_close, compare_exact, poison
-        from moebench.inputs import generator, make_batch, route
-        from moebench.registry import Case, CheckResult, Routing
-
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        _, topk_ids = route(p, batch)
-        T, K = topk_ids.shape
-        H = p.hidden
-        g = generator(p.seed * 1_000_003 + 4243, ctx.device)
-        intermediate = torch.randn(T, K, H, generator=g, device=ctx.device, dtype=torch.bfloat16)
-        skipped = topk_ids < 0
-        intermediate[skipped] = float("nan")  # an implementation that loads a skipped slot shows NaN
-        out = torch.empty(T, H, dtype=intermediate.dtype, device=ctx.device)
-        ref = masked_moe_sum_torch(intermediate, topk_ids)
-        info = {}
-
-        if variant == "oblivious":
-            def run():
-                return moe_sum_oblivious(intermediate, out=out)
-            unmasked_ref = masked_moe_sum_torch(intermediate, torch.zeros_like(topk_ids))
-
-            def check():
-                poison(out)
-                run()
-                return _compare_nan_aware("out", out, unmasked_ref, 1e-2, 1e-3)
-            # Harm done: rows with a skipped slot whose output is not the masked result (bit for bit).
-            got = moe_sum_oblivious(intermediate)
-            differs = (got.view(torch.int16) != ref.view(torch.int16)).any(dim=1)
-            info["corrupted_rows"] = int((differs & skipped.any(dim=1)).sum().item())
-            slots_read = T * K
-        else:
-            if variant == "torch":
-                def run():
-                    return masked_moe_sum_torch(intermediate, topk_ids, out=out)
-            else:
-                def run():
-                    return masked_moe_sum(intermediate, topk_ids, out=out)
-
-            def check():
-                poison(out)
-                run()
-                # fp32 accumulation in the same order: bitwise on a GPU; the CPU interpreter rounds fp32 -> bf16
-                # differently, hence the tolerance. The exact-mismatch count is reported either way.
-                res = compare_close("out", out, ref, 1e-2, 1e-2)
-                exact = compare_exact("out", out, ref)
-                return CheckResult(res.ok, res.detail, {**res.metrics, **exact.metrics})
-            slots_read = int((~skipped).sum().item())
-
-        elt = intermediate.element_size()
-        return Case(run=run, check=check,
-                    bytes_moved=slots_read * H * elt + T * H * elt + topk_ids.numel() * topk_ids.element_size(),
-                    bytes_note="slots read (valid only when masked) + output written + ids",
-                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info=info, nvtx_stage="reduce")
-    return build
-
-
-def _register() -> None:
-    from moebench.registry import Impl, register
-
-    descriptions = {
-        "triton": "Triton masked top-k sum (bf16 [T,K,H]); -1 slots are never loaded",
-        "torch": "eager torch masked sum, fp32 accumulation in slot order (the reference)",
-        "oblivious": "pre-fix torch.sum(dim=1): adds every slot, NaN/garbage in -1 slots reaches the output",
-    }
-    for variant, text in descriptions.items():
-        register(Impl(f"masked_moe_sum.{variant}", targets=("kernel",), build=_build_sum(variant),
-                      description=text, mask_aware=variant != "oblivious"))
-
-
-_register()

@@ -1,4 +1,4 @@
-"""moe_align_block_size: group routes by expert into block_size-aligned segments (SPEC.md, "Alignment").
+"""moe_align_block_size: group routes by expert into block_size-aligned segments (docs/contracts.md, "Alignment").
 
 Flat route index i = token * K + k. Routes whose id is < 0 or out of range (or non-local under an expert map)
 are skipped, never indexed with. Each expert's routes occupy a segment rounded up to a multiple of block_size,
@@ -31,8 +31,8 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, next_pow2
 
-_INT32_MAX = 2**31 - 1
-_FILL_BLOCK = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
+INT32_MAX = 2**31 - 1
+PAD_FILL_STEP = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -40,12 +40,19 @@ _FILL_BLOCK = 1024  # largest step of the pad fill (offsets may run this far pas
 # ---------------------------------------------------------------------------------------------------------------
 
 def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[int, int]:
-    """(capacity of sorted_token_ids, length of expert_ids) for these sizes."""
+    """(capacity of sorted_token_ids, length of expert_ids) for these sizes: every expert's segment may end with
+    block_size - 1 pad slots."""
     capacity = num_routes + num_experts * (block_size - 1)
     return capacity, triton.cdiv(capacity, block_size) if capacity else 0
 
 
-def _local_ids_torch(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None,
+def capacity_fits_int32(capacity: int) -> bool:
+    """Whether the kernels' int32 offsets reach every slot of sorted_token_ids (the pad fill may run PAD_FILL_STEP
+    past the end twice)."""
+    return capacity + 2 * PAD_FILL_STEP <= INT32_MAX
+
+
+def local_expert_ids_torch(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None,
                      wrap_negative: bool) -> torch.Tensor:
     """int64 [M*K]: the local expert of every route, or -1 when the route is skipped."""
     ids = topk_ids.reshape(-1).to(torch.int64)
@@ -70,7 +77,7 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_s
     device = topk_ids.device
     num_routes = topk_ids.numel()
     capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
-    local = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative)
+    local = local_expert_ids_torch(topk_ids, num_experts, expert_map, wrap_negative)
     valid = local >= 0
     key = torch.where(valid, local, torch.full_like(local, num_experts))  # skipped routes sort last
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
@@ -289,7 +296,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         topk_ids = topk_ids.contiguous()
     num_routes = topk_ids.numel()
     capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
-    if capacity + 2 * _FILL_BLOCK > _INT32_MAX:  # kernel offsets are int32
+    if not capacity_fits_int32(capacity):  # kernel offsets are int32
         raise ValueError(f"alignment capacity {capacity} does not fit the int32 index space")
     sorted_ids, expert_ids, num_post_padded = out if out is not None else \
         alloc_align_outputs(num_routes, num_experts, block_size, topk_ids.device)
@@ -307,7 +314,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         raise ValueError(f"block_routes must be a power of two >= 32, got {block_routes}")
     shapes = align_launch_shapes(num_routes, num_experts, block_size, block_routes)
     num_blocks = shapes["num_blocks"]
-    if num_experts * block_routes + block_routes > _INT32_MAX:
+    if num_experts * block_routes + block_routes > INT32_MAX:
         raise ValueError("num_experts * block_routes overflows the int32 sort key")
     if workspace is None:
         workspace = align_workspace(num_routes, num_experts, topk_ids.device, block_routes=block_routes)
@@ -335,89 +342,3 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=shapes["num_bins"],
         TILE_M_BLOCKS=shapes["tile_m_blocks"], num_warps=route_warps)
     return sorted_ids, expert_ids, num_post_padded
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration (target "kernel")
-# ---------------------------------------------------------------------------------------------------------------
-
-def _rank0_expert_map(p, device) -> tuple[torch.Tensor | None, int]:
-    """(expert_map, num_local_experts) of EP rank 0, which owns global experts [0, L); no map when L == E."""
-    local = p.local_experts
-    if local == p.num_experts:
-        return None, p.num_experts
-    expert_map = torch.full((p.num_experts,), -1, dtype=torch.int32, device=device)
-    expert_map[:local] = torch.arange(local, dtype=torch.int32, device=device)
-    return expert_map, local
-
-
-def _build_align(variant: str):
-    def build(p, ctx):
-        from moebench.check import compare_exact, poison
-        from moebench.inputs import make_batch, route
-        from moebench.registry import Case, CheckResult, Routing
-
-        batch = make_batch(p, ctx.device, need_hidden=False)
-        _, topk_ids = route(p, batch)
-        num_routes = topk_ids.numel()
-        expert_map, num_experts = _rank0_expert_map(p, ctx.device)
-        oblivious = variant == "oblivious"
-        ref = moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map, wrap_negative=oblivious)
-        out = alloc_align_outputs(num_routes, num_experts, p.block_size, ctx.device)
-        workspace = align_workspace(num_routes, num_experts, ctx.device)
-
-        if variant == "torch":
-            def run():
-                return moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map)
-        else:
-            def run():
-                return moe_align_block_size(topk_ids, num_experts, p.block_size, expert_map, out=out,
-                                            workspace=workspace, wrap_negative=oblivious)
-
-        def check():
-            for t in (*out, workspace):
-                poison(t)
-            got = run()
-            return CheckResult.merge(*(compare_exact(name, g, r) for name, g, r in
-                                       zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref)))
-
-        info = {"num_local_experts": num_experts, "num_tokens_post_padded": int(ref[2].item())}
-        routing_ids = topk_ids
-        if oblivious:
-            masked = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative=False)
-            wrapped = _local_ids_torch(topk_ids, num_experts, expert_map, wrap_negative=True)
-            info["corrupted_routes"] = int(((wrapped >= 0) & (masked < 0)).sum().item())
-            # The routing this path effectively uses: -1 indexes the last global expert.
-            routing_ids = torch.where((topk_ids < 0) & (topk_ids >= -p.num_experts), topk_ids + p.num_experts,
-                                      topk_ids)
-        map_bytes = expert_map.numel() * expert_map.element_size() if expert_map is not None else 0
-        out_bytes = sum(t.numel() * t.element_size() for t in out)
-        return Case(run=run, check=check,
-                    bytes_moved=num_routes * topk_ids.element_size() + map_bytes + out_bytes,
-                    bytes_note="ids (+ expert map) read once, three outputs written once",
-                    routing=Routing(routing_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info=info, nvtx_stage="align")
-    return build
-
-
-def _validate_align(p) -> str | None:
-    capacity, _ = align_capacity(p.num_tokens * p.top_k, p.local_experts, p.block_size)
-    if capacity + 2 * _FILL_BLOCK > _INT32_MAX:
-        return f"block_size: capacity {capacity} of sorted_token_ids overflows int32"
-    return None
-
-
-def _register() -> None:
-    from moebench.registry import Impl, register
-
-    descriptions = {
-        "triton": "Triton count/scan/scatter alignment; skips -1, out-of-range and non-local ids",
-        "torch": "eager torch stable argsort + counting (the reference)",
-        "oblivious": "pre-fix: -1 indexes the last expert, so padded routes pile onto it (same Triton kernels)",
-    }
-    for variant, text in descriptions.items():
-        register(Impl(f"moe_align_block_size.{variant}", targets=("kernel",), build=_build_align(variant),
-                      description=text, validate=_validate_align, mask_aware=variant != "oblivious"))
-
-
-_register()

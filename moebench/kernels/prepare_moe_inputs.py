@@ -1,13 +1,14 @@
 """Input staging for the DeepSeek-V4 "MegaMoE" path: per-token-group fp8 quantisation of the hidden states
 plus the routing outputs as the expert kernel wants them (int64 ids, fp32 weights), padded rows masked.
 
-SPEC.md "prepare_moe_inputs". One Triton launch does everything; `prepare_moe_inputs_torch` is the reference.
+docs/contracts.md "prepare_moe_inputs". One Triton launch does everything; `prepare_moe_inputs_torch` is the
+reference.
 The Triton kernel is bitwise equal to the reference on a GPU because both compute, in fp32 and in the same
 order: amax -> max(amax, 1e-4) -> IEEE division by 448 -> (UE8M0: exponent round-up on the fp32 bits) ->
 IEEE reciprocal -> one multiply -> round-to-nearest-even cast to e4m3fn.
 
-`prepare_moe_inputs.oblivious` is the staging before the fix: the padding mask is ignored, so padded rows keep
-the ids and weights their router gave them.
+`prepare_moe_inputs_oblivious` (also `prepare_moe_inputs.oblivious`) is the staging before the fix: the padding mask
+is ignored, so padded rows keep the ids and weights their router gave them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.check import compare_exact, poison
 from moebench.kernels._details.jit import check_triton_device
 from moebench.kernels._details.args import check_mask
-from moebench.registry import Case, CheckResult, Impl, Routing, RunContext, register
 
 SCALE_FORMATS = ("ue8m0_packed", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -34,11 +33,11 @@ DEFAULT_NUM_WARPS = 4
 ID_BLOCK = 128
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def check_staging_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 is_padding: torch.Tensor | None, group_size: int, scale_format: str) -> tuple[int, int, int]:
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}")
@@ -58,7 +57,7 @@ def _check_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         raise ValueError(f"is_padding must be bool, got {is_padding.dtype}")
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format must be one of {', '.join(SCALE_FORMATS)}, got {scale_format!r}")
-    if not (_is_pow2(group_size) and 8 <= group_size <= 1024):
+    if not (is_pow2(group_size) and 8 <= group_size <= 1024):
         raise ValueError(f"group_size must be a power of two in [8, 1024], got {group_size}")
     if scale_format == "ue8m0_packed" and H % (4 * group_size):
         raise ValueError(f"hidden size {H} must be a multiple of 4*group_size={4 * group_size} "
@@ -88,7 +87,7 @@ def alloc_outputs(num_tokens: int, hidden_size: int, top_k: int, group_size: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference (SPEC.md, literally)
+# Reference (docs/contracts.md, literally)
 # ---------------------------------------------------------------------------------------------------------------
 
 def ue8m0_round_up(sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +124,13 @@ def prepare_moe_inputs_torch(hidden: torch.Tensor, topk_weights: torch.Tensor, t
                              scale_format: str = "ue8m0_packed"
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch reference: (x_fp8 [T,H] e4m3fn, x_sf, topk_idx int64 [T,K], topk_w fp32 [T,K])."""
-    T, H, _ = _check_args(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format)
+    T, H, _ = check_staging_args(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format)
     G = group_size
     x = hidden.float().reshape(T, H // G, G)
     amax = x.abs().amax(dim=2)
     amax = amax.clamp_min(AMAX_FLOOR)
     # Divide by a device tensor, not a Python number: CUDA turns `tensor / python_scalar` into a multiply by
-    # the scalar's fp32 reciprocal, which is not the IEEE quotient the SPEC (and the Triton kernel) computes.
+    # the scalar's fp32 reciprocal, which is not the IEEE quotient the contract (and the Triton kernel) computes.
     sf = amax / amax.new_full((), FP8_MAX)
     if scale_format == "ue8m0_packed":
         sf, e = ue8m0_round_up(sf)
@@ -223,7 +222,7 @@ def _check_out(out, shapes, device) -> tuple[torch.Tensor, ...]:
 
 
 def _launch(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format, out, tune):
-    T, H, K = _check_args(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format)
+    T, H, K = check_staging_args(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format)
     check_triton_device(hidden, topk_weights, topk_ids, is_padding)
     shapes = output_shapes(T, H, K, group_size, scale_format)
     if out is None:
@@ -252,7 +251,7 @@ def prepare_moe_inputs(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
                        scale_format: str = "ue8m0_packed", *,
                        out: tuple[torch.Tensor, ...] | None = None, tune: tuple[int, int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton staging (SPEC.md): (x_fp8, x_sf, topk_idx int64, topk_w fp32); padded rows get -1 / 0.0.
+    """Triton staging (docs/contracts.md): (x_fp8, x_sf, topk_idx int64, topk_w fp32); padded rows get -1 / 0.0.
 
     out: preallocated (x_fp8, x_sf, topk_idx, topk_w) (see `alloc_outputs`), written and returned.
     tune: (hidden values per program, num_warps), for tuning scripts only.
@@ -270,138 +269,3 @@ def prepare_moe_inputs_oblivious(hidden: torch.Tensor, topk_weights: torch.Tenso
 
 
 prepare_moe_inputs.oblivious = prepare_moe_inputs_oblivious  # type: ignore[attr-defined]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Comparison helpers (also used by the tests)
-# ---------------------------------------------------------------------------------------------------------------
-
-def fp8_interpreter_tolerant_mismatches(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Bool mask of fp8 elements that are wrong beyond what Triton's CPU interpreter cast can explain.
-
-    The interpreter's fp32 -> e4m3 cast rounds ties away from zero (1 ulp off) and, when rounding carries into
-    the next binade, can lose the carry and return half of that power of two (GPU.md). Anything else -- a
-    wrong scale, a wrong element, an unwritten (NaN-poisoned) one -- is flagged.
-    """
-    o = out.float().cpu()
-    r = ref.float().cpu()
-    exact = o == r
-    both_finite = torch.isfinite(o) & torch.isfinite(r)
-    # e4m3 has 3 mantissa bits: one ulp is <= 2^-3 of the larger magnitude (2^-9 in the subnormal range).
-    one_ulp = (o - r).abs() <= torch.maximum(o.abs(), r.abs()) * 0.125 + 2.0 ** -9
-    lost_carry = (r != 0) & (o * 2 == r) & (torch.frexp(r.abs()).mantissa == 0.5)
-    return ~(exact | (both_finite & (one_ulp | lost_carry)))
-
-
-def compare_staging(outs: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...], *, bitwise: bool,
-                    prefix: str = "") -> CheckResult:
-    """Bitwise for all four outputs when `bitwise` (GPU); else fp8 within the interpreter's cast deviations,
-    the rest bitwise."""
-    x_fp8, x_sf, topk_idx, topk_w = outs
-    r_fp8, r_sf, r_idx, r_w = refs
-    if bitwise:
-        fp8_check = compare_exact(prefix + "x_fp8", x_fp8, r_fp8)
-    elif x_fp8.shape != r_fp8.shape or x_fp8.dtype != r_fp8.dtype:
-        fp8_check = compare_exact(prefix + "x_fp8", x_fp8, r_fp8)  # reports the shape/dtype problem
-    else:
-        bad = fp8_interpreter_tolerant_mismatches(x_fp8, r_fp8)
-        n = int(bad.sum())
-        detail = ""
-        if n:
-            first = [tuple(i.tolist()) for i in bad.nonzero()[:5]]
-            detail = (f"{prefix}x_fp8: {n}/{bad.numel()} beyond the interpreter cast's deviations, first "
-                      + ", ".join(f"{i}: {x_fp8.float().cpu()[i].item()} vs {r_fp8.float().cpu()[i].item()}"
-                                  for i in first))
-        exact_frac = float((x_fp8.float().cpu() == r_fp8.float().cpu()).float().mean()) if x_fp8.numel() else 1.0
-        fp8_check = CheckResult(n == 0, detail, {prefix + "x_fp8.mismatches": float(n),
-                                                 prefix + "x_fp8.exact_fraction": exact_frac})
-    return CheckResult.merge(fp8_check, compare_exact(prefix + "x_sf", x_sf, r_sf),
-                             compare_exact(prefix + "topk_idx", topk_idx, r_idx),
-                             compare_exact(prefix + "topk_w", topk_w, r_w))
-
-
-def rows_differing(topk_idx: torch.Tensor, topk_w: torch.Tensor, ref_idx: torch.Tensor, ref_w: torch.Tensor) -> int:
-    """Rows whose ids or weights (by bits) differ from the mask-aware result."""
-    diff = (topk_idx != ref_idx) | (topk_w.view(torch.int32) != ref_w.view(torch.int32))
-    return int(diff.any(dim=1).sum())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Registration
-# ---------------------------------------------------------------------------------------------------------------
-
-def _validate(p) -> str | None:
-    if not (_is_pow2(p.group_size) and 8 <= p.group_size <= 1024):
-        return f"group_size: must be a power of two in [8, 1024], got {p.group_size}"
-    if p.scale_format == "ue8m0_packed" and p.hidden % (4 * p.group_size):
-        return f"hidden: {p.hidden} is not a multiple of 4*group_size={4 * p.group_size} (ue8m0_packed)"
-    if p.hidden % p.group_size:
-        return f"hidden: {p.hidden} is not a multiple of group_size={p.group_size}"
-    return None
-
-
-def _make_build(variant: str):
-    def build(p, ctx: RunContext) -> Case:
-        from moebench.inputs import make_batch, route
-
-        batch = make_batch(p, ctx.device)
-        # The router is not masked here: in the MegaMoE path the staging kernel is where the mask is applied.
-        topk_weights, topk_ids = route(p, batch, use_mask=False)
-        hidden = batch.hidden
-        T, H = hidden.shape
-        K = topk_ids.shape[1]
-        G, fmt = p.group_size, p.scale_format
-        mask = batch.mask if variant != "oblivious" else None  # what the impl effectively applies
-        outs = alloc_outputs(T, H, K, G, fmt, ctx.device)
-
-        if variant == "triton":
-            def run():
-                return prepare_moe_inputs(hidden, topk_weights, topk_ids, batch.mask, G, fmt, out=outs)
-        elif variant == "oblivious":
-            def run():
-                return prepare_moe_inputs_oblivious(hidden, topk_weights, topk_ids, batch.mask, G, fmt, out=outs)
-        else:
-            def run():
-                return prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, batch.mask, G, fmt)
-
-        def check() -> CheckResult:
-            if variant == "torch":
-                # The reference on this device against the reference on the CPU, on the first and last rows
-                # (padding sits at the tail): both divide exactly, so they agree bit for bit.
-                got = run()
-                rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.arange(max(0, T - 64), T)]))
-                dev_rows = rows.to(ctx.device)
-                cpu = prepare_moe_inputs_torch(hidden[dev_rows].cpu(), topk_weights[dev_rows].cpu(),
-                                               topk_ids[dev_rows].cpu(),
-                                               None if mask is None else mask[dev_rows].cpu(), G, fmt)
-                return compare_staging(tuple(t[dev_rows] for t in got), cpu, bitwise=True)
-            for t in outs:
-                poison(t)
-            run()
-            ref = prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, mask, G, fmt)
-            return compare_staging(outs, ref, bitwise=ctx.is_cuda)
-
-        # Harm done, measured against the mask-aware result with the true padding mask.
-        expect_idx, expect_w = stage_routing_torch(topk_weights, topk_ids, mask)
-        truth_idx, truth_w = stage_routing_torch(topk_weights, topk_ids, batch.is_padding)
-        corrupted = rows_differing(expect_idx, expect_w, truth_idx, truth_w)
-
-        x_sf = outs[1]
-        bytes_moved = (hidden.numel() * hidden.element_size() + T * H + x_sf.numel() * x_sf.element_size()
-                       + topk_ids.numel() * topk_ids.element_size() + topk_weights.numel() * 4
-                       + (T if mask is not None else 0) + T * K * (8 + 4))
-        return Case(run=run, check=check, bytes_moved=bytes_moved,
-                    bytes_note="hidden + routing read once, fp8 + scales + routing written once",
-                    routing=Routing(expect_idx, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted}, nvtx_stage="stage")
-    return build
-
-
-_DESCRIPTIONS = {
-    "triton": "fused fp8 per-token-group quant (UE8M0 or fp32 scales) + int64 ids/weights, padded rows masked",
-    "torch": "eager torch reference of the staging (SPEC.md literally)",
-    "oblivious": "same Triton staging with the padding mask ignored (before the fix)",
-}
-for _variant in ("triton", "torch", "oblivious"):
-    register(Impl(f"prepare_moe_inputs.{_variant}", targets=("kernel", "stage"), build=_make_build(_variant),
-                  description=_DESCRIPTIONS[_variant], validate=_validate, mask_aware=_variant != "oblivious"))

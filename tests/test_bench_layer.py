@@ -1,4 +1,4 @@
-"""The single-GPU MoE layer (moebench/layer.py): masked vs oblivious pipelines against fp32 references, padded
+"""The single-GPU MoE layer (moebench/bench/layer.py): masked vs oblivious pipelines against fp32 references, padded
 rows, stage-by-stage execution, the runner's per-stage records.
 
 CPU runs go through Triton's interpreter: T=16, E=8, K=2, H=128, I=32, group 32."""
@@ -6,9 +6,10 @@ CPU runs go through Triton's interpreter: T=16, E=8, K=2, H=128, I=32, group 32.
 import pytest
 import torch
 
-from moebench import layer as layer_mod
-from moebench.inputs import make_batch, route
-from moebench.kernels.fused_experts import fused_experts_torch, local_ids_rank0
+from moebench.bench import layer as layer_mod
+from moebench.inputs import cached_expert_weights, make_batch, route
+from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
+from moebench.kernels.fused_experts import fused_experts_torch
 from moebench.registry import RunContext, get
 from moebench.results import load_records
 from moebench.runner import run_sweep
@@ -35,9 +36,15 @@ def _fp32_layer(p: Params, device, *, masked: bool) -> torch.Tensor:
     -> weighted sum (fused_experts_torch)."""
     batch = make_batch(p, device)
     weights, ids = route(p, batch, use_mask=masked)
-    w13, w2 = layer_mod._expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, torch.device(device))
-    return fused_experts_torch(batch.hidden, w13, w2, weights, local_ids_rank0(ids, p.local_experts),
+    w13, w2 = cached_expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, torch.device(device))
+    return fused_experts_torch(batch.hidden, w13, w2, weights, _rank0_local_ids(ids, p),
                                out_dtype=torch.float32)
+
+
+def _rank0_local_ids(ids: torch.Tensor, p: Params) -> torch.Tensor:
+    """EP rank 0's local ids: g -> g for g < p.local_experts, every other id -> -1."""
+    expert_map = build_expert_map(p.num_experts, num_local_experts=p.local_experts, device=ids.device)
+    return apply_expert_map_torch(ids, expert_map).to(torch.int32)
 
 
 def _out(case) -> torch.Tensor:
@@ -78,7 +85,7 @@ def test_oblivious_layer_computes_padded_rows(device):
     assert (out_o[pad] != 0).any(dim=1).all()
     # real rows untouched by the padded rows' work (the two reductions may round differently: the pre-fix plain
     # sum is torch's, the masked one Triton's, and the interpreter's fp32 -> bf16 cast truncates)
-    assert not layer_mod._rows_differing(out_o[~pad], out_m[~pad]).any()
+    assert not layer_mod.rows_differing(out_o[~pad], out_m[~pad]).any()
     info = oblivious.info
     assert info["corrupted_rows"] == int(pad.sum()) == info["corrupted_padded_rows"]
     assert info["misrouted_routes"] == int(pad.sum()) * p.top_k
@@ -144,7 +151,7 @@ def test_no_padding_layers_agree(device):
     p = _params(padding_ratio=0.0)
     masked, oblivious = _build("layer.masked", p, device), _build("layer.oblivious", p, device)
     assert masked.check().ok and oblivious.check().ok
-    assert not layer_mod._rows_differing(_out(oblivious), _out(masked)).any()
+    assert not layer_mod.rows_differing(_out(oblivious), _out(masked)).any()
     assert oblivious.info["corrupted_rows"] == 0 and oblivious.info["misrouted_routes"] == 0
     assert masked.flops == oblivious.flops
 

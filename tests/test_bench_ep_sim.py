@@ -7,7 +7,7 @@ import torch
 from moebench import registry
 from moebench.measure.imbalance import imbalance, per_rank_loads
 from moebench.registry import RunContext
-from moebench.simulate import rank_work, simulated_batches
+from moebench.bench.ep_sim import rank_work, simulated_batches
 from moebench.sweep import Params
 
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@
 Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
   align_routes      topk_ids -> sorted_ids (routes grouped by expert, each expert's segment padded to a multiple
                     of BLOCK_M with the pad value R), expert_ids (owner of each BLOCK_M block), num_post_padded.
-                    This is SPEC's moe_align_block_size (without expert_map; its Triton kernels do the work);
+                    This is the contract's moe_align_block_size (without expert_map; its Triton kernels do the work);
                     skipped routes (id < 0 or id >= E) are never placed, so no later kernel sees them.
   gate_up_swiglu    act[j] = silu(x[tok] @ w13[e, :I].T) * (x[tok] @ w13[e, I:].T) for sorted position j;
                     both halves in one program so the SwiGLU is an epilogue. Rows of act are sorted positions.
@@ -14,7 +14,8 @@ The GEMM kernels are persistent: a fixed number of programs (what fits on the GP
 that exist, num_post_padded being read on the device, so skipped routes cost no GEMM work, no program launch, and
 nothing synchronises with the host (CUDA-graph capturable).
 
-Each Triton kernel has a plain-torch reference `<name>_torch` below it.
+Each GEMM kernel has a plain-torch reference `<name>_torch` below it; the alignment's reference is
+moe_align_block_size_torch. The layer runs these stages one by one (moebench.bench.layer); fused_experts chains them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import triton
 import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
-from moebench.kernels.masked_moe_sum import _round_store_value, launch_masked_sum, soft_bf16, sum_launch_config
-from moebench.kernels.moe_align_block_size import default_block_routes, moe_align_block_size
+from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels.masked_moe_sum import launch_masked_sum, sum_launch_config
+from moebench.kernels.moe_align_block_size import align_capacity, default_block_routes, moe_align_block_size
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,16 +99,10 @@ def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: 
         bm = 128
         up = GemmConfig(128, 64, 8, 8, 3, weight_tma=True)
         down = GemmConfig(256, 64, 8, 8, 3, weight_tma=True)
-    # (_weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)
+    # (weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)
     up = dataclasses.replace(up, block_n=_fit(up.block_n, intermediate), block_k=_fit(up.block_k, hidden))
     down = dataclasses.replace(down, block_n=_fit(down.block_n, hidden), block_k=_fit(down.block_k, intermediate))
     return ExpertsConfig(bm, up, down, reduce_block_h=_fit(1024, hidden))
-
-
-def align_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int, int]:
-    """(sorted_ids capacity, expert_ids capacity) of SPEC's moe_align_block_size."""
-    cap = num_routes + num_experts * (block_m - 1)
-    return cap, triton.cdiv(cap, block_m)
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -116,7 +112,7 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Alignment: SPEC's moe_align_block_size (its count / scan / scatter kernels), without an expert map
+# Alignment: moe_align_block_size (its count / scan / scatter kernels), without an expert map
 # ---------------------------------------------------------------------------------------------------------------
 
 def align_scratch_size(num_routes: int, num_experts: int) -> int:
@@ -145,34 +141,9 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
                                 workspace=scratch[:need])
 
 
-def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference: SPEC's moe_align_block_size without expert_map, written as a literal loop over experts."""
-    ids = topk_ids.reshape(-1).long().cpu()
-    num_routes = ids.numel()
-    cap, bcap = align_capacity(num_routes, num_experts, block_m)
-    sorted_ids = torch.full((cap,), num_routes, dtype=torch.int32)
-    expert_ids = torch.full((bcap,), -1, dtype=torch.int32)
-    pos = 0
-    for e in range(num_experts):
-        routes = (ids == e).nonzero().flatten()  # ascending route index: stable
-        n = routes.numel()
-        rounded = (n + block_m - 1) // block_m * block_m
-        sorted_ids[pos:pos + n] = routes.to(torch.int32)
-        expert_ids[pos // block_m:(pos + rounded) // block_m] = e
-        pos += rounded
-    dev = topk_ids.device
-    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Grouped GEMMs
 # ---------------------------------------------------------------------------------------------------------------
-
-def _soft_bf16(t: torch.Tensor) -> bool:
-    """The CPU interpreter's fp32 -> bf16 cast truncates: round to nearest even in the kernel instead."""
-    return soft_bf16(t)
-
 
 @triton.jit
 def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -246,7 +217,7 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
                 u_ptrs += BLOCK_K
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
-        tl.store(a_ptrs, _round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
+        tl.store(a_ptrs, round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
                  mask=(offs_n_store < inter)[None, :])
 
 
@@ -299,7 +270,7 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
         weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
         y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
-        tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
+        tl.store(y_ptrs, round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
                  mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
 
 
@@ -325,7 +296,7 @@ def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg:
     return max(1, min(max_tiles, sms * per_sm))
 
 
-def _weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
+def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
     """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
     layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
     if not cfg.weight_tma:
@@ -354,12 +325,12 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
         return act
     assert act.shape[0] >= num_pid_m * block_m and act.shape[1] == inter and act.stride(1) == 1
     programs = persistent_programs(x.device, num_pid_m * triton.cdiv(inter, cfg.block_n), block_m, cfg, 2)
-    w_arg, tma = _weight_operand(w13, cfg.block_n, cfg, inter)
+    w_arg, tma = weight_operand(w13, cfg.block_n, cfg, inter)
     _gate_up_swiglu_kernel[(programs,)](
         x, w_arg, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, programs,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=H % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(act),
+        EVEN_K=H % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=soft_bf16(act),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return act
 
@@ -376,12 +347,12 @@ def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, s
         return y
     assert y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous()
     programs = persistent_programs(act.device, num_pid_m * triton.cdiv(H, cfg.block_n), block_m, cfg, 1)
-    w_arg, tma = _weight_operand(w2, cfg.block_n, cfg, H)
+    w_arg, tma = weight_operand(w2, cfg.block_n, cfg, H)
     _down_proj_kernel[(programs,)](
         act, w_arg, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, programs,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=_soft_bf16(y),
+        EVEN_K=inter % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=soft_bf16(y),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 

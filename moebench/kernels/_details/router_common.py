@@ -1,0 +1,130 @@
+"""Host-side pieces shared by the routers (topk_softmax, grouped_topk): argument checks, output buffers, the
+references' stable selection and renormalisation, and the Triton routers' launch configuration and preamble."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.kernels._details.args import check_mask
+from moebench.kernels._details.jit import check_triton_device
+
+MAX_EXPERTS = 1024  # the Triton routers hold a whole row of scores in registers
+MAX_TOP_K = 32
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_router_args(logits: torch.Tensor, top_k: int, is_padding: torch.Tensor | None,
+                      bias: torch.Tensor | None) -> tuple[int, int]:
+    """Validate the common router arguments; returns (num_tokens, num_experts)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_tokens, num_experts], got shape {tuple(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"logits must be fp32, bf16 or fp16, got {logits.dtype}")
+    num_tokens, num_experts = logits.shape
+    if num_experts < 1:
+        raise ValueError("logits must have at least one expert column")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    check_mask(is_padding, num_tokens)
+    if is_padding is not None:
+        if is_padding.dtype != torch.bool:
+            raise TypeError(f"is_padding must be a bool tensor, got {is_padding.dtype}")
+        if is_padding.device != logits.device:
+            raise ValueError(f"is_padding is on {is_padding.device}, logits on {logits.device}")
+    if bias is not None:
+        if bias.shape != (num_experts,):
+            raise ValueError(f"bias must have shape [{num_experts}], got {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
+        if bias.device != logits.device:
+            raise ValueError(f"bias is on {bias.device}, logits on {logits.device}")
+    return num_tokens, num_experts
+
+
+def check_triton_router_limits(num_experts: int, top_k: int) -> None:
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the Triton routers support num_experts <= {MAX_EXPERTS}, got {num_experts}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"the Triton routers support top_k <= {MAX_TOP_K}, got {top_k}")
+
+
+def router_limits_problem(num_experts: int, top_k: int) -> str | None:
+    """Impl.validate helper: why a point is impossible for the routers, or None."""
+    if top_k > min(num_experts, MAX_TOP_K):
+        return f"top_k: {top_k} > min(num_experts={num_experts}, {MAX_TOP_K})"
+    if num_experts > MAX_EXPERTS:
+        return f"num_experts: {num_experts} > {MAX_EXPERTS}"
+    return None
+
+
+def router_outputs(num_tokens: int, top_k: int, device: torch.device,
+                   out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T,K], ids int32 [T,K]): the caller's buffers (checked) or new ones."""
+    if out is None:
+        return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
+                torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
+    weights, ids = out
+    for t, dtype, name in ((weights, torch.float32, "weights"), (ids, torch.int32, "ids")):
+        if t.shape != (num_tokens, top_k) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+            raise ValueError(f"out {name} must be a contiguous {dtype} [{num_tokens}, {top_k}] tensor on {device}")
+    return weights, ids
+
+
+
+def select_desc_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, in descending order, ties to the lower index (int64 [T, k]).
+
+    torch.topk does not promise which of equal values it returns; a stable descending sort keeps equal values in
+    index order, which is exactly the tie rule.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def renormalize_torch(weights: torch.Tensor) -> torch.Tensor:
+    """w / sum(w) over the selected slots; a row whose sum is 0 is left unchanged."""
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.where(total == 0, weights, weights / total)
+
+
+def mask_padded_rows_torch(weights: torch.Tensor, ids: torch.Tensor, is_padding: torch.Tensor | None) -> None:
+    """Padded rows: ids -1 and weights 0.0 in every slot (in place)."""
+    if is_padding is not None:
+        ids.masked_fill_(is_padding[:, None], -1)
+        weights.masked_fill_(is_padding[:, None], 0.0)
+
+
+def write_out(weights: torch.Tensor, ids: torch.Tensor, out) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        return weights, ids
+    out[0].copy_(weights)
+    out[1].copy_(ids)
+    return out[0], out[1]
+
+
+def router_launch_config(row_elements: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) for a router tile whose rows hold `row_elements` (power of two) elements.
+
+    About 4096 elements per program (16 rows of 256 experts, 4 of 1024): 32 fp32 values per thread with 4 warps,
+    well inside the register file with x, the scores and the keys live at once, and enough programs at T=8192
+    (512) to fill 132 SMs. Small tiles (few experts) get fewer warps rather than more rows than useful.
+    """
+    block_t = max(1, min(128, 4096 // row_elements))
+    num_warps = max(1, min(4, block_t * row_elements // 1024))
+    return block_t, num_warps
+
+
+def triton_router_operands(logits: torch.Tensor, top_k: int, num_experts: int, is_padding: torch.Tensor | None,
+                           bias: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor] | None):
+    """The Triton routers' common launch preamble (arguments already checked): (logits, bias, weights, ids).
+
+    Limits and device checked, outputs are the caller's buffers or new ones, and logits rows and the bias made
+    unit-stride because the kernels address them as row_base + expert.
+    """
+    check_triton_router_limits(num_experts, top_k)
+    check_triton_device(logits, is_padding, bias)
+    weights, ids = router_outputs(logits.shape[0], top_k, logits.device, out)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return logits, bias, weights, ids
