@@ -1,0 +1,236 @@
+"""fp8 expert impls (target "kernel", NVTX stage "experts"):
+
+  fused_experts.fp8                    fused_experts_fp8 on the rows prepare_moe_inputs stages (the point's
+                                       group_size / scale_format), weights in 128x128 fp8 blocks
+  fused_experts.fp8_<candidate>        the same with one of FP8_CANDIDATES forced (tuning on the GPU)
+  fused_experts.fp8_oblivious          the pre-fix twin: -1 read as the last local expert
+  fused_experts.fp8_scaled_grouped_mm  the torch._scaled_grouped_mm peer (row-wise scales; CUDA sm90+)
+
+Inputs mirror fused_experts' cases: make_batch's hidden states routed by inputs.route, the router unmasked and the
+padding mask applied by the staging (as the MegaMoE path does: padded rows leave it with -1 / 0.0), then rank 0's
+expert map (non-local -> -1). Weights: make_expert_weights (the bf16 cases' seeded weights) quantised once and
+cached. Every check runs the dequantised reference with the elementwise bound derived in fused_experts_fp8_ref.
+Declared work is the useful work (valid routes), bytes at fp8 sizes, so roofline fractions compare with the bf16
+cases'; the roofline is the fp8 one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.check import CheckResult, poison
+from moebench.kernels._details.jit import interpreting
+from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
+from moebench.kernels.fused_experts import local_ids_rank0, make_expert_weights
+from moebench.kernels.fused_experts_fp8 import (
+    FP8_CANDIDATES,
+    choose_fp8_config,
+    fused_experts_fp8,
+    make_fp8_workspace,
+    x_scale_mode,
+)
+from moebench.kernels.fused_experts_fp8_peer import (
+    fused_experts_fp8_scaled_grouped_mm,
+    rowwise_inputs,
+    scaled_grouped_mm_unavailable,
+)
+from moebench.kernels.fused_experts_fp8_ref import (
+    BF16_REL,
+    check_within_bound,
+    error_model,
+    fp8_reference_with_bound,
+    reference_from_dequantised,
+)
+from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs
+from moebench.measure.roofline import roofline_us
+from moebench.registry import Case, Routing, RunContext, register_impl
+
+_WEIGHTS: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last quantised weights (one set: 5.6 GB at full size)
+
+
+def quantized_expert_weights(num_experts: int, hidden: int, intermediate: int, *, seed: int,
+                             device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(w13_q, w13_scales, w2_q, w2_scales) of make_expert_weights' seeded weights, cached for the next point."""
+    key = (num_experts, hidden, intermediate, seed, str(device))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        w13, w2 = make_expert_weights(num_experts, hidden, intermediate, seed=seed, device=device)
+        w13_q, w13_s = quantize_weights_fp8_block(w13)
+        del w13
+        w2_q, w2_s = quantize_weights_fp8_block(w2)
+        _WEIGHTS[key] = (w13_q, w13_s, w2_q, w2_s)
+    return _WEIGHTS[key]
+
+
+def _sample_rows(num_rows: int, work: float, device: torch.device, seed: int) -> torch.Tensor | None:
+    """Rows the reference and its bound are computed on: all (None) when affordable, else a seeded sample (each
+    output row depends only on its own staged row and routes)."""
+    budget = 1.5e12 if device.type == "cuda" else 5e9
+    if work <= budget:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed + 99)
+    n = max(64, int(num_rows * budget / work))
+    return torch.randperm(num_rows, generator=g)[:n].sort().values.to(device)
+
+
+def _validate(p) -> str | None:
+    if p.hidden % WEIGHT_BLOCK or p.intermediate % WEIGHT_BLOCK:
+        return f"hidden / intermediate: fp8 experts need multiples of {WEIGHT_BLOCK} (128x128 weight blocks)"
+    try:
+        x_scale_mode(p.group_size, p.scale_format)
+    except ValueError as e:
+        return str(e)
+    if p.scale_format == "ue8m0_packed" and p.hidden % (4 * p.group_size):
+        return f"hidden: {p.hidden} is not a multiple of 4*group_size={4 * p.group_size} (ue8m0_packed)"
+    return None
+
+
+def _triton_available(ctx: RunContext) -> str | None:
+    if ctx.is_cuda or interpreting():
+        return None
+    return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
+
+
+def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Case:
+    from moebench.inputs import make_batch, route
+
+    dev = ctx.device
+    batch = make_batch(p, dev)
+    router_w, global_ids = route(p, batch, use_mask=False)
+    G, fmt = p.group_size, p.scale_format
+    x_q, x_sf, staged_ids, topk_weights = prepare_moe_inputs(batch.hidden, router_w.float().contiguous(),
+                                                             global_ids, batch.mask, G, fmt)
+    E, H, I = p.local_experts, p.hidden, p.intermediate
+    ids = local_ids_rank0(staged_ids, E)
+    M, K = ids.shape
+    w13_q, w13_s, w2_q, w2_s = quantized_expert_weights(E, H, I, seed=p.seed, device=dev)
+    valid = (ids >= 0) & (ids < E)
+    n_valid = int(valid.sum())
+    experts_used = int(torch.unique(ids[valid]).numel())
+    info = {"valid_routes": n_valid, "skipped_routes": int((~valid).sum()), "experts_used": experts_used,
+            "expert_dtype": "fp8", "group_size": G, "scale_format": fmt}
+    tokens_read = int(valid.any(dim=1).sum())
+    flops = 2 * n_valid * 3 * H * I
+    bytes_moved = (experts_used * (3 * H * I + 3 * H * I // WEIGHT_BLOCK ** 2 * 4)
+                   + tokens_read * (H + x_sf.shape[1] * 4)
+                   + n_valid * (I + I // ACT_GROUP * 4) * 2 + n_valid * H * 2 * 2 + M * H * 2 + M * K * 8)
+    note = ("fp8 weights (+ block scales) of experts with >=1 route + staged rows (+ scales) + fp8 act "
+            "written+read + bf16 y written+read + out (useful routes only)")
+    routing_ids = staged_ids  # global ids, padded rows -1 (when masked)
+    out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    state: dict = {}
+    graph_ok = True
+    model = error_model(dev, H, I)
+
+    if variant in ("triton", "oblivious"):
+        cfg = choose_fp8_config(M * K, E, H, I, candidate=candidate)
+        ws = make_fp8_workspace(M, K, E, H, I, config=cfg, device=dev)
+        state["ws"] = ws
+        info["config"] = cfg.short()
+        run_ids = ids
+        if variant == "oblivious":
+            wrapped = torch.empty_like(ids)
+            last = torch.tensor(E - 1, dtype=ids.dtype, device=dev)
+
+            def remap():
+                torch.where(ids < 0, last, ids, out=wrapped)
+
+            remap()
+            run_ids = wrapped
+            info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
+            routing_ids = torch.where(routing_ids < 0, torch.full_like(routing_ids, E - 1), routing_ids)
+
+        def run():
+            if variant == "oblivious":
+                remap()
+            return fused_experts_fp8(x_q, x_sf, run_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, group_size=G,
+                                     scale_format=fmt, workspace=ws, out=out)
+
+        def reference(check_ids, rows):
+            sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+            return fp8_reference_with_bound(sel(x_q), sel(x_sf), sel(check_ids), sel(topk_weights), w13_q, w13_s,
+                                            w2_q, w2_s, group_size=G, scale_format=fmt, model=model)
+    elif variant == "scaled_grouped_mm":
+        graph_ok = False
+        rw = rowwise_inputs(x_q, x_sf, G, fmt, w13_q, w13_s, w2_q, w2_s)
+        run_ids = ids
+        peer_model = error_model(dev, H, I, h_store_rel=BF16_REL)
+
+        def run():
+            return fused_experts_fp8_scaled_grouped_mm(rw, ids, topk_weights, out=out)
+
+        def reference(check_ids, rows):
+            sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+            x = sel(rw.x_q).float() * sel(rw.x_scales)[:, None]
+            return reference_from_dequantised(
+                x, lambda e: rw.w13_q[e].float() * rw.w13_scales[e][:, None],
+                lambda e: rw.w2_q[e].float() * rw.w2_scales[e][:, None], sel(check_ids), sel(topk_weights), E,
+                act_group=I, model=peer_model)
+    else:  # pragma: no cover
+        raise ValueError(variant)
+
+    def check() -> CheckResult:
+        poison(out)
+        if "ws" in state:
+            for t in (state["ws"].act_q, state["ws"].act_scales, state["ws"].y):
+                poison(t)
+        run()
+        rows = _sample_rows(M, 3.0 * flops, dev, p.seed)
+        ref, bound = reference(run_ids, rows)
+        got = out if rows is None else out.index_select(0, rows)
+        res = check_within_bound("out", got.float(), ref, bound)
+        res.metrics["out.rows_checked"] = float(got.shape[0])
+        checks = [res]
+        if not torch.isfinite(out).all():
+            checks.append(CheckResult(False, "out: non-finite (unwritten?) rows"))
+        empty = ~((run_ids >= 0) & (run_ids < E)).any(dim=1)
+        if bool(empty.any()) and bool((out[empty] != 0).any()):
+            checks.append(CheckResult(False, "out: rows without a valid route are not zero"))
+        if variant == "oblivious":
+            masked = fused_experts_fp8(x_q, x_sf, ids, topk_weights, w13_q, w13_s, w2_q, w2_s, group_size=G,
+                                       scale_format=fmt, workspace=state["ws"])
+            diff = (out.float() - masked.float()).abs().amax(dim=1)
+            corrupted = ~(diff <= 1e-2 * masked.float().abs().amax(dim=1))  # NaN counts as corrupted
+            info["corrupted_rows"] = int(corrupted.sum())
+            res.metrics["corrupted_rows"] = float(info["corrupted_rows"])
+        return CheckResult.merge(*checks)
+
+    def cleanup():
+        state.clear()
+
+    return Case(run=run, check=check, bytes_moved=bytes_moved, flops=flops, bytes_note=note,
+                roofline_us=roofline_us(flops, bytes_moved, fp8=True),
+                routing=Routing(routing_ids, batch.is_padding, p.num_experts, p.ep_size),
+                graph_capturable=graph_ok, info=info, nvtx_stage="experts", cleanup=cleanup)
+
+
+@register_impl("fused_experts.fp8", targets=("kernel",), available=_triton_available, validate=_validate,
+               description="Triton fp8 grouped GEMMs on the staged rows: block-scaled gate/up + SwiGLU + "
+                           "re-quantisation, down + top-k weight, slot sum")
+def build_fp8(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "triton")
+
+
+@register_impl("fused_experts.fp8_oblivious", targets=("kernel",), available=_triton_available, validate=_validate,
+               twin_of="fused_experts.fp8", description="pre-fix twin: -1 routes computed on the last local expert")
+def build_fp8_oblivious(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "oblivious")
+
+
+@register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), validate=_validate,
+               available=lambda ctx: scaled_grouped_mm_unavailable(ctx.device),
+               description="torch._scaled_grouped_mm peer (row-wise fp8 scales, eager SwiGLU + requant + slot sum)")
+def build_fp8_peer(p, ctx: RunContext) -> Case:
+    return _build(p, ctx, "scaled_grouped_mm")
+
+
+def _register_candidate(name: str) -> None:
+    @register_impl(f"fused_experts.fp8_{name}", targets=("kernel",), available=_triton_available,
+                   validate=_validate, description=f"fused_experts.fp8 with the {name} tuning candidate forced")
+    def build(p, ctx: RunContext) -> Case:
+        return _build(p, ctx, "triton", candidate=name)
+
+
+for _name in FP8_CANDIDATES:
+    _register_candidate(_name)

@@ -1,0 +1,324 @@
+"""fused_experts_fp8 and its quantisers against the dequantised reference (fused_experts_fp8_ref).
+
+CPU runs go through Triton's interpreter at small shapes (E=4, H=256 or 512, I=128). The interpreter's own
+fp32 -> e4m3 cast loses the carry into the next binade (124.4 -> 64); the kernels round in fp32 arithmetic first
+when interpreting (fp8_quant.to_e4m3 SOFT), so the quantisers are compared bitwise here too, and the @gpu tests
+compare the hardware cast bitwise.
+
+Error bound: elementwise, derived in fused_experts_fp8_ref's docstring (fp32 accumulation of both GEMMs, e4m3
+flips of the re-quantised activation where the GEMM-1 difference can cross a rounding midpoint, bf16 stores);
+its max / RMS relative limits are that bound's, per shape. Measured on the CPU (T=16 and 64, K=2, E=4, H=256
+(512 for packed group 128), I=128, three layouts): max_rel 2.9e-3 .. 5.8e-3 (bound 1.2e-2 .. 2.1e-2), rms_rel
+1.9e-3 .. 2.2e-3 (bound 1.8e-2 .. 3.0e-2), worst element at 0.62 of its own bound. The bf16 stores dominate:
+under the interpreter GEMM 1 differs by ~1e-6, so almost no re-quantised element can flip.
+"""
+
+import pytest
+import torch
+
+from moebench.check import poison
+from moebench.kernels.fp8_quant import (
+    E4M3,
+    dequantize_staged,
+    dequantize_weights,
+    quantize_weights_fp8_block,
+    quantize_weights_fp8_block_torch,
+    requantize_rows_fp8,
+    requantize_rows_fp8_torch,
+    staged_scales,
+)
+from moebench.kernels.fused_experts import fused_experts_torch, make_expert_weights
+from moebench.kernels.fused_experts_fp8 import (
+    FP8_CANDIDATES,
+    CONFIG_ENV,
+    choose_fp8_config,
+    fused_experts_fp8,
+    make_fp8_workspace,
+)
+from moebench.kernels.fused_experts_fp8_ref import (
+    check_within_bound,
+    error_model,
+    fp8_reference_with_bound,
+    fused_experts_fp8_torch,
+    kernel_view_of_x,
+    requant_deviation,
+)
+from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs_torch
+
+E, H, I = 4, 256, 128
+FORMATS = [(128, "fp32"), (32, "ue8m0_packed"), (128, "ue8m0_packed")]
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
+
+
+def _hard_values(rows, cols, seed=0):
+    """Activations with rounding ties, values whose e4m3 mantissa rounds up into the next binade (124.4 with a
+    group max of 448 -> 128), subnormal results, all-zero groups, and magnitudes over 7 decades."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(rows, cols, generator=g) * torch.logspace(-5, 2, rows)[:, None]
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact midpoints of e4m3 (with scale 1: the group max is 448)
+    a[0, :] = 0.0
+    a[1, :mids.numel()] = mids[:cols]
+    a[1, -1] = 448.0
+    a[2, :4] = torch.tensor([124.4, -124.4, 0.01, 448.0])
+    return a
+
+
+def test_requantizer_bitwise_and_scales_exact(device):
+    a = _hard_values(40, 256).to(device)
+    q, s = requantize_rows_fp8(a)
+    q_ref, s_ref = requantize_rows_fp8_torch(a)
+    assert torch.equal(_bits(s), _bits(s_ref))
+    assert torch.equal(_bits(q), _bits(q_ref))
+    assert q[2, 0].float().item() == 128.0  # the carry the interpreter's own cast drops
+    assert (q[1, 1:120].float() != 0).all() and (q[0].float() == 0).all()
+
+
+def test_weight_quantizer_bitwise(device):
+    w13, _ = make_expert_weights(2, 256, 192, seed=1, device="cpu")
+    w = w13.to(device)
+    w[1, :128, :128] = 0  # an all-zero block: the amax floor, no division by zero
+    q, s = quantize_weights_fp8_block(w)
+    q_ref, s_ref = quantize_weights_fp8_block_torch(w)
+    assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
+    assert s.shape == (2, 384 // 128, 256 // 128)
+    # dequantised within e4m3's rounding (half a step, 2^-4 relative) of each weight, blocks scale-limited below
+    err = (dequantize_weights(q, s) - w.float()).abs()
+    assert (err <= 2 ** -4 * w.float().abs() + s.repeat_interleave(128, 1).repeat_interleave(128, 2) * 2 ** -10).all()
+
+
+def test_staged_scales_unpack():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    ids, w = torch.zeros(8, 1, dtype=torch.int32), torch.ones(8, 1)
+    _, sf32, _, _ = prepare_moe_inputs_torch(x, w, ids, None, 32, "fp32")
+    xq, packed, _, _ = prepare_moe_inputs_torch(x, w, ids, None, 32, "ue8m0_packed")
+    s = staged_scales(packed, 32, "ue8m0_packed", 512)
+    # UE8M0 is the fp32 scale rounded up to a power of two
+    assert (s >= sf32).all() and (s < 2 * sf32).all() and (torch.frexp(s).mantissa == 0.5).all()
+    deq = dequantize_staged(xq, packed, 32, "ue8m0_packed")
+    assert ((deq - x.float()).abs() <= 2 ** -4 * x.float().abs() + s.repeat_interleave(32, 1) * 2 ** -10).all()
+
+
+def _problem(device, T, K, G, fmt, *, seed=0, h=H, i=I, pad_rows=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, generator=g).to(torch.bfloat16)
+    x[:, :32] *= 8  # sub-groups with different exponents in a K step: the UE8M0 alignment has work to do
+    w13, w2 = make_expert_weights(E, h, i, seed=seed, device="cpu")
+    ids = torch.stack([torch.randperm(E + 2, generator=g)[:K] for _ in range(T)]).to(torch.int32)  # E, E+1: non-local
+    ids[torch.rand(T, K, generator=g) < 0.2] = -1
+    is_padding = torch.zeros(T, dtype=torch.bool)
+    is_padding[T - pad_rows:] = True
+    w = torch.rand(T, K, generator=g) + 0.05
+    x_q, x_sf, staged_ids, staged_w = prepare_moe_inputs_torch(x, w, ids, is_padding, G, fmt)
+    w13_q, w13_s = quantize_weights_fp8_block_torch(w13)
+    w2_q, w2_s = quantize_weights_fp8_block_torch(w2)
+    return [t.to(device) for t in (x_q, x_sf, staged_ids, staged_w, w13_q, w13_s, w2_q, w2_s)]
+
+
+@pytest.mark.parametrize("G,fmt", FORMATS)
+@pytest.mark.parametrize("T", [16, 64])
+def test_fused_experts_fp8_within_derived_bound(device, G, fmt, T):
+    h = 512 if fmt == "ue8m0_packed" and G == 128 else H  # the packed layout needs H % (4 * G) == 0
+    args = _problem(device, T, 2, G, fmt, seed=T + G, h=h)
+    x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
+    assert (ids < 0).any() and (ids >= E).any() and ((ids >= 0) & (ids < E)).any()
+    ws = make_fp8_workspace(T, 2, E, h, I, device=device)
+    for t in (ws.act_q, ws.act_scales, ws.y):
+        poison(t)
+    out = poison(torch.empty(T, h, dtype=torch.bfloat16, device=device))
+    fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws, out=out)
+    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
+                                          model=error_model(torch.device(device), h, I))
+    res = check_within_bound("out", out.float(), ref, bound)
+    assert res.ok, res.detail
+    m = res.metrics
+    print(f"T={T} G={G} {fmt}: max_rel {m['out.max_rel']:.3g} (bound {m['out.bound_max_rel']:.3g}), "
+          f"rms_rel {m['out.rms_rel']:.3g} (bound {m['out.bound_rms_rel']:.3g}), ratio {m['out.bound_ratio']:.3g}")
+    assert m["out.bound_max_rel"] < 0.05  # the derived bound is itself a few bf16 steps, not a loose tolerance
+    # padded rows and rows with only skipped routes: exactly zero; skipped routes: no y row written
+    empty = ~((ids >= 0) & (ids < E)).any(dim=1)
+    assert empty[-4:].all() and (out[empty] == 0).all()
+    placed = ((ids >= 0) & (ids < E)).reshape(-1)
+    assert torch.isnan(ws.y[~placed].float()).all() and torch.isfinite(ws.y[placed].float()).all()
+    # the eager reference in bf16 lands within the same bound
+    assert check_within_bound("torch", fused_experts_fp8_torch(*args, group_size=G, scale_format=fmt).float(),
+                              ref, bound).ok
+
+
+@pytest.mark.parametrize("G,fmt", FORMATS[:2])
+def test_requantised_activation_matches_reference(device, G, fmt):
+    """The gate/up stage alone: the workspace's e4m3 act (x its scales) per sorted position against the
+    reference's re-quantised SwiGLU output, within requant_deviation's bound, and almost every e4m3 code
+    bit-identical (a code may only differ where GEMM 1's fp32 differences move it across a rounding midpoint)."""
+    T, K = 32, 2
+    args = _problem(device, T, K, G, fmt, seed=5)
+    x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
+    ws = make_fp8_workspace(T, K, E, H, I, device=device)
+    poison(ws.act_q)
+    fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
+    bm = ws.config.block_m
+    x = kernel_view_of_x(x_q, x_sf, G, fmt)
+    x_exact = dequantize_staged(x_q, x_sf, G, fmt)
+    model = error_model(torch.device(device), H, I)
+    n = int(ws.num_post.item())
+    checked = exact = 0
+    for b in range(n // bm):
+        e = int(ws.expert_ids[b])
+        routes = ws.sorted_ids[b * bm:(b + 1) * bm].long()
+        ok = routes < T * K
+        pos = torch.arange(b * bm, (b + 1) * bm, device=routes.device)[ok]
+        rows = x_exact[routes[ok] // K]
+        w1 = dequantize_weights(w13_q[e], w13_s[e])
+        hh = rows @ w1.T
+        a = torch.nn.functional.silu(hh[:, :I]) * hh[:, I:]
+        q_ref, s_ref = requantize_rows_fp8_torch(a)
+        got = ws.act_q[pos].float() * ws.act_scales[pos].repeat_interleave(128, 1)
+        want = q_ref.float() * s_ref.repeat_interleave(128, 1)
+        dh = model.gemm1_rel * (rows.abs() @ w1.abs().T) + (x[routes[ok] // K] - rows).abs() @ w1.abs().T
+        g, u, dg, du = hh[:, :I], hh[:, I:], dh[:, :I], dh[:, I:]
+        da = 1.1 * u.abs() * dg + torch.nn.functional.silu(g).abs() * du + 1.1 * dg * du + 2 ** -21 * a.abs()
+        assert ((got - want).abs() <= requant_deviation(a, da, 128) + 1e-30).all()
+        checked += got.numel()
+        exact += int((_bits(ws.act_q[pos]) == _bits(q_ref)).sum())  # the scales may differ by an fp32 ulp
+    assert checked > 0 and exact >= 0.99 * checked
+
+
+def test_bound_catches_a_missing_requantisation():
+    """The bound is tight enough to tell: the same experts computed without re-quantising the activation
+    (the bf16 reference on the dequantised inputs) fall outside it."""
+    args = _problem("cpu", 64, 2, 128, "fp32", seed=11)
+    x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
+    ref, bound = fp8_reference_with_bound(*args, group_size=128, scale_format="fp32",
+                                          model=error_model(torch.device("cpu"), H, I))
+    no_requant = fused_experts_torch(dequantize_staged(x_q, x_sf, 128, "fp32"), dequantize_weights(w13_q, w13_s),
+                                     dequantize_weights(w2_q, w2_s), w, ids, out_dtype=torch.float32)
+    assert not check_within_bound("out", no_requant.to(torch.bfloat16).float(), ref, bound).ok
+
+
+def test_ue8m0_alignment_view_is_exact_for_normal_values():
+    x_q, x_sf, *_ = _problem("cpu", 16, 1, 32, "ue8m0_packed", seed=2)
+    view = kernel_view_of_x(x_q, x_sf, 32, "ue8m0_packed")
+    exact = dequantize_staged(x_q, x_sf, 32, "ue8m0_packed")
+    s = staged_scales(x_sf, 32, "ue8m0_packed", H).repeat_interleave(32, 1)
+    differs = view != exact
+    assert differs.float().mean() < 0.05  # only values pushed below e4m3's normal range round
+    s_max = s.reshape(16, H // 128, 128).amax(dim=2, keepdim=True).expand(-1, -1, 128).reshape(16, H)
+    assert ((view - exact).abs() <= s_max * 2 ** -10).all()
+
+
+def test_argument_errors():
+    args = _problem("cpu", 8, 1, 128, "fp32")
+    with pytest.raises(ValueError, match="group_size 32 with ue8m0_packed"):
+        fused_experts_fp8(*args, group_size=32, scale_format="fp32")
+    with pytest.raises(ValueError, match="x_scales"):
+        fused_experts_fp8(*args, group_size=256, scale_format="fp32")
+    bad = list(args)
+    bad[4] = bad[4].float()
+    with pytest.raises(ValueError, match="w13_q"):
+        fused_experts_fp8(*bad, group_size=128, scale_format="fp32")
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_weights_fp8_block(torch.zeros(1, 100, 128))
+
+
+def test_choose_fp8_config_candidates(monkeypatch):
+    import moebench.kernels.fused_experts_fp8 as mod
+
+    monkeypatch.setattr(mod, "interpreting", lambda: False)
+    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s4"
+    assert choose_fp8_config(256, 128, 7168, 2048).block_m == 16
+    for name, cfg in FP8_CANDIDATES.items():
+        assert cfg.gate_up.block_n == 128 and choose_fp8_config(32768, 128, 7168, 2048, candidate=name).name == name
+        # promotion keeps two fp32 copies of the [BM, 2*BN] gate/up tile: <= 128 registers a thread
+        assert 2 * cfg.block_m * 2 * cfg.gate_up.block_n // (32 * cfg.gate_up.num_warps) <= 128
+        assert 2 * cfg.block_m * cfg.down.block_n // (32 * cfg.down.num_warps) <= 128
+    monkeypatch.setenv(CONFIG_ENV, "bm64_s3")
+    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s3"
+    monkeypatch.setenv(CONFIG_ENV, "nope")
+    with pytest.raises(ValueError, match="bm64_s4"):
+        choose_fp8_config(32768, 128, 7168, 2048)
+
+
+def test_peer_plumbing_with_emulated_scaled_grouped_mm(monkeypatch):
+    """The peer's sorting, offs and scale layouts, with torch._scaled_grouped_mm replaced by its definition
+    (the real op needs CUDA sm90; the @gpu test runs it)."""
+    from moebench.kernels import fused_experts_fp8_peer as peer
+    from moebench.kernels.fused_experts_fp8_ref import BF16_REL, reference_from_dequantised
+
+    def emulated(a, b, scale_a, scale_b, offs=None, out_dtype=None):
+        out, start = [], 0
+        for g, end in enumerate(offs.tolist()):
+            out.append((a[start:end].float() * scale_a[start:end, None]) @ (b[g].float() * scale_b[g][None, :]))
+            start = end
+        return torch.cat(out).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated, raising=False)
+    args = _problem("cpu", 32, 2, 32, "ue8m0_packed", seed=4)
+    x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
+    rw = peer.rowwise_inputs(x_q, x_sf, 32, "ue8m0_packed", w13_q, w13_s, w2_q, w2_s)
+    assert rw.x_scales.shape == (32,) and rw.w13_scales.shape == (E, 2 * I) and rw.w2_scales.shape == (E, H)
+    out = peer.fused_experts_fp8_scaled_grouped_mm(rw, ids, w)
+    ref, bound = reference_from_dequantised(
+        rw.x_q.float() * rw.x_scales[:, None], lambda e: rw.w13_q[e].float() * rw.w13_scales[e][:, None],
+        lambda e: rw.w2_q[e].float() * rw.w2_scales[e][:, None], ids, w, E, act_group=I,
+        model=error_model(torch.device("cpu"), H, I, h_store_rel=BF16_REL))
+    res = check_within_bound("peer", out.float(), ref, bound)
+    assert res.ok, res.detail
+    assert "CUDA" in peer.scaled_grouped_mm_unavailable(torch.device("cpu"))
+
+
+def test_registered_fp8_impls_check(device):
+    from moebench.registry import RunContext, get
+    from moebench.sweep import Params
+
+    ctx = RunContext(device=device)
+    p = Params(num_tokens=16, num_experts=8, num_local_experts=4, top_k=3, hidden=256, intermediate=128,
+               padding_ratio=0.25, padding_fill="repeat", group_size=32, scale_format="ue8m0_packed")
+    for name in ("fused_experts.fp8", "fused_experts.fp8_oblivious"):
+        impl = get(name)
+        assert impl.available(ctx) is None and impl.validate(p) is None
+        case = impl.build(p, ctx)
+        res = case.check()
+        assert res.ok, (name, res.detail)
+        assert case.nvtx_stage == "experts" and case.flops > 0 and case.bytes_moved > 0 and case.roofline_us > 0
+        if name.endswith("oblivious"):
+            assert case.info["corrupted_rows"] > 0 and case.info["computed_routes"] > case.info["valid_routes"]
+        case.cleanup()
+    assert get("fused_experts.fp8_oblivious").twin_of == "fused_experts.fp8"
+    assert "multiples of 128" in get("fused_experts.fp8").validate(Params(hidden=200))
+    assert "group_size 32" in get("fused_experts.fp8").validate(Params(group_size=32, scale_format="fp32"))
+    if device.type != "cuda":
+        assert "CUDA" in get("fused_experts.fp8_scaled_grouped_mm").available(ctx)
+
+
+@pytest.mark.gpu
+def test_gpu_quantisers_bitwise_at_scale():
+    a = torch.cat([_hard_values(40, 2048, seed=s) for s in range(8)]).cuda()
+    q, s = requantize_rows_fp8(a)
+    q_ref, s_ref = requantize_rows_fp8_torch(a)
+    assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
+    w13, _ = make_expert_weights(4, 7168, 2048, seed=0, device="cuda")
+    q, s = quantize_weights_fp8_block(w13)
+    q_ref, s_ref = quantize_weights_fp8_block_torch(w13)
+    assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("candidate", [None, *FP8_CANDIDATES])
+@pytest.mark.parametrize("G,fmt", [(128, "fp32"), (32, "ue8m0_packed")])
+def test_gpu_fused_experts_fp8_within_bound(G, fmt, candidate):
+    T, K, h, i = 1024, 8, 2048, 512
+    args = _problem("cuda", T, K, G, fmt, seed=1, h=h, i=i, pad_rows=256)
+    ids = args[2]
+    ws = make_fp8_workspace(T, K, E, h, i, config=choose_fp8_config(T * K, E, h, i, candidate=candidate),
+                            device="cuda")
+    out = fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
+    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
+                                          model=error_model(torch.device("cuda"), h, i))
+    res = check_within_bound("out", out.float(), ref, bound)
+    assert res.ok, res.detail
+    assert (out[~((ids >= 0) & (ids < E)).any(dim=1)] == 0).all()
