@@ -18,7 +18,7 @@ import torch
 
 from moebench import registry
 from moebench.measure.timing import measure
-from moebench.profiling import range_name
+from moebench.measure.nvtx import range_name
 from moebench.registry import RunContext
 from moebench.sweep import Params, Timing
 
@@ -31,12 +31,18 @@ FAMILY_OVERRIDES = {
     "ep_sim": dict(ep_mode="simulated", ep_size=2),  # its validate accepts simulated points only
     "jit_trace": dict(hidden=32, trace=[5, 17, 5, 40], num_max_tokens_per_rank=48, padding_ratio=0.0),
 }
+# fp8 expert impls need 128x128 weight blocks
+IMPL_PREFIX_OVERRIDES = {"fused_experts.fp8": dict(hidden=128, intermediate=128, group_size=32)}
 TIMING = Timing(mode="wall", warmup=0, iters=1, max_seconds=60.0)
 RANGE = re.compile(r"moebench/[a-z0-9_]+/[a-z0-9_]+\.[a-z0-9_]+")
 
 
 def small_params(impl: registry.Impl) -> Params:
-    p = dataclasses.replace(Params(), **{**SMALL, **FAMILY_OVERRIDES.get(impl.kernel, {})})
+    over = {**SMALL, **FAMILY_OVERRIDES.get(impl.kernel, {})}
+    for prefix, extra in IMPL_PREFIX_OVERRIDES.items():
+        if impl.name.startswith(prefix):
+            over.update(extra)
+    p = dataclasses.replace(Params(), **over)
     if impl.multi_rank:
         p = dataclasses.replace(p, ep_size=1)  # one process: the path degenerates to local compute
     return p

@@ -84,7 +84,8 @@ def _build(p, ctx: RunContext, variant: str) -> Case:
     topk_weights = topk_weights.float().contiguous()
     E, H, I = p.local_experts, p.hidden, p.intermediate
     # rank 0's expert map: g -> g if g < E (its local experts) else -1
-    ids = apply_expert_map_torch(global_ids, build_expert_map(p.num_experts, num_local_experts=E)).to(torch.int32)
+    expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=global_ids.device)
+    ids = apply_expert_map_torch(global_ids, expert_map).to(torch.int32)
     x = batch.hidden
     M, K = ids.shape
     w13, w2 = make_expert_weights(E, H, I, seed=p.seed, device=dev)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from moebench.check import CheckResult, poison
+from moebench.check import CheckResult, compare_close, poison
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
-from moebench.kernels.fused_experts import local_ids_rank0, make_expert_weights
+from moebench.inputs.weights import make_expert_weights
+from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fused_experts_fp8 import (
     FP8_CANDIDATES,
     choose_fp8_config,
@@ -36,7 +37,6 @@ from moebench.kernels.fused_experts_fp8_peer import (
 )
 from moebench.kernels.fused_experts_fp8_ref import (
     BF16_REL,
-    check_within_bound,
     error_model,
     fp8_reference_with_bound,
     reference_from_dequantised,
@@ -44,6 +44,28 @@ from moebench.kernels.fused_experts_fp8_ref import (
 from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs
 from moebench.measure.roofline import roofline_us
 from moebench.registry import Case, Routing, RunContext, register_impl
+
+
+def check_within_bound(name: str, out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> CheckResult:
+    """Elementwise |out - ref| <= bound (where the bound is 0, e.g. rows without a valid route, exact equality),
+    reported with max / RMS relative errors against limits that are the bound's own max / RMS relative."""
+    o, r, b = out.double().cpu(), ref.double().cpu(), bound.double().cpu()
+    ref_max = r.abs().max().item() or 1.0
+    ref_rms = r.pow(2).mean().sqrt().item() or 1.0
+    max_limit, rms_limit = b.max().item() / ref_max, b.pow(2).mean().sqrt().item() / ref_rms
+    res = compare_close(name, o, r, max_rel=max_limit, rms_rel=rms_limit)
+    d = (o - r).abs().nan_to_num(float("inf"))
+    over = d > b
+    ratio = (d / b.clamp_min(1e-300)).where(b > 0, torch.where(d > 0, float("inf"), 0.0))
+    res.metrics.update({f"{name}.bound_max_rel": max_limit, f"{name}.bound_rms_rel": rms_limit,
+                        f"{name}.bound_ratio": float(ratio.max()) if ratio.numel() else 0.0})
+    if bool(over.any()):
+        first = [tuple(i.tolist()) for i in over.nonzero()[:5]]
+        detail = f"{name}: {int(over.sum())}/{over.numel()} elements beyond the derived bound, first " + ", ".join(
+            f"{i}: {o[i].item():.6g} vs {r[i].item():.6g} (bound {b[i].item():.3g})" for i in first)
+        res = CheckResult(False, "; ".join(x for x in (res.detail, detail) if x), res.metrics)
+    return res
+
 
 _WEIGHTS: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last quantised weights (one set: 5.6 GB at full size)
 
@@ -102,7 +124,9 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Ca
     x_q, x_sf, staged_ids, topk_weights = prepare_moe_inputs(batch.hidden, router_w.float().contiguous(),
                                                              global_ids, batch.mask, G, fmt)
     E, H, I = p.local_experts, p.hidden, p.intermediate
-    ids = local_ids_rank0(staged_ids, E)
+    # rank 0 of an EP layout holding experts [0, E): non-local ids -> -1
+    expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=staged_ids.device)
+    ids = apply_expert_map_torch(staged_ids, expert_map).to(torch.int32)
     M, K = ids.shape
     w13_q, w13_s, w2_q, w2_s = quantized_expert_weights(E, H, I, seed=p.seed, device=dev)
     valid = (ids >= 0) & (ids < E)

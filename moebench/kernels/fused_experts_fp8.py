@@ -3,7 +3,7 @@
     out[m] = sum over valid k of topk_weights[m,k] * (requant(silu(x[m] @ w13[e,:I].T) * (x[m] @ w13[e,I:].T))
              @ w2[e].T),   x = x_q * group scales, w = w_q * 128x128 block scales, requant = e4m3 per 128 columns
 
-Same pipeline and skipping as the bf16 `fused_experts` (`_grouped_gemm`): align_routes -> fp8 gate/up + SwiGLU
+Same pipeline and skipping as the bf16 `fused_experts` (`grouped_gemm`): align_routes -> fp8 gate/up + SwiGLU
 (+ re-quantisation) -> fp8 down + top-k weight -> deterministic slot sum; -1 and ids >= E are never placed, so
 they cost no GEMM work; persistent programs read the block count on the device (no host sync, graph capturable).
 
@@ -40,18 +40,18 @@ import triton
 import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting
-from moebench.kernels._grouped_gemm import (
-    _swizzle,
-    _weight_operand,
-    align_capacity,
+from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels.grouped_gemm import (
     align_routes,
     align_scratch_size,
     max_blocks,
     persistent_programs,
     sum_slots,
+    swizzle,
+    weight_operand,
 )
+from moebench.kernels.moe_align_block_size import align_capacity
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
-from moebench.kernels.masked_moe_sum import _round_store_value, soft_bf16
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "Fp8ExpertsWorkspace",
            "make_fp8_workspace", "fused_experts_fp8", "check_fp8_args", "x_scale_mode", "CONFIG_ENV"]
@@ -175,7 +175,7 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
     num_pid_n = inter // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         route = tl.load(sorted_ptr + offs_m)
@@ -232,7 +232,7 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
     num_pid_n = hidden // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         route = tl.load(sorted_ptr + offs_m)
@@ -265,7 +265,7 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
         weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
         y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, _round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=row_ok[:, None])
+        tl.store(y_ptrs, round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=row_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def _gate_up(x_q, x_scales, w13_q, w13_scales, ws: Fp8ExpertsWorkspace, top_k: i
     assert cfg.block_n == ACT_GROUP, "gate/up BLOCK_N is the re-quantisation group"
     n_pid_m = max_blocks(M * top_k, E, bm)
     programs = _programs(x_q.device, n_pid_m * (inter // cfg.block_n), bm, cfg, 2)
-    w_arg, tma = _weight_operand(w13_q, cfg.block_n, cfg, inter)
+    w_arg, tma = weight_operand(w13_q, cfg.block_n, cfg, inter)
     _fp8_gate_up_kernel[(programs,)](
         x_q, x_scales, w_arg, w13_scales, ws.act_q, ws.act_scales, sorted_ids, expert_ids, num_post,
         M * top_k, top_k, H, inter, programs,
@@ -382,7 +382,7 @@ def _down(w2_q, w2_scales, topk_weights, ws: Fp8ExpertsWorkspace, sorted_ids, ex
     R = topk_weights.numel()
     n_pid_m = max_blocks(R, E, bm)
     programs = _programs(w2_q.device, n_pid_m * (H // cfg.block_n), bm, cfg, 1)
-    w_arg, tma = _weight_operand(w2_q, cfg.block_n, cfg, H)
+    w_arg, tma = weight_operand(w2_q, cfg.block_n, cfg, H)
     _fp8_down_kernel[(programs,)](
         ws.act_q, ws.act_scales, w_arg, w2_scales, ws.y, topk_weights, sorted_ids, expert_ids, num_post,
         R, H, inter, programs,

@@ -146,7 +146,7 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped program order: GROUP_M consecutive M-blocks sweep the N tiles together, so the weight tile of an
     expert (whose blocks are consecutive) and the activation rows of the group are re-read from L2, not HBM."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -173,7 +173,7 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
     num_pid_n = tl.cdiv(inter, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         route = tl.load(sorted_ptr + offs_m)
@@ -234,7 +234,7 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         route = tl.load(sorted_ptr + offs_m)

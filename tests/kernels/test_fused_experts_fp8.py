@@ -27,7 +27,8 @@ from moebench.kernels.fp8_quant import (
     requantize_rows_fp8_torch,
     staged_scales,
 )
-from moebench.kernels.fused_experts import fused_experts_torch, make_expert_weights
+from moebench.inputs.weights import make_expert_weights
+from moebench.kernels.fused_experts import fused_experts_torch
 from moebench.kernels.fused_experts_fp8 import (
     FP8_CANDIDATES,
     CONFIG_ENV,
@@ -35,8 +36,8 @@ from moebench.kernels.fused_experts_fp8 import (
     fused_experts_fp8,
     make_fp8_workspace,
 )
+from moebench.bench.experts_fp8 import check_within_bound
 from moebench.kernels.fused_experts_fp8_ref import (
-    check_within_bound,
     error_model,
     fp8_reference_with_bound,
     fused_experts_fp8_torch,
