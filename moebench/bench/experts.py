@@ -163,6 +163,7 @@ def _build(p, ctx: RunContext, variant: str) -> Case:
 
 
 def triton_available(ctx: RunContext) -> str | None:
+    """None where the Triton kernels can run (a GPU, or the CPU interpreter), else why not."""
     if ctx.is_cuda or interpreting():
         return None
     return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
@@ -172,7 +173,6 @@ def _grouped_mm_validate(p) -> str | None:
     if p.hidden % 8 or p.intermediate % 8:
         return "hidden/intermediate: torch._grouped_mm needs multiples of 8 (16-byte rows)"
     return None
-
 
 
 @register_impl("fused_experts.triton", targets=("kernel",), available=triton_available,

@@ -35,10 +35,10 @@ from __future__ import annotations
 import torch
 
 from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
+from moebench.bench.experts import triton_available
 from moebench.bench.staging import compare_staging
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import cached_expert_weights, make_batch
-from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import (
     apply_expert_map,
     apply_expert_map_oblivious_torch,
@@ -367,12 +367,6 @@ def _validate(p) -> str | None:
     return why
 
 
-def _available(ctx: RunContext) -> str | None:
-    if ctx.is_cuda or interpreting():
-        return None
-    return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
-
-
 def _build(variant: str):
     masked = variant == "masked"
 
@@ -444,5 +438,5 @@ _DESCRIPTIONS = {
 }
 for _variant in ("masked", "oblivious"):
     register_impl(f"layer.{_variant}", targets=("layer",), description=_DESCRIPTIONS[_variant],
-                  available=_available, validate=_validate,
+                  available=triton_available, validate=_validate,
                   twin_of="layer.masked" if _variant == "oblivious" else None)(_build(_variant))
