@@ -35,11 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.dispatch.a2a_fixed import (_use_triton, combine_fixed, combine_fixed_torch, pack_fixed,
-                                         pack_fixed_torch, run_plan)
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
-                                    all_to_all_single, grow_rows)
-from moebench.dispatch.permute import RowLayout, plan_scratch
+from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path
+from moebench.dispatch.comm import SideStream, all_to_all_single, grow_rows, triton_default
+from moebench.dispatch.pack import combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
+from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
 from moebench.kernels._details.args import check_mask
 
 
@@ -75,8 +74,9 @@ def _signature(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+@dispatch_path("a2a", description="count exchange (host sync), permute by destination, exact-size "
+                                   "all_to_all_single; scatter-sum back")
 class A2APath(DispatchPath):
-    name = "a2a"
     receives = "token"
     graph_capturable = False  # the split sizes are read back on the host
 
@@ -85,7 +85,7 @@ class A2APath(DispatchPath):
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", use_triton: bool | None = None, graph: bool | None = None):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self.use_triton = triton_default(self.device) if use_triton is None else use_triton
         self.graph = (self.device.type == "cuda" and self.use_triton) if graph is None else graph
         if self.graph and self.device.type != "cuda":
             raise ValueError("a2a: graph=True needs a CUDA device")
