@@ -689,7 +689,7 @@ def _gpu_worker(ctx):
         steps[trial] = (res["recv_ok"] and res["combined_ok"] and res["padded_rows_received"] == 0,
                         f"{res['recv_detail']} {res['combined_detail']}",
                         tuple(res["stats"]["rows_sent_per_dest"]))
-    out["a2a_graph_steps"] = (steps, len(a2a._graphs))
+    out["a2a_graph_steps"] = (steps, len(a2a.graphs))
     # a2a_fixed captured once in a CUDA graph, replayed after the inputs change in place
     cap = capacity_for("max", 0, Tg)
     path = A2AFixedPath(layout, hidden=Hg, top_k=Kg, num_tokens=Tg, capacity=cap, device="cuda")

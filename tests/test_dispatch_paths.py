@@ -1,7 +1,8 @@
 """The dispatch path interface and registry: discovery finds the package's paths (names, descriptions, flags as
 registered before the redesign); a new path is one class (a toy all-gather path defined here, registered with
 nothing else edited, checks out through bench/dispatch's Case on one rank and on two gloo ranks, and its hooks are
-wired); module hygiene (no private names imported across
+wired); the a2a graph cache runs exactly one count exchange per step whether a rank hits or misses (CPU-verified
+with real gloo collectives: graph capture itself needs CUDA); module hygiene (no private names imported across
 modules, no module over 500 lines, the bench module names no path).
 """
 
@@ -14,10 +15,12 @@ import torch
 from moebench import dist as mdist
 from moebench import registry
 from moebench.bench import dispatch as bench_dispatch
-from moebench.check import CheckResult
+from moebench.check import CheckResult, compare_close
+from moebench.dispatch.a2a import A2APath, GraphCache
 from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path, effective_ids,
                                     local_ids, package_paths, path_class, token_in_rank)
 from moebench.dispatch.comm import all_gather_rows, reduce_scatter_rows
+from moebench.dispatch.reference import check_received, gather_inputs, scaled_expert, scaled_expert_reference
 from moebench.registry import RunContext
 from moebench.sweep import Params
 
@@ -224,6 +227,110 @@ def test_a2a_fixed_sizes_its_capacity_from_the_point():
     assert path.extra_checks(d) == []
     path.recv_ids[-1] = 0  # a live id past the counts: the neutralisation check must see it
     assert [r.detail for r in path.extra_checks(d)] == ["a2a_fixed: receive rows past the counts kept live ids"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The a2a graph cache: one count exchange per step on every rank, hit or miss
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Replay:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+class _NoEvent:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_graph_cache_hit_replays_miss_runs_eagerly_and_captures():
+    log = []
+    cache = GraphCache(max_graphs=2)
+
+    def step(key):
+        graph = cache.lookup(key, eager=lambda: log.append(("eager", key)),
+                             capture=lambda: _Replay(lambda: log.append(("replay", key))))
+        if graph is not None:
+            graph.replay()
+
+    for key in ("a", "a", "b", "a", "c", "b", "b"):
+        step(key)
+    # one run per step; a miss is never also replayed; "b" was evicted by "c" (least recently used after "a")
+    assert log == [("eager", "a"), ("replay", "a"), ("eager", "b"), ("replay", "a"), ("eager", "c"),
+                   ("eager", "b"), ("replay", "b")]
+    assert len(cache) == 2
+    cache.clear()
+    assert len(cache) == 0
+
+
+class CpuGraphA2A(A2APath):
+    """A2APath in graph mode on a CPU: a "capture" keeps the inputs it was given and its "replay" runs the eager
+    pre-payload stage on them (what a CUDA graph replays: the same addresses, their current contents), so the
+    cache's hit/miss logic and dispatch's use of it run against real collectives. Counts pre-payload runs."""
+
+    def __init__(self, layout, **kw):
+        super().__init__(layout, graph=False, **kw)
+        self.graph = True
+        self.counts_ready_graph = _NoEvent()
+        self.pre_payload_runs = 0
+
+    def _pre_payload(self, *args, **kw):
+        self.pre_payload_runs += 1
+        return super()._pre_payload(*args, **kw)
+
+    def _eager_step(self, x, topk_ids, topk_weights, is_padding, T):
+        self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=_NoEvent())  # counts to the host
+
+    def _capture(self, x, topk_ids, topk_weights, is_padding, T):
+        return _Replay(lambda: self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=_NoEvent()))
+
+
+def _graph_cache_worker(ctx):
+    """Four steps with new routing each; rank 1 gets new input tensors (a cache miss) at step 2 while rank 0 hits,
+    rank 0 at step 3 while rank 1 hits. Every step must still be right."""
+    T, H, K, E = 12, 32, 3, 8
+    layout = EPLayout(ctx.rank, ctx.world_size, E, ctx.group)
+    path = CpuGraphA2A(layout, hidden=H, top_k=K)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.empty(T, H, dtype=torch.bfloat16)
+    ids = torch.empty(T, K, dtype=torch.int32)
+    w = torch.empty(T, K)
+    pad = torch.zeros(T, dtype=torch.bool)
+    steps = []
+    for step in range(4):
+        if (ctx.rank, step) in ((1, 2), (0, 3)):
+            x, ids, w, pad = x.clone(), ids.clone(), w.clone(), pad.clone()  # new addresses: a miss here
+        x.copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
+        scores = torch.rand(T, E, generator=g)
+        scores[:, :E // 2] += 0.3 * step * (1 if ctx.rank == 0 else -1)  # counts change from step to step
+        ids.copy_(torch.argsort(scores, dim=1, descending=True)[:, :K].to(torch.int32))
+        w.copy_(torch.rand(T, K, generator=g))
+        pad.copy_(torch.rand(T, generator=g) < 0.25)
+        runs = path.pre_payload_runs
+        d = path.dispatch(x, ids, w, pad)
+        out = path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
+        recv = check_received(path, d, gather_inputs(x, ids, w, pad, True, layout))
+        comb = compare_close("combined", out, scaled_expert_reference(x, effective_ids(ids, pad), w, E // 2),
+                             2e-2, 5e-3)
+        steps.append({"ok": recv.ok and comb.ok, "detail": f"{recv.detail} {comb.detail}",
+                      "exchanges": path.pre_payload_runs - runs, "sent": tuple(d.send_counts)})
+    return {"steps": steps, "graphs": len(path.graphs)}
+
+
+def test_a2a_graph_cache_pairs_count_exchanges_when_ranks_miss_apart():
+    results = mdist.spawn(_graph_cache_worker, 2, backend="gloo", timeout_s=240, pg_timeout_s=60)
+    for rank, res in enumerate(results):
+        for i, s in enumerate(res["steps"]):
+            assert s["ok"], f"rank {rank} step {i}: {s['detail']}"
+            assert s["exchanges"] == 1, f"rank {rank} step {i}: {s['exchanges']} count exchanges"
+        assert res["graphs"] == 2
+        assert len({s["sent"] for s in res["steps"]}) > 1  # the counts did change between steps
 
 
 # ---------------------------------------------------------------------------------------------------------------
