@@ -70,8 +70,9 @@ def worker(ctx):
     import torch.distributed as dist
 
     from moebench import inputs
-    from moebench.dispatch.a2a_fixed import pack_fixed
-    from moebench.dispatch.base import EPLayout, all_to_all_single, token_in_rank
+    from moebench.dispatch.base import EPLayout, token_in_rank
+    from moebench.dispatch.comm import all_to_all_single
+    from moebench.dispatch.pack import pack_fixed
     from moebench.dispatch.permute import RowLayout, plan_scratch, plan_sends
     from moebench.measure.timing import measure
     from moebench.sweep import Params, Timing

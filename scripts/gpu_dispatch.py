@@ -49,11 +49,13 @@ import gpu_common  # noqa: E402,F401 (puts the repo root on sys.path for moebenc
 from moebench import dist as mdist  # noqa: E402
 from moebench.check import compare_close  # noqa: E402
 from moebench.dispatch.a2a import destination_order  # noqa: E402
-from moebench.dispatch.base import (EPLayout, StageTimer, all_to_all_single, capacity_for,  # noqa: E402
-                                    check_received, count_padding_received, effective_ids, gather_inputs,
-                                    max_rows_per_pair, scaled_expert, scaled_expert_reference, token_in_rank)
-from moebench.dispatch.bench import make_path, padded_rows_sent  # noqa: E402
+from moebench.dispatch.a2a_fixed import max_rows_per_pair  # noqa: E402
+from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, path_class, token_in_rank  # noqa: E402
+from moebench.dispatch.comm import all_to_all_single  # noqa: E402
+from moebench.dispatch.pack import capacity_for  # noqa: E402
 from moebench.dispatch.permute import RowLayout  # noqa: E402
+from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs,  # noqa: E402
+                                         padded_rows_sent, scaled_expert, scaled_expert_reference)
 from moebench.measure.timing import measure  # noqa: E402
 from moebench.sweep import Timing  # noqa: E402
 
@@ -214,7 +216,6 @@ def worker(ctx, args) -> list[dict]:
         batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
         w, ids = inputs.route(p, batch)
         x, mask = batch.hidden, batch.mask
-        T = x.shape[0]
         ids_eff = effective_ids(ids, mask)
         sent_padding = int((token_in_rank(ids_eff, layout) & batch.is_padding.unsqueeze(1)).sum())
 
@@ -258,7 +259,7 @@ def worker(ctx, args) -> list[dict]:
                 capacity = capacity_for("exact", max_rows, args.tokens)
                 note = f"capacity {capacity} (exact)"
             try:
-                path = make_path(kind, layout, p, T, ctx.device, capacity)
+                path = path_class(kind).from_point(layout, p, ids, mask, ctx.device)
                 err = ""
             except Exception as e:  # noqa: BLE001 - DeepEP set-up failures are reported, not fatal
                 path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
@@ -356,7 +357,7 @@ def _deepep_low_latency(ctx, args, layout) -> list[dict]:
     w, ids = inputs.route(p, batch)
     x = batch.hidden
     try:
-        path = make_path("deepep", layout, p, x.shape[0], ctx.device)
+        path = path_class("deepep").from_point(layout, p, ids, None, ctx.device)
         err = ""
     except Exception as e:  # noqa: BLE001
         path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"

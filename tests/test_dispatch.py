@@ -13,14 +13,16 @@ import torch
 from moebench import dist as mdist
 from moebench.check import compare_close, compare_exact, poison
 from moebench.dispatch.a2a import A2APath, destination_order
-from moebench.dispatch.a2a_fixed import (A2AFixedPath, combine_fixed, combine_fixed_torch, pack_fixed,
-                                         pack_fixed_torch, send_positions)
+from moebench.dispatch.a2a_fixed import A2AFixedPath, max_rows_per_pair
 from moebench.dispatch.agrs import AGRSPath
-from moebench.dispatch.base import (GROW_ROWS, EPLayout, StageTimer, capacity_for, check_received,
-                                    count_padding_received, effective_ids, gather_inputs, grow_rows, local_ids,
-                                    max_rows_per_pair, scaled_expert, scaled_expert_reference, token_in_rank)
+from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, local_ids, token_in_rank
+from moebench.dispatch.comm import GROW_ROWS, grow_rows
+from moebench.dispatch.pack import (capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch,
+                                    send_positions)
 from moebench.dispatch.permute import (RowLayout, localize_ids, localize_ids_torch, plan_sends,
                                        plan_sends_torch)
+from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, scaled_expert,
+                                         scaled_expert_reference)
 
 T, H, K, E = 12, 32, 3, 8  # K = 3: the Triton kernels pad the slot axis to a power of two
 NUM_PADDING = 4
@@ -651,7 +653,7 @@ def test_kernels_bitwise_on_gpu_at_target_shape(R, cap):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _gpu_worker(ctx):
-    from moebench.dispatch.base import max_rows_per_pair as mrpp
+    from moebench.dispatch.a2a_fixed import max_rows_per_pair as mrpp
 
     layout = EPLayout(ctx.rank, ctx.world_size, 64, ctx.group)
     g = torch.Generator(device="cuda").manual_seed(ctx.rank)
@@ -687,7 +689,7 @@ def _gpu_worker(ctx):
         steps[trial] = (res["recv_ok"] and res["combined_ok"] and res["padded_rows_received"] == 0,
                         f"{res['recv_detail']} {res['combined_detail']}",
                         tuple(res["stats"]["rows_sent_per_dest"]))
-    out["a2a_graph_steps"] = (steps, len(a2a._graphs))
+    out["a2a_graph_steps"] = (steps, len(a2a.graphs))
     # a2a_fixed captured once in a CUDA graph, replayed after the inputs change in place
     cap = capacity_for("max", 0, Tg)
     path = A2AFixedPath(layout, hidden=Hg, top_k=Kg, num_tokens=Tg, capacity=cap, device="cuda")

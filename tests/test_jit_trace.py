@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from moebench import jit_trace, registry
-from moebench.jit_trace import capacity_problem, check_trace, predicted_cumulative, run_trace, trace_batch_sizes
+from moebench import registry
+from moebench.bench import jit_trace
+from moebench.bench.jit_trace import (capacity_problem, check_trace, predicted_cumulative, run_trace,
+                                      trace_batch_sizes)
 from moebench.registry import RunContext
 from moebench.sweep import Params
 

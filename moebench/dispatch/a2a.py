@@ -17,9 +17,10 @@ machines, and the host is on this path's critical path (it must read the counts 
 payload). The counts' arrival is an external event recorded inside the graph, so the host waits for the count
 exchange only, not for the pack. Replaying a graph on the same addresses reads whatever those tensors hold now,
 so a new batch in the same buffers (what a serving engine does) needs no new capture. `graph=False` runs the
-steps eagerly. Known limit: a capture runs one eager count exchange first, so all ranks must miss the cache on the
-same call (they do in moebench: fresh path per point, fixed inputs); ranks whose input addresses diverge would
-pair their count exchanges wrongly.
+steps eagerly. A miss in the graph cache runs the step eagerly (kernels must compile and load before a capture)
+and that eager run IS the step: its counts size the payload, and the graph captured after it is kept for the next
+steps, not replayed now. So every step runs exactly one count exchange on every rank, whether it hit or missed,
+and a rank that misses while another hits still pairs its count exchange with theirs (see GraphCache).
 Combine: one all_to_all_single of the expert outputs back (reversed splits), then one kernel sums each row's
 partial outputs by (row, destination) slot, in destination order: deterministic, no atomics, no zero-fill.
 
@@ -32,14 +33,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable, Hashable
 
 import torch
 
-from moebench.dispatch.a2a_fixed import (_use_triton, combine_fixed, combine_fixed_torch, pack_fixed,
-                                         pack_fixed_torch, run_plan)
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, SideStream,
-                                    all_to_all_single, grow_rows)
-from moebench.dispatch.permute import RowLayout, plan_scratch
+from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path
+from moebench.dispatch.comm import SideStream, all_to_all_single, grow_rows, triton_default
+from moebench.dispatch.pack import combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
+from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
 from moebench.kernels._details.args import check_mask
 
 
@@ -75,8 +76,40 @@ def _signature(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+class GraphCache:
+    """Captured graphs by key (least recently used dropped past `max_graphs`).
+
+    `lookup(key, eager, capture)`: on a hit returns the graph, for the caller to replay as this step; on a miss
+    runs `eager()`, which does this step, then stores `capture()` (the graph, recorded but not run) for later steps
+    and returns None. Never both on one step: the step's collectives run once whether it hit or missed, so ranks
+    that hit and ranks that miss on the same step still pair their collectives (a replay after the eager run would
+    run the count exchange twice on the missing rank, pairing its second one with the other ranks' next step)."""
+
+    def __init__(self, max_graphs: int):
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def lookup(self, key: Hashable, eager: Callable[[], None], capture: Callable[[], Any]) -> Any | None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        eager()
+        self._graphs[key] = capture()
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return None
+
+
+@dispatch_path("a2a", description="count exchange (host sync), permute by destination, exact-size "
+                                   "all_to_all_single; scatter-sum back")
 class A2APath(DispatchPath):
-    name = "a2a"
     receives = "token"
     graph_capturable = False  # the split sizes are read back on the host
 
@@ -85,7 +118,7 @@ class A2APath(DispatchPath):
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", use_triton: bool | None = None, graph: bool | None = None):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self.use_triton = triton_default(self.device) if use_triton is None else use_triton
         self.graph = (self.device.type == "cuda" and self.use_triton) if graph is None else graph
         if self.graph and self.device.type != "cuda":
             raise ValueError("a2a: graph=True needs a CUDA device")
@@ -99,7 +132,7 @@ class A2APath(DispatchPath):
         # recorded inside the captured graph, waited on by the host: cudaEventRecordExternal
         self.counts_ready_graph = torch.cuda.Event(external=True) if self.graph else None
         self.side = SideStream(dev)
-        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.graphs = GraphCache(self.MAX_GRAPHS)  # the captured pre-payload stages
         self.send_pos: torch.Tensor | None = None
         self.plan_scratch: torch.Tensor | None = None
         self.send_buf: torch.Tensor | None = None
@@ -117,11 +150,11 @@ class A2APath(DispatchPath):
         if send_pos is not self.send_pos:
             self.send_pos = send_pos
             self.plan_scratch = plan_scratch(send_pos.shape[0], K, R, dev)
-            self._graphs.clear()
+            self.graphs.clear()
         if buf is not self.send_buf:
             self.send_buf = buf
             self._send_views = (self.rows.x(buf), self.rows.meta(buf))
-            self._graphs.clear()
+            self.graphs.clear()
 
     def _reserve_recv(self, N: int, dev: torch.device) -> None:
         buf = grow_rows(self.recv_buf, N, lambda n: self.rows.empty(n, dev))
@@ -150,17 +183,23 @@ class A2APath(DispatchPath):
                 record.record()
             self._mark("count_exchange")
 
-    def _graph_for(self, x, topk_ids, topk_weights, is_padding, T: int) -> torch.cuda.CUDAGraph:
-        """The captured pre-payload stage for these inputs' addresses and layouts (captured on first use)."""
+    def _graph_for(self, x, topk_ids, topk_weights, is_padding, T: int) -> torch.cuda.CUDAGraph | None:
+        """The captured pre-payload stage for these inputs' addresses and layouts, to replay as this step (a hit).
+        None on a miss: the step has then run eagerly (its counts are on the host) and the graph captured after
+        it waits for the next steps (GraphCache: one count exchange per step either way)."""
         key = (_signature(x), _signature(topk_ids), _signature(topk_weights), _signature(is_padding))
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            return graph
-        # once eagerly first: compiles and loads the kernels, which must not happen during capture
+        return self.graphs.lookup(key, eager=lambda: self._eager_step(x, topk_ids, topk_weights, is_padding, T),
+                                  capture=lambda: self._capture(x, topk_ids, topk_weights, is_padding, T))
+
+    def _eager_step(self, x, topk_ids, topk_weights, is_padding, T: int) -> None:
+        """The pre-payload stage run eagerly to its end, counts on the host. It also compiles and loads the
+        kernels, which must not happen during a capture."""
         self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=self.counts_ready)
         self.side.join()
         torch.cuda.current_stream(self.device).synchronize()
+
+    def _capture(self, x, topk_ids, topk_weights, is_padding, T: int) -> torch.cuda.CUDAGraph:
+        """The pre-payload stage as one CUDA graph (recorded, not run)."""
         timer, self.timer = self.timer, None  # timing events cannot be captured
         graph = torch.cuda.CUDAGraph()
         try:
@@ -181,9 +220,6 @@ class A2APath(DispatchPath):
                            self.layout.experts_per_rank, offsets=self.offsets)
         finally:
             self.timer = timer
-        self._graphs[key] = graph
-        while len(self._graphs) > self.MAX_GRAPHS:
-            self._graphs.popitem(last=False)
         return graph
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
@@ -195,9 +231,10 @@ class A2APath(DispatchPath):
         self._reserve(T, dev)
         if self.graph:  # nothing else before the replay: the host is on the critical path until the payload
             graph = self._graph_for(x, topk_ids, topk_weights, is_padding, T)
-            graph.replay()
-            self._mark("pre_payload_graph")
-            self.counts_ready_graph.synchronize()  # the host sync: split sizes for the payload
+            if graph is not None:  # a hit; on a miss the eager run was this step
+                graph.replay()
+                self._mark("pre_payload_graph")
+                self.counts_ready_graph.synchronize()  # the host sync: split sizes for the payload
             send_splits, recv_splits = self.host_counts.tolist()
         else:
             self._pre_payload(x, topk_ids, topk_weights, is_padding, T, record=self.counts_ready)

@@ -14,11 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.dispatch.a2a_fixed import _use_triton
-from moebench.dispatch.base import (DispatchPath, Dispatched, ReceivedRows, all_gather_rows, local_ids,
-                                    meta_weights, reduce_scatter_rows)
+from moebench.dispatch.base import DispatchPath, Dispatched, ReceivedRows, dispatch_path, local_ids
+from moebench.dispatch.comm import all_gather_rows, reduce_scatter_rows, triton_default
 from moebench.dispatch.permute import localize_ids
 from moebench.kernels._details.args import check_mask
+
+
+def meta_weights(meta: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The fp32 weights inside an int32 metadata buffer [rows, 2K+1] (ids, weights' bits, one int per row): a strided
+    view, no copy."""
+    return meta[:, top_k:2 * top_k].view(torch.float32)
 
 
 @dataclass
@@ -27,15 +32,15 @@ class AGRSHandle:
     recv_is_padding: torch.Tensor  # int32 [R*T]: the gathered padding flags (0 when no mask was given)
 
 
+@dispatch_path("agrs", description="all-gather rows + routing, local experts on every row, reduce-scatter back")
 class AGRSPath(DispatchPath):
-    name = "agrs"
     receives = "all"
     graph_capturable = True
 
     def __init__(self, layout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", use_triton: bool | None = None):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        self.use_triton = _use_triton(self.device) if use_triton is None else use_triton
+        self.use_triton = triton_default(self.device) if use_triton is None else use_triton
         self._bufs: dict[str, torch.Tensor] = {}
         self._bufs_key: tuple | None = None
 

@@ -1,4 +1,5 @@
-"""The one interface of the expert-parallel dispatch paths, and what they share.
+"""The one interface of the expert-parallel dispatch paths, the hooks the benchmark drives them through, and the
+path registry.
 
 Experts are split evenly: rank r owns the global experts [r*E/R, (r+1)*E/R). A path moves each (token, destination
 rank) pair at most once, never sends a route whose id is -1, and with `is_padding` given (mask-aware) never sends a
@@ -16,110 +17,37 @@ step): what `dispatch` returns, the handle included, are views of them, valid un
 
 `path.timer = StageTimer(device)` records CUDA events and host time at the paths' named sub-steps (count exchange,
 permutation, payload all-to-all, unpack...), for the per-stage breakdown in scripts/gpu_dispatch.py.
+
+A new path is one module of this package: a DispatchPath subclass under `@dispatch_path("name", description=...)`.
+`package_paths()` imports every module of the package (discovery, no hand-kept list) and moebench.bench.dispatch
+registers one timed impl `dispatch.<name>` per path, driven only through the hooks below (from_point, the
+capability flags, available / validate, prepare_check, extra_checks, record_info).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
+from moebench.check import CheckResult
 from moebench.kernels._details.args import check_mask
-from moebench.registry import CheckResult
 
-CAPACITY_POLICIES = ("exact", "pow2", "max")
+if TYPE_CHECKING:  # pragma: no cover
+    from moebench.registry import RunContext
+    from moebench.sweep import Params
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Collectives that degenerate to copies on one rank (ep_size 1 needs no process group)
-# ---------------------------------------------------------------------------------------------------------------
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
-                      in_splits: list[int] | None = None, group: Any = None, world_size: int = 1) -> None:
-    if world_size == 1:
-        out.copy_(inp)
-        return
-    _dist().all_to_all_single(out, inp, out_splits, in_splits, group=group)
-
-
-def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: Any = None, world_size: int = 1) -> None:
-    """out [R*T, ...] = cat over ranks of inp [T, ...] (rank order)."""
-    if world_size == 1:
-        out.copy_(inp)
-        return
-    dist = _dist()
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name where it exists
-    fn(out, inp, group=group)
-
-
-def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group: Any = None, world_size: int = 1) -> None:
-    """out [T, ...] = sum over ranks of their inp [R*T, ...] rows [rank*T, (rank+1)*T)."""
-    if world_size == 1:
-        out.copy_(inp)
-        return
-    dist = _dist()
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
+PACKAGE = "moebench.dispatch"  # every module of it is imported by package_paths()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Steady-state helpers: buffers that only grow, a side stream, the stage timer
+# The stage timer
 # ---------------------------------------------------------------------------------------------------------------
-
-GROW_ROWS = 256  # a growing buffer is rounded up to this many rows, so slightly larger steps reuse it
-
-
-def grow_rows(buf: torch.Tensor | None, rows: int, make) -> torch.Tensor:
-    """`buf` when it has at least `rows` rows, else `make(n)` with n >= rows (allocation happens on the first
-    step of a size only, i.e. in warm-up)."""
-    if buf is not None and buf.shape[0] >= rows:
-        return buf
-    return make(max(GROW_ROWS, -(-rows // GROW_ROWS) * GROW_ROWS))
-
-
-class SideStream:
-    """A second CUDA stream for small work that should overlap the main stream's (the count exchange beside the
-    permutation). `fork_here()` right after the work the side job needs, then more main-stream work, then
-    `with side.run():` the side job, and `join()` before main-stream work that needs its result. In stream order
-    instead on a CPU and while a CUDA graph is being captured."""
-
-    def __init__(self, device: torch.device):
-        cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if cuda else None
-        self._forked = torch.cuda.Event() if cuda else None
-        self._main = None
-
-    def fork_here(self) -> None:
-        if self.stream is None or torch.cuda.is_current_stream_capturing():
-            self._main = None
-            return
-        self._main = torch.cuda.current_stream(self.stream.device)
-        self._forked.record(self._main)
-
-    @contextmanager
-    def run(self) -> Iterator[None]:
-        if self._main is None:
-            yield
-            return
-        self.stream.wait_event(self._forked)  # only what the main stream had at fork_here()
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def join(self) -> None:
-        if self._main is not None:
-            self._main.wait_stream(self.stream)
-            self._main = None
-
 
 class StageTimer:
     """Named points inside one call: a CUDA event on the stream current at that point (GPU time) and the host
@@ -221,47 +149,6 @@ def local_ids(global_ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     return torch.where(mine, g - off, torch.full_like(g, -1))
 
 
-def meta_weights(meta: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The fp32 weights inside an int32 metadata buffer [rows, 2K+1] (ids, weights' bits, one int per row): a strided
-    view, no copy."""
-    return meta[:, top_k:2 * top_k].view(torch.float32)
-
-
-def capacity_for(policy: str, max_rows: int, buffer_rows: int) -> int:
-    """Rows per (source, destination) block of the fixed-capacity path.
-
-    exact: the step's max rows per (src, dst) pair; pow2: its next power of two, capped at the buffer;
-    max: always the buffer size. Never below 1 (an empty step still launches valid kernels).
-    """
-    if policy not in CAPACITY_POLICIES:
-        raise ValueError(f"unknown capacity policy {policy!r} (one of {', '.join(CAPACITY_POLICIES)})")
-    if buffer_rows < 1:
-        raise ValueError(f"buffer_rows must be >= 1, got {buffer_rows}")
-    need = max(1, int(max_rows))
-    if need > buffer_rows:
-        raise ValueError(f"max rows per rank pair {need} exceed the buffer ({buffer_rows} rows): raise "
-                         f"num_max_tokens_per_rank")
-    if policy == "exact":
-        return need
-    if policy == "pow2":
-        return min(1 << (need - 1).bit_length(), buffer_rows)
-    return buffer_rows
-
-
-def max_rows_per_pair(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, layout: EPLayout) -> int:
-    """The step's max rows any rank sends to any rank (all_reduce MAX; a host sync, for set-up only)."""
-    in_rank = token_in_rank(effective_ids(topk_ids, is_padding), layout)
-    mx = in_rank.sum(0).max().reshape(1).to(torch.int64) if in_rank.numel() else \
-        torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
-    if layout.world_size > 1:
-        dist = _dist()
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(layout.group) == "nccl" \
-            else torch.device("cpu")
-        mx = mx.to(dev)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=layout.group)
-    return int(mx.item())
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # What a dispatch returns and what it cost
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,15 +213,23 @@ def _as_list(v: torch.Tensor | list[int] | None, n: int) -> list[int]:
     return [int(a) for a in v]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The interface and its hooks
+# ---------------------------------------------------------------------------------------------------------------
+
 class DispatchPath:
-    """Base class. Subclasses set `name`, `receives` and implement dispatch / combine / received."""
+    """Base class. Subclasses set `receives` (and the capability flags that differ), implement dispatch / combine /
+    received, and override the hooks they need; `@dispatch_path` gives them their `name` and `description`."""
 
     name = "base"
+    description = ""
     # What one received row is: "token" (a (token, rank) pair with all its local slots), "all" (every row of
     # every rank, agrs), or "slot" (a (token, local expert) pair, one slot per row: DeepEP low-latency/expand).
     receives = "token"
     graph_capturable = False
     sends_weights = True  # False: weights stay on the source and combine applies them (DeepEP low-latency)
+    # True: the path's buffers are sized by p.num_max_tokens_per_rank, so a step may not have more rows
+    buffers_sized_by_max_tokens = False
 
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu"):
@@ -393,144 +288,79 @@ class DispatchPath:
         return sum(_as_list(d.send_counts, self.layout.world_size))
 
 
+    # -- hooks the benchmark calls ---------------------------------------------------------------------------------
+    @classmethod
+    def available(cls, ctx: "RunContext") -> str | None:
+        """None when the path can run here, else why not (a missing library, no GPU)."""
+        return None
+
+    @classmethod
+    def validate(cls, p: "Params") -> str | None:
+        """None when point p is possible for the path, else why not (checked before anything runs)."""
+        if p.ep_mode == "simulated" and p.ep_size > 1:
+            return "ep_mode: dispatch paths run on ep_size real processes (simulated is not supported)"
+        if cls.buffers_sized_by_max_tokens and p.num_tokens > p.num_max_tokens_per_rank:
+            return f"num_tokens: {p.num_tokens} > num_max_tokens_per_rank {p.num_max_tokens_per_rank}"
+        return None
+
+    @classmethod
+    def from_point(cls, layout: EPLayout, p: "Params", topk_ids: torch.Tensor, is_padding: torch.Tensor | None,
+                   device: torch.device) -> "DispatchPath":
+        """The path for point p, given the routing this rank will dispatch (`is_padding`: the mask, None when
+        oblivious). Called on every rank of the group, so it may be collective (a2a_fixed sizes its capacity from
+        every rank's routing)."""
+        return cls(layout, hidden=p.hidden, top_k=p.top_k, dtype=torch.bfloat16, device=device)
+
+    def prepare_check(self, generator: torch.Generator) -> None:
+        """Before the checked dispatch: make state that must not matter look like it could (a2a_fixed: stale
+        buffers full of valid-looking garbage, the overflow flag reset)."""
+
+    def extra_checks(self, d: Dispatched) -> list[CheckResult]:
+        """The path's own checks of the checked dispatch `d`, beyond the received rows and the combined output
+        every path gets (host syncs allowed)."""
+        return []
+
+    def record_info(self, p: "Params") -> dict[str, Any]:
+        """Extra fields for the record's info (a2a_fixed: its capacity and policy)."""
+        return {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# The benchmark's expert and the single-process references
+# The path registry
 # ---------------------------------------------------------------------------------------------------------------
 
-def scaled_expert(recv_x: torch.Tensor, recv_ids: torch.Tensor, recv_w: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """A cheap, exactly reproducible stand-in for the experts: expert e scales a row by (e + 1).
-
-    y[i] = x[i] * sum_k w[i,k] * (ids[i,k] + 1) over slots with ids >= 0, accumulated in fp32 (k = 0..K-1),
-    rounded once. Rows without a valid slot give 0 and are never read (garbage / NaN there cannot leak).
-    """
-    valid = recv_ids >= 0
-    coef = torch.where(valid, recv_w.to(torch.float32) * (recv_ids.to(torch.float32) + 1.0),
-                       torch.zeros((), dtype=torch.float32, device=recv_x.device)).sum(dim=1)
-    y = torch.where(valid.any(dim=1, keepdim=True), recv_x.to(torch.float32) * coef.unsqueeze(1),
-                    torch.zeros((), dtype=torch.float32, device=recv_x.device))
-    if out is None:
-        return y.to(recv_x.dtype)
-    out.copy_(y)
-    return out
+_PATHS: dict[str, type[DispatchPath]] = {}
+PathType = TypeVar("PathType", bound=type[DispatchPath])
 
 
-def scaled_expert_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            experts_per_rank: int) -> torch.Tensor:
-    """What one process holding every expert computes for rows x (global ids, -1 skipped): each expert scales by
-    (its local index on its owner + 1), summed over all slots in fp32, rounded once."""
-    ids = topk_ids.to(torch.int64)
-    local = torch.where(ids >= 0, ids % experts_per_rank, torch.full_like(ids, -1))
-    return scaled_expert(x, local, topk_weights)
+def dispatch_path(name: str, *, description: str) -> Callable[[PathType], PathType]:
+    """Class decorator: register a DispatchPath subclass as the path `name` (timed as the impl `dispatch.<name>`)."""
+    def deco(cls: PathType) -> PathType:
+        if not (isinstance(cls, type) and issubclass(cls, DispatchPath)):
+            raise TypeError(f"dispatch path {name!r}: {cls!r} is not a DispatchPath subclass")
+        if name in _PATHS and _PATHS[name] is not cls:
+            raise ValueError(f"dispatch path {name!r} registered twice")
+        cls.name = name
+        cls.description = description
+        _PATHS[name] = cls
+        return cls
+    return deco
 
 
-@dataclass
-class GatheredInputs:
-    """Every rank's inputs, for the single-process reference (equal T per rank)."""
-
-    x: torch.Tensor  # [R, T, H]
-    topk_ids: torch.Tensor  # [R, T, K] global, as given to dispatch
-    topk_weights: torch.Tensor  # [R, T, K]
-    is_padding: torch.Tensor  # [R, T] bool: which rows are padding (whether or not the path was told)
-    mask_aware: bool  # was is_padding given to dispatch
-
-
-def gather_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  is_padding: torch.Tensor, mask_aware: bool, layout: EPLayout) -> GatheredInputs:
-    R = layout.world_size
-    T, K = topk_ids.shape
-
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        out = torch.empty((R * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        all_gather_rows(out, t, layout.group, R)
-        return out.view((R,) + tuple(t.shape))
-
-    return GatheredInputs(x=gather(x), topk_ids=gather(topk_ids.to(torch.int32)),
-                          topk_weights=gather(topk_weights.to(torch.float32)),
-                          is_padding=gather(is_padding.to(torch.uint8)).bool(), mask_aware=mask_aware)
+def package_paths() -> dict[str, type[DispatchPath]]:
+    """The paths of this package, in registration order: every non-underscore module is imported (a path module
+    registers its classes as it is imported; the helper modules register none). Paths registered from elsewhere
+    (a test, a plugin) are not in it: they are registered as impls explicitly."""
+    pkg = importlib.import_module(PACKAGE)
+    for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{PACKAGE}.{m.name}")
+    return {n: c for n, c in _PATHS.items() if c.__module__.startswith(PACKAGE + ".")}
 
 
-def expected_received(g: GatheredInputs, layout: EPLayout, receives: str) -> ReceivedRows:
-    """Which rows this rank must receive (sorted by source rank, source row[, local expert])."""
-    R, T, K = g.topk_ids.shape
-    ids = g.topk_ids.clone()
-    if g.mask_aware:
-        ids[g.is_padding] = -1
-    local = local_ids(ids, layout)  # [R, T, K]
-    src_rank = torch.arange(R, device=ids.device).view(R, 1).expand(R, T)
-    src_row = torch.arange(T, device=ids.device).view(1, T).expand(R, T)
-    if receives == "all":
-        keep = torch.ones(R, T, dtype=torch.bool, device=ids.device)
-    elif receives == "token":
-        keep = (local >= 0).any(dim=2)
-    elif receives == "slot":
-        sel = (local >= 0).nonzero()  # (src_rank, src_row, k), row-major: sorted by rank, row, slot
-        e = local[sel[:, 0], sel[:, 1], sel[:, 2]].to(torch.int64)
-        # sort within a token by local expert (paths order slots by expert, not by k)
-        key = (sel[:, 0] * T + sel[:, 1]) * layout.experts_per_rank + e
-        order = torch.sort(key, stable=True).indices
-        sel, e = sel[order], e[order]
-        return ReceivedRows(row_index=torch.arange(sel.shape[0]), src_rank=sel[:, 0].to(torch.int64),
-                            src_row=sel[:, 1].to(torch.int64), local_expert=e)
-    else:
-        raise ValueError(f"unknown receive layout {receives!r}")
-    return ReceivedRows(row_index=torch.arange(int(keep.sum())), src_rank=src_rank[keep].to(torch.int64),
-                        src_row=src_row[keep].to(torch.int64))
-
-
-def check_received(path: DispatchPath, d: Dispatched, g: GatheredInputs, name: str = "recv") -> CheckResult:
-    """Received rows bitwise equal to the single-process reference: same rows (by origin), hidden row bits,
-    local ids exactly, and weights bitwise on the slots that are for this rank."""
-    from moebench.check import compare_exact
-
-    layout = path.layout
-    exp = expected_received(g, layout, path.receives)
-    got = path.received(d)
-    R, T, K = g.topk_ids.shape
-    E_loc = layout.experts_per_rank
-    # order what was received by origin
-    key = got.src_rank.cpu() * T + got.src_row.cpu()
-    if got.local_expert is not None:
-        key = key * E_loc + got.local_expert.cpu()
-    order = torch.argsort(key)
-    rows = got.row_index.cpu()[order]
-    res = [compare_exact(f"{name}.src_rank", got.src_rank.cpu()[order], exp.src_rank.cpu()),
-           compare_exact(f"{name}.src_row", got.src_row.cpu()[order], exp.src_row.cpu())]
-    if not all(r.ok for r in res):
-        return CheckResult.merge(*res)
-    if got.local_expert is not None:
-        res.append(compare_exact(f"{name}.expert", got.local_expert.cpu()[order], exp.local_expert.cpu()))
-    sr, sw = exp.src_rank.cpu(), exp.src_row.cpu()
-    recv_x = d.recv_x.cpu()
-    recv_ids = d.recv_topk_ids.cpu()
-    recv_w = d.recv_topk_weights.cpu()
-    res.append(compare_exact(f"{name}.x", recv_x[rows], g.x.cpu()[sr, sw]))
-    ids_all = g.topk_ids.cpu().clone()
-    if g.mask_aware:
-        ids_all[g.is_padding.cpu()] = -1
-    exp_local = local_ids(ids_all, layout)[sr, sw]  # [M, K]
-    w_all = g.topk_weights.cpu()[sr, sw]
-    if path.receives == "slot":
-        # one slot per row: the expert it is for; the weight of that slot where weights travel
-        e = exp.local_expert.cpu()
-        res.append(compare_exact(f"{name}.ids", recv_ids[rows, 0].to(torch.int64), e))
-        if path.sends_weights:
-            k_of = (exp_local == e.unsqueeze(1).to(exp_local.dtype)).to(torch.int64).argmax(dim=1)
-            res.append(compare_exact(f"{name}.weights", recv_w[rows, 0],
-                                     w_all.gather(1, k_of.unsqueeze(1)).squeeze(1)))
-    else:
-        res.append(compare_exact(f"{name}.ids", recv_ids[rows].to(torch.int32), exp_local))
-        valid = exp_local >= 0
-        res.append(compare_exact(f"{name}.weights", torch.where(valid, recv_w[rows], 0.0),
-                                 torch.where(valid, w_all, 0.0)))
-    return CheckResult.merge(*res)
-
-
-def count_padding_received(path: DispatchPath, d: Dispatched, g: GatheredInputs) -> dict[str, int]:
-    """Padded rows among the valid received rows: `padded_rows_received` (physically moved here) and
-    `padded_routes_received` (padded rows that arrive with a live route to this rank, i.e. cost expert work)."""
-    got = path.received(d)
-    pad = g.is_padding.cpu()[got.src_rank.cpu(), got.src_row.cpu()]
-    live = (d.recv_topk_ids.cpu()[got.row_index.cpu()] >= 0).any(dim=1)
-    return {"padded_rows_received": int(pad.sum()), "padded_routes_received": int((pad & live).sum())}
+def path_class(name: str) -> type[DispatchPath]:
+    """The registered path `name` (the package's paths are discovered first)."""
+    package_paths()
+    if name not in _PATHS:
+        raise ValueError(f"unknown dispatch path {name!r} (one of {', '.join(_PATHS)})")
+    return _PATHS[name]

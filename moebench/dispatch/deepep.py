@@ -1,17 +1,14 @@
-"""`deepep`: DeepEP's kernels behind the moebench dispatch interface, when `deep_ep` imports.
+"""`deepep`: DeepEP's legacy `Buffer` behind the moebench dispatch interface, when `deep_ep` imports (the V2
+`ElasticBuffer` paths are moebench.dispatch.deepep_v2; the detection here serves both).
 
-- `DeepEPNormalPath`: legacy `Buffer`, intranode normal mode (get_dispatch_layout -> dispatch -> combine). Exact
-  sizes (a CPU sync inside dispatch), one row per (token, rank) pair, local ids, combine sums without weights.
-- `DeepEPLowLatencyPath`: legacy `Buffer` in low-latency mode (low_latency_dispatch / low_latency_combine): per
-  local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one row per (token, expert) slot; the weights
-  stay on the source and low_latency_combine applies them.
-- `DeepEPV2Path`: V2 `ElasticBuffer` with `do_cpu_sync=False` (CUDA-graph friendly): worst-case receive buffers
-  sized by `num_max_tokens_per_rank`, rows past the device-side count uninitialised and neutralised with
-  `globalize_recv_topk_idx` (the vLLM fix). `do_expand=False`: one row per (token, rank) with K local ids;
-  `do_expand=True`: one row per (token, expert) slot grouped by expert, combine sums the slots.
+- `DeepEPNormalPath` (the path `deepep`): intranode normal mode (get_dispatch_layout -> dispatch -> combine).
+  Exact sizes (a CPU sync inside dispatch), one row per (token, rank) pair, local ids, combine sums without weights.
+- `DeepEPLowLatencyPath`: low-latency mode (low_latency_dispatch / low_latency_combine), what the path `deepep`
+  builds when p.low_latency: per local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one row per
+  (token, expert) slot; the weights stay on the source and low_latency_combine applies them.
 
-The calls follow DeepEP's public repository (deep_ep/buffers/legacy.py, deep_ep/buffers/elastic.py and their
-tests). Without `deep_ep` every impl here reports "deep_ep not installed" and its points are recorded as skipped.
+The calls follow DeepEP's public repository (deep_ep/buffers/legacy.py and its tests). Without `deep_ep` every
+DeepEP impl reports "deep_ep not installed" and its points are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from typing import Any
 
 import torch
 
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, effective_ids,
-                                    token_in_rank)
+from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path, effective_ids
 
 try:  # detected once, at import
     import deep_ep  # type: ignore[import-not-found]
@@ -37,7 +33,7 @@ except Exception as _e:  # noqa: BLE001 - a broken build (NCCL mismatch, JIT ini
     deep_ep = None
     DEEP_EP_ERROR = f"deep_ep import failed: {type(_e).__name__}: {str(_e).strip().splitlines()[-1:]}"
 
-DEFAULT_NUM_SMS = 24  # legacy normal kernels (DeepEP's README example; GPU.md's 2xH200 figures)
+DEFAULT_NUM_SMS = 24  # legacy normal kernels (DeepEP's README example)
 
 
 def unavailable(kind: str = "legacy") -> str | None:
@@ -51,24 +47,33 @@ def unavailable(kind: str = "legacy") -> str | None:
     return None
 
 
-def _topk_idx_dtype() -> torch.dtype:
+def available_here(kind: str, ctx) -> str | None:
+    """A DeepEP path's `available`: the API `kind` is there and this is a GPU."""
+    return unavailable(kind) or (None if ctx.is_cuda else "deep_ep needs CUDA GPUs")
+
+
+def require(kind: str) -> None:
+    """Raise why the DeepEP API `kind` cannot be used, if it cannot."""
+    why = unavailable(kind)
+    if why:
+        raise RuntimeError(why)
+
+
+def topk_idx_dtype() -> torch.dtype:
+    """The routing dtype DeepEP's kernels take."""
     return getattr(deep_ep, "topk_idx_t", torch.int64)
 
 
-def _accepts(fn: Any, name: str) -> bool:
+def accepts(fn: Any, name: str) -> bool:
+    """Does `fn` take a parameter `name` (DeepEP versions differ)."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
 
-def _require(kind: str) -> None:
-    why = unavailable(kind)
-    if why:
-        raise RuntimeError(why)
-
-
-def _group(layout: EPLayout):
+def process_group(layout: EPLayout):
+    """The layout's group, the default group when it has none."""
     import torch.distributed as dist
 
     return layout.group if layout.group is not None else dist.group.WORLD
@@ -85,15 +90,28 @@ class NormalHandle:
     ids: torch.Tensor  # the effective int32 routing that was dispatched (for accounting)
 
 
+@dispatch_path("deepep", description="DeepEP legacy Buffer: intranode normal mode, or low-latency mode with "
+                                      "low_latency: true")
 class DeepEPNormalPath(DispatchPath):
-    name = "deepep"
     receives = "token"
     graph_capturable = False  # dispatch waits on the CPU for the received counts
+
+    @classmethod
+    def available(cls, ctx) -> str | None:
+        return available_here("legacy", ctx)
+
+    @classmethod
+    def from_point(cls, layout, p, topk_ids, is_padding, device) -> DispatchPath:
+        """Normal mode, or low-latency mode (blocks sized for this step's rows) when p.low_latency."""
+        common = dict(hidden=p.hidden, top_k=p.top_k, dtype=torch.bfloat16, device=device)
+        if p.low_latency:
+            return DeepEPLowLatencyPath(layout, num_max_dispatch_tokens_per_rank=topk_ids.shape[0], **common)
+        return cls(layout, **common)
 
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype=torch.bfloat16, device="cuda",
                  num_sms: int = DEFAULT_NUM_SMS):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        _require("legacy")
+        require("legacy")
         Buffer = deep_ep.Buffer
         Buffer.set_num_sms(num_sms)
         R = layout.world_size
@@ -101,14 +119,14 @@ class DeepEPNormalPath(DispatchPath):
         num_nvl_bytes = 0
         for config in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)):
             num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, R), num_nvl_bytes)
-        kwargs = {"explicitly_destroy": True} if _accepts(Buffer.__init__, "explicitly_destroy") else {}
-        self.buffer = Buffer(_group(layout), num_nvl_bytes, 0, **kwargs)
+        kwargs = {"explicitly_destroy": True} if accepts(Buffer.__init__, "explicitly_destroy") else {}
+        self.buffer = Buffer(process_group(layout), num_nvl_bytes, 0, **kwargs)
         self._explicit = bool(kwargs)
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay = self.layout
         ids = effective_ids(topk_ids, is_padding)
-        topk_idx = ids.to(_topk_idx_dtype())
+        topk_idx = ids.to(topk_idx_dtype())
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
             self.buffer.get_dispatch_layout(topk_idx, lay.num_experts)
         recv_x, recv_topk_idx, recv_topk_weights, _, handle, _ = self.buffer.dispatch(
@@ -176,15 +194,15 @@ class DeepEPLowLatencyPath(DispatchPath):
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, num_max_dispatch_tokens_per_rank: int,
                  dtype=torch.bfloat16, device="cuda"):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        _require("legacy")
+        require("legacy")
         Buffer = deep_ep.Buffer
         R, E = layout.world_size, layout.num_experts
         self.max_tokens = int(num_max_dispatch_tokens_per_rank)
         # low_latency_dispatch asserts NVSHMEM's QP depth >= 2 * (max tokens + 1); the default is 1024
         os.environ.setdefault("NVSHMEM_QP_DEPTH", str(max(1024, 2 * (self.max_tokens + 1))))
         num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(self.max_tokens, hidden, R, E)
-        kwargs = {"explicitly_destroy": True} if _accepts(Buffer.__init__, "explicitly_destroy") else {}
-        self.buffer = Buffer(_group(layout), 0, num_rdma_bytes, low_latency_mode=True,
+        kwargs = {"explicitly_destroy": True} if accepts(Buffer.__init__, "explicitly_destroy") else {}
+        self.buffer = Buffer(process_group(layout), 0, num_rdma_bytes, low_latency_mode=True,
                              num_qps_per_rank=layout.experts_per_rank, **kwargs)
         self._explicit = bool(kwargs)
         rows = layout.experts_per_rank * R * self.max_tokens
@@ -198,11 +216,10 @@ class DeepEPLowLatencyPath(DispatchPath):
         if x.shape[0] > self.max_tokens:
             raise ValueError(f"{x.shape[0]} rows exceed num_max_dispatch_tokens_per_rank={self.max_tokens}")
         ids = effective_ids(topk_ids, is_padding)
-        topk_idx = ids.to(_topk_idx_dtype())
+        topk_idx = ids.to(topk_idx_dtype())
         packed_recv_x, packed_recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
             x, topk_idx, self.max_tokens, lay.num_experts, use_fp8=False, async_finish=False,
             return_recv_hook=False)
-        E_loc, R = lay.experts_per_rank, lay.world_size
         valid = self._slot_in_block.unsqueeze(0) < packed_recv_count.to(torch.int64).unsqueeze(1)  # [E_loc, R*max]
         recv_ids = torch.where(valid.reshape(-1), self._expert_of_row, -1).unsqueeze(1)
         h = LowLatencyHandle(handle, topk_idx, topk_weights.to(torch.float32), packed_recv_count, x.shape[0])
@@ -214,7 +231,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         """DeepEP's FP8 low-latency dispatch (e4m3 rows with per-128-channel scales: about half the bytes), the
         mode DeepEP's own low-latency test times. Its rows are not the bf16 rows, so moebench times it and checks
         only that it delivers the same per-expert counts as the bf16 dispatch; returns them (int [E_local])."""
-        ids = effective_ids(topk_ids, is_padding).to(_topk_idx_dtype())
+        ids = effective_ids(topk_ids, is_padding).to(topk_idx_dtype())
         _, recv_count, _, _, _ = self.buffer.low_latency_dispatch(
             x, ids, self.max_tokens, self.layout.num_experts, use_fp8=True, async_finish=False,
             return_recv_hook=False)
@@ -267,113 +284,5 @@ class DeepEPLowLatencyPath(DispatchPath):
 
     def close(self) -> None:
         if self._explicit and self.buffer is not None:
-            self.buffer.destroy()
-        self.buffer = None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# V2 ElasticBuffer
-# ---------------------------------------------------------------------------------------------------------------
-
-@dataclass
-class V2Handle:
-    ep_handle: Any
-    num_tokens: int
-    ids: torch.Tensor
-
-
-class DeepEPV2Path(DispatchPath):
-    name = "deepep_v2"
-    graph_capturable = True  # do_cpu_sync=False: counts stay on the device
-
-    def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, num_max_tokens_per_rank: int,
-                 do_expand: bool = False, dtype=torch.bfloat16, device="cuda"):
-        super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
-        _require("v2")
-        self.do_expand = bool(do_expand)
-        self.receives = "slot" if self.do_expand else "token"
-        self.name = "deepep_v2_expand" if self.do_expand else "deepep_v2"
-        self.max_tokens = int(num_max_tokens_per_rank)
-        self.buffer = deep_ep.ElasticBuffer(_group(layout), num_max_tokens_per_rank=self.max_tokens, hidden=hidden,
-                                            num_topk=top_k, use_fp8_dispatch=False, explicitly_destroy=True)
-        self.num_sms = self.buffer.get_theoretical_num_sms(layout.num_experts, top_k)
-
-    def _num_recv(self, h) -> torch.Tensor:
-        return h.psum_num_recv_tokens_per_scaleup_rank[-1:]  # device: total received (token, rank) rows
-
-    def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
-        from moebench.kernels.globalize_recv_topk_idx import globalize_recv_topk_idx
-
-        lay = self.layout
-        if x.shape[0] > self.max_tokens:
-            raise ValueError(f"{x.shape[0]} rows exceed num_max_tokens_per_rank={self.max_tokens}")
-        ids = effective_ids(topk_ids, is_padding)
-        recv_x, recv_topk_idx, recv_topk_weights, handle, _ = self.buffer.dispatch(
-            x, topk_idx=ids.to(_topk_idx_dtype()), topk_weights=topk_weights.to(torch.float32),
-            num_experts=lay.num_experts, num_max_tokens_per_rank=self.max_tokens, num_sms=self.num_sms,
-            do_cpu_sync=False, do_expand=self.do_expand)
-        E_loc = lay.experts_per_rank
-        if not self.do_expand:
-            # Rows past the device-side count are uninitialised: validate ids as local (offset 0, bound E/R)
-            # and drop rows >= num_recv, exactly the neutralisation vLLM applies to this buffer.
-            recv_ids = globalize_recv_topk_idx(recv_topk_idx, self._num_recv(handle), 0, E_loc)
-            recv_w = recv_topk_weights
-            num_recv = self._num_recv(handle)
-        else:
-            # One row per (token, expert) slot, grouped by expert: psum[i] = end of expert i's rows (alignment 1).
-            psum = handle.psum_num_recv_tokens_per_expert.to(torch.int64)
-            slots = torch.arange(recv_x.shape[0], device=recv_x.device)
-            expert = torch.bucketize(slots, psum, right=True)
-            recv_ids = expert.unsqueeze(1)
-            globalize_recv_topk_idx(recv_ids, psum[-1:], 0, E_loc)  # slots past the total -> -1
-            recv_w = recv_topk_weights.unsqueeze(1)
-            num_recv = psum[-1:]
-        return Dispatched(recv_x=recv_x, recv_topk_ids=recv_ids, recv_topk_weights=recv_w, num_recv=num_recv,
-                          handle=V2Handle(handle, x.shape[0], ids))
-
-    def combine(self, expert_out, handle: V2Handle, out=None):
-        combined_x, _, _ = self.buffer.combine(expert_out, handle=handle.ep_handle)
-        if out is None:
-            return combined_x
-        out.copy_(combined_x)
-        return out
-
-    def received(self, d: Dispatched) -> ReceivedRows:
-        h = d.handle.ep_handle
-        n = int(self._num_recv(h).item())
-        meta = h.recv_src_metadata[:n].to(torch.int64).cpu()
-        src_global = meta[:, 0]  # src_rank * num_max_tokens_per_rank + row
-        if not self.do_expand:
-            return ReceivedRows(row_index=torch.arange(n), src_rank=src_global // self.max_tokens,
-                                src_row=src_global % self.max_tokens)
-        slot = meta[:, 2:]  # [n, K] expanded slot of each (token, k), -1 = none
-        tok, k = (slot >= 0).nonzero(as_tuple=True)
-        rows = slot[tok, k]
-        psum = h.psum_num_recv_tokens_per_expert.to(torch.int64).cpu()
-        expert = torch.bucketize(rows, psum, right=True)
-        return ReceivedRows(row_index=rows, src_rank=src_global[tok] // self.max_tokens,
-                            src_row=src_global[tok] % self.max_tokens, local_expert=expert)
-
-    def stats(self, d: Dispatched):
-        got = self.received(d)
-        R = self.layout.world_size
-        d.recv_counts = torch.bincount(got.src_rank, minlength=R)
-        if self.do_expand:
-            ids = d.handle.ids.to(torch.int64).cpu()
-            dest = torch.where(ids >= 0, ids // self.layout.experts_per_rank, R)
-            d.send_counts = torch.bincount(dest.flatten(), minlength=R + 1)[:R]
-        else:
-            d.send_counts = token_in_rank(d.handle.ids, self.layout).sum(0)
-        return super().stats(d)
-
-    def row_payload_bytes(self) -> int:
-        elt = torch.empty(0, dtype=self.dtype).element_size()
-        return self.hidden * elt + (4 if self.do_expand else self.top_k * 8)
-
-    def wire_recv_rows(self, d: Dispatched) -> int:
-        return d.recv_x.shape[0]
-
-    def close(self) -> None:
-        if self.buffer is not None:
             self.buffer.destroy()
         self.buffer = None

@@ -15,6 +15,8 @@ row copies only when it can prove that alignment.
 
 `localize_ids`: global expert ids -> this rank's local ids (-1 elsewhere) in one pass, from a strided view
 (the agrs receive side).
+
+`run_plan`: the send plan into a path's buffers, by the Triton kernels or the torch reference.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.dispatch.base import EPLayout
 from moebench.kernels._details.args import check_mask
+from moebench.kernels._details.jit import check_triton_device, next_pow2
 
 ROW_ALIGN = 32  # bytes; see the module docstring
 PLAN_TILE_ELEMENTS = 8192  # most (row, slot[, destination]) elements one plan program holds
@@ -269,6 +272,24 @@ def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_
         overflow if overflow is not None else counts, T, num_blocks, int(num_experts), int(capacity),
         HAS_OVERFLOW=overflow is not None, NB_CHUNK=PLAN_NB_CHUNK, **common)
     return send_pos, counts, offsets
+
+
+def run_plan(use_triton: bool, topk_ids: torch.Tensor, is_padding: torch.Tensor | None, layout: EPLayout,
+             capacity: int, send_pos: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+             overflow: torch.Tensor | None = None, block_counts: torch.Tensor | None = None) -> None:
+    """The send plan into the path's buffers: the Triton kernels (`block_counts`: their scratch, see plan_sends),
+    or the torch reference (copied in)."""
+    args = (topk_ids, is_padding, layout.experts_per_rank, layout.world_size, layout.num_experts)
+    if use_triton:
+        plan_sends(*args, capacity=capacity, send_pos=send_pos, counts=counts, offsets=offsets, overflow=overflow,
+                   block_counts=block_counts)
+        return
+    sp, c, o, over = plan_sends_torch(*args, capacity=capacity)
+    send_pos.copy_(sp)
+    counts.copy_(c)
+    offsets.copy_(o)
+    if overflow is not None:
+        torch.maximum(overflow, over.to(torch.int32).reshape(1), out=overflow)
 
 
 # ---------------------------------------------------------------------------------------------------------------

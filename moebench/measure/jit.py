@@ -66,6 +66,16 @@ def unsupported_reason() -> str | None:
     return None
 
 
+def fresh_kernel(kernel: Any) -> Any:
+    """A new JIT function for the same Python function as `kernel` (a @triton.jit function): its in-memory kernel
+    cache starts empty, whatever ran before in this process, so a JitCounter sees every specialisation it needs.
+    The on-disk cache is shared (keyed by source): an earlier process's builds are found there, which each
+    CompileEvent's `disk_cache_hit` tells."""
+    import triton
+
+    return triton.jit(kernel.fn)
+
+
 class _Supported:
     """`JitCounter.supported` on the class or an instance: re-evaluated on each read (env can change)."""
 
