@@ -142,14 +142,17 @@ def _make_build(variant: str):
             return compare_exact("local_ids", got, ref)
 
         _, true_ids = route(p, batch, use_mask=True)
-        corrupted = rows_differing(reference(topk_ids, expert_map), apply_expert_map_torch(true_ids, expert_map))
+        result, truth = reference(topk_ids, expert_map), apply_expert_map_torch(true_ids, expert_map)
+        corrupted = rows_differing(result, truth)
+        misrouted = int((result.to(torch.int64) != truth.to(torch.int64)).sum())  # slots sent to a wrong expert
         out_bytes = 8 if variant != "oblivious" else expert_map.element_size()
         return Case(run=run, check=check,
                     bytes_moved=topk_ids.numel() * (topk_ids.element_size() + out_bytes)
                     + expert_map.numel() * expert_map.element_size(),
                     bytes_note="ids read + local ids written + the map once",
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "rank": rank}, nvtx_stage="expert_map")
+                    info={"corrupted_rows": corrupted, "misrouted_routes": misrouted, "rank": rank},
+                    nvtx_stage="expert_map")
     return build
 
 

@@ -154,12 +154,15 @@ def _make_build(variant: str):
             return compare_exact("recv_topk_idx", buf, ref.to(buf.device))
 
         truth = globalize_recv_topk_idx_torch(source.clone(), num_recv, offset, p.num_experts)
-        corrupted = int((reference(source) != truth).any(dim=1).sum())
+        result = reference(source)
+        corrupted = int((result != truth).any(dim=1).sum())
+        # stale rows' slots left holding an expert id: what an expert-list scan of every row picks up
+        polluted = int((result[int(local_ids.shape[0]):] >= 0).sum())
         return Case(run=run, check=check, bytes_moved=2 * buf.numel() * buf.element_size() + 4,
                     bytes_note="receive buffer read and written in place (repeated runs re-process the result)",
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "num_recv": int(local_ids.shape[0]), "capacity": capacity,
-                          "rank": rank},
+                    info={"corrupted_rows": corrupted, "polluted_routes": polluted,
+                          "num_recv": int(local_ids.shape[0]), "capacity": capacity, "rank": rank},
                     nvtx_stage="globalize")
     return build
 
