@@ -224,10 +224,16 @@ class Point:
 
     @property
     def key(self) -> str:
-        """Stable identity of a point (impl + all parameters), used to resume a run."""
-        blob = json.dumps({"impl": self.impl, **self.params.to_dict()}, sort_keys=True)
+        """Stable identity of a point (impl + all parameters), used to resume a run and to compare runs.
+        Parameters added later are left out at their default, so runs recorded before them keep their keys."""
+        params = {k: v for k, v in self.params.to_dict().items() if _LATER_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        blob = json.dumps({"impl": self.impl, **params}, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
+
+# Parameters added after reference runs were recorded, with their defaults (see Point.key).
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced"}
+_NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
                "description": str, "headlines": list}

@@ -21,6 +21,7 @@ FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
 SMALL = {
     "sp_padding_straggler": ["num_experts=16", "top_k=2", "hidden=32", "intermediate=16", "num_tokens=32",
                              "padding_ratio=0.125", "axes.ep_size=[2]"],
+    "sp_padding_ep2_real": ["num_experts=16", "top_k=2", "hidden=64", "num_tokens=32", "padding_ratio=0.125"],
     "capacity_compiles": ["hidden=32", "num_experts=16", "top_k=2", "ep_size=4", "trace=[3,5,7,9]",
                           "num_max_tokens_per_rank=16"],
     "recv_buffer_stale_rows": ["num_experts=16", "top_k=2", "ep_size=4", "hidden=32", "intermediate=16",
@@ -71,6 +72,15 @@ def test_a_sp_padding_straggler(tmp_path):
     assert hot.without > hot.with_ and hot.equal is True
     pad = _by_prefix(rows, "padding routes")
     assert pad.without > 0 and pad.with_ == 0
+
+
+def test_a_sp_padding_on_two_real_ranks(tmp_path):
+    rows, code, records = _run("sp_padding_ep2_real", tmp_path)  # two gloo ranks on the CPU
+    assert code == 0 and all(r["status"] == "ok" for r in records)
+    sent = _by_prefix(rows, "padded rows sent")
+    assert sent.without > 0 and sent.with_ == 0
+    assert _by_prefix(rows, "slowest rank's excess").equal is True
+    assert _by_prefix(rows, "hottest expert").equal is True
 
 
 def test_b_capacity_compiles(tmp_path):
@@ -223,3 +233,23 @@ def test_evaluate_reduces_pairs_and_missing_values():
     none = {**spec, "equal_to": {"mask": "never"}}
     assert headline.evaluate(recs, [none])[0].equal is False
     assert "NOT EQUAL" in headline.line(headline.evaluate(recs, [none])[0])
+
+
+def test_new_mask_knobs_keep_the_point_keys_of_committed_runs():
+    """pcp_mask / dbo_mask at their defaults are not part of a point's key: committed runs still compare."""
+    import json
+
+    from moebench.sweep import Params, Point
+
+    files = sorted(ROOT.glob("results/**/records.jsonl"))
+    assert files, "no committed run to compare against"
+    checked = 0
+    for path in files[:3]:
+        for line in path.read_text().splitlines()[:50]:
+            rec = json.loads(line)
+            if "key" in rec:
+                assert Point(0, rec["impl"], Params(**rec["params"])).key == rec["key"], path
+                checked += 1
+    assert checked
+    moved = Params(padding_producer="pcp", pcp_mask="local")
+    assert Point(0, "x.y", moved).key != Point(0, "x.y", Params(padding_producer="pcp")).key
