@@ -51,7 +51,7 @@ class Params:
     mask: bool = True  # pass is_padding to mask-aware impls (False: padded rows routed like real ones)
     capture_sizes: Optional[list] = None  # cudagraph producer; None = 1,2,4,8 then multiples of 8 up to 512
     producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
-    # the mask the router is handed (scenarios d and g; inputs.producer_masks documents both)
+    # the mask the router is handed (scenarios d and g; moebench.inputs.router_mask documents both)
     pcp_mask: str = "gathered"  # pcp: the gathered mask (the fix) or the rank-local one (the size-mismatch bug)
     dbo_mask: str = "sliced"  # dbo: each micro-batch's slice (the fix), the full-batch mask, or none
     # routing
