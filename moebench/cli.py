@@ -102,6 +102,13 @@ def cmd_profile(args) -> int:
     return 0 if not result.get("error") else 1
 
 
+def cmd_report(args) -> int:
+    from moebench.report_page import write_report
+
+    print(write_report(args.run_dirs, args.out, title=args.title))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="moebench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -130,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")
     ls.set_defaults(func=cmd_list)
+
+    rp = sub.add_parser("report", help="one self-contained HTML (or Markdown) page of runs: manifest, headline "
+                                       "numbers, tables, plots")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("-o", "--out", required=True, help="FILE.html (images embedded) or FILE.md (images linked)")
+    rp.add_argument("--title", default="moebench report")
+    rp.set_defaults(func=cmd_report)
 
     pr = sub.add_parser("profile", help="profile one point under nsys (or torch.profiler)")
     pr.add_argument("sweep")

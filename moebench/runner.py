@@ -327,6 +327,10 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     records = sorted(load_records(run_dir), key=lambda r: r.get("point", 0))
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
     table.footer(records)
+    from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
+
+    for text in footer_lines(records, list(sweep.headlines)):
+        table.comment(text)
     if make_plots:
         try:
             from moebench.plots import make_plots as _make_plots

@@ -36,6 +36,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ep_mode": ("real", "simulated"),
     "capacity_policy": ("exact", "pow2", "max"),
     "trace_distribution": ("uniform", "decode_prefill", "lognormal"),
+    "pcp_mask": ("gathered", "local"),
+    "dbo_mask": ("sliced", "full", "none"),
 }
 
 
@@ -49,6 +51,9 @@ class Params:
     mask: bool = True  # pass is_padding to mask-aware impls (False: padded rows routed like real ones)
     capture_sizes: Optional[list] = None  # cudagraph producer; None = 1,2,4,8 then multiples of 8 up to 512
     producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
+    # the mask the router is handed (scenarios d and g; moebench.inputs.router_mask documents both)
+    pcp_mask: str = "gathered"  # pcp: the gathered mask (the fix) or the rank-local one (the size-mismatch bug)
+    dbo_mask: str = "sliced"  # dbo: each micro-batch's slice (the fix), the full-batch mask, or none
     # routing
     num_experts: int = 256
     top_k: int = 8
@@ -172,7 +177,9 @@ def params_problem(p: Params) -> str | None:
         return "capture_sizes: must be a non-empty list of positive ints"
     if p.trace is not None and (not p.trace or min(p.trace) < 1):
         return "trace: must be a non-empty list of positive batch sizes"
-    return None
+    from moebench.inputs.router_mask import mask_knob_problem
+
+    return mask_knob_problem(p)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,10 +208,12 @@ class Sweep:
     timing: Timing = field(default_factory=Timing)
     description: str = ""
     source: str = "<memory>"
+    headlines: tuple = ()  # moebench.headline specs (dicts), checked by _check_headlines
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "target": self.target, "impls": list(self.impls), "fixed": self.fixed,
-                "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description}
+                "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description,
+                "headlines": [dict(h) for h in self.headlines]}
 
 
 @dataclass(frozen=True)
@@ -215,13 +224,19 @@ class Point:
 
     @property
     def key(self) -> str:
-        """Stable identity of a point (impl + all parameters), used to resume a run."""
-        blob = json.dumps({"impl": self.impl, **self.params.to_dict()}, sort_keys=True)
+        """Stable identity of a point (impl + all parameters), used to resume a run and to compare runs.
+        Parameters added later are left out at their default, so runs recorded before them keep their keys."""
+        params = {k: v for k, v in self.params.to_dict().items() if _LATER_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        blob = json.dumps({"impl": self.impl, **params}, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
+# Parameters added after reference runs were recorded, with their defaults (see Point.key).
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced"}
+_NO_DEFAULT = object()
+
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
-               "description": str}
+               "description": str, "headlines": list}
 _TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float}
 
 
@@ -354,10 +369,22 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
     if timing.iters < 1 or timing.warmup < 0 or timing.unroll < 1 or timing.max_seconds <= 0:
         raise _fail(src, "timing", "iters and unroll must be >= 1, warmup >= 0, max_seconds > 0")
 
+    headlines = _check_headlines(raw.get("headlines") or [], src, impls)
     sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,
-                  description=raw.get("description", ""), source=src)
+                  description=raw.get("description", ""), source=src, headlines=headlines)
     expand(sweep)  # validates every combination
     return sweep
+
+
+def _check_headlines(specs: list, src: str, impls: list) -> tuple:
+    """The `headlines:` list (moebench.headline documents a spec): one line naming the bad entry and key."""
+    from moebench.headline import spec_problem
+
+    for i, spec in enumerate(specs):
+        why = spec_problem(spec, PARAM_NAMES, impls)
+        if why:
+            raise _fail(src, f"headlines[{i}]", why)
+    return tuple(dict(s) for s in specs)
 
 
 def expand(sweep: Sweep) -> list[Point]:

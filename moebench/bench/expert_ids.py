@@ -84,14 +84,17 @@ def _apply_map_build(variant: str):
             return compare_exact("local_ids", got, ref)
 
         _, true_ids = route(p, batch, use_mask=True)
-        corrupted = rows_differing(reference(topk_ids, expert_map), apply_expert_map_torch(true_ids, expert_map))
+        result, truth = reference(topk_ids, expert_map), apply_expert_map_torch(true_ids, expert_map)
+        corrupted = rows_differing(result, truth)
+        misrouted = int((result.to(torch.int64) != truth.to(torch.int64)).sum())  # slots sent to a wrong expert
         out_bytes = 8 if variant != "oblivious" else expert_map.element_size()
         return Case(run=run, check=check,
                     bytes_moved=topk_ids.numel() * (topk_ids.element_size() + out_bytes)
                     + expert_map.numel() * expert_map.element_size(),
                     bytes_note="ids read + local ids written + the map once",
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "rank": rank}, nvtx_stage="expert_map")
+                    info={"corrupted_rows": corrupted, "misrouted_routes": misrouted, "rank": rank},
+                    nvtx_stage="expert_map")
     return build
 
 
@@ -149,11 +152,15 @@ def _globalize_build(variant: str):
             return compare_exact("recv_topk_idx", buf, ref.to(buf.device))
 
         truth = globalize_recv_topk_idx_torch(source.clone(), num_recv, offset, p.num_experts)
-        corrupted = int((reference(source) != truth).any(dim=1).sum())
+        result = reference(source)
+        corrupted = int((result != truth).any(dim=1).sum())
+        # stale rows' slots left holding an expert id: what an expert-list scan of every row picks up
+        polluted = int((result[int(local_ids.shape[0]):] >= 0).sum())
         return Case(run=run, check=check, bytes_moved=2 * buf.numel() * buf.element_size() + 4,
                     bytes_note="receive buffer read and written in place (repeated runs re-process the result)",
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
-                    info={"corrupted_rows": corrupted, "num_recv": int(local_ids.shape[0]), "capacity": capacity,
+                    info={"corrupted_rows": corrupted, "polluted_routes": polluted,
+                          "num_recv": int(local_ids.shape[0]), "capacity": capacity,
                           "rank": rank},
                     nvtx_stage="globalize")
     return build

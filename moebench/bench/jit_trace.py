@@ -292,7 +292,7 @@ def check_trace(info: dict[str, Any], p: Params) -> CheckResult:
 # Registration
 # ---------------------------------------------------------------------------------------------------------------
 
-def _validate(p: Params) -> str | None:
+def validate_trace(p: Params) -> str | None:
     top = max(p.trace) if p.trace is not None else p.trace_max_tokens
     if top > p.num_max_tokens_per_rank:
         key = "trace" if p.trace is not None else "trace_max_tokens"
@@ -305,7 +305,7 @@ def _validate(p: Params) -> str | None:
 @register_impl("jit_trace.a2a_fixed", targets=("jit_trace",),
                description="replay a batch-size trace through the a2a_fixed pack/combine kernels under "
                            "capacity_policy; compiles per step (JIT hooks) vs the predicted distinct capacities",
-               validate=_validate)
+               validate=validate_trace)
 def build(p: Params, ctx: RunContext) -> Case:
     use_triton = ctx.is_cuda or interpreting()
     info = run_trace(p, ctx.device, use_triton=use_triton)

@@ -46,6 +46,7 @@ def _build_sum(variant: str):
             def check():
                 poison(out)
                 run()
+                info["nan_rows"] = int(torch.isnan(out).any(dim=1).sum())  # rows the skipped slots poisoned
                 return compare_nan_aware("out", out, unmasked_ref, 1e-2, 1e-3)
             # Harm done: rows with a skipped slot whose output is not the masked result (bit for bit).
             got = moe_sum_oblivious(intermediate)
@@ -63,6 +64,7 @@ def _build_sum(variant: str):
             def check():
                 poison(out)
                 run()
+                info["nan_rows"] = int(torch.isnan(out).any(dim=1).sum())  # rows the skipped slots poisoned
                 # fp32 accumulation in the same order: bitwise on a GPU; the CPU interpreter rounds fp32 -> bf16
                 # differently, hence the tolerance. The exact-mismatch count is reported either way.
                 res = compare_close("out", out, ref, 1e-2, 1e-2)

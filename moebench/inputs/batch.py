@@ -69,17 +69,19 @@ def make_batch(p: Params, device: torch.device | str, *, need_hidden: bool = Tru
     bias = None
     if p.bias:
         bias = (torch.rand(p.num_experts, generator=g, device=device, dtype=torch.float32) - 0.5) * 0.1
-    return Batch(is_padding=is_padding, logits=logits, hidden=hidden, bias=bias,
-                 mask=is_padding if p.mask else None)
+    from moebench.inputs.router_mask import router_mask
+
+    return Batch(is_padding=is_padding, logits=logits, hidden=hidden, bias=bias, mask=router_mask(p, is_padding))
 
 
 def route(p: Params, batch: Batch, *, use_mask: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference routing of a batch: (topk_weights fp32 [T,K], topk_ids int32 [T,K]).
 
-    Uses grouped_topk when p.num_expert_group > 1, else topk_softmax; masked when p.mask (or `use_mask`).
+    Uses grouped_topk when p.num_expert_group > 1, else topk_softmax; given batch.mask (or, with `use_mask`,
+    is_padding / nothing).
     """
-    masked = p.mask if use_mask is None else use_mask
-    mask = batch.is_padding if masked else None
+    # batch.mask is what the point hands the router (router_mask: the PCP / DBO variants); use_mask overrides
+    mask = batch.mask if use_mask is None else batch.is_padding if use_mask else None
     if p.num_expert_group > 1 or p.scoring == "sigmoid":
         return grouped_topk_torch(batch.logits, p.top_k, p.num_expert_group, p.topk_group, scoring=p.scoring,
                                   bias=batch.bias, renormalize=p.renormalize,

@@ -1,0 +1,302 @@
+"""`moebench report RUN_DIR... -o FILE.html|FILE.md`: one page of one or more runs, made from what they stored.
+
+For every run: the manifest (GPU, driver, CUDA, torch, Triton, DeepEP, commit, command, when), the headline numbers
+its sweep declares (moebench.headline, computed from the records), its table (one row per point) and its plots.
+HTML is one self-contained file: the PNGs are embedded as data URIs, the style is inline, nothing is fetched.
+Markdown (for a pull request) links the PNGs by their path relative to the output file instead.
+
+Plots are looked up in <run_dir>/plots first, then plots/<run name> beside the run's results folder
+(<repo>/results/<run> -> <repo>/plots/<run>), then plots/<run name> under the current directory.
+Bad input (not a run directory, a run without records, an output that cannot be written or of another kind) is a
+`ReportError`: one line, nothing written.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moebench.headline import HeadlineRow, evaluate, format_value
+
+RECORDS = "records.jsonl"
+MANIFEST = "manifest.json"
+FORMATS = (".html", ".md")
+MAX_REASON = 90  # characters of a failure reason in a table cell
+
+
+class ReportError(ValueError):
+    """Input or output the report cannot use. str() is the one line shown."""
+
+
+@dataclass
+class RunView:
+    path: Path
+    manifest: dict
+    records: list[dict]
+    headlines: list[HeadlineRow]
+    plots: list[Path] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def sweep(self) -> dict:
+        return self.manifest.get("sweep") or {}
+
+
+def _read_records(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+    return out
+
+
+def _plot_dirs(run_dir: Path) -> list[Path]:
+    return [run_dir / "plots", run_dir.resolve().parent.parent / "plots" / run_dir.name, Path("plots") / run_dir.name]
+
+
+def find_plots(run_dir: Path) -> list[Path]:
+    """The run's PNGs from the first plot folder that has any (see the module docstring for the order)."""
+    for d in _plot_dirs(run_dir):
+        pngs = sorted(d.glob("*.png")) if d.is_dir() else []
+        if pngs:
+            return pngs
+    return []
+
+
+def load_run(run_dir: str | Path) -> RunView:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: not a run directory (no such directory)")
+    if not (run_dir / RECORDS).exists():
+        raise ReportError(f"{run_dir}: not a run directory (no {RECORDS})")
+    records = sorted(_read_records(run_dir / RECORDS), key=lambda r: r.get("point", 0))
+    if not records:
+        raise ReportError(f"{run_dir}: empty run (no records in {RECORDS})")
+    manifest: dict = {}
+    if (run_dir / MANIFEST).exists():
+        try:
+            manifest = json.loads((run_dir / MANIFEST).read_text())
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{run_dir / MANIFEST}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    specs = (manifest.get("sweep") or {}).get("headlines") or []
+    return RunView(run_dir, manifest, records, evaluate(records, specs), find_plots(run_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each run shows
+# ---------------------------------------------------------------------------------------------------------------
+
+def manifest_items(run: RunView) -> list[tuple[str, str]]:
+    m, env = run.manifest, run.manifest.get("env") or {}
+    gpu = env.get("gpu")
+    if gpu:
+        gpu = f"{gpu} x{env.get('gpu_count', 1)}" + (f", {env['gpu_memory_gib']} GiB" if env.get("gpu_memory_gib")
+                                                    else "")
+    items = [("sweep", f"{run.sweep.get('name', '?')} (target {run.sweep.get('target', '?')})"),
+             ("description", run.sweep.get("description") or ""),
+             ("device", m.get("device") or ""), ("GPU", gpu or "none"), ("driver", env.get("driver") or ""),
+             ("CUDA", env.get("cuda") or ""), ("torch", env.get("torch") or ""), ("Triton", env.get("triton") or ""),
+             ("DeepEP", env.get("deep_ep") or "not installed"), ("commit", m.get("git_commit") or "unknown"),
+             ("created (UTC)", m.get("created_utc") or ""), ("command", m.get("command") or ""),
+             ("points", str(len(run.records)))]
+    return [(k, str(v)) for k, v in items if v != ""]
+
+
+def status_counts(run: RunView) -> str:
+    counts: dict[str, int] = {}
+    for r in run.records:
+        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _axis_names(run: RunView) -> list[str]:
+    axes = list((run.sweep.get("axes") or {}).keys())
+    if axes:
+        return axes
+    varying = []
+    for k in (run.records[0].get("params") or {}):
+        if len({json.dumps((r.get("params") or {}).get(k)) for r in run.records}) > 1:
+            varying.append(k)
+    return varying
+
+
+def _num(v: Any, digits: str = ".4g") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return format(v, digits)
+    return str(v)
+
+
+def table(run: RunView) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the run's points: impl, the axes, status, latency, bandwidth, imbalance, reason."""
+    axes = _axis_names(run)
+    head = ["point", "impl", *axes, "status", "p50 us", "p10 us", "p90 us", "GB/s", "expert max/mean",
+            "rank max/mean", "reason"]
+    rows = []
+    for r in run.records:
+        params, st, imb = r.get("params") or {}, r.get("stats") or {}, r.get("imbalance") or {}
+        reason = str(r.get("reason") or "")
+        rows.append([_num(r.get("point")), str(r.get("impl", "")), *(_num(params.get(k)) for k in axes),
+                     str(r.get("status", "")), _num(st.get("p50")), _num(st.get("p10")), _num(st.get("p90")),
+                     _num(r.get("gbps")), _num((imb.get("expert") or {}).get("max_over_mean")),
+                     _num((imb.get("rank") or {}).get("max_over_mean") if (imb.get("ep_size") or 1) > 1 else None),
+                     reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."])
+    return head, rows
+
+
+def headline_table(run: RunView) -> tuple[list[str], list[list[str]]]:
+    head = ["headline", "without", "with", "without / with", "check"]
+    rows = []
+    for h in run.headlines:
+        check = "" if h.equal is None else ("equal: " if h.equal else "NOT equal: ") + h.equal_detail
+        rows.append([h.label, f"{h.without_label}: {format_value(h.without)}",
+                     f"{h.with_label}: {format_value(h.with_)}", h.change, check])
+    return head, rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------------------------------------------
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1400px;color:#222}
+h1{font-size:1.5em}h2{font-size:1.25em;border-bottom:1px solid #ccc;padding-top:1em}h3{font-size:1.05em}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}td,th{border:1px solid #ddd;padding:2px 6px;
+text-align:left;vertical-align:top}th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.headlines td{font-size:1.05em}.bad{color:#b00}.plots img{max-width:100%;border:1px solid #eee;margin:4px 0}
+dl{display:grid;grid-template-columns:max-content auto;gap:2px 12px;font-size:.9em}dt{font-weight:600}
+dd{margin:0;font-family:monospace}"""
+
+
+def _is_numeric(cell: str) -> bool:
+    try:
+        float(cell)
+        return True
+    except ValueError:
+        return False
+
+
+def _html_table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
+    e = html.escape
+    out = [f'<table class="{cls}">' if cls else "<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head)
+           + "</tr>"]
+    for row in rows:
+        cells = []
+        for c in row:
+            attrs = ' class="n"' if _is_numeric(c) else ' class="bad"' if c in ("wrong", "failed") else ""
+            cells.append(f"<td{attrs}>{e(c)}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _data_uri(png: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
+
+
+def render_html(runs: list[RunView], title: str) -> str:
+    e = html.escape
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{e(title)}</title>",
+             f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
+    if len(runs) > 1:
+        parts.append("<ul>" + "".join(f'<li><a href="#run-{i}">{e(r.name)}</a> ({e(status_counts(r))})</li>'
+                                      for i, r in enumerate(runs)) + "</ul>")
+    for i, run in enumerate(runs):
+        parts.append(f'<h2 id="run-{i}">{e(run.name)}</h2>')
+        parts.append("<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in manifest_items(run)) + "</dl>")
+        parts.append(f"<p>points: {e(status_counts(run))}</p>")
+        if run.headlines:
+            parts.append("<h3>Headline numbers</h3>")
+            parts.append(_html_table(*headline_table(run), cls="headlines"))
+        parts.append("<h3>Points</h3>")
+        parts.append(_html_table(*table(run)))
+        if run.plots:
+            parts.append('<h3>Plots</h3><div class="plots">')
+            for png in run.plots:
+                parts.append(f'<figure><img alt="{e(png.name)}" src="{_data_uri(png)}">'
+                             f"<figcaption>{e(png.name)}</figcaption></figure>")
+            parts.append("</div>")
+        else:
+            parts.append("<p>No plots found for this run.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------------------------
+
+def _md_cell(c: str) -> str:
+    return c.replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(_md_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
+    parts = [f"# {title}", ""]
+    for run in runs:
+        parts += [f"## {run.name}", ""]
+        parts += [f"- **{k}**: `{v}`" if k in ("commit", "command") else f"- **{k}**: {v}"
+                  for k, v in manifest_items(run)]
+        parts += [f"- **status**: {status_counts(run)}", ""]
+        if run.headlines:
+            parts += ["### Headline numbers", "", _md_table(*headline_table(run)), ""]
+        parts += ["### Points", "", _md_table(*table(run)), ""]
+        if run.plots:
+            parts += ["### Plots", ""]
+            for png in run.plots:
+                rel = Path(os.path.relpath(png.resolve(), out_dir.resolve())).as_posix()
+                parts.append(f"![{png.stem}]({rel})")
+            parts.append("")
+        else:
+            parts += ["No plots found for this run.", ""]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+
+def write_report(run_dirs: list[str | Path], out: str | Path, title: str = "moebench report") -> Path:
+    """Load every run (all must be valid), render by the output's suffix, write atomically; returns the path."""
+    out = Path(out)
+    if out.suffix.lower() not in FORMATS:
+        raise ReportError(f"-o {out}: the output must end in .html or .md")
+    if not run_dirs:
+        raise ReportError("report: give at least one run directory")
+    if not out.parent.is_dir():
+        raise ReportError(f"-o {out}: no such directory {out.parent}")
+    if out.is_dir():
+        raise ReportError(f"-o {out}: is a directory")
+    runs = [load_run(d) for d in run_dirs]
+    text = render_html(runs, title) if out.suffix.lower() == ".html" else render_markdown(runs, title, out.parent)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise ReportError(f"-o {out}: cannot write ({e.strerror})") from None
+    return out

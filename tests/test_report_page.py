@@ -1,0 +1,127 @@
+"""`moebench report`: one self-contained HTML page (or Markdown) of run directories, and its one-line errors."""
+
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moebench.report_page import ReportError, find_plots, load_run, write_report
+from moebench.runner import run_sweep
+from moebench.sweep import sweep_from_dict
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
+SPEC = {"label": "padding routes", "metric": "imbalance.num_padding_routes", "reduce": "sum",
+        "without": {"mask": False}, "with": {"mask": True}, "without_label": "unmasked", "with_label": "masked"}
+
+
+def _fake_run(base, name="demo-20260101T000000Z", records=None, plots_in_run=True):
+    run = base / "results" / name
+    run.mkdir(parents=True)
+    manifest = {"created_utc": "2026-01-01T00:00:00+00:00", "command": "moebench run demo.yaml",
+                "git_commit": "abc1234", "device": "cuda",
+                "env": {"gpu": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gib": 139.8, "driver": "570.1",
+                        "cuda": "12.8", "torch": "2.13.0", "triton": "3.9.0", "deep_ep": None},
+                "sweep": {"name": "demo", "target": "router", "axes": {"mask": [False, True]},
+                          "description": "masked vs not", "headlines": [SPEC]}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    if records is None:
+        records = [{"point": i, "impl": "topk_softmax.triton", "status": "ok", "params": {"mask": m},
+                    "stats": {"p50": 10.0 + i, "p10": 9.0, "p90": 12.0},
+                    "imbalance": {"num_padding_routes": 0 if m else 40, "ep_size": 1,
+                                  "expert": {"max_over_mean": 2.5}}} for i, m in enumerate([False, True])]
+        records.append({"point": 2, "impl": "topk_softmax.torch", "status": "failed", "params": {"mask": True},
+                        "reason": "ValueError: is_padding size mismatch, expected: 8, got: 4"})
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plots = run / "plots" if plots_in_run else base / "plots" / name
+    plots.mkdir(parents=True)
+    (plots / "latency.png").write_bytes(PNG)
+    return run
+
+
+def test_html_is_self_contained_with_manifest_headlines_table_and_plots(tmp_path):
+    run = _fake_run(tmp_path)
+    out = write_report([run], tmp_path / "report.html")
+    text = out.read_text()
+    assert text.startswith("<!DOCTYPE html>")
+    assert "data:image/png;base64," + base64.b64encode(PNG).decode() in text
+    assert "<script" not in text and 'src="http' not in text and "<link" not in text
+    for want in ("NVIDIA H200 x1", "abc1234", "2.13.0", "570.1", "moebench run demo.yaml", "padding routes",
+                 "unmasked: 40", "masked: 0", "topk_softmax.triton", "is_padding size mismatch", "failed 1, ok 2"):
+        assert want in text, want
+
+
+def test_markdown_links_plots_relative_to_the_output(tmp_path):
+    run = _fake_run(tmp_path)
+    (tmp_path / "docs").mkdir()
+    out = write_report([run], tmp_path / "docs" / "report.md")
+    text = out.read_text()
+    assert "![latency](../results/demo-20260101T000000Z/plots/latency.png)" in text
+    assert "| padding routes | unmasked: 40 | masked: 0 | to 0 |  |" in text
+    assert "- **commit**: `abc1234`" in text and "data:image" not in text
+
+
+def test_plots_found_in_the_run_first_then_beside_results(tmp_path):
+    run = _fake_run(tmp_path, plots_in_run=False)
+    assert find_plots(run) == [tmp_path / "plots" / run.name / "latency.png"]
+    (run / "plots").mkdir()
+    (run / "plots" / "own.png").write_bytes(PNG)
+    assert [p.name for p in find_plots(run)] == ["own.png"]
+
+
+def test_several_runs_on_one_page(tmp_path):
+    a = _fake_run(tmp_path, "a-20260101T000000Z")
+    b = _fake_run(tmp_path, "b-20260101T000000Z")
+    text = write_report([a, b], tmp_path / "r.html", title="two runs").read_text()
+    assert "<title>two runs</title>" in text and 'href="#run-1"' in text and text.count("<h2 ") == 2
+
+
+@pytest.mark.parametrize("case, why", [
+    ("missing", "not a run directory (no such directory)"),
+    ("no_records", "not a run directory (no records.jsonl)"),
+    ("empty", "empty run (no records in records.jsonl)"),
+    ("suffix", "the output must end in .html or .md"),
+    ("no_dir", "no such directory"),
+])
+def test_bad_input_is_exit_2_one_line_and_nothing_written(tmp_path, case, why):
+    run = _fake_run(tmp_path)
+    out = tmp_path / "out.html"
+    if case == "missing":
+        args = [str(tmp_path / "nope")]
+    elif case == "no_records":
+        (run / "records.jsonl").unlink()
+        args = [str(run)]
+    elif case == "empty":
+        (run / "records.jsonl").write_text("\n")
+        args = [str(run)]
+    elif case == "suffix":
+        args, out = [str(run)], tmp_path / "out.pdf"
+    else:
+        args, out = [str(run)], tmp_path / "nodir" / "out.html"
+    with pytest.raises(ReportError) as e:
+        write_report(args, out)
+    assert why in str(e.value) and "\n" not in str(e.value)
+    proc = subprocess.run([sys.executable, "-m", "moebench", "report", *args, "-o", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and why in proc.stderr
+    assert not out.exists()
+    if out.parent.exists():
+        assert not list(out.parent.glob(".*.tmp"))
+
+
+def test_a_real_run_reports_its_declared_headlines(tmp_path):
+    sweep = sweep_from_dict({"name": "rep", "target": "router", "impls": ["topk_softmax.torch"],
+                             "fixed": {"num_experts": 16, "top_k": 2, "num_tokens": 16, "padding_ratio": 0.5},
+                             "axes": {"mask": [False, True]}, "timing": {"warmup": 0, "iters": 2},
+                             "headlines": [SPEC]})
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", plots_base=tmp_path / "plots",
+                              out=open("/dev/null", "w"))
+    assert code == 0
+    view = load_run(run_dir)
+    (row,) = view.headlines
+    assert row.without == 16 and row.with_ == 0  # 8 padded rows x top-2, unmasked
+    text = write_report([run_dir], tmp_path / "r.html").read_text()
+    assert "unmasked: 16" in text
+    assert view.plots and all(p.suffix == ".png" for p in view.plots)
+    assert text.count("data:image/png;base64,") == len(view.plots)

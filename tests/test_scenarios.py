@@ -1,0 +1,255 @@
+"""The seven seed scenarios (sweeps/scenarios/*.yaml) at small shapes on the CPU, each asserting its headline effect
+with and without the fix, plus the `headlines:` sweep key (validation, evaluation) and the runner's footer."""
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moebench import headline
+from moebench.results import load_records
+from moebench.runner import run_sweep
+from moebench.sweep import SweepError, load_sweep, sweep_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "sweeps" / "scenarios"
+FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
+
+# The small shapes of each scenario (the files' own shapes are the H200 ones); docs/scenarios.md quotes these.
+SMALL = {
+    "sp_padding_straggler": ["num_experts=16", "top_k=2", "hidden=32", "intermediate=16", "num_tokens=32",
+                             "padding_ratio=0.125", "axes.ep_size=[2]"],
+    "sp_padding_ep2_real": ["num_experts=16", "top_k=2", "hidden=64", "num_tokens=32", "padding_ratio=0.125"],
+    "capacity_compiles": ["hidden=32", "num_experts=16", "top_k=2", "ep_size=4", "trace=[3,5,7,9]",
+                          "num_max_tokens_per_rank=16"],
+    "recv_buffer_stale_rows": ["num_experts=16", "top_k=2", "ep_size=4", "hidden=32", "intermediate=16",
+                               "num_max_tokens_per_rank=32", "axes.num_tokens=[16]"],
+    "pcp_gathered_mask": ["num_experts=16", "top_k=4", "num_tokens=16", "axes.producer_size=[1,2]"],
+    "topk6": ["num_experts=32", "axes.num_tokens=[16]"],
+    "minus_one_and_nan": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32", "hidden=64"],
+    "dbo_mask_slices": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32"],
+}
+
+
+def _run(name: str, tmp_path) -> tuple[dict[str, headline.HeadlineRow], int, list[dict]]:
+    sweep = load_sweep(SCENARIOS / f"{name}.yaml", SMALL[name] + FAST)
+    out = io.StringIO()
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False, out=out)
+    records = load_records(run_dir)
+    rows = headline.evaluate(records, list(sweep.headlines))
+    text = out.getvalue()
+    assert "# headlines (without the fix | with it):" in text
+    for row in rows:  # every headline is printed under the table
+        assert f"#   {headline.line(row)}" in text
+    return {r.label: r for r in rows}, code, records
+
+
+def _by_prefix(rows: dict, prefix: str) -> headline.HeadlineRow:
+    hits = [r for label, r in rows.items() if label.startswith(prefix)]
+    assert len(hits) == 1, (prefix, list(rows))
+    return hits[0]
+
+
+def test_every_scenario_has_a_small_shape_and_headlines():
+    files = sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
+    assert files == sorted(SMALL)
+    for name in files:
+        sweep = load_sweep(SCENARIOS / f"{name}.yaml")
+        assert sweep.name == name and sweep.headlines, name
+        doc = (ROOT / "docs" / "scenarios.md").read_text()
+        assert f"sweeps/scenarios/{name}.yaml" in doc, name
+
+
+def test_a_sp_padding_straggler(tmp_path):
+    rows, code, _ = _run("sp_padding_straggler", tmp_path)
+    assert code == 0
+    excess = _by_prefix(rows, "slowest-rank excess")
+    assert excess.without > excess.with_ >= 0
+    assert excess.equal is True  # masked == the unmasked run's real tokens alone, exactly
+    hot = _by_prefix(rows, "hottest expert")
+    assert hot.without > hot.with_ and hot.equal is True
+    pad = _by_prefix(rows, "padding routes")
+    assert pad.without > 0 and pad.with_ == 0
+
+
+def test_a_sp_padding_on_two_real_ranks(tmp_path):
+    rows, code, records = _run("sp_padding_ep2_real", tmp_path)  # two gloo ranks on the CPU
+    assert code == 0 and all(r["status"] == "ok" for r in records)
+    sent = _by_prefix(rows, "padded rows sent")
+    assert sent.without > 0 and sent.with_ == 0
+    assert _by_prefix(rows, "slowest rank's excess").equal is True
+    assert _by_prefix(rows, "hottest expert").equal is True
+
+
+def test_b_capacity_compiles(tmp_path):
+    rows, code, records = _run("capacity_compiles", tmp_path)
+    assert code == 0
+    pow2 = _by_prefix(rows, "pack/combine variants to compile (distinct")
+    assert pow2.without > pow2.with_ >= 1
+    whole = _by_prefix(rows, "pack/combine variants to compile, whole buffer")
+    assert whole.without > whole.with_ == 1
+    wire = _by_prefix(rows, "wire bytes")
+    assert wire.with_ > wire.without > 0  # the price of fewer compiles: larger blocks on the wire
+    for label in ("wire copy time over the trace (us)", "wire copy time over the trace, whole buffer (us)"):
+        assert rows[label].without > 0 and rows[label].with_ > 0
+    # under the interpreter the JIT hooks never fire: shown as n/a, not as 0
+    assert _by_prefix(rows, "pack compiles observed").without is None
+    policies = {r["params"]["capacity_policy"]: r["info"]["wire_rows"] for r in records
+                if r["impl"] == "jit_trace.a2a_fixed_wire"}
+    assert policies["max"] >= policies["pow2"] >= policies["exact"]
+
+
+def test_c_recv_buffer_stale_rows(tmp_path):
+    rows, code, _ = _run("recv_buffer_stale_rows", tmp_path)
+    assert code == 0
+    for prefix in ("receive-buffer rows with wrong ids", "stale routes", "expert-output rows that differ"):
+        row = _by_prefix(rows, prefix)
+        assert row.without > 0 and row.with_ == 0, prefix
+
+
+def test_d_pcp_gathered_mask(tmp_path):
+    rows, code, records = _run("pcp_gathered_mask", tmp_path)
+    assert code == 1  # the rank-local mask's points fail, as in the seed: recorded, the run went on
+    failed = _by_prefix(rows, "masked points failing")
+    assert failed.without == 2 and failed.with_ == 0  # PCP 2, both impls; PCP 1 works either way
+    reasons = _by_prefix(rows, "their reason").without
+    assert reasons and all("is_padding size mismatch" in r for r in reasons)
+    assert _by_prefix(rows, "padded rows' routes").without > 0 == _by_prefix(rows, "padded rows' routes").with_
+    routing = _by_prefix(rows, "real tokens' routes")
+    assert routing.equal is True, routing.equal_detail
+    assert all(r["status"] == "ok" for r in records if r["params"]["pcp_mask"] == "gathered")
+
+
+def test_e_topk6(tmp_path):
+    rows, code, records = _run("topk6", tmp_path)
+    assert code == 0
+    bad = _by_prefix(rows, "points wrong or failed")
+    assert bad.without == 0 and bad.with_ == 0
+    timed = _by_prefix(rows, "points checked")
+    assert timed.without == timed.with_ == 2
+    assert {r["params"]["top_k"] for r in records} == {6, 8}
+    assert _by_prefix(rows, "router p50").with_ > 0 and _by_prefix(rows, "moe_align_block_size p50").with_ > 0
+
+
+def test_f_minus_one_and_nan(tmp_path):
+    rows, code, _ = _run("minus_one_and_nan", tmp_path)
+    assert code == 0
+    for prefix in ("padded slots routed", "rows with a wrong local id", "NaN output rows"):
+        row = _by_prefix(rows, prefix)
+        assert row.without > 0 and row.with_ == 0, prefix
+    # every padded slot is misrouted on the rank owning the last expert: 8 padded rows x top-4
+    assert _by_prefix(rows, "padded slots routed").without == 8 * 4
+
+
+def test_g_dbo_mask_slices_through_the_cli(tmp_path):
+    cmd = [sys.executable, "-m", "moebench", "run", str(SCENARIOS / "dbo_mask_slices.yaml"), "--out", str(tmp_path),
+           "--no-plots", "--device", "cpu"]
+    for s in SMALL["dbo_mask_slices"] + FAST:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr  # the full-mask point fails (size mismatch), by design
+    assert "is_padding size mismatch" in proc.stdout
+    run_dir = next(tmp_path.iterdir())
+    sweep = load_sweep(SCENARIOS / "dbo_mask_slices.yaml")
+    rows = {r.label: r for r in headline.evaluate(load_records(run_dir), list(sweep.headlines))}
+    pad = _by_prefix(rows, "padded rows' routes")
+    assert pad.without > 0 and pad.with_ == 0
+    for prefix in ("hottest expert", "slowest EP rank"):
+        row = _by_prefix(rows, prefix)
+        assert row.without > row.with_ and row.equal is True, prefix
+    assert _by_prefix(rows, "points failing").without == 1
+    assert f"#   {headline.line(pad)}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ the headlines key
+
+BASE = {"name": "h", "target": "router", "impls": ["topk_softmax.torch"],
+        "fixed": {"num_experts": 16, "top_k": 2, "num_tokens": 8}, "axes": {"mask": [True, False]}}
+SPEC = {"label": "x", "metric": "imbalance.num_padding_routes", "reduce": "sum", "without": {"mask": False},
+        "with": {"mask": True}}
+
+
+@pytest.mark.parametrize("spec, why", [
+    ({**SPEC, "reduce": "avg"}, "reduce: 'avg' is not one of"),
+    ({**SPEC, "without": {"maks": False}}, "without.maks: not a parameter"),
+    ({**SPEC, "with": {"impl": "topk_softmax.triton"}}, "with.impl: 'topk_softmax.triton' is not an impl of"),
+    ({k: v for k, v in SPEC.items() if k != "with"}, "with: missing"),
+    ({**SPEC, "colour": "red"}, "colour: unknown key"),
+    ({**SPEC, "metric": "a..b"}, "metric: 'a..b' is not a dotted path"),
+    ({**SPEC, "without": [1]}, "without: expected dict"),
+    ("just text", "expected a mapping"),
+])
+def test_bad_headlines_are_one_line_errors(spec, why):
+    with pytest.raises(SweepError) as e:
+        sweep_from_dict({**BASE, "headlines": [spec]}, "s.yaml")
+    msg = str(e.value)
+    assert msg.startswith("s.yaml: headlines[0]: ") and why in msg and "\n" not in msg
+
+
+def test_bad_headlines_exit_2_from_the_cli(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: h\ntarget: router\nimpls: [topk_softmax.torch]\nheadlines:\n  - {label: x, metric: status,"
+                   " reduce: nope, without: {}, with: {}}\n")
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(bad), "--dry-run"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "headlines[0]: reduce" in proc.stderr
+
+
+def test_headlines_survive_the_manifest_round_trip():
+    sweep = sweep_from_dict({**BASE, "headlines": [SPEC]})
+    again = sweep_from_dict(sweep.to_dict())
+    assert list(again.headlines) == [SPEC]
+
+
+def _rec(point, status="ok", **params):
+    return {"point": point, "impl": "k.v", "status": status, "params": {"mask": True, "ep_size": 1, **params},
+            "info": {"n": point}, "reason": "boom" if status == "failed" else ""}
+
+
+def test_evaluate_reduces_pairs_and_missing_values():
+    recs = [_rec(0, mask=False, ep_size=2), _rec(1, mask=True, ep_size=2), _rec(2, mask=False, ep_size=4),
+            _rec(3, "failed", mask=True, ep_size=4)]
+    spec = {"label": "n", "metric": "info.n", "reduce": "max", "without": {"mask": False}, "with": {"mask": True}}
+    row = headline.evaluate(recs, [spec])[0]
+    assert (row.without, row.with_, row.n_without, row.n_with, row.change) == (2, 3, 2, 2, "0.667x")
+    assert headline.reduce_values([1, None, 3], "mean") == 2
+    assert headline.reduce_values(["a", "b", "a"], "distinct") == ["a", "b"]
+    assert headline.reduce_values(["unsupported"], "max") is None
+    assert headline.reduce_values([], "count") == 0
+    count = {"label": "f", "metric": "status", "reduce": "count", "without": {"status": "failed"},
+             "with": {"status": ["wrong", "failed"], "mask": False}}
+    row = headline.evaluate(recs, [count])[0]
+    assert (row.without, row.with_) == (1, 0)
+    # equal_to pairs by the parameters the selectors do not name (ep_size here)
+    eq = {**spec, "equal_to": {"mask": False}, "equal_metric": "point"}
+    row = headline.evaluate(recs, [eq])[0]
+    assert row.equal is False and "differs in 2 of 2 pairs" in row.equal_detail
+    eq_same = {**spec, "metric": "params.ep_size", "equal_to": {"mask": False}}
+    row = headline.evaluate(recs, [eq_same])[0]
+    assert row.equal is True and row.equal_detail == "equal in 2 of 2 pairs"
+    none = {**spec, "equal_to": {"mask": "never"}}
+    assert headline.evaluate(recs, [none])[0].equal is False
+    assert "NOT EQUAL" in headline.line(headline.evaluate(recs, [none])[0])
+
+
+def test_new_mask_knobs_keep_the_point_keys_of_committed_runs():
+    """pcp_mask / dbo_mask at their defaults are not part of a point's key: committed runs still compare."""
+    import json
+
+    from moebench.sweep import Params, Point
+
+    files = sorted(ROOT.glob("results/**/records.jsonl"))
+    assert files, "no committed run to compare against"
+    checked = 0
+    for path in files[:3]:
+        for line in path.read_text().splitlines()[:50]:
+            rec = json.loads(line)
+            if "key" in rec:
+                assert Point(0, rec["impl"], Params(**rec["params"])).key == rec["key"], path
+                checked += 1
+    assert checked
+    moved = Params(padding_producer="pcp", pcp_mask="local")
+    assert Point(0, "x.y", moved).key != Point(0, "x.y", Params(padding_producer="pcp")).key
