@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from moebench import __version__
@@ -217,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     _interpret_without_gpu(args)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can it take signals
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     try:
         return int(args.func(args) or 0)
-    except (SweepError, ValueError, FileNotFoundError) as e:
+    except (SweepError, ValueError) as e:
         sys.stderr.write(f"moebench: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
         return 2
     except BrokenPipeError:  # `moebench run ... | head`: stop quietly, as other command-line tools do
@@ -228,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a file that vanished, a full disk: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        sys.stderr.write(f"moebench: error: {where}{e.strerror or e}\n")
+        return 2
     except KeyboardInterrupt as e:
         run_dir = getattr(e, "run_dir", None)
         what = "terminated" if isinstance(e, Terminated) else "interrupted"
@@ -235,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"moebench: {what}{hint}\n")
         return 143 if isinstance(e, Terminated) else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

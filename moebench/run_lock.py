@@ -42,7 +42,10 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise RunLocked(f"{self.path.parent}: cannot write there ({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

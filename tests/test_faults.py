@@ -260,7 +260,12 @@ def test_default_location_and_plots_inside_the_run(tmp_path, capsys, monkeypatch
     (run_dir,) = list((tmp_path / "results" / "runs").iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "tiny.yaml"]  # no ./plots
     assert (run_dir / "plots" / "index.md").exists()
-    assert f"plots: " in capsys.readouterr().out
+    assert "plots: " in capsys.readouterr().out
+    import shutil
+
+    shutil.rmtree(run_dir / "plots")
+    assert main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "plots" / "index.md").exists()
     # `moebench plot RUN` writes into the run too; --plots elsewhere puts them in DIR/<run name>/
     assert main(["run", "tiny.yaml", "--device", "cpu", "--out", "o", "--plots", "p"]) == 0
     (other,) = list((tmp_path / "o").iterdir())

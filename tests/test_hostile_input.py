@@ -161,7 +161,8 @@ def test_unreadable_files_named(tmp_path, capsys, monkeypatch):
     _refused(tmp_path, capsys, monkeypatch, _run_args(tmp_path / "missing.yaml", tmp_path),
              "missing.yaml: cannot read (No such file or directory)")
     (tmp_path / "adir").mkdir()
-    _refused(tmp_path, capsys, monkeypatch, _run_args(tmp_path / "adir", tmp_path), "adir: cannot read (is a directory)")
+    _refused(tmp_path, capsys, monkeypatch, _run_args(tmp_path / "adir", tmp_path),
+             "adir: cannot read (is a directory)")
     os.mkfifo(tmp_path / "fifo")  # would block a plain read forever
     _refused(tmp_path, capsys, monkeypatch, _run_args(tmp_path / "fifo", tmp_path), "fifo: cannot read (not a regular")
     big = _write(tmp_path, GOOD + "#" * (1 << 20), "big.yaml")
