@@ -266,9 +266,12 @@ def test_default_location_and_plots_inside_the_run(tmp_path, capsys, monkeypatch
     shutil.rmtree(run_dir / "plots")
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "index.md").exists()
-    # `moebench plot RUN` writes into the run too; --plots elsewhere puts them in DIR/<run name>/
-    assert main(["run", "tiny.yaml", "--device", "cpu", "--out", "o", "--plots", "p"]) == 0
-    (other,) = list((tmp_path / "o").iterdir())
+    # --out moves the run and its plots together; --plots alone sends the plots to DIR/<run name>/
+    assert main(["run", "tiny.yaml", "--device", "cpu", "--out", "o"]) == 0
+    (moved,) = list((tmp_path / "o").iterdir())
+    assert (moved / "plots" / "index.md").exists() and not (tmp_path / "plots").exists()
+    assert main(["run", "tiny.yaml", "--device", "cpu", "--out", "o2", "--plots", "p"]) == 0
+    (other,) = list((tmp_path / "o2").iterdir())
     assert (tmp_path / "p" / other.name / "index.md").exists() and not (other / "plots").exists()
 
 

@@ -226,7 +226,7 @@ def test_resume_of_something_that_is_no_run(tmp_path, capsys, monkeypatch):
 
 
 def test_cuda_graph_on_a_cpu_says_what_was_used(tmp_path):
-    from moebench.results import load_records
+    from moebench.results import load_manifest, load_records
     from moebench.runner import run_sweep
 
     path = _write(tmp_path, GOOD.replace("timing: {warmup: 0, iters: 2}",
@@ -244,6 +244,8 @@ def test_cuda_graph_on_a_cpu_says_what_was_used(tmp_path):
     (rec,) = load_records(run_dir)
     assert rec["timing_mode"] == "wall" and rec["triton_interpret"] is True and "needs CUDA" in rec["timing_note"]
     assert "interp" in (run_dir / "summary.csv").read_text().splitlines()[1].split(",")
+    env = load_manifest(run_dir)["env"]  # what a CPU figure was measured on
+    assert env["cpu_count"] == os.cpu_count() and env["os"] and env["triton_interpret"] == "1" and "cpu" in env
 
 
 def test_version_and_bare_command(capsys):

@@ -11,6 +11,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", "results", "plots", "__pycache__", "*.egg-info", "build", ".venv", ".out",
                               ".whl", ".gl", ".deb")
@@ -51,3 +53,16 @@ def test_pip_install_runs_bundled_quickstart(tmp_path):
     version = subprocess.run([str(env_dir / "bin" / "moebench"), "--version"], capture_output=True, text=True,
                              timeout=120, env=_env(), cwd=work)
     assert version.returncode == 0 and version.stdout.startswith("moebench "), version.stderr
+
+
+def test_default_run_location_is_ignored_by_git():
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO), "rev-parse"], capture_output=True,
+                                                      timeout=30).returncode != 0:
+        pytest.skip("not a git checkout")
+    from moebench.results import DEFAULT_RUNS_DIR
+
+    probe = DEFAULT_RUNS_DIR / "quickstart-20260101T000000Z" / "records.jsonl"
+    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(probe)], timeout=30)
+    assert proc.returncode == 0, f"{probe} is not ignored by git"
+    reference = REPO / "results" / "h200"
+    assert any(reference.glob("*/records.jsonl")) and any(reference.glob("*/plots/index.md"))
