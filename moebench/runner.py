@@ -19,7 +19,6 @@ import torch
 
 from moebench import registry
 from moebench.registry import Case, CheckResult, RunContext
-from moebench.kernels._details.jit import interpreting
 from moebench.measure.roofline import roofline_us
 from moebench.report import Table
 from moebench.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
@@ -39,6 +38,14 @@ def pick_device(requested: str | None) -> torch.device:
     if requested.startswith("cuda:") and int(requested[5:]) >= torch.cuda.device_count():
         raise ValueError(f"--device {requested}: {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device(requested)
+
+
+def interpreting() -> bool:
+    """Triton kernels run in the interpreter here (imported late: importing the kernels imports triton, which
+    must only happen after the CLI has set TRITON_INTERPRET)."""
+    from moebench.kernels._details.jit import interpreting as _interpreting
+
+    return _interpreting()
 
 
 def _error_line(e: BaseException) -> str:
