@@ -1,5 +1,8 @@
 """The sweep runner: for each point build the case, check it against the reference, time it, measure imbalance
-and JIT compiles, append the record, print the table row."""
+and JIT compiles, append the record, print the table row.
+
+A run directory has one writer (`run_lock`), holds one record per point key (a resume skips the recorded points)
+and its summary.csv is rewritten from the records at the end, also after an interrupt."""
 
 from __future__ import annotations
 
@@ -16,21 +19,33 @@ import torch
 
 from moebench import registry
 from moebench.registry import Case, CheckResult, RunContext
-from moebench.report import Table
-from moebench.results import RecordWriter, load_manifest, load_records, new_run_dir, write_manifest, write_summary
 from moebench.measure.roofline import roofline_us
+from moebench.report import Table
+from moebench.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
+                              unique_records, write_manifest, write_summary)
+from moebench.resume import check_same_sweep, stored_sweep
+from moebench.run_lock import RunLock
 from moebench.sweep import Point, Sweep, Timing, expand
-
 
 
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested not in ("cuda", "cpu") and not requested.startswith("cuda:"):
-        raise ValueError(f"--device: {requested!r} is not cuda or cpu")
+    if requested not in ("cuda", "cpu") and not (requested.startswith("cuda:") and requested[5:].isdigit()):
+        raise ValueError(f"--device: {requested!r} is not cuda, cuda:N or cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
+        raise ValueError(f"--device {requested}: no CUDA device is available here")
+    if requested.startswith("cuda:") and int(requested[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {requested}: {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device(requested)
+
+
+def interpreting() -> bool:
+    """Triton kernels run in the interpreter here (imported late: importing the kernels imports triton, which
+    must only happen after the CLI has set TRITON_INTERPRET)."""
+    from moebench.kernels._details.jit import interpreting as _interpreting
+
+    return _interpreting()
 
 
 def _error_line(e: BaseException) -> str:
@@ -75,7 +90,8 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
     rec: dict[str, Any] = {"point": point.index, "key": point.key, "impl": impl.name, "kernel": impl.kernel,
                            "variant": impl.variant, "target": sweep.target, "mask_aware": impl.mask_aware,
                            "twin_of": impl.twin_of,
-                           "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device)}
+                           "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device),
+                           "triton_interpret": interpreting()}
     reason = impl.available(ctx)
     if reason:
         rec.update(status="skipped", reason=reason)
@@ -207,6 +223,27 @@ class _Progress:
             sys.stderr.flush()
 
 
+class _Rows:
+    """Prints each finished point's row once, as it finishes, under the progress line: single-rank points from
+    this process, multi-rank points as rank 0 records them."""
+
+    def __init__(self, table: Table, total: int):
+        self.table = table
+        self.progress = _Progress(total)
+        self.shown: set = set()
+
+    def show(self, rec: dict) -> None:
+        key = rec.get("key")
+        if key in self.shown:
+            return
+        self.shown.add(key)
+        self.progress.close()
+        self.table.row(rec)
+
+    def working_on(self, label: str) -> None:
+        self.progress.update(len(self.shown), label)
+
+
 def _needs_world(point: Point) -> int:
     impl = registry.get(point.impl)
     p = point.params
@@ -240,53 +277,110 @@ def _torchrun_context(dev: torch.device) -> RunContext | None:
     return mdist.init_from_env("nccl" if dev.type == "cuda" else "gloo")
 
 
-def _share_run_dir(run_dir: Path | None, ctx: RunContext | None) -> Path:
-    """Rank 0 made the run directory; every torchrun rank needs its path."""
-    if ctx is None or ctx.world_size == 1:
-        return run_dir
-    import torch.distributed as dist
+def _share_start(run_dir: Path | None, done: set, error: str | None, ctx: RunContext | None) -> tuple[Path, set]:
+    """Rank 0 opened the run directory (or failed to); every torchrun rank needs its path and recorded keys."""
+    if ctx is not None and ctx.world_size > 1:
+        import torch.distributed as dist
 
-    box = [str(run_dir) if ctx.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
-    return Path(box[0])
+        box = [(str(run_dir), sorted(done), error) if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=ctx.group)
+        run_dir, done, error = Path(box[0][0]), set(box[0][1]), box[0][2]
+        if error and ctx.rank != 0:
+            raise ValueError(error)
+    return run_dir, done
 
 
-def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | None = None,
-              resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path = "plots",
+def _timing_line(sweep: Sweep, dev: torch.device, run_dir: Path) -> str:
+    t = sweep.timing
+    text = (f"timing: mode {t.mode}, warm-up {t.warmup}, iters {t.iters}, unroll {t.unroll}; p50/p10/p90 per point "
+            f"in us; run dir {run_dir}")
+    if dev.type != "cuda":
+        text += "\ntiming: " + (f"{t.mode} needs CUDA, " if t.mode in ("cuda_graph", "events") else "") + \
+            "wall clock on the CPU"
+        if interpreting():
+            text += "; Triton kernels in the interpreter (mode column: interp): no GPU figures"
+    return text
+
+
+def _open_run(sweep: Sweep, points: list[Point], dev: torch.device, out_base, resume, trun) -> tuple[Path, RunLock]:
+    """The leader's run directory and its lock: a new one under `out_base`, or `resume` (its resume recorded)."""
+    if resume:
+        run_dir = Path(resume)
+        try:
+            lock = RunLock(run_dir).acquire()
+        except ValueError as e:
+            raise ValueError(f"--resume {e}") from None
+        record_resume(run_dir)
+        return run_dir, lock
+    run_dir = new_run_dir(out_base, sweep.name)
+    lock = RunLock(run_dir).acquire()
+    write_manifest(run_dir, sweep.to_dict(), len(points), str(dev),
+                   {"torchrun_world_size": trun.world_size} if trun is not None else None)
+    return run_dir, lock
+
+
+def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: str | None = None,
+              resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path | None = None,
               out=None) -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
+
+    The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal), its plots
+    in `<run dir>/plots/` (`plots_base` given: `plots_base/<run name>/`). An interrupt (KeyboardInterrupt) leaves
+    the records and a summary of them, and carries `run_dir` on the exception.
 
     Launched by torchrun, every rank calls this: rank 0 owns the run directory, the table and the single-rank
     points; the multi-rank points of the torchrun world size run on all ranks; other world sizes are skipped."""
     dev = pick_device(device)
     points = expand(sweep)
+    if resume:
+        check_same_sweep(resume, stored_sweep(resume), sweep)
     trun = _torchrun_context(dev)
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
-    run_dir = None
-    if resume:
-        run_dir = Path(resume)
-        manifest = load_manifest(run_dir)
-        if not manifest:
-            raise ValueError(f"--resume {run_dir}: no manifest.json there")
-        if manifest.get("sweep", {}).get("name") != sweep.name:
-            raise ValueError(f"--resume {run_dir}: that run is of sweep {manifest.get('sweep', {}).get('name')!r}, "
-                             f"not {sweep.name!r}")
-    elif leader:
-        run_dir = new_run_dir(out_base, sweep.name)
-        write_manifest(run_dir, sweep.to_dict(), len(points), str(dev),
-                       {"torchrun_world_size": trun.world_size} if trun is not None else None)
-    run_dir = _share_run_dir(run_dir, trun)
-    writer = RecordWriter(run_dir)
-    done = {r["key"] for r in load_records(run_dir) if "key" in r}
+    run_dir, done, lock = None, set(), None
+    try:
+        if leader:
+            error = None
+            try:
+                run_dir, lock = _open_run(sweep, points, dev, out_base, resume, trun)
+                RecordWriter(run_dir)  # drops a torn last line before anyone reads or appends
+                done = {r["key"] for r in load_records(run_dir) if "key" in r}
+            except ValueError as e:
+                error = str(e)
+                if trun is None:
+                    raise
+            _share_start(run_dir, done, error, trun)
+            if error:
+                raise ValueError(error)
+        else:
+            run_dir, done = _share_start(None, set(), None, trun)
+        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out)
+    except KeyboardInterrupt as e:
+        if leader and run_dir is not None:
+            e.run_dir = run_dir
+            try:
+                write_summary(run_dir, _final_records(run_dir), _param_columns(sweep) or ["num_tokens"])
+            except Exception:  # pragma: no cover - the records are what matters
+                pass
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _final_records(run_dir: Path) -> list[dict]:
+    return sorted(unique_records(load_records(run_dir)), key=lambda r: r.get("point", 0))
+
+
+def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
+                leader: bool, make_plots: bool, plots_base, out) -> tuple[int, Path]:
+    writer = RecordWriter(run_dir)
     table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
-    table.comment(f"timing: mode {sweep.timing.mode}, warm-up {sweep.timing.warmup}, iters {sweep.timing.iters}"
-                  f", unroll {sweep.timing.unroll}; p50/p10/p90 per point in us; run dir {run_dir}")
+    table.comment(_timing_line(sweep, dev, run_dir))
     for k, v in sweep.fixed.items():
         table.comment(f"  {k} = {v}")
     if done:
@@ -300,31 +394,31 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
         w = _needs_world(pt)
         if w > 1:
             multi.setdefault(w, []).append(pt)
+    rows = _Rows(table, len(todo))
 
     # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
+    from moebench.multirank import run_multi_rank, skip_all
+
     for world, pts in sorted(multi.items()):
         if trun is not None and world != trun.world_size:
             if leader:
-                for rec in _skip_all(sweep, pts, writer, f"needs {world} ranks; torchrun started {trun.world_size}"):
-                    table.row(rec)
+                for rec in skip_all(sweep, pts, writer, f"needs {world} ranks; torchrun started {trun.world_size}"):
+                    rows.show(rec)
             continue
-        for rec in run_multi_rank(sweep, pts, world, dev, run_dir):
-            if leader:
-                table.row(rec)
+        rows.working_on(f"{len(pts)} points on {world} ranks")
+        run_multi_rank(sweep, pts, world, dev, run_dir, show=rows.show, working_on=rows.working_on)
     if not leader:
         return 0, run_dir
 
-    progress = _Progress(len(single))
     ctx = RunContext(device=dev)
-    for n_done, pt in enumerate(single):
-        progress.update(n_done, pt.impl)
+    for pt in single:
+        rows.working_on(pt.impl)
         rec = execute_point(pt, sweep, ctx)
         writer.append(rec)
-        progress.close()
-        table.row(rec)
-    progress.close()
+        rows.show(rec)
+    rows.progress.close()
 
-    records = sorted(load_records(run_dir), key=lambda r: r.get("point", 0))
+    records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
     table.footer(records)
     from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
@@ -332,72 +426,34 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     for text in footer_lines(records, list(sweep.headlines)):
         table.comment(text)
     if make_plots:
+        plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
         try:
             from moebench.plots import make_plots as _make_plots
 
-            paths = _make_plots(run_dir, Path(plots_base) / run_dir.name)
-            table.comment(f"plots: {len(paths)} written to {Path(plots_base) / run_dir.name}")
+            paths = _make_plots(run_dir, plot_dir)
+            table.comment(f"plots: {len(paths)} written to {plot_dir}")
         except Exception as e:
             table.comment(f"plots not made: {_error_line(e)}")
-    table.comment(f"records: {run_dir / 'records.jsonl'}")
+    table.comment(f"records: {run_dir / RECORDS}")
     bad = any(r.get("status") in ("wrong", "failed") for r in records)
     return (1 if bad else 0), run_dir
 
 
-def _skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: str,
-              status: str = "skipped") -> list[dict]:
-    recs = []
-    for pt in points:
-        rec = {"point": pt.index, "key": pt.key, "impl": pt.impl, "target": sweep.target,
-               "params": pt.params.to_dict(), "status": status, "reason": reason}
-        writer.append(rec)
-        recs.append(rec)
-    return recs
-
-
-def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.device, run_dir: Path) -> list[dict]:
-    """Run points that need `world` processes: in this process group when launched by torchrun with that world
-    size, else spawned (one process per GPU, or gloo ranks on the CPU). Returns the records written. A rank group
-    that dies (a crash, a hang past its deadline) fails its unrecorded points with the error and the sweep goes on."""
-    writer = RecordWriter(run_dir)
-    if dev.type == "cuda" and torch.cuda.device_count() < world:
-        return _skip_all(sweep, points, writer, f"needs {world} GPUs, {torch.cuda.device_count()} present "
-                                                "(use ep_mode: simulated)")
-    from moebench import dist as mdist
-
-    keys = {pt.key for pt in points}
-    try:
-        mdist.run_in_world(_world_worker, world, dev.type, args=(sweep.to_dict(), sweep.source,
-                                                                [pt.index for pt in points], str(run_dir)))
-    except mdist.SpawnError as e:
-        recorded = {r.get("key") for r in load_records(run_dir)}
-        _skip_all(sweep, [pt for pt in points if pt.key not in recorded], writer,
-                  f"rank group failed: {str(e).splitlines()[0][:300]}", status="failed")
-    return [r for r in sorted(load_records(run_dir), key=lambda r: r.get("point", 0)) if r.get("key") in keys]
-
-
-def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[int], run_dir: str) -> None:
-    """Body of every rank of a multi-rank group: run the points; rank 0 appends the records."""
-    from moebench.sweep import sweep_from_dict
-
-    sweep = sweep_from_dict(sweep_dict, source)
-    points = expand(sweep)
-    writer = RecordWriter(Path(run_dir)) if ctx.rank == 0 else None
-    for i in indices:
-        rec = execute_point(points[i], sweep, ctx)
-        if writer is not None:
-            writer.append(rec)
-
-
-def run_single_point(sweep: Sweep, point_index: int, device: str | torch.device | None, iters: int,
-                     inner_hook: Callable[[str], None] | None = None) -> dict:
-    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point)."""
-    dev = device if isinstance(device, torch.device) else pick_device(device)
+def check_point_index(sweep: Sweep, point_index: int) -> Point:
+    """The point `--point` names, or ValueError when there is none or it needs several ranks."""
     points = expand(sweep)
     if not 0 <= point_index < len(points):
         raise ValueError(f"--point {point_index}: the sweep has points 0..{len(points) - 1}")
     pt = points[point_index]
     if _needs_world(pt) > 1:
         raise ValueError(f"--point {point_index}: needs {_needs_world(pt)} ranks; profile it under torchrun")
+    return pt
+
+
+def run_single_point(sweep: Sweep, point_index: int, device: str | torch.device | None, iters: int,
+                     inner_hook: Callable[[str], None] | None = None) -> dict:
+    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point)."""
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    pt = check_point_index(sweep, point_index)
     timing = replace(sweep.timing, iters=iters)
     return execute_point(pt, sweep, RunContext(device=dev), timing=timing, hook=inner_hook)
