@@ -108,7 +108,7 @@ def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.dev
 def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[int], run_dir: str,
                   show: Callable[[dict], None] | None = None) -> None:
     """Body of every rank of a multi-rank group: run the points; rank 0 appends the records."""
-    from moebench.runner import execute_point
+    from moebench.point import execute_point
     from moebench.sweep import expand, sweep_from_dict
 
     sweep = sweep_from_dict(sweep_dict, source, max_points=None)  # the runner already applied the limit
