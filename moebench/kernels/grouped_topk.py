@@ -29,6 +29,7 @@ from moebench.kernels._details.router_common import (
     select_desc_torch,
     triton_router_operands,
     write_out,
+    zero_non_finite_torch,
 )
 from moebench.kernels._details.router_tiles import (
     INT32_MIN,
@@ -41,6 +42,7 @@ from moebench.kernels._details.router_tiles import (
     slice_index,
     slot_tile,
     store_rows,
+    zero_non_finite,
 )
 
 __all__ = ["grouped_topk", "grouped_topk_torch", "grouped_topk_scores_torch", "grouped_args_problem", "SCORINGS"]
@@ -82,7 +84,7 @@ def grouped_topk_scores_torch(logits: torch.Tensor, num_expert_group: int, scori
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s, b, group scores [T, G]) of the reference."""
     x = logits.float()
-    s = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    s = zero_non_finite_torch(torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x))
     b = s + bias.float() if bias is not None else s
     num_tokens, num_experts = x.shape
     grouped = b.view(num_tokens, num_expert_group, num_experts // num_expert_group)
@@ -157,6 +159,8 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
         e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
         inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
         s = e * rows_to_tile(inv_sum, Q_AXIS)
+    # NaN scores (a NaN logit; for softmax also +Inf, or a row of -Inf) are clamped to 0, as in the reference
+    s = zero_non_finite(s)
     if HAS_BIAS:
         # loaded at the tile's full shape (every row re-reads the same L1-resident bias) so that the load gets the
         # tile's layout; a load of the bias alone gets a layout of its own and drags the selection into it
@@ -199,6 +203,7 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
         w = 1.0 / (1.0 + tl.exp(-xg))
     else:
         w = tl.exp(xg - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    w = zero_non_finite(w)
     store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, routed_scaling_factor,
                Q_AXIS)
 

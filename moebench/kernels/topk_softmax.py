@@ -34,6 +34,7 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     select_desc_torch,
     triton_router_operands,
     write_out,
+    zero_non_finite_torch,
 )
 from moebench.kernels._details.router_tiles import (
     Q_AXIS,
@@ -45,6 +46,7 @@ from moebench.kernels._details.router_tiles import (
     slice_index,
     slot_tile,
     store_rows,
+    zero_non_finite,
 )
 
 __all__ = ["topk_softmax", "topk_softmax_torch", "topk_softmax_scores_torch", "MAX_EXPERTS", "MAX_TOP_K",
@@ -57,8 +59,9 @@ __all__ = ["topk_softmax", "topk_softmax_torch", "topk_softmax_scores_torch", "M
 
 def topk_softmax_scores_torch(logits: torch.Tensor, bias: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p, selection score): p = softmax(logits) in fp32, selection = p + bias (or p)."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    """(p, selection score): p = softmax(logits) in fp32 with non-finite p clamped to 0, selection = p + bias (or
+    p)."""
+    probs = zero_non_finite_torch(torch.softmax(logits.float(), dim=-1))
     return probs, (probs + bias.float() if bias is not None else probs)
 
 
@@ -98,7 +101,8 @@ def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexp
     row_max = row_reduce_max(x, Q_AXIS)
     e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
     inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
-    score = e * rows_to_tile(inv_sum, Q_AXIS)
+    # a NaN or +Inf logit (or a row of -Inf) makes the row's p NaN: clamped to 0, as the reference does
+    score = zero_non_finite(e * rows_to_tile(inv_sum, Q_AXIS))
     if HAS_BIAS:
         # loaded at the tile's full shape (each row re-reads the L1-resident bias) so that the load gets the tile's
         # layout; a load of the bias alone gets a layout of its own and drags the whole selection into it
@@ -113,7 +117,8 @@ def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexp
     # the unbiased p at the picked ids, recomputed from the gathered logits the same way
     slot_ok = slot_tile(rows.shape[0], K_PAD, Q_AXIS) < K
     xg = tl.load(rows_to_tile(row_base, Q_AXIS) + ids, mask=rows_to_tile(live, Q_AXIS) & slot_ok, other=0.0)
-    return ids, tl.exp(xg.to(tl.float32) - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    w = tl.exp(xg.to(tl.float32) - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    return ids, zero_non_finite(w)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -71,6 +71,16 @@ def router_outputs(num_tokens: int, top_k: int, device: torch.device,
 
 
 
+def zero_non_finite_torch(scores: torch.Tensor) -> torch.Tensor:
+    """The routers' clamp (docs/contracts.md "Routers", non-finite logits): a NaN or +-Inf score becomes +0.0.
+
+    Applied to the activated scores (softmax / sigmoid), before the bias and the selection, as vLLM's routers do:
+    a row that a NaN or +Inf logit turns into NaN scores then ranks on the bias alone (ties: lower index) and gets
+    finite (zero) weights instead of NaN ones.
+    """
+    return torch.where(torch.isfinite(scores), scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
 def select_desc_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries per row, in descending order, ties to the lower index (int64 [T, k]).
 

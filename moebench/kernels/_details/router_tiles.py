@@ -36,6 +36,13 @@ def orderable_key(x):
 
 
 @triton.jit
+def zero_non_finite(x):
+    """NaN and +-Inf -> +0.0 (the routers' clamp of their activated scores; see router_common.zero_non_finite_torch).
+    One compare and one select: |x| < inf is false exactly for NaN and the infinities."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def rows_to_tile(v, Q_AXIS: tl.constexpr):
     """A per-row vector [R] as [R, 1, 1] or [1, R, 1], to broadcast against a tile whose slice axis is Q_AXIS."""
     return tl.expand_dims(tl.expand_dims(v, Q_AXIS), 2)
