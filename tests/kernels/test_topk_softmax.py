@@ -300,3 +300,23 @@ def test_routers_match_reference_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
+
+
+@pytest.mark.gpu
+def test_router_configs_match_reference_gpu():
+    # every router config at a serving size, on both routers (the H200 trial's correctness side)
+    device = torch.device("cuda")
+    logits = make_logits(65536, 256, torch.bfloat16, 3, device)
+    bias = make_bias(256, 3, device)
+    mask = make_mask(65536, 0.25, 3, device)
+    ref = topk_softmax_reference(logits, 8, True, is_padding=mask)
+    gref = grouped_topk_reference(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
+                                  is_padding=mask)
+    for config in sorted(ROUTER_CONFIGS):
+        w, ids = topk_softmax(logits, 8, True, is_padding=mask, config=config)
+        res = compare_routing(w, ids, ref)
+        assert res.ok, (config, res.detail)
+        w, ids = grouped_topk(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
+                              is_padding=mask, config=config)
+        res = compare_routing(w, ids, gref)
+        assert res.ok, (config, res.detail)
