@@ -126,3 +126,25 @@ def test_router_validate_reasons():
     assert impl.validate(Params(num_experts=256, top_k=8, num_expert_group=8, topk_group=4)) is None
     assert "experts per group" in impl.validate(Params(num_experts=8, top_k=2, num_expert_group=8, topk_group=4,
                                                        bias=True))
+
+
+def test_compare_routing_non_finite_rows():
+    # the reference clamps NaN scores to 0 (docs/contracts.md "Routers"): a poisoned row routes to 0..K-1 with
+    # weights 0; the pre-clamp output (same ids, NaN weights) and duplicated ids are rejected
+    logits = torch.randn(3, 8, generator=_gen(5))
+    logits[1] = float("nan")
+    logits[2] = float("inf")
+    for renormalize in (False, True):
+        ref = topk_softmax_reference(logits, 3, renormalize)
+        assert ref.ids[1:].tolist() == [[0, 1, 2]] * 2 and (ref.weights[1:] == 0).all()
+        assert compare_routing(ref.weights.clone(), ref.ids.clone(), ref).ok
+        nan_weights = ref.weights.clone()
+        nan_weights[1:] = float("nan")
+        res = compare_routing(nan_weights, ref.ids.clone(), ref)
+        assert not res.ok and "weights" in res.detail
+        dup = ref.ids.clone()
+        dup[1] = 0
+        assert not compare_routing(ref.weights.clone(), dup, ref).ok
+    ref = grouped_topk_reference(logits, 3, 2, 1, scoring="sigmoid", bias=torch.zeros(8))
+    assert ref.ids[1].tolist() == [0, 1, 2] and ref.ids[2].tolist() == [0, 1, 2]
+    assert torch.isfinite(ref.weights).all() and compare_routing(ref.weights.clone(), ref.ids.clone(), ref).ok

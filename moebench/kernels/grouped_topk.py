@@ -10,7 +10,8 @@ the unbiased s at those ids, divided by their sum when `renormalize` (a zero sum
 
 The Triton kernel holds a block of rows as a 3-D tile of groups x rows x experts-per-group (both padded to powers
 of two and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
-topk_softmax's int-key iterative arg-max (kernels/_details/router_tiles).
+topk_softmax's int-key iterative arg-max (kernels/_details/router_tiles), two-pass or packed int64 as the router
+config says (topk_softmax's docstring compares them). Non-finite s are clamped to 0 as in the reference.
 """
 
 from __future__ import annotations
@@ -24,23 +25,28 @@ from moebench.kernels._details.router_common import (
     check_router_args,
     mask_padded_rows_torch,
     renormalize_torch,
+    router_config,
     router_launch_config,
     router_outputs,
     select_desc_torch,
     triton_router_operands,
     write_out,
+    zero_non_finite_torch,
 )
 from moebench.kernels._details.router_tiles import (
     INT32_MIN,
     Q_AXIS,
     orderable_key,
-    pick_topk_3d,
+    INT64_MIN,
+    pack_keys,
+    pick_topk,
     row_reduce_max,
     row_reduce_sum,
     rows_to_tile,
     slice_index,
     slot_tile,
     store_rows,
+    zero_non_finite,
 )
 
 __all__ = ["grouped_topk", "grouped_topk_torch", "grouped_topk_scores_torch", "grouped_args_problem", "SCORINGS"]
@@ -82,7 +88,7 @@ def grouped_topk_scores_torch(logits: torch.Tensor, num_expert_group: int, scori
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s, b, group scores [T, G]) of the reference."""
     x = logits.float()
-    s = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    s = zero_non_finite_torch(torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x))
     b = s + bias.float() if bias is not None else s
     num_tokens, num_experts = x.shape
     grouped = b.view(num_tokens, num_expert_group, num_experts // num_expert_group)
@@ -127,7 +133,7 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
                          G: tl.constexpr, GS: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr, PACKED: tl.constexpr):
     # Tile: groups (slice axis Q_AXIS) x rows x members; the groups of a row stay inside each thread (see
     # router_tiles.Q_AXIS), so the group scores are per-thread reductions plus a few lanes.
     NONE: tl.constexpr = G_PAD * GS_PAD
@@ -157,6 +163,8 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
         e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
         inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
         s = e * rows_to_tile(inv_sum, Q_AXIS)
+    # NaN scores (a NaN logit; for softmax also +Inf, or a row of -Inf) are clamped to 0, as in the reference
+    s = zero_non_finite(s)
     if HAS_BIAS:
         # loaded at the tile's full shape (every row re-reads the same L1-resident bias) so that the load gets the
         # tile's layout; a load of the bias alone gets a layout of its own and drags the selection into it
@@ -182,15 +190,22 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     gcols = tl.expand_dims(tl.arange(0, G_PAD), 1 - Q_AXIS)
     group_key = orderable_key(tl.where(gcols < G, group_score, float("-inf")))
     kept = (gcols < 0) & (tl.expand_dims(rows, Q_AXIS) < 0)  # all False, the shape of group_score
-    for _ in tl.static_range(TOPK_GROUP):
-        best = tl.max(group_key, Q_AXIS)
-        first = tl.min(tl.where(group_key == tl.expand_dims(best, Q_AXIS), gcols, G_PAD), Q_AXIS)
-        hit = gcols == tl.expand_dims(first, Q_AXIS)
-        kept = kept | hit
-        group_key = tl.where(hit, INT32_MIN, group_key)
+    if PACKED:
+        packed = pack_keys(group_key, gcols, G_PAD)  # one reduction per kept group (see pick_topk_packed_3d)
+        for _ in tl.static_range(TOPK_GROUP):
+            hit = packed == tl.expand_dims(tl.max(packed, Q_AXIS), Q_AXIS)
+            kept = kept | hit
+            packed = tl.where(hit, INT64_MIN, packed)
+    else:
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_key, Q_AXIS)
+            first = tl.min(tl.where(group_key == tl.expand_dims(best, Q_AXIS), gcols, G_PAD), Q_AXIS)
+            hit = gcols == tl.expand_dims(first, Q_AXIS)
+            kept = kept | hit
+            group_key = tl.where(hit, INT32_MIN, group_key)
 
     masked = tl.where(tl.expand_dims(kept, 2), b, float("-inf"))
-    ids = pick_topk_3d(orderable_key(masked), experts, K, K_PAD, NONE, Q_AXIS)
+    ids = pick_topk(orderable_key(masked), experts, K, K_PAD, NONE, Q_AXIS, PACKED)
 
     # weights: the unbiased s at the picked ids, recomputed from the gathered logits the same way
     slot_ok = slot_tile(BLOCK_T, K_PAD, Q_AXIS) < K
@@ -199,15 +214,18 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
         w = 1.0 / (1.0 + tl.exp(-xg))
     else:
         w = tl.exp(xg - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    w = zero_non_finite(w)
     store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, routed_scaling_factor,
                Q_AXIS)
 
 
 def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int, scoring: str = "softmax",
                  bias: torch.Tensor | None = None, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-                 is_padding: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
+                 is_padding: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
+
+    config: as topk_softmax's (router_common.RouterConfig); outputs do not depend on it."""
     num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
@@ -215,7 +233,9 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         return weights, ids
     group_size = num_experts // num_expert_group
     g_pad, gs_pad = next_pow2(num_expert_group), next_pow2(group_size)
-    block_t, num_warps = router_launch_config(g_pad * gs_pad)
+    cfg = router_config(config)
+    block_t, num_warps = (router_launch_config(g_pad * gs_pad) if config is None
+                          else cfg.launch(g_pad * gs_pad))
     grid = (triton.cdiv(num_tokens, block_t),)
     _grouped_topk_kernel[grid](
         logits, bias if bias is not None else logits,
@@ -224,5 +244,5 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         G=num_expert_group, GS=group_size, G_PAD=g_pad, GS_PAD=gs_pad, TOPK_GROUP=topk_group,
         K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
-        Q_AXIS=Q_AXIS, num_warps=num_warps)
+        Q_AXIS=Q_AXIS, PACKED=cfg.selection == "packed64", num_warps=num_warps)
     return weights, ids

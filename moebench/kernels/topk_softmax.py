@@ -6,10 +6,26 @@ the K weights (left as is when that sum is 0); padded rows get ids -1 and weight
 
 The Triton kernel handles a block of rows per program with the expert axis padded to a power of two (masked). The
 K selections are iterative arg-max picks on an int32 image of the fp32 score whose signed order is the float
-order: max, then the lowest index attaining it, then knock that one out. Integer keys make both per-pick
-reductions single-instruction warp reductions (REDUX) on sm_80+ instead of shuffle trees, and make the tie rule
-exact (equal floats <=> equal keys). The weights are recomputed from the K gathered logits (L1-resident), so no
-full-width value has to be carried through the picks.
+order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores are clamped to 0 first
+(docs/contracts.md "Routers", non-finite logits). The weights are recomputed from the K gathered logits
+(L1-resident), so no full-width value has to be carried through the picks.
+
+Two selections are built in (router_common.RouterConfig, picked by the `config` keyword or
+$MOEBENCH_ROUTER_CONFIG; ids and weights are identical under both, the tests run every config):
+
+- "twopass" (the default, the kernel measured so far): per pick, an int32 max of the keys, then an int32 min of the
+  expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
+  REDUX instructions on sm_80+; per pick and element: max, compare, select, min, compare, select (6 int32 ops).
+- "packed64": one max per pick over int64 keys `score key << 32 | (NONE - expert)` (the lower id wins among equal
+  scores, so the max is the pick), knock-out by packed-key equality. It saves the second reduction, but sm_90 has
+  no 64-bit min/max or REDUX: a 64-bit max is two compares and two selects, the warp step a shuffle tree of
+  2 x 5 shuffles plus compares, the knock-out a 64-bit compare and two selects, about 12 instructions per element
+  and pick against the two-pass's 6. So it is offered for the trial on the GPU, not assumed faster.
+
+Both scan the whole row K times, which bounds them: at E=256, K=8 the picks alone are ~12k thread instructions per
+row, ~2.7 rows/ns at an H200's ~33 T thread instructions/s, while half the copy roof at bf16 E=256 is ~3.6 rows/ns
+(60 us at T=65536, 1.1 rows/ns, measured 15% of it). Reaching it needs a selection that does not rescan every
+element per pick (per-lane candidate lists, or a threshold then a compaction).
 
 The pieces shared with grouped_topk (argument checks, the stable selection of the references, the tile helpers)
 are in kernels/_details (router_common, router_tiles).
@@ -28,23 +44,26 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     check_router_args,
     mask_padded_rows_torch,
     renormalize_torch,
+    router_config,
     router_launch_config,
     router_limits_problem,
     router_outputs,
     select_desc_torch,
     triton_router_operands,
     write_out,
+    zero_non_finite_torch,
 )
 from moebench.kernels._details.router_tiles import (
     Q_AXIS,
     orderable_key,
-    pick_topk_3d,
+    pick_topk,
     row_reduce_max,
     row_reduce_sum,
     rows_to_tile,
     slice_index,
     slot_tile,
     store_rows,
+    zero_non_finite,
 )
 
 __all__ = ["topk_softmax", "topk_softmax_torch", "topk_softmax_scores_torch", "MAX_EXPERTS", "MAX_TOP_K",
@@ -57,8 +76,9 @@ __all__ = ["topk_softmax", "topk_softmax_torch", "topk_softmax_scores_torch", "M
 
 def topk_softmax_scores_torch(logits: torch.Tensor, bias: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p, selection score): p = softmax(logits) in fp32, selection = p + bias (or p)."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    """(p, selection score): p = softmax(logits) in fp32 with non-finite p clamped to 0, selection = p + bias (or
+    p)."""
+    probs = zero_non_finite_torch(torch.softmax(logits.float(), dim=-1))
     return probs, (probs + bias.float() if bias is not None else probs)
 
 
@@ -87,7 +107,8 @@ def topk_softmax_torch(logits: torch.Tensor, top_k: int, renormalize: bool, is_p
 
 @triton.jit
 def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
-               K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, Q_AXIS: tl.constexpr):
+               K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, Q_AXIS: tl.constexpr,
+               PACKED: tl.constexpr):
     """ids ranked by the fp32 score p (+ bias), and the unbiased p at them, as slot tiles."""
     if E == E_PAD:  # no column mask at all, so the loads stay 16-byte vectors
         x = tl.load(ptrs, mask=live3, other=0.0).to(tl.float32)
@@ -98,7 +119,8 @@ def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexp
     row_max = row_reduce_max(x, Q_AXIS)
     e = tl.exp(x - rows_to_tile(row_max, Q_AXIS))
     inv_sum = 1.0 / row_reduce_sum(e, Q_AXIS)
-    score = e * rows_to_tile(inv_sum, Q_AXIS)
+    # a NaN or +Inf logit (or a row of -Inf) makes the row's p NaN: clamped to 0, as the reference does
+    score = zero_non_finite(e * rows_to_tile(inv_sum, Q_AXIS))
     if HAS_BIAS:
         # loaded at the tile's full shape (each row re-reads the L1-resident bias) so that the load gets the tile's
         # layout; a load of the bias alone gets a layout of its own and drags the whole selection into it
@@ -109,18 +131,19 @@ def score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E: tl.constexp
             score = score + tl.load(bias_ptrs, mask=cols < E, other=0.0).to(tl.float32)
     if E != E_PAD:
         score = tl.where(cols < E, score, float("-inf"))
-    ids = pick_topk_3d(orderable_key(score), cols, K, K_PAD, E_PAD, Q_AXIS)
+    ids = pick_topk(orderable_key(score), cols, K, K_PAD, E_PAD, Q_AXIS, PACKED)
     # the unbiased p at the picked ids, recomputed from the gathered logits the same way
     slot_ok = slot_tile(rows.shape[0], K_PAD, Q_AXIS) < K
     xg = tl.load(rows_to_tile(row_base, Q_AXIS) + ids, mask=rows_to_tile(live, Q_AXIS) & slot_ok, other=0.0)
-    return ids, tl.exp(xg.to(tl.float32) - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    w = tl.exp(xg.to(tl.float32) - rows_to_tile(row_max, Q_AXIS)) * rows_to_tile(inv_sum, Q_AXIS)
+    return ids, zero_non_finite(w)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, num_tokens, stride_logits,
                          E: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
                          K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr, PACKED: tl.constexpr):
     # Tile: E_PAD // W slices of W experts (expert = q * W + w) by BLOCK_T rows, W at most one warp's worth of
     # 16-byte vectors, so a row never spans two warps (see Q_AXIS).
     NQ: tl.constexpr = E_PAD // W
@@ -134,7 +157,8 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
     ptrs = rows_to_tile(row_base, Q_AXIS) + cols
     live3 = rows_to_tile(live, Q_AXIS)
-    ids, w = score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E, E_PAD, K, K_PAD, HAS_BIAS, Q_AXIS)
+    ids, w = score_topk(ptrs, live3, cols, row_base, live, rows, bias_ptr, E, E_PAD, K, K_PAD, HAS_BIAS, Q_AXIS,
+                        PACKED)
     store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
 
 
@@ -144,22 +168,27 @@ def row_width(e_pad: int, element_size: int) -> int:
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring."""
+                 bias: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
+
+    config: a router config (router_common.ROUTER_CONFIGS name or "<selection>:<elements per program>:<elements
+    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it."""
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
         return weights, ids
     e_pad = next_pow2(num_experts)
-    block_t, num_warps = router_launch_config(e_pad)
+    cfg = router_config(config)
+    block_t, num_warps = router_launch_config(e_pad) if config is None else cfg.launch(e_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _topk_softmax_kernel[grid](
         logits, bias if bias is not None else logits,
         is_padding.view(torch.uint8) if is_padding is not None else logits,
         weights, ids, num_tokens, logits.stride(0),
-        E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k), BLOCK_T=block_t,
+        E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k),
+        BLOCK_T=block_t,
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
-        Q_AXIS=Q_AXIS, num_warps=num_warps)
+        Q_AXIS=Q_AXIS, PACKED=cfg.selection == "packed64", num_warps=num_warps)
     return weights, ids
 

@@ -14,6 +14,8 @@ from moebench.check import poison
 from moebench.bench.routers import compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch
 from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch
+from moebench.kernels._details.router_common import (DEFAULT_ROUTER_CONFIG, ROUTER_CONFIG_ENV, ROUTER_CONFIGS,
+                                                     RouterConfig, router_config)
 from router_helpers import (DTYPES, assert_same_as_reference, make_bias, make_logits, make_mask, poisoned_out)
 
 
@@ -98,6 +100,68 @@ def test_topk_softmax_distinct_logits_with_equal_p_tie(device, dtype):
     for fn in (topk_softmax_torch, topk_softmax):
         _, ids = fn(logits, 5, False)
         assert ids.tolist() == [[0, 1, 2, 5, 9], [15, 6, 10, 13, 14]], fn.__name__
+
+
+def crafted_tie_logits(num_experts: int, device) -> torch.Tensor:
+    """Rows built to tie: all equal, a tied top block, +0.0 / -0.0 logits, ties that only appear after the bias
+    (see tie_bias), and blocks of equal values at both ends of the row."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, num_experts, generator=g)
+    logits[0] = 0.25
+    logits[1, ::3] = 3.0
+    logits[2] = torch.where(torch.arange(num_experts) % 2 == 0, torch.tensor(0.0), torch.tensor(-0.0))
+    logits[3, :] = 1.0
+    logits[3, num_experts // 2:] = 1.5  # a tie block in the upper half, the lower half tied below it
+    logits[4, -7:] = 5.0  # the top block at the end of the row (and inside the padded tail's slice)
+    logits[5] = torch.arange(num_experts, dtype=torch.float32) % 5  # five-valued row: wide tie groups
+    logits[6] = 0.0
+    logits[7] = torch.arange(num_experts, dtype=torch.float32).flip(0) * 1e-3
+    return logits.to(device)
+
+
+def tie_bias(num_experts: int, device) -> torch.Tensor:
+    # row 6 (all p equal) + this bias: experts 1 and 4 (and every 7th from 2) tie after the bias
+    bias = torch.zeros(num_experts)
+    bias[[1, 4]] = 0.5
+    bias[2::7] = 0.25
+    return bias.to(device)
+
+
+@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+@pytest.mark.parametrize("num_experts,top_k", [(40, 6), (160, 6), (256, 8), (100, 32), (1000, 5)])
+def test_topk_softmax_crafted_ties_every_config(device, config, num_experts, top_k):
+    # exact ids against the stable-sort reference under every selection / launch config (non-power-of-two E, K=6)
+    logits = crafted_tie_logits(num_experts, device)
+    for dtype in DTYPES.values():
+        x = logits.to(dtype)
+        for bias in (None, tie_bias(num_experts, device)):
+            w, ids = topk_softmax(x, top_k, True, bias=bias, config=config)
+            assert_same_as_reference(w, ids, topk_softmax_reference(x, top_k, True, bias=bias))
+
+
+@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+def test_grouped_topk_crafted_ties_every_config(device, config):
+    for num_experts, groups, topk_group, top_k in ((40, 5, 2, 6), (256, 8, 4, 8), (96, 12, 3, 6)):
+        logits = crafted_tie_logits(num_experts, device)
+        for scoring in ("softmax", "sigmoid"):
+            for bias in (None, tie_bias(num_experts, device)):
+                kwargs = dict(scoring=scoring, bias=bias)
+                w, ids = grouped_topk(logits, top_k, groups, topk_group, config=config, **kwargs)
+                assert_same_as_reference(w, ids, grouped_topk_reference(logits, top_k, groups, topk_group,
+                                                                        **kwargs))
+
+
+def test_router_config_selection(monkeypatch):
+    assert router_config(None) == ROUTER_CONFIGS[DEFAULT_ROUTER_CONFIG]
+    monkeypatch.setenv(ROUTER_CONFIG_ENV, "packed64-16")
+    assert router_config(None) == ROUTER_CONFIGS["packed64-16"]
+    assert router_config("twopass") == ROUTER_CONFIGS["twopass"]  # the keyword wins over the environment
+    assert router_config("packed64:8192:32") == RouterConfig("packed64", 8192, 32)
+    assert RouterConfig("packed64", 8192, 32).launch(256) == (32, 8)
+    assert ROUTER_CONFIGS["twopass"].launch(256) == (16, 4) and ROUTER_CONFIGS["twopass"].launch(8) == (128, 1)
+    for bad in ("fast", "packed32:4096:32", "twopass:4096", "twopass:0:32"):
+        with pytest.raises(ValueError, match="router config"):
+            router_config(bad)
 
 
 def test_topk_softmax_bias_decides_selection_not_weight(device):
@@ -236,3 +300,23 @@ def test_routers_match_reference_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
+
+
+@pytest.mark.gpu
+def test_router_configs_match_reference_gpu():
+    # every router config at a serving size, on both routers (the H200 trial's correctness side)
+    device = torch.device("cuda")
+    logits = make_logits(65536, 256, torch.bfloat16, 3, device)
+    bias = make_bias(256, 3, device)
+    mask = make_mask(65536, 0.25, 3, device)
+    ref = topk_softmax_reference(logits, 8, True, is_padding=mask)
+    gref = grouped_topk_reference(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
+                                  is_padding=mask)
+    for config in sorted(ROUTER_CONFIGS):
+        w, ids = topk_softmax(logits, 8, True, is_padding=mask, config=config)
+        res = compare_routing(w, ids, ref)
+        assert res.ok, (config, res.detail)
+        w, ids = grouped_topk(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
+                              is_padding=mask, config=config)
+        res = compare_routing(w, ids, gref)
+        assert res.ok, (config, res.detail)

@@ -3,6 +3,10 @@ references' stable selection and renormalisation, and the Triton routers' launch
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
+
 import torch
 
 from moebench.kernels._details.args import check_mask
@@ -71,6 +75,16 @@ def router_outputs(num_tokens: int, top_k: int, device: torch.device,
 
 
 
+def zero_non_finite_torch(scores: torch.Tensor) -> torch.Tensor:
+    """The routers' clamp (docs/contracts.md "Routers", non-finite logits): a NaN or +-Inf score becomes +0.0.
+
+    Applied to the activated scores (softmax / sigmoid), before the bias and the selection, as vLLM's routers do:
+    a row that a NaN or +Inf logit turns into NaN scores then ranks on the bias alone (ties: lower index) and gets
+    finite (zero) weights instead of NaN ones.
+    """
+    return torch.where(torch.isfinite(scores), scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
 def select_desc_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries per row, in descending order, ties to the lower index (int64 [T, k]).
 
@@ -101,16 +115,71 @@ def write_out(weights: torch.Tensor, ids: torch.Tensor, out) -> tuple[torch.Tens
     return out[0], out[1]
 
 
-def router_launch_config(row_elements: int) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) for a router tile whose rows hold `row_elements` (power of two) elements.
+ROUTER_CONFIG_ENV = "MOEBENCH_ROUTER_CONFIG"
+SELECTIONS = ("twopass", "packed64")
 
-    About 4096 elements per program (16 rows of 256 experts, 4 of 1024): 32 fp32 values per thread with 4 warps,
-    well inside the register file with x, the scores and the keys live at once, and enough programs at T=8192
-    (512) to fill 132 SMs. Small tiles (few experts) get fewer warps rather than more rows than useful.
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the Triton routers pick and launch (outputs are the same under every config; only the speed differs).
+
+    selection: "twopass" (per pick, a max of the int32 score keys, then the lowest expert holding it: two int32
+    reductions) or "packed64" (per pick, one max of int64 keys = score key << 32 | inverted expert index).
+    elements_per_program: row elements per program (BLOCK_T = this // padded row width, at most 128 rows).
+    elements_per_thread: row elements each thread holds (num_warps = the program's elements // (32 * this), at
+    most 8).
     """
-    block_t = max(1, min(128, 4096 // row_elements))
-    num_warps = max(1, min(4, block_t * row_elements // 1024))
-    return block_t, num_warps
+
+    selection: str = "twopass"
+    elements_per_program: int = 4096
+    elements_per_thread: int = 32
+
+    def launch(self, row_elements: int) -> tuple[int, int]:
+        """(BLOCK_T, num_warps) for a tile whose rows hold `row_elements` (a power of two) elements."""
+        block_t = max(1, min(128, self.elements_per_program // row_elements))
+        num_warps = max(1, min(8, block_t * row_elements // (32 * self.elements_per_thread)))
+        return block_t, num_warps
+
+
+# Candidates for a trial on the target GPU (MOEBENCH_ROUTER_CONFIG=<name>, or "<selection>:<elements per
+# program>:<elements per thread>"). "twopass" is today's measured kernel and the default; see topk_softmax's
+# module docstring for why the packed int64 pick is not assumed faster on sm_90.
+ROUTER_CONFIGS = {
+    "twopass": RouterConfig("twopass", 4096, 32),  # 16 rows of 256 experts, 4 warps, 32 values per thread
+    "packed64": RouterConfig("packed64", 4096, 32),
+    "twopass-16": RouterConfig("twopass", 2048, 16),  # 8 rows of 256, 4 warps, half the registers per thread
+    "packed64-16": RouterConfig("packed64", 2048, 16),
+}
+DEFAULT_ROUTER_CONFIG = "twopass"
+
+
+@functools.lru_cache(maxsize=64)
+def parse_router_config(text: str) -> RouterConfig:
+    """A preset name from ROUTER_CONFIGS, or "<selection>:<elements per program>:<elements per thread>"."""
+    text = text.strip()
+    if text in ROUTER_CONFIGS:
+        return ROUTER_CONFIGS[text]
+    parts = text.split(":")
+    ok = len(parts) == 3 and parts[0] in SELECTIONS and all(p.isdigit() and int(p) > 0 for p in parts[1:])
+    if not ok:
+        raise ValueError(f"router config {text!r}: expected one of {', '.join(ROUTER_CONFIGS)} or "
+                         f"'<{'|'.join(SELECTIONS)}>:<elements per program>:<elements per thread>'")
+    return RouterConfig(parts[0], int(parts[1]), int(parts[2]))
+
+
+def router_config(config: str | None = None) -> RouterConfig:
+    """The config named by the keyword, else by $MOEBENCH_ROUTER_CONFIG, else the default."""
+    return parse_router_config(config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG)
+
+
+def router_launch_config(row_elements: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) of the environment's (or the default) router config for rows of `row_elements`.
+
+    The default: about 4096 elements per program (16 rows of 256 experts, 4 of 1024), 32 fp32 values per thread
+    with 4 warps, well inside the register file with x, the scores and the keys live at once, and enough programs
+    at T=8192 (512) to fill 132 SMs. Small tiles (few experts) get fewer warps rather than more rows than useful.
+    """
+    return router_config().launch(row_elements)
 
 
 def triton_router_operands(logits: torch.Tensor, top_k: int, num_experts: int, is_padding: torch.Tensor | None,

@@ -8,6 +8,7 @@ import triton.language as tl
 
 
 INT32_MIN = tl.constexpr(-2147483648)  # the "already picked" key (a jit-visible global must be constexpr)
+INT64_MIN = tl.constexpr(-9223372036854775808)  # the "already picked" packed key
 
 
 def triton_version() -> tuple[int, int]:
@@ -33,6 +34,13 @@ def orderable_key(x):
     """
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def zero_non_finite(x):
+    """NaN and +-Inf -> +0.0 (the routers' clamp of their activated scores; see router_common.zero_non_finite_torch).
+    One compare and one select: |x| < inf is false exactly for NaN and the infinities."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
 @triton.jit
@@ -79,6 +87,45 @@ def pick_topk_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.co
         key = tl.where(experts == rows_to_tile(first, Q_AXIS), INT32_MIN, key)
         ids = tl.where(slot == k, rows_to_tile(first, Q_AXIS), ids)
     return ids
+
+
+@triton.jit
+def pack_keys(key, index, NONE: tl.constexpr):
+    """int64 keys whose signed order is (key descending, index ascending): key << 32 | (NONE - index).
+
+    `key` int32 (an orderable_key), `index` < 2^31 with NONE >= every index, so the low half is in [0, NONE] and
+    the lower of two indices under an equal key gives the larger packed key. Every packed key exceeds INT64_MIN
+    because no orderable_key is INT32_MIN.
+    """
+    return (key.to(tl.int64) << 32) | (NONE - index).to(tl.int64)
+
+
+@triton.jit
+def pick_topk_packed_3d(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr,
+                        Q_AXIS: tl.constexpr):
+    """pick_topk_3d with one reduction per pick: the max of the packed (key, expert) keys is the pick itself,
+    and since packed keys are distinct within a row, key equality knocks out exactly the picked position.
+    Same arguments and result as pick_topk_3d (padding positions hold `experts` == NONE: low half 0, below every
+    real expert of equal key)."""
+    packed = pack_keys(key, experts, NONE)
+    slot = slot_tile(key.shape[1 - Q_AXIS], K_PAD, Q_AXIS)
+    ids = tl.where(slot < 0, 0, NONE)
+    for k in tl.static_range(K):
+        best = row_reduce_max(packed, Q_AXIS)
+        first = NONE - (best & 0x7FFFFFFF).to(tl.int32)  # the low half (< 2^31)
+        packed = tl.where(packed == rows_to_tile(best, Q_AXIS), INT64_MIN, packed)
+        ids = tl.where(slot == k, rows_to_tile(first, Q_AXIS), ids)
+    return ids
+
+
+@triton.jit
+def pick_topk(key, experts, K: tl.constexpr, K_PAD: tl.constexpr, NONE: tl.constexpr, Q_AXIS: tl.constexpr,
+              PACKED: tl.constexpr):
+    """The routers' expert pick under the config's selection (router_common.RouterConfig.selection)."""
+    if PACKED:
+        return pick_topk_packed_3d(key, experts, K, K_PAD, NONE, Q_AXIS)
+    else:
+        return pick_topk_3d(key, experts, K, K_PAD, NONE, Q_AXIS)
 
 
 @triton.jit
