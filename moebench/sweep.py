@@ -46,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trace_distribution": ("uniform", "decode_prefill", "lognormal"),
     "pcp_mask": ("gathered", "local"),
     "dbo_mask": ("sliced", "full", "none"),
+    "expert_dtype": ("bf16", "fp8"),
 }
 
 
@@ -81,6 +82,7 @@ class Params:
     dtype: str = "bf16"
     group_size: int = 32
     scale_format: str = "ue8m0_packed"
+    expert_dtype: str = "bf16"  # the layer's expert GEMMs: bf16 on the hidden states, or fp8 on the staged rows
     block_size: int = 64
     num_local_experts: Optional[int] = None  # None: num_experts / ep_size
     # expert parallelism
@@ -245,7 +247,7 @@ class Point:
 
 
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
-_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced"}
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16"}
 _NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,

@@ -96,7 +96,8 @@ def _sample_rows(num_rows: int, work: float, device: torch.device, seed: int) ->
     return torch.randperm(num_rows, generator=g)[:n].sort().values.to(device)
 
 
-def _validate(p) -> str | None:
+def fp8_layout_problem(p) -> str | None:
+    """Why the fp8 experts cannot take the point's shapes / staged layout, or None (the layer's fp8 experts too)."""
     if p.hidden % WEIGHT_BLOCK or p.intermediate % WEIGHT_BLOCK:
         return f"hidden / intermediate: fp8 experts need multiples of {WEIGHT_BLOCK} (128x128 weight blocks)"
     try:
@@ -229,20 +230,22 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Ca
                 graph_capturable=graph_ok, info=info, nvtx_stage="experts", cleanup=cleanup)
 
 
-@register_impl("fused_experts.fp8", targets=("kernel",), available=_triton_available, validate=_validate,
+@register_impl("fused_experts.fp8", targets=("kernel",), available=_triton_available,
+               validate=fp8_layout_problem,
                description="Triton fp8 grouped GEMMs on the staged rows: block-scaled gate/up + SwiGLU + "
                            "re-quantisation, down + top-k weight, slot sum")
 def build_fp8(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "triton")
 
 
-@register_impl("fused_experts.fp8_oblivious", targets=("kernel",), available=_triton_available, validate=_validate,
+@register_impl("fused_experts.fp8_oblivious", targets=("kernel",), available=_triton_available,
+               validate=fp8_layout_problem,
                twin_of="fused_experts.fp8", description="pre-fix twin: -1 routes computed on the last local expert")
 def build_fp8_oblivious(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "oblivious")
 
 
-@register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), validate=_validate,
+@register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), validate=fp8_layout_problem,
                available=lambda ctx: scaled_grouped_mm_unavailable(ctx.device),
                description="torch._scaled_grouped_mm peer (row-wise fp8 scales, eager SwiGLU + requant + slot sum)")
 def build_fp8_peer(p, ctx: RunContext) -> Case:
@@ -251,7 +254,8 @@ def build_fp8_peer(p, ctx: RunContext) -> Case:
 
 def _register_candidate(name: str) -> None:
     @register_impl(f"fused_experts.fp8_{name}", targets=("kernel",), available=_triton_available,
-                   validate=_validate, description=f"fused_experts.fp8 with the {name} tuning candidate forced")
+                   validate=fp8_layout_problem,
+                   description=f"fused_experts.fp8 with the {name} tuning candidate forced")
     def build(p, ctx: RunContext) -> Case:
         return _build(p, ctx, "triton", candidate=name)
 

@@ -4,13 +4,16 @@
 
   route       topk_softmax (Triton), or grouped_topk when num_expert_group > 1 or scoring is sigmoid (the same
               choice as inputs.route): weights fp32 [T,K], global ids int32 [T,K].
-  stage       prepare_moe_inputs: fp8 e4m3 hidden + packed UE8M0 scales + int64 ids + fp32 weights. On one GPU the
-              experts consume the bf16 hidden states; the staged fp8 rows are what an EP dispatch would send, so
-              the stage is run and timed for its cost but its fp8 output is not read further.
+  stage       prepare_moe_inputs: fp8 e4m3 hidden + packed UE8M0 scales + int64 ids + fp32 weights (the rows an
+              EP dispatch would send). With expert_dtype bf16 the experts consume the bf16 hidden states and the
+              staged rows are not read further (the stage is run and timed for its cost); with fp8 the experts
+              consume the staged rows and scales.
   expert_map  rank 0's map (global g -> g if g < num_local_experts else -1) applied to the staged ids.
   align       moe_align_block_size over the local experts, block size = the expert GEMMs' BLOCK_M.
   experts     the grouped_gemm gate/up + SwiGLU kernel and the down-projection kernel (which applies the top-k
-              weight), fed the alignment above, writing one row per route: y [T*K, H] = [T, K, H].
+              weight), fed the alignment above, writing one row per route: y [T*K, H] = [T, K, H]. expert_dtype
+              fp8: fused_experts_fp8's two GEMMs on the staged rows (bench/_layer_fp8.py), 128x128-block fp8
+              weights, the same alignment (at the fp8 config's block_m), y and reduce.
   reduce      masked_moe_sum over y viewed as [T, K, H].
 
 Registered impls (target "layer", NVTX stage "layer"; every stage is also timed alone, Case.stages):
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.bench._layer_fp8 import Fp8LayerExperts, fp8_experts_work, fp8_layout_problem
 from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.bench.experts import triton_available
 from moebench.bench.staging import compare_staging
@@ -89,7 +93,8 @@ class LayerPipeline:
     """Buffers and launches of one layer variant on fixed inputs. `masked=False` is the pre-fix pipeline.
 
     `mask` is what the mask-aware steps are given (the batch's is_padding, or None: no padding known); the
-    oblivious pipeline never uses it.
+    oblivious pipeline never uses it. With p.expert_dtype fp8, w13 / w2 are unused (None): the pipeline's
+    Fp8LayerExperts holds the fp8 weights and its own workspace.
     """
 
     def __init__(self, p, batch, w13: torch.Tensor, w2: torch.Tensor, *, masked: bool,
@@ -108,7 +113,8 @@ class LayerPipeline:
         self.grouped = uses_grouped_router(p)
         self.bias = batch.bias if p.bias else None
         self.expert_map = build_expert_map(E, num_local_experts=L, device=dev)  # EP rank 0's
-        self.config = choose_config(self.R, L, H, I)
+        self.fp8 = Fp8LayerExperts(p, T, dev) if p.expert_dtype == "fp8" else None
+        self.config = self.fp8.config if self.fp8 is not None else choose_config(self.R, L, H, I)
         self.block_m = self.config.block_m
 
         # route
@@ -125,10 +131,15 @@ class LayerPipeline:
         # align
         self.align_out = alloc_align_outputs(self.R, L, self.block_m, dev)
         self.align_ws = align_workspace(self.R, L, dev)
-        # experts: act per sorted position, y per route
-        rows = max_blocks(self.R, L, self.block_m) * self.block_m
-        self.act = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
-        self.y = torch.empty(self.R, H, dtype=torch.bfloat16, device=dev)
+        # experts: act per sorted position, y per route (fp8: in its workspace)
+        if self.fp8 is not None:
+            self.expert_buffers = self.fp8.buffers()
+            self.y = self.fp8.y
+        else:
+            rows = max_blocks(self.R, L, self.block_m) * self.block_m
+            self.act = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
+            self.y = torch.empty(self.R, H, dtype=torch.bfloat16, device=dev)
+            self.expert_buffers = (self.act, self.y)
         self.out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         # the pre-fix plain sum reads every slot: only right when every route is computed (all experts local)
         self.plain_sum = (not masked) and L == E
@@ -171,6 +182,9 @@ class LayerPipeline:
                                  workspace=self.align_ws, wrap_negative=True)
 
     def experts(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.run(self.staged, self.align_out)
+            return
         sorted_ids, expert_ids, num_post = self.align_out
         gate_up_swiglu(self.batch.hidden, self.w13, sorted_ids, expert_ids, num_post, self.K, self.block_m,
                        self.config.gate_up, self.act)
@@ -193,8 +207,8 @@ class LayerPipeline:
         return self.out
 
     def poison_all(self) -> None:
-        for t in (*self.router_out, *self.staged, self.local_ids, *self.align_out, self.align_ws, self.act, self.y,
-                  self.out):
+        for t in (*self.router_out, *self.staged, self.local_ids, *self.align_out, self.align_ws,
+                  *self.expert_buffers, self.out):
             poison(t)
         if self.wrapped_ids is not None:
             poison(self.wrapped_ids)
@@ -243,6 +257,7 @@ def stage_work(pipe: LayerPipeline, stats: dict[str, int]) -> dict[str, tuple[in
 
     Padded rows' logits are not read by a masked router; expert weights count once per expert that receives any
     route; act is written and read once per processed route, y written once; reduce reads the slots it sums.
+    fp8 experts: weights, the staged rows they read and act at fp8 sizes (+ scales).
     """
     T, E, K, H, I = pipe.T, pipe.E, pipe.K, pipe.H, pipe.I
     mask = pipe.mask
@@ -257,7 +272,11 @@ def stage_work(pipe: LayerPipeline, stats: dict[str, int]) -> dict[str, tuple[in
     cap, bcap = align_capacity(pipe.R, pipe.L, pipe.block_m)
     align_in = pipe.local_ids if pipe.masked else pipe.staged[2]
     align = T * K * align_in.element_size() + (0 if pipe.masked else E * 4) + (cap + bcap + 1) * 4
-    experts_flops, experts_bytes = expert_work(n_proc, stats["experts_hit"], stats["rows_with_routes"], H, I)
+    if pipe.fp8 is not None:
+        experts_flops, experts_bytes = fp8_experts_work(n_proc, stats["experts_hit"], stats["rows_with_routes"], H,
+                                                        I, x_sf.shape[1] * x_sf.element_size())
+    else:
+        experts_flops, experts_bytes = expert_work(n_proc, stats["experts_hit"], stats["rows_with_routes"], H, I)
     experts_bytes += n_proc * (4 + 4)  # the down projection's top-k weight and sorted id per route
     slots_read = T * K if pipe.plain_sum else n_proc
     reduce = slots_read * H * 2 + T * H * 2 + T * K * pipe.local_ids.element_size()
@@ -314,14 +333,20 @@ def check_pipeline(pipe: LayerPipeline, *, bitwise_staging: bool, seed: int) -> 
                                align_ref):
         results.append(compare_exact(name, got, want))
 
-    # the whole layer's output against fp32 experts on the reference routing (bf16 operands as the kernels)
+    # the whole layer's output against fp32 experts on the reference routing (bf16 operands as the kernels; fp8:
+    # the dequantised staged rows the experts consumed, judged against the staging reference above, bit for bit
+    # on a GPU, and the fp8 weights, within the derived elementwise bound)
     out = pipe.out
     is_padding = pipe.batch.is_padding
     compute_rows = ~is_padding if pipe.mask is not None else torch.ones_like(is_padding)
     flops_per_row = 2.0 * pipe.K * 3 * pipe.H * pipe.I
     rows = layer_reference_rows(compute_rows, flops_per_row, out.device, seed)
     metrics: dict[str, float] = {"out.rows_checked": float(rows.numel())}
-    if rows.numel():
+    if rows.numel() and pipe.fp8 is not None:
+        close = pipe.fp8.check_rows(out.index_select(0, rows), pipe.staged[0], pipe.staged[1], topk_w_ref,
+                                    local_ref, rows)
+        results.append(close)
+    elif rows.numel():
         ref = fused_experts_torch(pipe.batch.hidden.index_select(0, rows), pipe.w13, pipe.w2,
                                   topk_w_ref.index_select(0, rows), local_ref.index_select(0, rows),
                                   out_dtype=torch.float32)
@@ -353,6 +378,8 @@ def check_pipeline(pipe: LayerPipeline, *, bitwise_staging: bool, seed: int) -> 
 # ---------------------------------------------------------------------------------------------------------------
 
 def _validate(p) -> str | None:
+    if p.expert_dtype == "fp8" and (why := fp8_layout_problem(p)) is not None:
+        return f"expert_dtype fp8: {why}"
     if p.group_size < 8 or p.group_size & (p.group_size - 1) or p.group_size > 1024:
         return f"group_size: must be a power of two in [8, 1024], got {p.group_size}"
     if p.hidden % (4 * p.group_size):
@@ -373,7 +400,10 @@ def _build(variant: str):
     def build(p, ctx: RunContext) -> Case:
         dev = ctx.device
         batch = make_batch(p, dev)
-        w13, w2 = cached_expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, dev)
+        if p.expert_dtype == "fp8":
+            w13 = w2 = None  # the pipeline's fp8 experts quantise (once per weight key) and hold the weights
+        else:
+            w13, w2 = cached_expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, dev)
         pipe = LayerPipeline(p, batch, w13, w2, masked=masked, mask=batch.mask)
 
         # Work from the reference routing (the check then holds the kernels to it).
@@ -382,7 +412,8 @@ def _build(variant: str):
         ref_local = pipe.local_ids_reference(ref_idx)
         stats = _routing_stats(ref_local, batch.is_padding)
         work = stage_work(pipe, stats)
-        stage_roofs = {name: roofline_us(flops, nbytes) for name, (nbytes, flops) in work.items()}
+        stage_roofs = {name: roofline_us(flops, nbytes, fp8=pipe.fp8 is not None and name == "experts")
+                       for name, (nbytes, flops) in work.items()}
         bytes_moved = sum(nbytes for nbytes, _ in work.values())
         flops = sum(f for _, f in work.values())
         info = {**stats, "stage_roofline_us": stage_roofs, "stage_bytes": {k: v[0] for k, v in work.items()},

@@ -54,7 +54,8 @@ from moebench.kernels.moe_align_block_size import align_capacity
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "Fp8ExpertsWorkspace",
-           "make_fp8_workspace", "fused_experts_fp8", "check_fp8_args", "x_scale_mode", "CONFIG_ENV"]
+           "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms", "check_fp8_args", "x_scale_mode",
+           "CONFIG_ENV"]
 
 BLOCK_K = 128  # one weight scale block (and, for group >= 128, one activation scale) per K step
 CONFIG_ENV = "MOEBENCH_FP8_CONFIG"  # a candidate name: overrides choose_fp8_config's choice for GPU runs
@@ -405,7 +406,6 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
     M, K, E, H, I = check_fp8_args(x_q, x_scales, topk_ids, topk_weights, w13_q, w13_scales, w2_q, w2_scales,
                                    group_size, scale_format)
     check_triton_device(x_q, x_scales, topk_ids, topk_weights, w13_q, w13_scales, w2_q, w2_scales)
-    mode = x_scale_mode(group_size, scale_format)
     if out is None:
         out = torch.empty(M, H, dtype=torch.bfloat16, device=x_q.device)
     if M == 0:
@@ -432,7 +432,22 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
             raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={bm}")
     if K == 0:
         return out.zero_()
-    group_steps = max(1, group_size // BLOCK_K)
-    _gate_up(x_q, x_scales, w13_q, w13_scales, ws, K, mode, group_steps, sorted_ids, expert_ids, num_post)
-    _down(w2_q, w2_scales, topk_weights, ws, sorted_ids, expert_ids, num_post)
+    fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws,
+                     (sorted_ids, expert_ids, num_post), top_k=K, group_size=group_size, scale_format=scale_format)
     return sum_slots(ws.y, topk_ids, E, out, block_h=ws.config.reduce_block_h)
+
+
+def fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, workspace: Fp8ExpertsWorkspace,
+                     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, top_k: int, group_size: int,
+                     scale_format: str) -> torch.Tensor:
+    """fused_experts_fp8's two grouped GEMMs without its slot sum, for a pipeline that times the reduction as a
+    stage of its own: writes workspace.y (bf16 [M*K, H], the rows of placed routes only) and returns it. The
+    operands as fused_experts_fp8 takes them (contiguous, topk_weights fp32); `alignment` built with the
+    workspace config's block_m."""
+    mode = x_scale_mode(group_size, scale_format)
+    group_steps = max(1, group_size // BLOCK_K)
+    sorted_ids, expert_ids, num_post = alignment
+    _gate_up(x_q, x_scales, w13_q, w13_scales, workspace, top_k, mode, group_steps, sorted_ids, expert_ids,
+             num_post)
+    _down(w2_q, w2_scales, topk_weights, workspace, sorted_ids, expert_ids, num_post)
+    return workspace.y
