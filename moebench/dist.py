@@ -26,7 +26,7 @@ import torch
 
 from moebench.registry import RunContext
 
-# Multicast / NVLS paths are off on the lent multi-GPU machines (GPU.md); spawned ranks inherit these defaults.
+# Multicast / NVLS paths are off on the lent multi-GPU machines (docs/hardware.md#nccl); spawned ranks inherit these defaults.
 ENV_DEFAULTS = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
-SPEC_KEYS = {"label": str, "metric": str, "reduce": str, "without": dict, "with": dict, "equal_to": dict,
+HEADLINE_KEYS = {"label": str, "metric": str, "reduce": str, "without": dict, "with": dict, "equal_to": dict,
              "equal_metric": str, "without_label": str, "with_label": str}
 _REQUIRED = ("label", "metric", "reduce", "without", "with")
 
@@ -46,10 +46,10 @@ def spec_problem(spec: Any, param_names: Iterable[str], impls: Iterable[str]) ->
     if not isinstance(spec, dict):
         return f"expected a mapping, got {type(spec).__name__}"
     for k, v in spec.items():
-        if k not in SPEC_KEYS:
-            return f"{k}: unknown key (allowed: {', '.join(SPEC_KEYS)})"
-        if not isinstance(v, SPEC_KEYS[k]):
-            return f"{k}: expected {SPEC_KEYS[k].__name__}, got {type(v).__name__}"
+        if k not in HEADLINE_KEYS:
+            return f"{k}: unknown key (allowed: {', '.join(HEADLINE_KEYS)})"
+        if not isinstance(v, HEADLINE_KEYS[k]):
+            return f"{k}: expected {HEADLINE_KEYS[k].__name__}, got {type(v).__name__}"
     for k in _REQUIRED:
         if k not in spec:
             return f"{k}: missing"

@@ -105,3 +105,25 @@ class Table:
                 skipped[r.get("reason", "")] = skipped.get(r.get("reason", ""), 0) + 1
         for reason, n in skipped.items():
             self.comment(f"skipped {n}: {reason}")
+
+
+def print_rows(header: list[str], rows: list[list[Any]], out: TextIO | None = None) -> None:
+    """A plain table for the scripts' figures that are not sweep records: columns as wide as their widest cell,
+    two spaces apart, numbers right-aligned (floats to 0.1 from 100 up, else 4 significant digits), the header as a `#` line."""
+    cells = [[_cell(v) for v in r] for r in rows]
+    widths = [max([len(header[i]) + (2 if i == 0 else 0)] + [len(r[i]) for r in cells if i < len(r)])
+              for i in range(len(header))]
+    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows if i < len(r)) and bool(rows)
+               for i in range(len(header))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+    print(line(["# " + header[0], *header[1:]]), file=out or sys.stdout)
+    for r in cells:
+        print(line(r), file=out or sys.stdout)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return "-" if v != v else f"{v:.1f}" if abs(v) >= 100 else f"{v:.4g}"
+    return "-" if v is None else str(v)

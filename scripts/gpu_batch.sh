@@ -12,7 +12,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # keep what the caller put there
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if ls .deb/*.deb >/dev/null 2>&1; then  # libdw/libelf for `nsys stats` (GPU.md)
+if ls .deb/*.deb >/dev/null 2>&1; then  # libdw/libelf for `nsys stats` (docs/hardware.md#nsys)
   mkdir -p /tmp/debroot && for f in .deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
   export MOEBENCH_NSYS_LIBDIR=/tmp/debroot/usr/lib/x86_64-linux-gnu
 fi

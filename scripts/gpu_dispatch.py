@@ -1,33 +1,32 @@
 #!/usr/bin/env python3
-"""Check and time the expert-parallel dispatch paths on 2 GPUs (NCCL); spawns its own ranks.
+"""What the dispatch sweep cannot say, on 2 GPUs (NCCL; spawns its own ranks): the wire's own ceiling measured in
+the same process as the paths, where each path's call spends its time, and DeepEP timed the way its tests time it.
 
-    python3 scripts/gpu_dispatch.py                   # 2 GPUs, the target shapes, about 60-90 s
+    python3 scripts/gpu_dispatch.py                   # 2 GPUs, the target shapes, about 60 s
     python3 scripts/gpu_dispatch.py --json OUT.json   # also write the rows as JSON
     python3 scripts/gpu_dispatch.py --cpu-smoke       # the script's own logic on 2 gloo CPU ranks, tiny shapes
     python3 scripts/gpu_dispatch.py --profile --configs pad0 --no-check   # + torch.profiler kernel tables
 
-Per rank: 4096 tokens, H=7168 bf16, top-8 of 256 experts, uniform routing (moebench.inputs: make_batch + route,
-seed offset = rank). Configurations: `pad0` (no padding: compare with GPU.md's NCCL and DeepEP anchors), and
-`pad50` with half the rows padded (repeat fill: identical rows, so they pile onto the same experts) both masked
-(mask-aware: padded rows are not sent) and unmasked (oblivious: they travel).
-Rows: raw NCCL all_to_all_single of pre-permuted rows (GB/s counting all received rows, own included; `raw_wire`:
-the same rows in the paths' wire format, hidden row + routing in one row), then per
-path (a2a with its count exchange and permutation, a2a_fixed with capacity policy exact, agrs) the dispatch,
-the combine, and the round trip (dispatch + a trivial expert + combine); a2a_fixed's dispatch also as a CUDA-graph
-replay (`graph`: it has no host sync); DeepEP's legacy Buffer when deep_ep imports (normal mode, and its
-cached-layout dispatch `cached`, which is what DeepEP's own test times; low-latency at 128 tokens with
---deepep-ll).
-`pad_sent`: padded (row, destination) pairs rank 0 puts on the wire (agrs: every padded row to every rank).
-Every path is first checked against the single-process reference (received rows bitwise, combined output within
-bf16 tolerance); a wrong path is reported and not timed. Times: CUDA events around each iteration after a barrier,
-per-iteration max over ranks (moebench.dist.max_over_ranks), median of --iters (>= 20). GB/s = rank 0's payload
-bytes received (hidden + ids + weights per row; combine: hidden per row; own rank's rows included) / median.
-`%raw`: the raw all_to_all's median / this row's median (a2a and a2a_fixed move the raw one's rows, a2a_fixed in
-capacity-sized blocks; agrs moves every row of every rank, so there it is indicative only).
-Then a per-stage breakdown of every path's dispatch and combine (moebench.dispatch.base.StageTimer: CUDA events at
-the paths' sub-steps: plan, count exchange, pack, counts on the host, payload all-to-all, unpack / reduce; and the
-host clock when each launch returned), per rank, and the targets. `--profile`: per path, the top GPU kernels of
-the round trip (torch.profiler, self device time per iteration).
+The paths' own latencies over sizes, padding and fills (dispatch, combine and the round trip, each checked first)
+are sweep figures: `moebench run sweeps/dispatch.yaml`. This script adds, per rank 4096 tokens, H=7168 bf16, top-8
+of 256 experts, uniform routing (moebench.inputs: make_batch + route, seed offset = rank), for `pad0` (no padding)
+and `pad50` (half the rows padded, repeat fill) masked (padded rows not sent) and unmasked (they travel):
+  - `nccl_a2a_raw`: all_to_all_single of the step's rows, already permuted (`rows only`: every received row, own
+    rank's included; `raw_wire`: the same rows in the paths' wire format, hidden row + routing in one row): the
+    ceiling a path's dispatch is held to, `%raw` = raw median / the row's median;
+  - per path (a2a, a2a_fixed with capacity policy exact, agrs, deepep when deep_ep imports): dispatch and combine
+    in the same process as the raw rows, a2a_fixed's dispatch also replayed as a CUDA graph (`graph`); DeepEP's
+    cached-layout dispatch (`cached`, what its test times) and its kernels' GPU time (`cach kern`, `comb kern`:
+    moebench.measure.kernel_time, ranks aligned on the GPUs as DeepEP's tests do); low-latency mode at 128 tokens
+    with --deepep-ll (events, graph replay, kernel time; FP8 dispatch beside bf16);
+  - a per-stage breakdown of every path's dispatch and combine: the StageTimer marks at the paths' sub-steps
+    (plan, count exchange, pack, counts on the host, payload all-to-all, unpack / reduce), GPU time and the host
+    clock when each launch returned, per rank (moebench.measure.timing.marked_calls);
+  - `--profile`: per path, the top GPU kernels of the round trip (moebench.measure.kernel_time.top_kernels).
+Every path is checked against the single-process reference first (received rows bitwise, combined output within
+bf16 tolerance, padded rows never sent when masked, the path's own extra checks); a wrong path is not timed.
+Times: moebench.measure.timing.measure, CUDA events after a barrier, per-iteration max over ranks, median of
+--iters (>= 20). GB/s = rank 0's payload bytes received (hidden + ids + weights per row; combine: hidden per row).
 """
 
 from __future__ import annotations
@@ -42,12 +41,12 @@ from pathlib import Path
 CPU_SMOKE = "--cpu-smoke" in sys.argv
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (here and in the spawned ranks)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `moebench`
 
 import torch  # noqa: E402
-import gpu_common  # noqa: E402,F401 (puts the repo root on sys.path for moebench)
 
 from moebench import dist as mdist  # noqa: E402
-from moebench.check import compare_close  # noqa: E402
+from moebench.check import CheckResult, compare_close  # noqa: E402
 from moebench.dispatch.a2a import destination_order  # noqa: E402
 from moebench.dispatch.a2a_fixed import max_rows_per_pair  # noqa: E402
 from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, path_class, token_in_rank  # noqa: E402
@@ -56,8 +55,14 @@ from moebench.dispatch.pack import capacity_for  # noqa: E402
 from moebench.dispatch.permute import RowLayout  # noqa: E402
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs,  # noqa: E402
                                          padded_rows_sent, scaled_expert, scaled_expert_reference)
-from moebench.measure.timing import measure  # noqa: E402
-from moebench.sweep import Timing  # noqa: E402
+from moebench.measure.kernel_time import kernel_time, top_kernels  # noqa: E402
+from moebench.measure.timing import marked_calls, measure  # noqa: E402
+from moebench.report import print_rows  # noqa: E402
+from moebench.results import environment  # noqa: E402
+from moebench.sweep import Params, Timing  # noqa: E402
+
+CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
+COMBINE_MAX_REL, COMBINE_RMS_REL = 2e-2, 5e-3  # as moebench.bench.dispatch checks the combined output
 
 
 def parse_args(argv=None):
@@ -86,101 +91,22 @@ def parse_args(argv=None):
     return args
 
 
-CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
-
-
 def timed(fn, ctx, warmup: int, iters: int, mode: str = "events") -> dict:
-    """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank.
-
-    Ranks line up on a barrier (and a device sync) before each iteration; CUDA events on a GPU, host clock on
-    the CPU. No early stop: every rank takes `iters` samples."""
+    """Median / min over iterations of the per-iteration max over ranks (us), and the slowest rank (no early
+    stop: every rank takes `iters` samples)."""
     res = measure(fn, Timing(mode=mode, warmup=warmup, iters=iters, max_seconds=float("inf")), ctx.device,
                   group=ctx.group, barrier=True)
-    slowest = res.ranks["slowest_rank"] if res.ranks else 0
-    return {"p50_us": res.stats["p50"], "min_us": res.stats["min"], "slowest_rank": slowest}
+    return {"p50_us": res.stats["p50"], "min_us": res.stats["min"],
+            "slowest_rank": res.ranks["slowest_rank"] if res.ranks else 0}
 
 
-def breakdown(path, fn, ctx, iters: int) -> list[dict]:
-    """The path's StageTimer points over `iters` calls of fn (ranks lined up by a barrier before each call)."""
-    import torch.distributed as dist
-
-    timer = StageTimer(ctx.device)
-    path.timer = timer
+def stage_table(path, fn, ctx, iters: int) -> list[dict]:
+    """The path's StageTimer marks over `iters` calls of fn."""
+    path.timer = StageTimer(ctx.device)
     try:
-        for _ in range(iters):
-            dist.barrier(group=ctx.group)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            timer.begin()
-            fn()
-            timer.end()
+        return marked_calls(fn, path.timer, iters, ctx.device, group=ctx.group)
     finally:
         path.timer = None
-    return timer.table()
-
-
-def profile_kernels(fn, ctx, iters: int = 5, top: int = 12) -> list[tuple[str, float, float]]:
-    """(name, calls per iteration, self device us per iteration) of the busiest GPU kernels/ops of fn."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
-    if ctx.device.type != "cuda":
-        return []
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            dist.barrier(group=ctx.group)
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0.0)
-        if t and t > 0:
-            rows.append((e.key, e.count / iters, t / iters))
-    rows.sort(key=lambda r: -r[2])
-    return rows[:top]
-
-
-def kernel_time(fn, ctx, iters: int, match: str = "deep_ep") -> dict:
-    """GPU time per call of the kernels whose name contains `match` (torch.profiler device events; DeepEP's test
-    likewise times its own kernels by name).
-
-    Ranks are lined up on the GPUs, not only on the hosts: before each call every rank queues a ~1 ms matmul and a
-    one-element all_reduce, so fn's kernels are already queued when the all_reduce completes on both GPUs at about
-    the same moment (DeepEP's tests do the same, `barrier_comm_profiling`). Without it, a rank whose host arrives
-    late makes the other rank's communication kernel spin for the difference. Reported: the slowest rank's mean
-    (p50_us, as every moebench multi-rank figure) and the mean over ranks (DeepEP prints each rank's own)."""
-    import torch.distributed as dist
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    a = torch.randn(4096, 8192, device=ctx.device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=ctx.device, dtype=torch.bfloat16)
-    flag = torch.ones(1, device=ctx.device)
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            dist.barrier(group=ctx.group)
-            torch.matmul(a, b)
-            dist.all_reduce(flag, group=ctx.group)
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages()
-                if e.device_type == DeviceType.CUDA and match in e.key)
-    if total == 0:  # never report a zero as a time: say what the profiler saw instead
-        names = sorted({e.key[:60] for e in prof.key_averages() if e.device_type == DeviceType.CUDA})
-        print(f"rank {ctx.rank}: no GPU kernel named *{match}* among {names[:8]}", file=sys.stderr)
-        total = float("nan")
-    per_rank = torch.tensor([total / iters], dtype=torch.float64, device=ctx.device)
-    gathered = [torch.empty_like(per_rank) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, per_rank, group=ctx.group)
-    vals = [float(g) for g in gathered]
-    worst = max(range(len(vals)), key=vals.__getitem__)
-    return {"p50_us": vals[worst], "min_us": min(vals), "mean_us": sum(vals) / len(vals), "slowest_rank": worst}
 
 
 def _all_ok(ok: bool, ctx) -> bool:
@@ -196,18 +122,71 @@ def _row(config, path, stage, t, nbytes, **extra):
     return {"config": config, "path": path, "stage": stage, **(t or {}), "bytes": nbytes, "gbps": gbps, **extra}
 
 
-def worker(ctx, args) -> list[dict]:
+def _set_up(kind, layout, p, ids, mask, ctx):
+    """(path, None) or (None, why): DeepEP's set-up failures are reported, not fatal; every rank must agree."""
+    try:
+        path, err = path_class(kind).from_point(layout, p, ids, mask, ctx.device), ""
+    except Exception as e:  # noqa: BLE001
+        path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+    if _all_ok(path is not None, ctx):
+        return path, None
+    if path is not None:
+        path.close()
+    return None, f"set-up failed: {err or 'on another rank'}"
+
+
+def check_path(path, x, ids, w, mask, g, layout, ctx) -> str:
+    """'ok' or 'WRONG ...': the checks of moebench.bench.dispatch, through the paths' hooks."""
+    path.prepare_check(torch.Generator(device=ctx.device).manual_seed(ctx.rank + 1))
+    d = path.dispatch(x, ids, w, mask)
+    out = path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
+    ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.experts_per_rank)
+    results = [check_received(path, d, g), compare_close("combined", out, ref, COMBINE_MAX_REL, COMBINE_RMS_REL)]
+    pads = count_padding_received(path, d, g)
+    key = "padded_routes_received" if path.receives == "all" else "padded_rows_received"
+    if mask is not None and pads[key]:
+        results.append(CheckResult(False, f"{pads[key]} padded rows received ({key})", {}))
+    res = CheckResult.merge(*results, *path.extra_checks(d))
+    return "ok" if _all_ok(res.ok, ctx) else f"WRONG {res.detail[:120] or '(another rank)'}"
+
+
+def raw_rows(config, x, ids_eff, is_padding, layout, ctx, args) -> tuple[list[dict], float]:
+    """The raw all_to_all of the step's rows, pre-permuted, plain and in the paths' wire format; (rows, raw p50)."""
+    R = ctx.world_size
+    in_rank = token_in_rank(ids_eff, layout)
+    padded_sent = int((in_rank & is_padding.unsqueeze(1)).sum())  # (row, destination) pairs
+    send_counts = in_rank.sum(0, dtype=torch.int32)
+    recv_counts = torch.empty_like(send_counts)
+    all_to_all_single(recv_counts, send_counts, group=ctx.group, world_size=R)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    send_x = x.index_select(0, destination_order(in_rank, sum(send_splits)))
+    recv_x = torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device)
+    t = timed(lambda: all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=ctx.group, world_size=R),
+              ctx, args.warmup, args.iters)
+    rows = [_row(config, "nccl_a2a_raw", "rows only", t, recv_x.numel() * recv_x.element_size(),
+                 recv_rows=sum(recv_splits), padded_sent=padded_sent)]
+    raw_us = t["p50_us"]
+    wire = RowLayout(args.hidden, args.top_k, x.dtype)
+    send_w = wire.empty(sum(send_splits), x.device)
+    wire.x(send_w).copy_(send_x)
+    recv_w = wire.empty(sum(recv_splits), x.device)
+    t = timed(lambda: all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=ctx.group, world_size=R),
+              ctx, args.warmup, args.iters)
+    payload = recv_w.shape[0] * (wire.x_bytes + 8 * args.top_k)  # as the paths count it: hidden + ids + weights
+    rows.append(_row(config, "nccl_a2a_raw", "raw_wire", t, payload, raw_us=raw_us, recv_rows=sum(recv_splits),
+                     padded_sent=padded_sent, note=f"{wire.row_bytes} B/row"))
+    return rows, raw_us
+
+
+def worker(ctx, args) -> dict:
     import torch.distributed as dist
 
     from moebench import inputs
-    from moebench.sweep import Params
 
     R = ctx.world_size
     layout = EPLayout(ctx.rank, R, args.experts, ctx.group)
     paths = [p for p in args.paths.split(",") if p]
-    rows: list[dict] = []
-    stages: list[dict] = []
-    profiles: list[dict] = []
+    rows, stages, profiles = [], [], []
     for config in [c for c in args.configs.split(",") if c]:
         pad, masked = CONFIGS[config]
         p = Params(num_tokens=args.tokens, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
@@ -217,33 +196,8 @@ def worker(ctx, args) -> list[dict]:
         w, ids = inputs.route(p, batch)
         x, mask = batch.hidden, batch.mask
         ids_eff = effective_ids(ids, mask)
-        sent_padding = int((token_in_rank(ids_eff, layout) & batch.is_padding.unsqueeze(1)).sum())
-
-        # raw NCCL all_to_all_single of the rows this step must move (already permuted): the wire's roof
-        in_rank = token_in_rank(ids_eff, layout)
-        send_counts = in_rank.sum(0, dtype=torch.int32)
-        recv_counts = torch.empty_like(send_counts)
-        all_to_all_single(recv_counts, send_counts, group=ctx.group, world_size=R)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        send_x = x.index_select(0, destination_order(in_rank, sum(send_splits)))
-        recv_x = torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device)
-        t = timed(lambda: all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=ctx.group,
-                                            world_size=R), ctx, args.warmup, args.iters)
-        rows.append(_row(config, "nccl_a2a_raw", "rows only", t, recv_x.numel() * recv_x.element_size(),
-                         recv_rows=sum(recv_splits), padded_sent=sent_padding))
-        raw_us = t["p50_us"]
-        # the same rows in the paths' wire format (hidden row + routing, 32-byte aligned): the format's own cost
-        wire = RowLayout(args.hidden, args.top_k, x.dtype)
-        send_w = wire.empty(sum(send_splits), x.device)
-        wire.x(send_w).copy_(send_x)
-        recv_w = wire.empty(sum(recv_splits), x.device)
-        t = timed(lambda: all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=ctx.group,
-                                            world_size=R), ctx, args.warmup, args.iters)
-        payload = recv_w.shape[0] * (wire.x_bytes + 8 * args.top_k)  # as the paths count it: hidden + ids + weights
-        rows.append(_row(config, "nccl_a2a_raw", "raw_wire", t, payload, raw_us=raw_us, recv_rows=sum(recv_splits),
-                         padded_sent=sent_padding, note=f"{wire.row_bytes} B/row"))
-        del send_w, recv_w, send_x, recv_x
-
+        raw, raw_us = raw_rows(config, x, ids_eff, batch.is_padding, layout, ctx, args)
+        rows += raw
         g = None if args.no_check else gather_inputs(x, ids, w, batch.is_padding, mask is not None, layout)
         for kind in paths:
             if kind == "deepep":
@@ -253,100 +207,73 @@ def worker(ctx, args) -> list[dict]:
                 if why:
                     rows.append(_row(config, "deepep", "-", None, 0, note=f"skipped: {why}"))
                     continue
-            capacity, note = None, ""
+            note = ""
             if kind == "a2a_fixed":
-                max_rows = max_rows_per_pair(ids, mask, layout)
-                capacity = capacity_for("exact", max_rows, args.tokens)
-                note = f"capacity {capacity} (exact)"
-            try:
-                path = path_class(kind).from_point(layout, p, ids, mask, ctx.device)
-                err = ""
-            except Exception as e:  # noqa: BLE001 - DeepEP set-up failures are reported, not fatal
-                path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
-            if not _all_ok(path is not None, ctx):
-                rows.append(_row(config, kind, "-", None, 0, note=f"set-up failed: {err or 'on another rank'}"))
+                note = f"capacity {capacity_for('exact', max_rows_per_pair(ids, mask, layout), args.tokens)} (exact)"
+            path, why = _set_up(kind, layout, p, ids, mask, ctx)
+            if path is None:
+                rows.append(_row(config, kind, "-", None, 0, note=why))
                 continue
             out = torch.empty_like(x)
-            d0 = path.dispatch(x, ids, w, mask)
+            check = "skipped" if g is None else check_path(path, x, ids, w, mask, g, layout, ctx)
+            if check.startswith("WRONG"):
+                rows.append(_row(config, kind, "-", None, 0, check=check))
+                path.close()
+                continue
+            d0 = path.dispatch(x, ids, w, mask)  # the handle of the latest dispatch (buffers are reused)
             y0 = scaled_expert(d0.recv_x, d0.recv_topk_ids, d0.recv_topk_weights)
-            path.combine(y0, d0.handle, out=out)
-            check = "skipped"
-            if g is not None:
-                if kind == "a2a_fixed":
-                    path.fill_garbage(torch.Generator(device=ctx.device).manual_seed(ctx.rank + 1))
-                d = path.dispatch(x, ids, w, mask)
-                path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle, out=out)
-                r1 = check_received(path, d, g)
-                ref = scaled_expert_reference(x, ids_eff, w, layout.experts_per_rank)
-                r2 = compare_close("combined", out, ref, 2e-2, 5e-3)
-                pads = count_padding_received(path, d, g)
-                bad_pad = mask is not None and pads["padded_routes_received" if kind == "agrs"
-                                                    else "padded_rows_received"] > 0
-                extra_ok = (not kind == "a2a_fixed") or (path.invalid_rows_clean() and not path.overflowed())
-                ok = r1.ok and r2.ok and not bad_pad and extra_ok
-                detail = "; ".join(s for s in (r1.detail, r2.detail, "padded rows received" if bad_pad else "",
-                                               "" if extra_ok else "garbage rows or overflow") if s)
-                check = "ok" if _all_ok(ok, ctx) else f"WRONG {detail[:120] or '(another rank)'}"
-                if check != "ok":
-                    rows.append(_row(config, kind, "-", None, 0, check=check))
-                    path.close()
-                    continue
             stats = path.stats(d0)
-            common = dict(check=check, recv_rows=stats.recv_rows, note=note,
+            common = dict(check=check, recv_rows=stats.recv_rows, raw_us=raw_us, note=note,
                           padded_sent=padded_rows_sent(path, ids_eff, batch.is_padding))
             t = timed(lambda: path.dispatch(x, ids, w, mask), ctx, args.warmup, args.iters)
-            rows.append(_row(config, kind, "dispatch", t, stats.recv_payload_bytes, raw_us=raw_us,
-                             wire_bytes=stats.wire_recv_bytes, **common))
-            d0 = path.dispatch(x, ids, w, mask)  # the handle of the latest dispatch (buffers are reused)
-            if kind == "deepep":  # DeepEP's own test times the cached-layout dispatch: shown beside the full one
+            rows.append(_row(config, kind, "dispatch", t, stats.recv_payload_bytes, **common))
+            d0 = path.dispatch(x, ids, w, mask)
+            if kind == "deepep":  # DeepEP's own test times the cached-layout dispatch and its kernels
                 t = timed(lambda: path.dispatch_cached(x, d0.handle), ctx, args.warmup, args.iters)
-                rows.append(_row(config, kind, "cached", t, stats.recv_payload_bytes, raw_us=raw_us,
+                rows.append(_row(config, kind, "cached", t, stats.recv_payload_bytes,
                                  **{**common, "note": "cached layout (DeepEP's test method; no count exchange)"}))
-                t = kernel_time(lambda: path.dispatch_cached(x, d0.handle), ctx, args.iters)
-                rows.append(_row(config, kind, "cach kern", t, stats.recv_payload_bytes, raw_us=raw_us,
+                t = kernel_time(lambda: path.dispatch_cached(x, d0.handle), ctx.device, args.iters, "deep_ep",
+                                group=ctx.group)
+                rows.append(_row(config, kind, "cach kern", t, stats.recv_payload_bytes,
                                  **{**common, "note": "cached layout, GPU kernel time (torch.profiler)"}))
-                t = kernel_time(lambda: path.combine(y0, d0.handle), ctx, args.iters)
-                rows.append(_row(config, kind, "comb kern", t, stats.combine_recv_bytes, raw_us=raw_us,
+                t = kernel_time(lambda: path.combine(y0, d0.handle), ctx.device, args.iters, "deep_ep",
+                                group=ctx.group)
+                rows.append(_row(config, kind, "comb kern", t, stats.combine_recv_bytes,
                                  **{**common, "note": "combine, GPU kernel time (torch.profiler)"}))
             if kind == "a2a_fixed" and ctx.device.type == "cuda":  # no host sync: how a serving engine runs it
                 t = timed(lambda: path.dispatch(x, ids, w, mask), ctx, args.warmup, args.iters, mode="cuda_graph")
-                rows.append(_row(config, kind, "graph", t, stats.recv_payload_bytes, raw_us=raw_us,
+                rows.append(_row(config, kind, "graph", t, stats.recv_payload_bytes,
                                  **{**common, "note": f"{note}; dispatch captured in a CUDA graph, replayed"}))
             # DeepEP's combine returns a new tensor: copying it into `out` would time a 58 MB copy too
             out_arg = None if kind == "deepep" else out
             t = timed(lambda: path.combine(y0, d0.handle, out=out_arg), ctx, args.warmup, args.iters)
-            rows.append(_row(config, kind, "combine", t, stats.combine_recv_bytes, raw_us=raw_us, **common))
+            rows.append(_row(config, kind, "combine", t, stats.combine_recv_bytes, **common))
             if args.stage_iters > 0:
                 for stage, fn in (("dispatch", lambda: path.dispatch(x, ids, w, mask)),
                                   ("combine", lambda: path.combine(y0, d0.handle, out=out_arg))):
                     stages.append({"config": config, "path": kind, "stage": stage,
-                                   "points": breakdown(path, fn, ctx, args.stage_iters)})
+                                   "points": stage_table(path, fn, ctx, args.stage_iters)})
                 d0 = path.dispatch(x, ids, w, mask)
-
-            def round_trip():
-                d = path.dispatch(x, ids, w, mask)
-                path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle, out=out)
-
-            t = timed(round_trip, ctx, args.warmup, args.iters)
-            rows.append(_row(config, kind, "round trip", t, stats.recv_payload_bytes + stats.combine_recv_bytes,
-                             **common))
-            if args.profile:
-                profiles.append({"config": config, "path": kind, "kernels": profile_kernels(round_trip, ctx)})
+            if args.profile and ctx.device.type == "cuda":
+                def round_trip():
+                    d = path.dispatch(x, ids, w, mask)
+                    path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle, out=out)
+                profiles.append({"config": config, "path": kind,
+                                 "kernels": top_kernels(round_trip, ctx.device, group=ctx.group)})
             path.close()
             del path, d0, y0
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
         dist.barrier(group=ctx.group)
-
     if args.deepep_ll and "deepep" in paths:
-        rows.extend(_deepep_low_latency(ctx, args, layout))
+        rows.extend(deepep_low_latency(ctx, args, layout))
     return {"rows": rows, "stages": stages, "profiles": profiles}
 
 
-def _deepep_low_latency(ctx, args, layout) -> list[dict]:
+def deepep_low_latency(ctx, args, layout) -> list[dict]:
+    """DeepEP low-latency mode at 128 tokens/rank: bf16 and FP8 dispatch, combine; events, graph replay, kernels."""
     from moebench import inputs
     from moebench.dispatch import deepep
-    from moebench.sweep import Params
 
     why = deepep.unavailable() or (None if ctx.device.type == "cuda" else "needs CUDA")
     if why:
@@ -356,135 +283,120 @@ def _deepep_low_latency(ctx, args, layout) -> list[dict]:
     batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
     w, ids = inputs.route(p, batch)
     x = batch.hidden
-    try:
-        path = path_class("deepep").from_point(layout, p, ids, None, ctx.device)
-        err = ""
-    except Exception as e:  # noqa: BLE001
-        path, err = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
-    if not _all_ok(path is not None, ctx):
-        return [_row("ll128", "deepep_ll", "-", None, 0, note=f"set-up failed: {err or 'on another rank'}")]
-    out = torch.empty_like(x)
+    path, why = _set_up("deepep", layout, p, ids, None, ctx)
+    if path is None:
+        return [_row("ll128", "deepep_ll", "-", None, 0, note=why)]
     d0 = path.dispatch(x, ids, w, None)
     y0 = scaled_expert(d0.recv_x, d0.recv_topk_ids, d0.recv_topk_weights)
-    path.combine(y0, d0.handle, out=out)
-    ref = scaled_expert_reference(x, ids, w, layout.experts_per_rank)
-    c = compare_close("combined", out, ref, 2e-2, 5e-3)
+    out = path.combine(y0, d0.handle)
+    c = compare_close("combined", out, scaled_expert_reference(x, ids, w, layout.experts_per_rank),
+                      COMBINE_MAX_REL, COMBINE_RMS_REL)
     check = "ok" if _all_ok(c.ok, ctx) else f"WRONG {c.detail[:120]}"
     stats = path.stats(d0)
-    rows = []
     # FP8 dispatch (what DeepEP's test times): the same per-expert counts as the bf16 dispatch, about half the bytes
-    fp8_counts = path.dispatch_fp8_counts(x, ids)
-    same = bool(torch.equal(fp8_counts.to(torch.int64), d0.num_recv.to(torch.int64)))
+    same = bool(torch.equal(path.dispatch_fp8_counts(x, ids).to(torch.int64), d0.num_recv.to(torch.int64)))
     fp8_check = "ok" if _all_ok(same, ctx) else "WRONG fp8 per-expert counts differ from bf16"
     fp8_bytes = stats.recv_rows * (args.hidden + 4 * (args.hidden // 128))  # e4m3 rows + fp32 scales per 128
-    # three ways: events around each call (host launch included), CUDA-graph replay (how a serving engine runs
-    # low-latency mode), and the GPU kernels' own time (torch.profiler, what DeepEP's test reports)
+    notes = {"events": "events around each call", "cuda_graph": "graph replay",
+             "kernels": "DeepEP kernels' GPU time (torch.profiler), ranks aligned on the GPU: DeepEP's test method"}
+    rows = []
     for stage, fn, nbytes in (("dispatch", lambda: path.dispatch(x, ids, w, None), stats.recv_payload_bytes),
                               ("fp8", lambda: path.dispatch_fp8_counts(x, ids), fp8_bytes),
                               ("combine", lambda: path.combine(y0, d0.handle, out=None), stats.combine_recv_bytes)):
         for how in ("events", "cuda_graph", "kernels"):
-            t = kernel_time(fn, ctx, args.iters) if how == "kernels" else \
-                timed(fn, ctx, args.warmup, args.iters, mode=how)
+            t = (kernel_time(fn, ctx.device, args.iters, "deep_ep", group=ctx.group) if how == "kernels"
+                 else timed(fn, ctx, args.warmup, args.iters, mode=how))
             label = stage if how == "events" else f"{stage[:4]} {'graph' if how == 'cuda_graph' else 'kern'}"
             rows.append(_row("ll128", "deepep_ll", label, t, nbytes, check=fp8_check if stage == "fp8" else check,
-                             recv_rows=stats.recv_rows,
-                             note={"events": "events around each call", "cuda_graph": "graph replay",
-                                   "kernels": "DeepEP kernels' GPU time (torch.profiler), ranks aligned on the GPU: "
-                                               "DeepEP's test method"}[how]))
-    # DeepEP's test times the combine kernel inside dispatch + combine iterations (the dispatch lines the ranks up)
-    def round_trip():
-        d = path.dispatch(x, ids, w, None)
-        path.combine(y0, d.handle, out=None)
+                             recv_rows=stats.recv_rows, note=notes[how]))
 
-    t = kernel_time(round_trip, ctx, args.iters, match="internode_ll::combine")
+    def round_trip():  # DeepEP's test times the combine kernel inside dispatch + combine (the dispatch aligns ranks)
+        path.combine(y0, path.dispatch(x, ids, w, None).handle, out=None)
+
+    t = kernel_time(round_trip, ctx.device, args.iters, "internode_ll::combine", group=ctx.group)
     rows.append(_row("ll128", "deepep_ll", "comb in rt", t, stats.combine_recv_bytes, check=check,
-                     recv_rows=stats.recv_rows, note="combine kernel's GPU time inside dispatch + combine "
-                                                     "iterations (DeepEP's test_func)"))
+                     recv_rows=stats.recv_rows,
+                     note="combine kernel's GPU time inside dispatch + combine iterations (DeepEP's test_func)"))
     path.close()
     return rows
 
 
-def print_table(rows: list[dict], header: str) -> None:
-    print(f"# {header}")
-    print(f"# {'config':<15} {'path':<13} {'stage':<10} {'p50_us':>9} {'min_us':>9} {'MB':>8} {'GB/s':>7} "
-          f"{'%raw':>5} {'rows':>6} {'pad_sent':>8} {'slow':>4}  check / note")
+def print_results(rows: list[dict]) -> None:
+    header = ["config", "path", "stage", "p50_us", "min_us", "MB", "GB/s", "%raw", "rows", "pad_sent", "slow",
+              "check / note"]
+    table = []
     for r in rows:
-        if "p50_us" not in r:
-            print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {'-':>9} {'-':>9} {'-':>8} {'-':>7} "
-                  f"{'-':>5} {'-':>6} {'-':>8} {'-':>4}  {r.get('check', '')} {r.get('note', '')}")
-            continue
-        pct = f"{100 * r['raw_us'] / r['p50_us']:>5.0f}" if r.get("raw_us") else f"{'':>5}"
-        print(f"  {r['config']:<15} {r['path']:<13} {r['stage']:<10} {r['p50_us']:>9.1f} {r['min_us']:>9.1f} "
-              f"{r['bytes'] / 1e6:>8.2f} {r['gbps']:>7.1f} {pct} {r.get('recv_rows', ''):>6} "
-              f"{r.get('padded_sent', ''):>8} {r['slowest_rank']:>4}  {r.get('check', '')} {r.get('note', '')}")
+        timed_row = "p50_us" in r
+        pct = 100 * r["raw_us"] / r["p50_us"] if timed_row and r.get("raw_us") else None
+        table.append([r["config"], r["path"], r["stage"], r.get("p50_us"), r.get("min_us"),
+                      r["bytes"] / 1e6 if timed_row else None, r["gbps"] if timed_row else None, pct,
+                      r.get("recv_rows"), r.get("padded_sent"), r.get("slowest_rank"),
+                      f"{r.get('check', '')} {r.get('note', '')}".strip()])
+    print_rows(header, table)
 
 
 def print_stages(per_rank: list[list[dict]], iters: int) -> None:
-    """Per path and stage: each StageTimer point, per rank: GPU us and host us since the call's start."""
+    """Per path and stage: each StageTimer mark, per rank: GPU us and host us since the call's start."""
     if not per_rank or not per_rank[0]:
         return
-    R = len(per_rank)
     print(f"# per-stage breakdown, median of {iters} calls; us since the call's start. gpu: CUDA event on the "
           f"stream current at that point (the count exchange: the side stream); host: when that launch returned. "
           f"gpu well below host = the GPU waited for the CPU.")
-    cols = " ".join(f"{f'r{r} gpu':>8} {f'r{r} host':>8}" for r in range(R))
-    print(f"# {'config':<15} {'path':<10} {'stage':<9} {'point':<15} {cols}")
+    header = ["config", "path", "stage", "point"] + [f"r{r} {k}" for r in range(len(per_rank)) for k in ("gpu",
+                                                                                                       "host")]
+    table = []
     for i, entry in enumerate(per_rank[0]):
         for j, pt in enumerate(entry["points"]):
             vals = []
-            for r in range(R):
-                q = per_rank[r][i]["points"][j] if i < len(per_rank[r]) and j < len(per_rank[r][i]["points"]) \
-                    else {}
-                g, h = q.get("gpu_us"), q.get("host_us")
-                vals.append(f"{g:>8.1f}" if g is not None else f"{'-':>8}")
-                vals.append(f"{h:>8.1f}" if h is not None else f"{'-':>8}")
-            head = (entry["config"], entry["path"], entry["stage"]) if j == 0 else ("", "", "")
-            print(f"  {head[0]:<15} {head[1]:<10} {head[2]:<9} {pt['label']:<15} {' '.join(vals)}")
+            for ranks in per_rank:
+                q = ranks[i]["points"][j] if i < len(ranks) and j < len(ranks[i]["points"]) else {}
+                vals += [q.get("gpu_us"), q.get("host_us")]
+            head = [entry["config"], entry["path"], entry["stage"]] if j == 0 else ["", "", ""]
+            table.append([*head, pt["label"], *vals])
+    print_rows(header, table)
 
 
 def print_profiles(profiles: list[dict]) -> None:
     for prof in profiles:
         print(f"# torch.profiler, rank 0, {prof['config']} {prof['path']} round trip: top kernels by self device "
               f"time per iteration")
-        for name, calls, us in prof["kernels"]:
-            print(f"  {us:>9.1f} us {calls:>5.1f}x  {name[:100]}")
+        print_rows(["us", "calls", "kernel"], [[us, calls, name[:100]] for name, calls, us in prof["kernels"]])
 
 
 def print_targets(rows: list[dict]) -> None:
-    """The issue's targets, from the table: a2a dispatch >= 90% of raw, masked/unmasked <= 0.6, ..."""
-    def p50(config, path, stage):
-        for r in rows:
-            if (r["config"], r["path"], r["stage"]) == (config, path, stage) and "p50_us" in r:
-                return r["p50_us"]
-        return None
+    """The issue's targets, from the table: a2a dispatch >= 90% of raw, masked/unmasked <= 0.6, DeepEP's own."""
+    def find(config, path, stage):
+        return next((r for r in rows if (r["config"], r["path"], r["stage"]) == (config, path, stage)
+                     and "p50_us" in r), None)
 
-    raw = p50("pad0", "nccl_a2a_raw", "rows only")
+    raw = find("pad0", "nccl_a2a_raw", "rows only")
     lines = []
     for path in ("a2a", "a2a_fixed", "agrs"):
         for stage in ("dispatch", "combine"):
-            t = p50("pad0", path, stage)
-            if raw and t:
+            r = find("pad0", path, stage)
+            if raw and r:
                 goal = " (target >= 90%)" if (path, stage) == ("a2a", "dispatch") else ""
-                lines.append(f"pad0 {path} {stage}: {100 * raw / t:.0f}% of raw all_to_all bandwidth{goal}")
+                lines.append(f"pad0 {path} {stage}: {100 * raw['p50_us'] / r['p50_us']:.0f}% of raw all_to_all "
+                             f"bandwidth{goal}")
     for path in ("a2a", "a2a_fixed"):
-        m, u = p50("pad50_masked", path, "dispatch"), p50("pad50_unmasked", path, "dispatch")
+        m, u = find("pad50_masked", path, "dispatch"), find("pad50_unmasked", path, "dispatch")
         if m and u:
             goal = " (target <= 0.60)" if path == "a2a" else ""
-            lines.append(f"pad50 {path} dispatch masked / unmasked: {m / u:.2f}{goal}")
+            lines.append(f"pad50 {path} dispatch masked / unmasked: {m['p50_us'] / u['p50_us']:.2f}{goal}")
     for stage, theirs in (("dispatch", 339.0), ("cached", 339.0), ("cach kern", 339.0), ("combine", 287.0),
                           ("comb kern", 287.0)):
-        for r in rows:
-            if (r["config"], r["path"], r["stage"]) == ("pad0", "deepep", stage) and "p50_us" in r:
-                lines.append(f"pad0 deepep {stage}: {r['gbps']:.0f} GB/s = {100 * r['gbps'] / theirs:.0f}% of "
-                             f"DeepEP's own test ({theirs:.0f} GB/s; target >= 90%)")
+        r = find("pad0", "deepep", stage)
+        if r:
+            lines.append(f"pad0 deepep {stage}: {r['gbps']:.0f} GB/s = {100 * r['gbps'] / theirs:.0f}% of DeepEP's "
+                         f"own test ({theirs:.0f} GB/s; target >= 90%)")
     for stage, theirs in (("dispatch", 28.5), ("disp graph", 28.5), ("fp8", 28.5), ("fp8 graph", 28.5),
                           ("fp8 kern", 28.5), ("combine", 40.0), ("comb graph", 40.0), ("comb kern", 40.0),
                           ("comb in rt", 40.0)):
-        for r in rows:
-            if (r["config"], r["path"], r["stage"]) == ("ll128", "deepep_ll", stage) and "p50_us" in r:
-                mean = f", mean over ranks {r['mean_us']:.1f} us" if "mean_us" in r else ""
-                lines.append(f"ll128 deepep low-latency {stage}: {r['p50_us']:.1f} us (slowest rank{mean}) vs "
-                             f"DeepEP's own test {theirs} us (FP8 dispatch, bf16 combine; target within 10%)")
+        r = find("ll128", "deepep_ll", stage)
+        if r:
+            mean = f", mean over ranks {r['mean_us']:.1f} us" if "mean_us" in r else ""
+            lines.append(f"ll128 deepep low-latency {stage}: {r['p50_us']:.1f} us (slowest rank{mean}) vs DeepEP's "
+                         f"own test {theirs} us (FP8 dispatch, bf16 combine; target within 10%)")
     for line in lines:
         print(f"# target check: {line}")
 
@@ -498,26 +410,19 @@ def main(argv=None) -> int:
         return 2
     results = mdist.spawn(worker, args.world, backend=backend, args=(args,), timeout_s=600)
     rows = results[0]["rows"]
-    dev = "cpu (gloo, interpreter)" if args.cpu_smoke else torch.cuda.get_device_name(0)
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:  # pragma: no cover
-        tv = "?"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+    env = environment()
+    print(f"# {args.world} x {env.get('gpu') or 'cpu (gloo, interpreter)'}; torch {env['torch']}, triton "
+          f"{env['triton']}, nccl {env.get('nccl') or '-'}; T={args.tokens}/rank H={args.hidden} E={args.experts} "
+          f"top-{args.top_k}; median of {args.iters} iters (per-iteration max over ranks); bytes are rank 0's, own "
+          f"rows included; {time.time() - t0:.0f} s")
     print_stages([r["stages"] for r in results], args.stage_iters)
     print_profiles(results[0]["profiles"])
-    print_table(rows, f"{args.world} x {dev}; torch {torch.__version__}, triton {tv}, nccl {nccl}; "
-                      f"T={args.tokens}/rank H={args.hidden} E={args.experts} top-{args.top_k}; "
-                      f"median of {args.iters} iters (per-iteration max over ranks); bytes are rank 0's, own rows "
-                      f"included; {time.time() - t0:.0f} s")
+    print_results(rows)
     print_targets(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "stages": [r["stages"] for r in results],
                                                "profiles": results[0]["profiles"]}, indent=1))
-    bad = [r for r in rows if str(r.get("check", "")).startswith("WRONG")]
-    return 1 if bad else 0
+    return 1 if any(str(r.get("check", "")).startswith("WRONG") for r in rows) else 0
 
 
 if __name__ == "__main__":

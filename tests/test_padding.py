@@ -1,4 +1,4 @@
-"""Padding producers (SPEC.md "Padding producers"): cudagraph, dp (lists and a 2-process gloo group), sp, pcp
+"""Padding producers (docs/contracts.md#padding-producers): cudagraph, dp (lists and a 2-process gloo group), sp, pcp
 (peers and a gloo group), dbo, and the single-rank masks of producer_mask."""
 
 import os

@@ -12,7 +12,7 @@ from moebench.runner import run_sweep
 from moebench.sweep import sweep_from_dict
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
-SPEC = {"label": "padding routes", "metric": "imbalance.num_padding_routes", "reduce": "sum",
+HEADLINE = {"label": "padding routes", "metric": "imbalance.num_padding_routes", "reduce": "sum",
         "without": {"mask": False}, "with": {"mask": True}, "without_label": "unmasked", "with_label": "masked"}
 
 
@@ -24,7 +24,7 @@ def _fake_run(base, name="demo-20260101T000000Z", records=None, plots_in_run=Tru
                 "env": {"gpu": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gib": 139.8, "driver": "570.1",
                         "cuda": "12.8", "torch": "2.13.0", "triton": "3.9.0", "deep_ep": None},
                 "sweep": {"name": "demo", "target": "router", "axes": {"mask": [False, True]},
-                          "description": "masked vs not", "headlines": [SPEC]}}
+                          "description": "masked vs not", "headlines": [HEADLINE]}}
     (run / "manifest.json").write_text(json.dumps(manifest))
     if records is None:
         records = [{"point": i, "impl": "topk_softmax.triton", "status": "ok", "params": {"mask": m},
@@ -114,7 +114,7 @@ def test_a_real_run_reports_its_declared_headlines(tmp_path):
     sweep = sweep_from_dict({"name": "rep", "target": "router", "impls": ["topk_softmax.torch"],
                              "fixed": {"num_experts": 16, "top_k": 2, "num_tokens": 16, "padding_ratio": 0.5},
                              "axes": {"mask": [False, True]}, "timing": {"warmup": 0, "iters": 2},
-                             "headlines": [SPEC]})
+                             "headlines": [HEADLINE]})
     code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", plots_base=tmp_path / "plots",
                               out=open("/dev/null", "w"))
     assert code == 0

@@ -167,18 +167,18 @@ def test_g_dbo_mask_slices_through_the_cli(tmp_path):
 
 BASE = {"name": "h", "target": "router", "impls": ["topk_softmax.torch"],
         "fixed": {"num_experts": 16, "top_k": 2, "num_tokens": 8}, "axes": {"mask": [True, False]}}
-SPEC = {"label": "x", "metric": "imbalance.num_padding_routes", "reduce": "sum", "without": {"mask": False},
+HEADLINE = {"label": "x", "metric": "imbalance.num_padding_routes", "reduce": "sum", "without": {"mask": False},
         "with": {"mask": True}}
 
 
 @pytest.mark.parametrize("spec, why", [
-    ({**SPEC, "reduce": "avg"}, "reduce: 'avg' is not one of"),
-    ({**SPEC, "without": {"maks": False}}, "without.maks: not a parameter"),
-    ({**SPEC, "with": {"impl": "topk_softmax.triton"}}, "with.impl: 'topk_softmax.triton' is not an impl of"),
-    ({k: v for k, v in SPEC.items() if k != "with"}, "with: missing"),
-    ({**SPEC, "colour": "red"}, "colour: unknown key"),
-    ({**SPEC, "metric": "a..b"}, "metric: 'a..b' is not a dotted path"),
-    ({**SPEC, "without": [1]}, "without: expected dict"),
+    ({**HEADLINE, "reduce": "avg"}, "reduce: 'avg' is not one of"),
+    ({**HEADLINE, "without": {"maks": False}}, "without.maks: not a parameter"),
+    ({**HEADLINE, "with": {"impl": "topk_softmax.triton"}}, "with.impl: 'topk_softmax.triton' is not an impl of"),
+    ({k: v for k, v in HEADLINE.items() if k != "with"}, "with: missing"),
+    ({**HEADLINE, "colour": "red"}, "colour: unknown key"),
+    ({**HEADLINE, "metric": "a..b"}, "metric: 'a..b' is not a dotted path"),
+    ({**HEADLINE, "without": [1]}, "without: expected dict"),
     ("just text", "expected a mapping"),
 ])
 def test_bad_headlines_are_one_line_errors(spec, why):
@@ -199,9 +199,9 @@ def test_bad_headlines_exit_2_from_the_cli(tmp_path):
 
 
 def test_headlines_survive_the_manifest_round_trip():
-    sweep = sweep_from_dict({**BASE, "headlines": [SPEC]})
+    sweep = sweep_from_dict({**BASE, "headlines": [HEADLINE]})
     again = sweep_from_dict(sweep.to_dict())
-    assert list(again.headlines) == [SPEC]
+    assert list(again.headlines) == [HEADLINE]
 
 
 def _rec(point, status="ok", **params):

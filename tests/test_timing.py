@@ -121,3 +121,50 @@ def test_auto_mode_unrolls_a_short_kernel_and_says_so():
     assert res.mode == "cuda_graph" and res.unroll > 1 and f"{res.unroll} calls per replay" in res.note
     fixed = measure(lambda: x.mul_(1.0), Timing(mode="cuda_graph", warmup=2, iters=5, unroll=3), torch.device("cuda"))
     assert fixed.unroll == 3 and fixed.note == ""
+
+
+def test_host_call_us_is_the_median_host_time_of_a_call():
+    import time
+
+    from moebench.measure.timing import host_call_us
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.002)
+    us = host_call_us(slow, torch.device("cpu"), iters=9, warmup=2)
+    assert len(calls) == 11 and 1500 <= us < 50_000
+
+
+def test_marked_calls_brackets_every_call_and_returns_the_timer_table():
+    from moebench.dispatch.base import StageTimer
+    from moebench.measure.timing import marked_calls
+
+    timer = StageTimer("cpu")
+    table = marked_calls(lambda: timer.mark("inside"), timer, 4, torch.device("cpu"))
+    assert len(timer.calls) == 4 and [r["label"] for r in table] == ["start", "inside", "end"]
+    assert table[0]["host_us"] == 0 and table[2]["host_us"] >= table[1]["host_us"] >= 0
+    assert all(r["gpu_us"] is None for r in table)  # no CUDA: host clock only
+
+
+def test_profiler_kernel_times_need_cuda():
+    from moebench.measure.kernel_time import kernel_time, top_kernels
+
+    with pytest.raises(ValueError, match="CUDA"):
+        kernel_time(lambda: None, torch.device("cpu"), 2, "x")
+    with pytest.raises(ValueError, match="CUDA"):
+        top_kernels(lambda: None, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_kernel_time_reads_the_matching_kernels_only():
+    from moebench.measure.kernel_time import kernel_time, top_kernels
+
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=dev)
+    res = kernel_time(lambda: a @ a, dev, 5, "gemm")
+    assert res["p50_us"] > 0 and res["slowest_rank"] == 0
+    nothing = kernel_time(lambda: a @ a, dev, 2, "no_such_kernel_name")
+    assert math.isnan(nothing["p50_us"])  # never a zero as a time
+    assert top_kernels(lambda: a @ a, dev, iters=2, top=3)

@@ -146,7 +146,7 @@ def _make_build(variant: str):
 
 _DESCRIPTIONS = {
     "triton": "fused fp8 per-token-group quant (UE8M0 or fp32 scales) + int64 ids/weights, padded rows masked",
-    "torch": "eager torch reference of the staging (SPEC.md literally)",
+    "torch": "eager torch reference of the staging (docs/contracts.md#staging literally)",
     "oblivious": "same Triton staging with the padding mask ignored (before the fix)",
 }
 for _variant in ("triton", "torch", "oblivious"):

@@ -1,4 +1,4 @@
-"""Where padded rows come from (the producers of SPEC.md) and what they contain (the fill modes).
+"""Where padded rows come from (docs/contracts.md#padding-producers) and what they contain (the fill modes).
 
 `is_padding` is a bool [T] mask, True = not a real token.
 
@@ -182,7 +182,8 @@ def pcp_gather(x_local: torch.Tensor, mask_local: torch.Tensor | None, group=Non
 
     Every rank holds N rows. Returns (x [P*N, ...], is_padding [P*N]): the gathered mask has exactly P*N
     entries and row i of it belongs to gathered row i (rank r's rows at [r*N, (r+1)*N)). The rank-local mask
-    (N entries) is NOT a mask for the gathered rows: a consumer given it raises the SPEC size-mismatch error.
+    (N entries) is NOT a mask for the gathered rows: a consumer given it raises the size-mismatch error
+    (docs/contracts.md#padding-contract).
     - `group`: a torch.distributed group of the P ranks (all_gather; a None mask counts as all real).
     - `peers`: without a group, every rank's (x, mask) in rank order, this rank's included (stands in for the
       collective); each must have x_local's row count and row shape.

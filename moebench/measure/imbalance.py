@@ -4,7 +4,7 @@ Counts are of *routes*: one (token, slot) pair with a valid expert id. A route w
 masked padding row) counts nowhere. Routes of rows whose `is_padding` is True but that were still routed (an
 unmasked or mask-oblivious router) are *padding routes*; all others are real routes.
 
-Rank r of R owns experts [r*E/R, (r+1)*E/R) (SPEC.md). A rank's load is the number of routes to its experts:
+Rank r of R owns experts [r*E/R, (r+1)*E/R) (docs/contracts.md#ep-layout). A rank's load is the number of routes to its experts:
 the expert work it does. `per_rank_tokens_*` additionally count distinct (token, rank) pairs: the rows a
 dispatch moves to that rank (each pair at most once).
 

@@ -222,6 +222,43 @@ def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[floa
     return samples
 
 
+def host_call_us(fn: Callable[[], Any], device: torch.device, iters: int = 200, *, warmup: int = 5,
+                 sync_every: int = 50) -> float:
+    """Median host microseconds one call of `fn` takes to return, the device left to run behind it (a launch's
+    host cost: no sync between calls, one every `sync_every` calls so the launch queue never fills)."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        if cuda and i % sync_every == sync_every - 1:
+            torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return summarize(samples)["p50"]
+
+
+def marked_calls(fn: Callable[[], Any], timer: Any, iters: int, device: torch.device, *,
+                 group: Any = None) -> list[dict[str, Any]]:
+    """`iters` calls of fn, each between timer.begin() and timer.end(), ranks synchronised before each when
+    `group` is given; returns timer.table(). The timer (moebench.dispatch.base.StageTimer) holds the marks the code
+    under fn records at its named sub-steps: the GPU and host time of each since the call's start."""
+    for _ in range(iters):
+        if group is not None:
+            _sync_ranks(group, device)
+        elif device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timer.begin()
+        fn()
+        timer.end()
+    return timer.table()
+
+
 def reduce_over_ranks(samples: list[float], group: Any, device: torch.device) -> tuple[list[float], dict]:
     """Per-iteration max over ranks. Ranks may have taken different sample counts (early stop); the common prefix
     is used. Returns (max samples, {"world_size", "slowest_rank", "per_rank_p50_us", "slowest_share"})."""

@@ -93,7 +93,7 @@ def test_apply_expert_map_new_tensor_any_shape():
 
 
 def test_apply_expert_map_out_of_range_ids_read_nothing():
-    """Ids >= E (outside the SPEC's inputs) are treated like -1 by both, never read past the map."""
+    """Ids >= E (outside the inputs of docs/contracts.md#expert-map) are treated like -1 by both, never read past the map."""
     m = build_expert_map(16, 1, 0)
     ids = torch.tensor([[0, 15, 16, 1000, -1, -7]], dtype=torch.int32)
     expect = torch.tensor([[0, 15, -1, -1, -1, -1]])

@@ -182,7 +182,7 @@ def test_sub_kernels_vs_references(device):
 
 
 def test_precomputed_alignment(device):
-    """An alignment from SPEC's moe_align_block_size (the pipeline's own stage) gives the same result."""
+    """An alignment from moe_align_block_size (docs/contracts.md#align) (the pipeline's own stage) gives the same result."""
     K = 6
     x, w13, w2, w, ids = _problem(device, K, seed=4)
     cfg = choose_config(M * K, E, H, I)

@@ -13,7 +13,7 @@ OUT_NAMES = ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")
 
 
 def literal_align(topk_ids, num_experts, block_size, expert_map=None, wrap_negative=False):
-    """SPEC.md read word for word, one route and one expert at a time (slow, tiny inputs only)."""
+    """docs/contracts.md#align read word for word, one route and one expert at a time (slow, tiny inputs only)."""
     flat = [int(v) for v in topk_ids.reshape(-1).tolist()]
     num_routes = len(flat)
     index_range = expert_map.numel() if expert_map is not None else num_experts

@@ -76,7 +76,7 @@ def test_kernel_matches_reference(group_size, scale_format):
 
 @pytest.mark.parametrize("group_size,scale_format", FORMATS)
 def test_reference_follows_spec_arithmetic(group_size, scale_format):
-    """The reference against the SPEC computed another way: float64 logs for UE8M0, byte unpacking by hand,
+    """The reference against docs/contracts.md#staging computed another way: float64 logs for UE8M0, byte unpacking by hand,
     dequantised values close to the input."""
     T, H, K = 5, 512, 2
     hidden, topk_weights, topk_ids, _ = make_inputs(T, H, K, seed=3)
@@ -89,7 +89,7 @@ def test_reference_follows_spec_arithmetic(group_size, scale_format):
         words = x_sf.to(torch.int64) & 0xFFFFFFFF
         e = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1).reshape(T, H // group_size)
         # bf16 amax / 448 is never within fp32 rounding of a power of two unless it is one, so the exact ceil
-        # of log2 in float64 is the SPEC's bit rule.
+        # of log2 in float64 is the contract's bit rule.
         expect_e = torch.ceil(torch.log2(amax / 448.0)).long() + 127
         assert torch.equal(e, expect_e)
         assert e[1, 0] == 127 - 7  # the planted 3.5-max group: sf = 2^-7 exactly, not rounded up
