@@ -74,7 +74,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
     timing = timing or sweep.timing
     rec: dict[str, Any] = {"point": point.index, "key": point.key, "impl": impl.name, "kernel": impl.kernel,
                            "variant": impl.variant, "target": sweep.target, "mask_aware": impl.mask_aware,
-                           "twin_of": impl.twin_of,
+                           "twin_of": impl.twin_of, "library": impl.library,
                            "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device)}
     reason = impl.available(ctx)
     if reason:
@@ -330,6 +330,10 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
 
     for text in footer_lines(records, list(sweep.headlines)):
+        table.comment(text)
+    from moebench.peers import peer_footer_lines  # each impl's p50 against the best peer at the same point
+
+    for text in peer_footer_lines(records):
         table.comment(text)
     if make_plots:
         try:

@@ -89,6 +89,8 @@ class Params:
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
+    # model preset (moebench.presets): fills the layer's shape keys the sweep does not set itself; recorded
+    model: Optional[str] = None
 
     @property
     def num_padding(self) -> int:
@@ -209,11 +211,12 @@ class Sweep:
     description: str = ""
     source: str = "<memory>"
     headlines: tuple = ()  # moebench.headline specs (dicts), checked by _check_headlines
+    plugins: tuple = ()  # modules imported before the impls are looked up (moebench.plugins)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "target": self.target, "impls": list(self.impls), "fixed": self.fixed,
                 "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description,
-                "headlines": [dict(h) for h in self.headlines]}
+                "headlines": [dict(h) for h in self.headlines], "plugins": list(self.plugins)}
 
 
 @dataclass(frozen=True)
@@ -232,11 +235,11 @@ class Point:
 
 
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
-_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced"}
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "model": None}
 _NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
-               "description": str, "headlines": list}
+               "description": str, "headlines": list, "plugins": list}
 _TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float}
 
 
@@ -319,6 +322,10 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
     impls = raw["impls"]
     if not impls:
         raise _fail(src, "impls", "empty list")
+    plugins = raw.get("plugins") or []
+    from moebench.plugins import load_plugins  # before the impl names are looked up
+
+    load_plugins(plugins, src)
     known = registry.all_impls()
     for i, name_i in enumerate(impls):
         if not isinstance(name_i, str):
@@ -346,7 +353,7 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
                 if not v:
                     raise _fail(src, f"axes.{k}", "empty axis")
             for val in values:
-                why = check_param_value(k, val)
+                why = check_param_value(k, val) or (_model_problem(val) if k == "model" else None)
                 if why:
                     raise _fail(src, f"{section}.{k}", why)
     both = set(fixed) & set(axes)
@@ -371,9 +378,22 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
 
     headlines = _check_headlines(raw.get("headlines") or [], src, impls)
     sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,
-                  description=raw.get("description", ""), source=src, headlines=headlines)
+                  description=raw.get("description", ""), source=src, headlines=headlines,
+                  plugins=tuple(plugins))
     expand(sweep)  # validates every combination
     return sweep
+
+
+def _model_problem(name) -> str | None:
+    if name is None:
+        return None
+    from moebench.presets import UnknownModel, get_preset
+
+    try:
+        get_preset(name)
+    except UnknownModel as e:
+        return str(e)
+    return None
 
 
 def _check_headlines(specs: list, src: str, impls: list) -> tuple:
@@ -396,6 +416,10 @@ def expand(sweep: Sweep) -> list[Point]:
     for combo in itertools.product(*(sweep.axes[k] for k in keys)):
         values = dict(sweep.fixed)
         values.update(zip(keys, combo))
+        if values.get("model") is not None:  # the preset fills what the sweep does not set itself
+            from moebench.presets import apply_preset
+
+            values = apply_preset(values, explicit=(set(sweep.fixed) | set(keys)) - {"model"})
         try:
             params = Params(**values)
         except TypeError as e:  # pragma: no cover - keys were checked above
