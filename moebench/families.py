@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from moebench.registry import Case, RunContext
     from moebench.sweep import Params
 
-__all__ = ["KernelFamily", "register_family", "get_family", "all_families"]
+__all__ = ["KernelFamily", "register_family", "get_family", "all_families", "set_path_registrar", "path_registrar"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,19 @@ def all_families() -> dict[str, KernelFamily]:
 
     registry.load_all()
     return dict(_FAMILIES)
+
+
+# Dispatch paths are not a kernel family (one class per path, multi-rank); moebench.bench.dispatch hands its
+# `register_path_impl` over here so that plugins can register a path without importing the bench package.
+_path_registrar: list[Callable[[type], None]] = []
+
+
+def set_path_registrar(fn: Callable[[type], None]) -> None:
+    _path_registrar[:] = [fn]
+
+
+def path_registrar() -> Callable[[type], None]:
+    from moebench import registry
+
+    registry.load_all()
+    return _path_registrar[0]

@@ -25,11 +25,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from moebench.sweep import SweepError
-
-__all__ = ["register_kernel", "register_dispatch_path", "load_plugins", "load_entry_points", "ENTRY_POINT_GROUP"]
+__all__ = ["register_kernel", "register_dispatch_path", "load_plugins", "load_entry_points", "ENTRY_POINT_GROUP",
+           "PluginError"]
 
 ENTRY_POINT_GROUP = "moebench.impls"
+
+
+class PluginError(ValueError):
+    """A plugin that cannot be loaded. str() is the one line shown to the user (exit 2)."""
 
 
 def register_kernel(family: str, variant: str, fn: Callable, *, description: str = "", library: str = "plugin",
@@ -58,12 +61,12 @@ def register_kernel(family: str, variant: str, fn: Callable, *, description: str
 def register_dispatch_path(name: str, cls: type) -> str:
     """Register a DispatchPath subclass as the multi-rank impl `dispatch.<name>` (the path interface of
     moebench.dispatch.base; checked and timed like moebench's own paths)."""
-    from moebench.bench.dispatch import register_path_impl
     from moebench.dispatch.base import dispatch_path
+    from moebench.families import path_registrar
 
     description = getattr(cls, "description", "") or f"plugin dispatch path {cls.__name__}"
     dispatch_path(name, description=description)(cls)
-    register_path_impl(cls)
+    path_registrar()(cls)
     return f"dispatch.{name}"
 
 
@@ -72,20 +75,21 @@ _loaded_modules: set[str] = set()
 
 def load_plugins(modules: list, src: str = "<memory>") -> None:
     """Import each plugin module once (registration happens at import); the sweep file's folder is searched after
-    sys.path. Any failure is one SweepError line naming the module."""
+    sys.path. Any failure is one PluginError line naming the module. Installed packages' entry points first."""
     from moebench import registry
 
     registry.load_all()  # the families must exist before a plugin registers against them
+    load_entry_points()
     here = Path(src).resolve().parent if src and not src.startswith("<") else None
     for i, mod in enumerate(modules):
         if not isinstance(mod, str) or not mod:
-            raise SweepError(f"{src}: plugins[{i}]: expected a module name, got {mod!r}")
+            raise PluginError(f"{src}: plugins[{i}]: expected a module name, got {mod!r}")
         if mod in _loaded_modules:
             continue
         try:
             _import(mod, here)
         except Exception as e:
-            raise SweepError(f"{src}: plugins[{i}]: cannot import plugin module {mod!r} "
+            raise PluginError(f"{src}: plugins[{i}]: cannot import plugin module {mod!r} "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         _loaded_modules.add(mod)
 
@@ -115,5 +119,5 @@ def load_entry_points() -> None:
             if callable(obj):
                 obj()
         except Exception as e:
-            raise SweepError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP}: "
+            raise PluginError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP}: "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

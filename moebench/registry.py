@@ -167,9 +167,6 @@ def load_all() -> None:
     _loaded = True
     for mod in bench_modules():
         importlib.import_module(mod)
-    from moebench.plugins import load_entry_points  # installed packages' impls (entry-point group moebench.impls)
-
-    load_entry_points()
     for impl in _IMPLS.values():
         if impl.twin_of is not None and impl.twin_of not in _IMPLS:
             raise ValueError(f"impl {impl.name!r}: twin_of names {impl.twin_of!r}, which is not registered")
