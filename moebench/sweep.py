@@ -323,9 +323,12 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
     if not impls:
         raise _fail(src, "impls", "empty list")
     plugins = raw.get("plugins") or []
-    from moebench.plugins import load_plugins  # before the impl names are looked up
+    from moebench.plugins import PluginError, load_plugins  # before the impl names are looked up
 
-    load_plugins(plugins, src)
+    try:
+        load_plugins(plugins, src)
+    except PluginError as e:
+        raise SweepError(str(e)) from None
     known = registry.all_impls()
     for i, name_i in enumerate(impls):
         if not isinstance(name_i, str):

@@ -179,3 +179,37 @@ def test_compare_within_pairs_impls_by_parameters():
                                                                                           num_tokens=16)]
     rows = compare_within(recs, "a.x", "a.y")
     assert [(r["params"]["num_tokens"], r["ratio"]) for r in rows] == [(8, 0.5)]
+
+
+def test_peer_ratio_plot_is_drawn_from_the_records(tmp_path):
+    import json
+
+    from moebench.plots import make_plots
+
+    run = tmp_path / "results" / "run1"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"sweep": {"name": "p", "axes": {"num_tokens": [8, 16]}}}))
+    recs = []
+    for t in (8, 16):
+        recs += [_rec("topk_softmax.triton", 10.0 * t, num_tokens=t),
+                 _rec("topk_softmax.compile", 30.0 * t, "torch.compile", num_tokens=t),
+                 _rec("topk_softmax.vllm", 20.0 * t, "vllm", num_tokens=t)]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    paths = make_plots(run, tmp_path / "plots")
+    assert [p.name for p in paths if p.name.startswith("peer_ratio")] == ["peer_ratio.png"]
+
+
+def test_compare_within_one_run_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from moebench.cli import main
+
+    run = tmp_path / "run1"
+    run.mkdir()
+    recs = [_rec("topk_softmax.triton", 10.0), _rec("topk_softmax.compile", 40.0, "torch.compile")]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["compare", str(run)]) == 0
+    assert "vs best peer" in capsys.readouterr().out
+    assert main(["compare", str(run), "--impls", "topk_softmax.compile,topk_softmax.triton"]) == 0
+    out = capsys.readouterr().out
+    assert "0.250" in out and "1 matching points" in out
