@@ -70,7 +70,7 @@ def cmd_compare(args) -> int:
 def cmd_list(args) -> int:
     from moebench import registry
 
-    if args.models:  # the model presets a sweep can name with `model:` (moebench.presets)
+    if getattr(args, "models", False):  # the model presets a sweep can name with `model:` (moebench.presets)
         from moebench.presets import describe
 
         print(f"# {'model':<18} {'shape':<64} source")
