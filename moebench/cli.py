@@ -1,12 +1,22 @@
-"""`moebench` command line: run, plot, compare, list, profile."""
+"""`moebench` command line: run, plot, compare, list, profile.
+
+Exit codes: 0 every point ok (or skipped); 1 some point wrong or failed; 2 refused (bad sweep or arguments: one
+line on stderr naming the file or option, the key and the reason; nothing written); 130 interrupted (SIGINT),
+143 terminated (SIGTERM), both naming the run directory to `--resume`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from moebench.sweep import SweepError
+from moebench import __version__
+from moebench.paths import bundled_sweeps, check_output_dir, resolve_sweep_path
+from moebench.results import DEFAULT_RUNS_DIR
+from moebench.sweep import DEFAULT_MAX_POINTS, SweepError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -15,28 +25,51 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _bundled_sweeps() -> list[Path]:
-    here = Path(__file__).resolve().parent.parent / "sweeps"
-    return sorted(here.glob("*.yaml")) if here.is_dir() else []
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the same clean-up as for Ctrl-C runs (ranks stopped, lock
+    released, summary written)."""
 
 
-def _resolve_sweep_path(arg: str) -> str:
-    """A path, or the name of a bundled sweep (`quickstart` -> sweeps/quickstart.yaml)."""
-    if Path(arg).exists():
-        return arg
-    for p in _bundled_sweeps():
-        if p.stem == arg or p.name == arg:
-            return str(p)
-    return arg
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _load_for_run(args):
+    """The sweep to run: SWEEP with --set, or with --resume the run's stored one (SWEEP, if given, must match)."""
+    from moebench.resume import check_same_sweep, stored_sweep
+    from moebench.sweep import load_sweep
+
+    given = None
+    if args.sweep is not None:
+        given = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points)
+    elif not args.resume:
+        raise SweepError("run: give a SWEEP file or bundled sweep name (see `moebench list`), or --resume RUN_DIR")
+    elif args.set:
+        raise SweepError(f"--set {args.set[0]}: with --resume and no SWEEP the stored sweep runs unchanged")
+    if not args.resume:
+        return given
+    stored = stored_sweep(args.resume)
+    check_same_sweep(args.resume, stored, given)
+    return stored
 
 
 def cmd_run(args) -> int:
-    from moebench.runner import dry_run, run_sweep
-    from moebench.sweep import load_sweep
+    from moebench.runner import dry_run, pick_device, run_sweep
 
-    sweep = load_sweep(_resolve_sweep_path(args.sweep), args.set or [])
+    sweep = _load_for_run(args)
     if args.dry_run:
         return dry_run(sweep)
+    pick_device(args.device)
+    if not args.resume:
+        check_output_dir("--out", args.out)
+    if args.plots is not None and not args.no_plots:
+        check_output_dir("--plots", args.plots)
     code, _ = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
                         make_plots=not args.no_plots, plots_base=args.plots)
     return code
@@ -48,7 +81,9 @@ def cmd_plot(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "records.jsonl").exists():
         raise SweepError(f"{run_dir}: not a run directory (no records.jsonl)")
-    out = Path(args.out) / run_dir.name if args.out else None
+    if args.out:
+        check_output_dir("--out", args.out)
+    out = Path(args.out) / run_dir.name if args.out else run_dir / "plots"
     paths = make_plots(run_dir, out)
     for p in paths:
         print(p)
@@ -94,7 +129,7 @@ def cmd_list(args) -> int:
         print(f"  {name:<40} {','.join(impl.targets):<22} {avail:<16} {impl.description}"
               + (f" [{why}]" if why else ""))
     print("# bundled sweeps:")
-    for p in _bundled_sweeps():
+    for p in bundled_sweeps():
         print(f"  {p.stem:<24} {p}")
     return 0
 
@@ -102,10 +137,15 @@ def cmd_list(args) -> int:
 def cmd_profile(args) -> int:
     from moebench.profile import profile_inner, profile_point
     from moebench.results import utc_stamp
+    from moebench.runner import check_point_index, pick_device
     from moebench.sweep import load_sweep
 
-    path = _resolve_sweep_path(args.sweep)
+    path = resolve_sweep_path(args.sweep)
     sweep = load_sweep(path, args.set or [])  # validate first: one clear line on bad input
+    check_point_index(sweep, args.point)  # and the arguments, before anything is created
+    pick_device(args.device)
+    if not args.inner:
+        check_output_dir("--out", args.out)
     if args.inner:  # the process nsys launches
         rec = profile_inner(path, args.point, args.set or [], args.device or "cuda", args.iters)
         return 0 if not isinstance(rec, dict) or rec.get("status") == "ok" else 1
@@ -123,24 +163,31 @@ def cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="moebench", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap = _Parser(prog="moebench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"moebench {__version__}")
+    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
 
     r = sub.add_parser("run", help="expand a sweep, check and time every point")
-    r.add_argument("sweep", help="sweep YAML file, or the name of a bundled sweep (see `moebench list`)")
-    r.add_argument("--out", default="results", help="base directory of run directories (default: results)")
-    r.add_argument("--plots", default="plots", help="base directory of plot directories (default: plots)")
+    r.add_argument("sweep", nargs="?", help="sweep YAML file, or the name of a bundled sweep (see `moebench list`);"
+                                            " with --resume it may be left out")
+    r.add_argument("--out", default=str(DEFAULT_RUNS_DIR),
+                   help=f"base directory of run directories (default: {DEFAULT_RUNS_DIR}); plots go inside each run")
+    r.add_argument("--plots", default=None, metavar="DIR",
+                   help="put the plots in DIR/<run name>/ instead of <run dir>/plots/")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a sweep key with a YAML value, e.g. axes.top_k=[4,8] or top_k=6")
-    r.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run, skipping recorded points")
+    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    r.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue an interrupted run with its stored sweep, skipping recorded points")
+    r.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS,
+                   help=f"refuse sweeps of more points (default: {DEFAULT_MAX_POINTS:,})")
     r.add_argument("--dry-run", action="store_true", help="list the points and exit")
     r.add_argument("--no-plots", action="store_true", help="do not make plots at the end")
     r.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="make the plots of a run directory")
     p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="base directory for plots (default: plots)")
+    p.add_argument("--out", default=None, help="put the plots in OUT/<run name>/ (default: <run dir>/plots/)")
     p.set_defaults(func=cmd_plot)
 
     c = sub.add_parser("compare", help="ratios of p50 per matching point of two runs (B / A)")
@@ -166,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--point", type=int, required=True, help="point index (see `moebench run --dry-run`)")
     pr.add_argument("--set", action="append", metavar="KEY=VALUE")
     pr.add_argument("--device", default=None)
-    pr.add_argument("--out", default="results", help="base directory for the profile output")
+    pr.add_argument("--out", default=str(DEFAULT_RUNS_DIR), help="base directory for the profile output "
+                                                                 f"(default: {DEFAULT_RUNS_DIR})")
     pr.add_argument("--iters", type=int, default=20, help="timed iterations inside the capture range")
     pr.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the process nsys launches
     pr.set_defaults(func=cmd_profile)
@@ -189,17 +237,42 @@ def _interpret_without_gpu(args) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 0
     _interpret_without_gpu(args)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can it take signals
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     try:
         return int(args.func(args) or 0)
-    except (SweepError, ValueError, FileNotFoundError) as e:
+    except (SweepError, ValueError) as e:
         sys.stderr.write(f"moebench: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("moebench: interrupted (resume with --resume RUN_DIR)\n")
-        return 130
+    except BrokenPipeError:  # `moebench run ... | head`: stop quietly, as other command-line tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a file that vanished, a full disk: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        sys.stderr.write(f"moebench: error: {where}{e.strerror or e}\n")
+        return 2
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        hint = f"; resume with: moebench run --resume {run_dir}" if run_dir else ""
+        sys.stderr.write(f"moebench: {what}{hint}\n")
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moebench.results import load_manifest, load_records
+from moebench.results import load_manifest, load_records, unique_records
 
 
 def compare_records(records_a: list[dict], records_b: list[dict]) -> list[dict]:
@@ -26,7 +26,7 @@ def compare_runs(run_a: Path, run_b: Path) -> int:
     for d in (run_a, run_b):
         if not (d / "records.jsonl").exists():
             raise ValueError(f"{d}: not a run directory (no records.jsonl)")
-    rows = compare_records(load_records(run_a), load_records(run_b))
+    rows = compare_records(unique_records(load_records(run_a)), unique_records(load_records(run_b)))
     axes = list((load_manifest(run_b).get("sweep") or {}).get("axes") or {})
     print(f"# compare A={run_a} B={run_b}: p50 ratio B/A (< 1: B faster), {len(rows)} matching points")
     head = f"# {'impl':<32}" + "".join(f"{k[:10]:>11}" for k in axes) + f"{'A p50 us':>12}{'B p50 us':>12}{'B/A':>8}"

@@ -5,13 +5,17 @@ rank-0 printing and the per-iteration max over ranks.
 gloo) and calls `fn(ctx, *args)` in each, `ctx` being a `registry.RunContext`. A rank that raises, or dies, ends
 the whole run: the parent terminates the other ranks and raises `SpawnError` naming the rank and the exception's
 last line. Nothing hangs: collectives carry a process-group timeout and the parent has an overall deadline.
+Nothing outlives the parent: each rank arms a parent-death signal (Linux prctl PR_SET_PDEATHSIG, SIGKILL) and a
+watchdog thread that exits when the parent pid changes, so a killed runner leaves no rank appending records.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -202,9 +206,39 @@ def init_from_env(backend: str | None = None, pg_timeout_s: float = DEFAULT_PG_T
 # Self-spawn
 # ---------------------------------------------------------------------------------------------------------------
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCHDOG_PERIOD_S = 0.5
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when `parent_pid` (its parent) ends: the kernel's parent-death signal where there is one,
+    and a watchdog polling os.getppid() (reparenting changes it) everywhere, which also covers a parent that
+    died before the signal was armed."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl: the watchdog alone
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(WATCHDOG_PERIOD_S)
+
+    threading.Thread(target=watch, name="moebench-parent-watchdog", daemon=True).start()
+
+
 def _child_main(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple, conn: Any,
-                pg_timeout_s: float, env: dict[str, str]) -> None:
+                pg_timeout_s: float, env: dict[str, str], parent_pid: int | None = None) -> None:
     """Body of one spawned rank. Reports ("ok", result) or ("error", line, traceback, time) through `conn`."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     for k, v in env.items():
         os.environ.setdefault(k, v)
     apply_env_defaults()
@@ -262,12 +296,15 @@ def _stop(procs: list) -> None:
 
 
 def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, args: tuple = (),
-          timeout_s: float | None = 1800.0, pg_timeout_s: float | None = None) -> list[Any]:
+          timeout_s: float | None = 1800.0, pg_timeout_s: float | None = None,
+          on_wait: Callable[[], None] | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` spawned ranks and return the per-rank results (rank order).
 
     `fn` and `args` must be picklable (a module-level function). `timeout_s` bounds the whole run (None: no bound,
     collectives still time out after `pg_timeout_s`, default min(timeout_s, 300 s)). On the first failure the
     other ranks are terminated and `SpawnError` is raised: "rank R of W failed: <ExceptionType: last line>".
+    `on_wait()` is called about once a second while the ranks run (the runner prints finished rows from it).
+    Any exception here (KeyboardInterrupt included) stops the ranks before it propagates.
     """
     import multiprocessing.connection as mpc
 
@@ -292,7 +329,8 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
         for rank in range(world_size):
             reader, writer = mpctx.Pipe(duplex=False)
             p = mpctx.Process(target=_child_main, name=f"moebench-rank{rank}", daemon=True,
-                              args=(rank, world_size, backend, port, fn, args, writer, pg_timeout_s, env))
+                              args=(rank, world_size, backend, port, fn, args, writer, pg_timeout_s, env,
+                                    os.getpid()))
             p.start()
             writer.close()  # the parent keeps only the read end, so a dead child shows as EOF
             procs.append(p)
@@ -342,6 +380,8 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
             if deadline is not None:
                 wait_s = min(wait_s, max(0.0, deadline - now))
             mpc.wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=wait_s)
+            if on_wait is not None:
+                on_wait()
             for r in sorted(pending):
                 if collect(r):
                     pending.discard(r)
@@ -368,9 +408,11 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
 
 
 def run_in_world(fn: Callable[..., Any], world_size: int, device_type: str = "cuda", args: tuple = (),
-                 timeout_s: float | None = None, pg_timeout_s: float | None = None) -> list[Any]:
+                 timeout_s: float | None = None, pg_timeout_s: float | None = None,
+                 on_wait: Callable[[], None] | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` ranks: in the current group when this process already belongs to one
-    of that size (torchrun), else spawned. Returns the per-rank results (under torchrun: this rank's only)."""
+    of that size (torchrun), else spawned (`on_wait` as in `spawn`; unused in a group). Returns the per-rank
+    results (under torchrun: this rank's only)."""
     import torch.distributed as dist
 
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -388,4 +430,5 @@ def run_in_world(fn: Callable[..., Any], world_size: int, device_type: str = "cu
                              f"{os.environ['WORLD_SIZE']}")
         ctx = init_from_env(backend, pg_timeout_s or DEFAULT_PG_TIMEOUT_S)
         return [fn(ctx, *args)]
-    return spawn(fn, world_size, backend=backend, args=args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    return spawn(fn, world_size, backend=backend, args=args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
+                 on_wait=on_wait)

@@ -1,17 +1,21 @@
 """The nccl-tests style table: `#` comment lines, a header and a units row, one fixed-width row per point,
-and a footer with the failures."""
+and a footer with the failures. The `mode` column says how a point was timed (graph, events, wall, or interp:
+wall clock with the Triton kernels in the interpreter), so a CPU figure is never read as a GPU one."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any, TextIO
 
+from moebench.results import timing_label
+
 # Short column titles for the sweep parameters that commonly vary.
 _PARAM_TITLES = {"num_tokens": "tokens", "padding_ratio": "pad", "top_k": "topk", "num_experts": "experts",
                  "ep_size": "ep", "padding_fill": "fill", "capacity_policy": "policy", "num_local_experts": "local",
                  "num_expert_group": "groups", "padding_producer": "producer"}
 _METRICS = (("p50", "us", 10), ("p10", "us", 10), ("p90", "us", 10), ("cv", "%", 6), ("GB/s", "", 9),
-            ("roof", "%", 6), ("jit", "#", 4), ("maxvio", "x", 7), ("rank_mv", "x", 7), ("status", "", 8))
+            ("roof", "%", 6), ("jit", "#", 4), ("maxvio", "x", 7), ("rank_mv", "x", 7), ("mode", "", 6),
+            ("status", "", 8))
 
 
 def _fmt_val(v: Any, width: int) -> str:
@@ -68,6 +72,7 @@ class Table:
             "jit": jit.get("compiles") if jit.get("supported", True) else "n/a",
             "maxvio": (imb.get("expert") or {}).get("max_over_mean"),
             "rank_mv": (imb.get("rank") or {}).get("max_over_mean") if (imb.get("ep_size") or 1) > 1 else None,
+            "mode": timing_label(rec),
             "status": rec.get("status"),
         }
         for title, _, w in _METRICS:

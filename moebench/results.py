@@ -1,4 +1,5 @@
-"""Run directories: manifest.json, records.jsonl (atomic appends, resumable) and summary.csv."""
+"""Run directories: manifest.json, records.jsonl (atomic appends, resumable, one record per point key) and
+summary.csv (rewritten from the records)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,25 @@ def utc_stamp() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
+DEFAULT_RUNS_DIR = Path("results") / "runs"  # ignored by git; the committed references live in results/h200/
+
+
 def new_run_dir(base: str | Path, sweep_name: str) -> Path:
     base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
-    stamp = utc_stamp()
-    run = base / f"{sweep_name}-{stamp}"
-    n = 1
-    while run.exists():  # two runs in one second
-        n += 1
-        run = base / f"{sweep_name}-{stamp}-{n}"
-    run.mkdir()
-    return run
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        stamp = utc_stamp()
+        run = base / f"{sweep_name}-{stamp}"
+        n = 1
+        while True:
+            try:
+                run.mkdir()  # exclusive: two runs started in the same second get -2, -3, ...
+                return run
+            except FileExistsError:
+                n += 1
+                run = base / f"{sweep_name}-{stamp}-{n}"
+    except OSError as e:
+        raise ValueError(f"--out {base}: cannot create the run directory ({e.strerror})") from None
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -108,9 +117,37 @@ def load_records(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def unique_records(records: Iterable[dict]) -> list[dict]:
+    """The first record of each point key (records without a key are kept): what the summary and footer count."""
+    seen: set = set()
+    out = []
+    for r in records:
+        key = r.get("key")
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(r)
+    return out
+
+
 def load_manifest(run_dir: str | Path) -> dict:
     path = Path(run_dir) / MANIFEST
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+
+
+def record_resume(run_dir: Path) -> dict:
+    """Append this resume (command, time, host, pid) to the manifest's `resumes` list."""
+    manifest = load_manifest(run_dir)
+    manifest.setdefault("resumes", []).append(
+        {"command": command_line(), "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+         "host": platform.node(), "pid": os.getpid()})
+    write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+    return manifest
 
 
 def _git_commit() -> str | None:
@@ -127,12 +164,26 @@ def _git_commit() -> str | None:
     return None
 
 
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment() -> dict:
-    """GPU name and count, driver, CUDA, torch, triton, deep_ep versions, host."""
+    """GPU name and count, driver, CUDA, torch, triton, deep_ep versions, host, CPU, OS and TRITON_INTERPRET
+    (set: the Triton kernels ran in the interpreter, so their timings are no GPU figures)."""
     import torch
 
     env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),
-                           "torch": torch.__version__, "cuda": torch.version.cuda}
+                           "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cpu": cpu_model(), "cpu_count": os.cpu_count(), "os": platform.platform(),
+                           "triton_interpret": os.environ.get("TRITON_INTERPRET")}
     try:
         import triton
 
@@ -178,7 +229,7 @@ def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str
     manifest = {
         "moebench": _version(),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": command_line(),
         "git_commit": _git_commit(),
         "device": device,
         "env": environment(),
@@ -198,9 +249,21 @@ def _version() -> str:
     return __version__
 
 
-SUMMARY_COLUMNS = ("point", "impl", "status", "timing_mode", "p50_us", "p10_us", "p90_us", "min_us", "max_us",
-                   "mean_us", "cv", "n", "bytes", "gbps", "tflops", "roofline_us", "roof_fraction", "jit_compiles",
-                   "jit_compile_s", "expert_max_over_mean", "rank_max_over_mean", "slowest_rank", "reason")
+def timing_label(rec: dict) -> str | None:
+    """How a record was timed, for the table and summary: graph, events, wall, or interp (wall clock with the
+    Triton kernels in the interpreter: a CPU figure, never to be read as a GPU one)."""
+    mode = rec.get("timing_mode")
+    if mode is None:
+        return None
+    if rec.get("triton_interpret"):
+        return "interp"
+    return "graph" if mode == "cuda_graph" else mode
+
+
+SUMMARY_COLUMNS = ("point", "impl", "status", "timing_mode", "mode", "p50_us", "p10_us", "p90_us", "min_us",
+                   "max_us", "mean_us", "cv", "n", "bytes", "gbps", "tflops", "roofline_us", "roof_fraction",
+                   "jit_compiles", "jit_compile_s", "expert_max_over_mean", "rank_max_over_mean", "slowest_rank",
+                   "reason")
 
 
 def summary_rows(records: Iterable[dict], param_names: list[str]) -> list[dict]:
@@ -210,8 +273,9 @@ def summary_rows(records: Iterable[dict], param_names: list[str]) -> list[dict]:
         imb = r.get("imbalance") or {}
         jit = r.get("jit") or {}
         row = {"point": r.get("point"), "impl": r.get("impl"), "status": r.get("status"),
-               "timing_mode": r.get("timing_mode"), "p50_us": st.get("p50"), "p10_us": st.get("p10"),
-               "p90_us": st.get("p90"), "min_us": st.get("min"), "max_us": st.get("max"), "mean_us": st.get("mean"),
+               "timing_mode": r.get("timing_mode"), "mode": timing_label(r), "p50_us": st.get("p50"),
+               "p10_us": st.get("p10"), "p90_us": st.get("p90"), "min_us": st.get("min"), "max_us": st.get("max"),
+               "mean_us": st.get("mean"),
                "cv": st.get("cv"), "n": st.get("n"), "bytes": r.get("bytes"), "gbps": r.get("gbps"),
                "tflops": r.get("tflops"), "roofline_us": r.get("roofline_us"),
                "roof_fraction": r.get("roof_fraction"), "jit_compiles": jit.get("compiles"),

@@ -1,184 +1,41 @@
 """The sweep runner: for each point build the case, check it against the reference, time it, measure imbalance
-and JIT compiles, append the record, print the table row."""
+and JIT compiles, append the record, print the table row.
+
+A run directory has one writer (`run_lock`), holds one record per point key (a resume skips the recorded points)
+and its summary.csv is rewritten from the records at the end, also after an interrupt."""
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from moebench import registry
-from moebench.registry import Case, CheckResult, RunContext
+from moebench.registry import RunContext
+from moebench.point import error_line, execute_point, interpreting
 from moebench.report import Table
-from moebench.results import RecordWriter, load_manifest, load_records, new_run_dir, write_manifest, write_summary
-from moebench.measure.roofline import roofline_us
-from moebench.sweep import Point, Sweep, Timing, expand
-
+from moebench.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
+                              unique_records, write_manifest, write_summary)
+from moebench.resume import check_same_sweep, stored_sweep
+from moebench.run_lock import RunLock
+from moebench.sweep import Point, Sweep, expand
 
 
 def pick_device(requested: str | None) -> torch.device:
     if requested in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested not in ("cuda", "cpu") and not requested.startswith("cuda:"):
-        raise ValueError(f"--device: {requested!r} is not cuda or cpu")
+    if requested not in ("cuda", "cpu") and not (requested.startswith("cuda:") and requested[5:].isdigit()):
+        raise ValueError(f"--device: {requested!r} is not cuda, cuda:N or cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available here")
+        raise ValueError(f"--device {requested}: no CUDA device is available here")
+    if requested.startswith("cuda:") and int(requested[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {requested}: {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device(requested)
-
-
-def _error_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    head = msg[-1] if msg else ""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return f"out of memory: {head[:300]}"
-    name = type(e).__name__
-    if "CompilationError" in name or "CompileError" in name:
-        return f"compile error ({name}): {head[:300]}"
-    return f"{name}: {head[:300]}"
-
-
-def _stage_name(impl: registry.Impl, case: Case | None) -> str:
-    return (case.nvtx_stage if case is not None and case.nvtx_stage else impl.kernel)
-
-
-def _jit_counter():
-    from moebench.measure.jit import JitCounter
-
-    return JitCounter()
-
-
-def _all_ranks_ok(ok: bool, ctx: RunContext) -> bool:
-    """Multi-rank: every rank must agree a point is fine before anyone enters a timed collective."""
-    if ctx.world_size <= 1 or ctx.group is None:
-        return ok
-    import torch.distributed as dist
-
-    dev = ctx.device if dist.get_backend(ctx.group) == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.group)
-    return bool(flag.item())
-
-
-def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing | None = None,
-                  hook: Callable[[str], None] | None = None) -> dict:
-    """Run one point on this rank and return its record (every rank of a multi-rank point calls this)."""
-    impl = registry.get(point.impl)
-    p = point.params
-    timing = timing or sweep.timing
-    rec: dict[str, Any] = {"point": point.index, "key": point.key, "impl": impl.name, "kernel": impl.kernel,
-                           "variant": impl.variant, "target": sweep.target, "mask_aware": impl.mask_aware,
-                           "twin_of": impl.twin_of, "library": impl.library,
-                           "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device)}
-    reason = impl.available(ctx)
-    if reason:
-        rec.update(status="skipped", reason=reason)
-        return rec
-
-    counter = _jit_counter()
-    case: Case | None = None
-    compiles_before_timed = None
-    t_start = time.perf_counter()
-    try:
-        if counter is not None:
-            counter.__enter__()
-        try:
-            case = impl.build(p, ctx)
-            check = case.check() if case.check is not None else CheckResult(True, "no reference check", {})
-            rec["check"] = {"ok": check.ok, "detail": check.detail, "metrics": check.metrics}
-            if not _all_ranks_ok(check.ok, ctx):
-                rec.update(status="wrong", reason=check.detail or "another rank's check failed")
-            else:
-                name = f"moebench/{_stage_name(impl, case)}/{impl.name}"
-
-                def _hook(event: str) -> None:
-                    nonlocal compiles_before_timed
-                    if event == "start" and counter is not None:
-                        compiles_before_timed = counter.count
-                    if hook:
-                        hook(event)
-
-                res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
-                rec["timing_mode"] = res.mode
-                rec["timing_unroll"] = res.unroll
-                if res.note:
-                    rec["timing_note"] = res.note
-                rec["samples_us"] = res.samples_us
-                rec["stats"] = res.stats
-                if res.ranks:
-                    rec["ranks"] = {**res.ranks, "simulated": ctx.simulated}
-                stages = {}
-                for stage_name, fn in case.stages:
-                    sres = _measure(fn, timing, ctx, case.graph_capturable, f"moebench/{stage_name}/{impl.name}",
-                                    None)
-                    stages[stage_name] = {**sres.stats, "mode": sres.mode}
-                if stages:
-                    rec["stages"] = stages
-        finally:
-            if counter is not None:
-                counter.__exit__(None, None, None)
-    except Exception as e:  # a point that raises is recorded and the sweep goes on
-        rec.update(status="failed", reason=_error_line(e))
-        rec["traceback"] = traceback.format_exc(limit=8)[-4000:]
-        if ctx.is_cuda:
-            try:
-                torch.cuda.synchronize(ctx.device)
-            except Exception:
-                pass
-
-    if counter is not None:
-        summary = counter.summary()
-        if compiles_before_timed is not None and summary.get("supported", True):
-            summary["timed_region_compiles"] = counter.count - compiles_before_timed
-        rec["jit"] = summary
-    if case is not None:
-        rec["bytes"] = int(case.bytes_moved)
-        rec["flops"] = int(case.flops)
-        if case.bytes_note:
-            rec["bytes_note"] = case.bytes_note
-        rec["info"] = dict(case.info)
-        if case.routing is not None:
-            try:
-                from moebench.measure.imbalance import imbalance
-
-                r = case.routing
-                rec["imbalance"] = imbalance(r.topk_ids, r.is_padding, r.num_experts, r.ep_size)
-            except Exception as e:
-                rec["imbalance_error"] = _error_line(e)
-        stats = rec.get("stats") or {}
-        p50 = stats.get("p50")
-        if p50 and p50 > 0 and rec["status"] == "ok":
-            rec["gbps"] = case.bytes_moved / p50 / 1e3 if case.bytes_moved else None
-            rec["tflops"] = case.flops / p50 / 1e6 if case.flops else None
-            if ctx.is_cuda and (case.bytes_moved or case.flops or case.roofline_us):
-                roof = case.roofline_us if case.roofline_us is not None else roofline_us(case.flops, case.bytes_moved)
-                rec["roofline_us"] = roof
-                rec["roof_fraction"] = roof / p50
-        if case.cleanup is not None:
-            try:
-                case.cleanup()
-            except Exception:
-                pass
-    rec["wall_s"] = round(time.perf_counter() - t_start, 3)
-    del case
-    gc.collect()
-    if ctx.is_cuda:
-        torch.cuda.empty_cache()
-    return rec
-
-
-def _measure(fn, timing: Timing, ctx: RunContext, graph_capturable: bool, name: str, hook):
-    from moebench.measure.timing import measure
-
-    group = ctx.group if ctx.world_size > 1 else None
-    return measure(fn, timing, ctx.device, graph_capturable=graph_capturable, range_name=name, group=group,
-                   barrier=group is not None, hook=hook)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,6 +62,27 @@ class _Progress:
         if self.enabled:
             sys.stderr.write("\r" + " " * 100 + "\r")
             sys.stderr.flush()
+
+
+class _Rows:
+    """Prints each finished point's row once, as it finishes, under the progress line: single-rank points from
+    this process, multi-rank points as rank 0 records them."""
+
+    def __init__(self, table: Table, total: int):
+        self.table = table
+        self.progress = _Progress(total)
+        self.shown: set = set()
+
+    def show(self, rec: dict) -> None:
+        key = rec.get("key")
+        if key in self.shown:
+            return
+        self.shown.add(key)
+        self.progress.close()
+        self.table.row(rec)
+
+    def working_on(self, label: str) -> None:
+        self.progress.update(len(self.shown), label)
 
 
 def _needs_world(point: Point) -> int:
@@ -240,53 +118,110 @@ def _torchrun_context(dev: torch.device) -> RunContext | None:
     return mdist.init_from_env("nccl" if dev.type == "cuda" else "gloo")
 
 
-def _share_run_dir(run_dir: Path | None, ctx: RunContext | None) -> Path:
-    """Rank 0 made the run directory; every torchrun rank needs its path."""
-    if ctx is None or ctx.world_size == 1:
-        return run_dir
-    import torch.distributed as dist
+def _share_start(run_dir: Path | None, done: set, error: str | None, ctx: RunContext | None) -> tuple[Path, set]:
+    """Rank 0 opened the run directory (or failed to); every torchrun rank needs its path and recorded keys."""
+    if ctx is not None and ctx.world_size > 1:
+        import torch.distributed as dist
 
-    box = [str(run_dir) if ctx.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
-    return Path(box[0])
+        box = [(str(run_dir), sorted(done), error) if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=ctx.group)
+        run_dir, done, error = Path(box[0][0]), set(box[0][1]), box[0][2]
+        if error and ctx.rank != 0:
+            raise ValueError(error)
+    return run_dir, done
 
 
-def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | None = None,
-              resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path = "plots",
+def _timing_line(sweep: Sweep, dev: torch.device, run_dir: Path) -> str:
+    t = sweep.timing
+    text = (f"timing: mode {t.mode}, warm-up {t.warmup}, iters {t.iters}, unroll {t.unroll}; p50/p10/p90 per point "
+            f"in us; run dir {run_dir}")
+    if dev.type != "cuda":
+        text += "\ntiming: " + (f"{t.mode} needs CUDA, " if t.mode in ("cuda_graph", "events") else "") + \
+            "wall clock on the CPU"
+        if interpreting():
+            text += "; Triton kernels in the interpreter (mode column: interp): no GPU figures"
+    return text
+
+
+def _open_run(sweep: Sweep, points: list[Point], dev: torch.device, out_base, resume, trun) -> tuple[Path, RunLock]:
+    """The leader's run directory and its lock: a new one under `out_base`, or `resume` (its resume recorded)."""
+    if resume:
+        run_dir = Path(resume)
+        try:
+            lock = RunLock(run_dir).acquire()
+        except ValueError as e:
+            raise ValueError(f"--resume {e}") from None
+        record_resume(run_dir)
+        return run_dir, lock
+    run_dir = new_run_dir(out_base, sweep.name)
+    lock = RunLock(run_dir).acquire()
+    write_manifest(run_dir, sweep.to_dict(), len(points), str(dev),
+                   {"torchrun_world_size": trun.world_size} if trun is not None else None)
+    return run_dir, lock
+
+
+def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: str | None = None,
+              resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path | None = None,
               out=None) -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
+
+    The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal), its plots
+    in `<run dir>/plots/` (`plots_base` given: `plots_base/<run name>/`). An interrupt (KeyboardInterrupt) leaves
+    the records and a summary of them, and carries `run_dir` on the exception.
 
     Launched by torchrun, every rank calls this: rank 0 owns the run directory, the table and the single-rank
     points; the multi-rank points of the torchrun world size run on all ranks; other world sizes are skipped."""
     dev = pick_device(device)
     points = expand(sweep)
+    if resume:
+        check_same_sweep(resume, stored_sweep(resume), sweep)
     trun = _torchrun_context(dev)
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
-    run_dir = None
-    if resume:
-        run_dir = Path(resume)
-        manifest = load_manifest(run_dir)
-        if not manifest:
-            raise ValueError(f"--resume {run_dir}: no manifest.json there")
-        if manifest.get("sweep", {}).get("name") != sweep.name:
-            raise ValueError(f"--resume {run_dir}: that run is of sweep {manifest.get('sweep', {}).get('name')!r}, "
-                             f"not {sweep.name!r}")
-    elif leader:
-        run_dir = new_run_dir(out_base, sweep.name)
-        write_manifest(run_dir, sweep.to_dict(), len(points), str(dev),
-                       {"torchrun_world_size": trun.world_size} if trun is not None else None)
-    run_dir = _share_run_dir(run_dir, trun)
-    writer = RecordWriter(run_dir)
-    done = {r["key"] for r in load_records(run_dir) if "key" in r}
+    run_dir, done, lock = None, set(), None
+    try:
+        if leader:
+            error = None
+            try:
+                run_dir, lock = _open_run(sweep, points, dev, out_base, resume, trun)
+                RecordWriter(run_dir)  # drops a torn last line before anyone reads or appends
+                done = {r["key"] for r in load_records(run_dir) if "key" in r}
+            except ValueError as e:
+                error = str(e)
+                if trun is None:
+                    raise
+            _share_start(run_dir, done, error, trun)
+            if error:
+                raise ValueError(error)
+        else:
+            run_dir, done = _share_start(None, set(), None, trun)
+        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out)
+    except KeyboardInterrupt as e:
+        if leader and run_dir is not None:
+            e.run_dir = run_dir
+            try:
+                write_summary(run_dir, _final_records(run_dir), _param_columns(sweep) or ["num_tokens"])
+            except Exception:  # pragma: no cover - the records are what matters
+                pass
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _final_records(run_dir: Path) -> list[dict]:
+    return sorted(unique_records(load_records(run_dir)), key=lambda r: r.get("point", 0))
+
+
+def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
+                leader: bool, make_plots: bool, plots_base, out) -> tuple[int, Path]:
+    writer = RecordWriter(run_dir)
     table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
-    table.comment(f"timing: mode {sweep.timing.mode}, warm-up {sweep.timing.warmup}, iters {sweep.timing.iters}"
-                  f", unroll {sweep.timing.unroll}; p50/p10/p90 per point in us; run dir {run_dir}")
+    table.comment(_timing_line(sweep, dev, run_dir))
     for k, v in sweep.fixed.items():
         table.comment(f"  {k} = {v}")
     if done:
@@ -300,31 +235,31 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
         w = _needs_world(pt)
         if w > 1:
             multi.setdefault(w, []).append(pt)
+    rows = _Rows(table, len(todo))
 
     # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
+    from moebench.multirank import run_multi_rank, skip_all
+
     for world, pts in sorted(multi.items()):
         if trun is not None and world != trun.world_size:
             if leader:
-                for rec in _skip_all(sweep, pts, writer, f"needs {world} ranks; torchrun started {trun.world_size}"):
-                    table.row(rec)
+                for rec in skip_all(sweep, pts, writer, f"needs {world} ranks; torchrun started {trun.world_size}"):
+                    rows.show(rec)
             continue
-        for rec in run_multi_rank(sweep, pts, world, dev, run_dir):
-            if leader:
-                table.row(rec)
+        rows.working_on(f"{len(pts)} points on {world} ranks")
+        run_multi_rank(sweep, pts, world, dev, run_dir, show=rows.show, working_on=rows.working_on)
     if not leader:
         return 0, run_dir
 
-    progress = _Progress(len(single))
     ctx = RunContext(device=dev)
-    for n_done, pt in enumerate(single):
-        progress.update(n_done, pt.impl)
+    for pt in single:
+        rows.working_on(pt.impl)
         rec = execute_point(pt, sweep, ctx)
         writer.append(rec)
-        progress.close()
-        table.row(rec)
-    progress.close()
+        rows.show(rec)
+    rows.progress.close()
 
-    records = sorted(load_records(run_dir), key=lambda r: r.get("point", 0))
+    records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
     table.footer(records)
     from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
@@ -336,72 +271,34 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = "results", device: str | N
     for text in peer_footer_lines(records):
         table.comment(text)
     if make_plots:
+        plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
         try:
             from moebench.plots import make_plots as _make_plots
 
-            paths = _make_plots(run_dir, Path(plots_base) / run_dir.name)
-            table.comment(f"plots: {len(paths)} written to {Path(plots_base) / run_dir.name}")
+            paths = _make_plots(run_dir, plot_dir)
+            table.comment(f"plots: {len(paths)} written to {plot_dir}")
         except Exception as e:
-            table.comment(f"plots not made: {_error_line(e)}")
-    table.comment(f"records: {run_dir / 'records.jsonl'}")
+            table.comment(f"plots not made: {error_line(e)}")
+    table.comment(f"records: {run_dir / RECORDS}")
     bad = any(r.get("status") in ("wrong", "failed") for r in records)
     return (1 if bad else 0), run_dir
 
 
-def _skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: str,
-              status: str = "skipped") -> list[dict]:
-    recs = []
-    for pt in points:
-        rec = {"point": pt.index, "key": pt.key, "impl": pt.impl, "target": sweep.target,
-               "params": pt.params.to_dict(), "status": status, "reason": reason}
-        writer.append(rec)
-        recs.append(rec)
-    return recs
-
-
-def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.device, run_dir: Path) -> list[dict]:
-    """Run points that need `world` processes: in this process group when launched by torchrun with that world
-    size, else spawned (one process per GPU, or gloo ranks on the CPU). Returns the records written. A rank group
-    that dies (a crash, a hang past its deadline) fails its unrecorded points with the error and the sweep goes on."""
-    writer = RecordWriter(run_dir)
-    if dev.type == "cuda" and torch.cuda.device_count() < world:
-        return _skip_all(sweep, points, writer, f"needs {world} GPUs, {torch.cuda.device_count()} present "
-                                                "(use ep_mode: simulated)")
-    from moebench import dist as mdist
-
-    keys = {pt.key for pt in points}
-    try:
-        mdist.run_in_world(_world_worker, world, dev.type, args=(sweep.to_dict(), sweep.source,
-                                                                [pt.index for pt in points], str(run_dir)))
-    except mdist.SpawnError as e:
-        recorded = {r.get("key") for r in load_records(run_dir)}
-        _skip_all(sweep, [pt for pt in points if pt.key not in recorded], writer,
-                  f"rank group failed: {str(e).splitlines()[0][:300]}", status="failed")
-    return [r for r in sorted(load_records(run_dir), key=lambda r: r.get("point", 0)) if r.get("key") in keys]
-
-
-def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[int], run_dir: str) -> None:
-    """Body of every rank of a multi-rank group: run the points; rank 0 appends the records."""
-    from moebench.sweep import sweep_from_dict
-
-    sweep = sweep_from_dict(sweep_dict, source)
-    points = expand(sweep)
-    writer = RecordWriter(Path(run_dir)) if ctx.rank == 0 else None
-    for i in indices:
-        rec = execute_point(points[i], sweep, ctx)
-        if writer is not None:
-            writer.append(rec)
-
-
-def run_single_point(sweep: Sweep, point_index: int, device: str | torch.device | None, iters: int,
-                     inner_hook: Callable[[str], None] | None = None) -> dict:
-    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point)."""
-    dev = device if isinstance(device, torch.device) else pick_device(device)
+def check_point_index(sweep: Sweep, point_index: int) -> Point:
+    """The point `--point` names, or ValueError when there is none or it needs several ranks."""
     points = expand(sweep)
     if not 0 <= point_index < len(points):
         raise ValueError(f"--point {point_index}: the sweep has points 0..{len(points) - 1}")
     pt = points[point_index]
     if _needs_world(pt) > 1:
         raise ValueError(f"--point {point_index}: needs {_needs_world(pt)} ranks; profile it under torchrun")
+    return pt
+
+
+def run_single_point(sweep: Sweep, point_index: int, device: str | torch.device | None, iters: int,
+                     inner_hook: Callable[[str], None] | None = None) -> dict:
+    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point)."""
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    pt = check_point_index(sweep, point_index)
     timing = replace(sweep.timing, iters=iters)
     return execute_point(pt, sweep, RunContext(device=dev), timing=timing, hook=inner_hook)

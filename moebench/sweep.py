@@ -1,20 +1,28 @@
 """Sweep files: YAML (safe_load only) -> typed, validated, frozen dataclasses -> the list of points.
 
 Every problem is reported as one `SweepError` line naming the file, the key and the reason, before anything
-runs or is written.
+runs or is written. Limits that keep hostile input cheap: the strict YAML rules of `strict_yaml` (no aliases, no
+duplicate keys, bounded depth and size, UTF-8), finite numbers only, names of NAME_PATTERN, and the point count
+(the product of the axis lengths times the impls) at most `max_points` (DEFAULT_MAX_POINTS), computed before any
+point is built.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
 import json
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from moebench import strict_yaml
 
 
 class SweepError(ValueError):
@@ -189,6 +197,11 @@ def params_problem(p: Params) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 TIMING_MODES = ("auto", "events", "cuda_graph", "wall")
+# Upper bounds: every sample is stored, and CUDA events are allocated per iteration up front.
+TIMING_LIMITS = {"warmup": 100_000, "iters": 100_000, "unroll": 1024, "max_seconds": 86_400.0}
+DEFAULT_MAX_POINTS = 100_000
+# A sweep name becomes a directory name: a newline, a slash or 300 characters must not get that far.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -256,14 +269,16 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     if not path:
         raise SweepError(f"--set {expr}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = strict_yaml.loads(raw) if raw.strip() else None
+    except strict_yaml.YAMLRefused as e:
+        raise SweepError(f"--set {expr}: {e}") from None
     except yaml.YAMLError as e:
         raise SweepError(f"--set {expr}: value is not valid YAML ({str(e).splitlines()[0]})") from None
     return path, value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    raw = json.loads(json.dumps(raw))  # deep copy of plain YAML data
+    raw = copy.deepcopy(raw)  # keeps shared nodes shared (safe_load data may share them; ours has no aliases)
     for expr in overrides:
         path, value = parse_set(expr)
         node = raw
@@ -285,14 +300,13 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
+               max_points: int | None = DEFAULT_MAX_POINTS) -> Sweep:
     src = str(path)
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise SweepError(f"{src}: cannot read ({e.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
+        raw = strict_yaml.loads(strict_yaml.read_text(path))
+    except strict_yaml.YAMLRefused as e:
+        raise SweepError(f"{src}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "file"
@@ -300,12 +314,16 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     if not isinstance(raw, dict):
         raise SweepError(f"{src}: top level: expected a mapping, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
-    return sweep_from_dict(raw, src)
+    return sweep_from_dict(raw, src, max_points=max_points)
 
 
-def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
+def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None = DEFAULT_MAX_POINTS) -> Sweep:
+    """Validate plain data (a parsed sweep file) into a Sweep; `max_points` None: no limit on the point count."""
     from moebench import registry
 
+    bad = strict_yaml.tree_problem(raw)
+    if bad:
+        raise _fail(src, *bad)
     for k, v in raw.items():
         if k not in _SWEEP_KEYS:
             raise _fail(src, k, f"unknown key (allowed: {', '.join(_SWEEP_KEYS)})")
@@ -315,8 +333,10 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
         if k not in raw:
             raise _fail(src, k, "missing")
     name, target = raw["name"], raw["target"]
-    if not name or any(c in name for c in "/\\ \t") or name.startswith("."):
-        raise _fail(src, "name", f"{name!r} must be a non-empty name without spaces or slashes")
+    if not NAME_PATTERN.fullmatch(name):
+        shown = repr(name) if len(name) <= 40 else repr(name[:40]) + f"... ({len(name)} characters)"
+        raise _fail(src, "name", f"{shown} must be 1-64 letters, digits, '_', '.' or '-', starting with a letter "
+                                 "or digit (it names the run directory)")
     if target not in registry.TARGETS:
         raise _fail(src, "target", f"{target!r} is not one of {', '.join(registry.TARGETS)}")
     impls = raw["impls"]
@@ -363,6 +383,11 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
     if both:
         k = sorted(both)[0]
         raise _fail(src, f"axes.{k}", "also given under fixed")
+    num_points = math.prod(len(v) for v in axes.values()) * len(impls)
+    if max_points is not None and num_points > max_points:
+        sizes = " x ".join([str(len(v)) for v in axes.values()] + [f"{len(impls)} impls"])
+        raise _fail(src, "axes", f"{sizes} = {num_points:,} points, over the limit of {max_points:,} "
+                                 "(raise it with --max-points)")
 
     t = raw.get("timing") or {}
     for k, v in t.items():
@@ -378,6 +403,9 @@ def sweep_from_dict(raw: dict, src: str = "<memory>") -> Sweep:
         raise _fail(src, "timing.mode", f"{timing.mode!r} is not one of {', '.join(TIMING_MODES)}")
     if timing.iters < 1 or timing.warmup < 0 or timing.unroll < 1 or timing.max_seconds <= 0:
         raise _fail(src, "timing", "iters and unroll must be >= 1, warmup >= 0, max_seconds > 0")
+    for k, limit in TIMING_LIMITS.items():
+        if getattr(timing, k) > limit:
+            raise _fail(src, f"timing.{k}", f"{getattr(timing, k)} is over the limit of {limit:g}")
 
     headlines = _check_headlines(raw.get("headlines") or [], src, impls)
     sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,

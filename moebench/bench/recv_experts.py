@@ -42,7 +42,7 @@ def _received(p: Params, ctx: RunContext):
     """This rank's receive buffer as dispatch leaves it: (ids [C, K] int64, x [C, H] bf16, weights [C, K] fp32,
     num_recv int32 [1], the point's routing and mask for the imbalance figures)."""
     from moebench.inputs import generator, make_batch, route
-    from moebench.kernels.globalize_recv_topk_idx import make_receive_buffer
+    from moebench.bench.expert_ids import make_receive_buffer
 
     dev = ctx.device
     batch = make_batch(p, dev)
@@ -67,7 +67,9 @@ def _received(p: Params, ctx: RunContext):
 
 def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
     from moebench.check import poison
-    from moebench.kernels.fused_experts import _check_out, fused_experts, make_expert_weights, make_workspace
+    from moebench.bench.experts import check_experts_out
+    from moebench.inputs.weights import make_expert_weights
+    from moebench.kernels.fused_experts import fused_experts, make_workspace
     from moebench.kernels.globalize_recv_topk_idx import (globalize_oblivious_reference, globalize_recv_topk_idx,
                                                           globalize_recv_topk_idx_oblivious,
                                                           globalize_recv_topk_idx_torch)
@@ -106,7 +108,7 @@ def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
         run()
         ids_ok = CheckResult(bool(torch.equal(ids, own_ids)),
                              "" if torch.equal(ids, own_ids) else "neutralised ids differ from the reference")
-        res = CheckResult.merge(ids_ok, _check_out(out, x, w13, w2, weights, own_ids, seed=p.seed))
+        res = CheckResult.merge(ids_ok, check_experts_out(out, x, w13, w2, weights, own_ids, seed=p.seed))
         differs = (out.view(torch.int16) != truth_out.view(torch.int16)).any(dim=1)
         info["wrong_output_rows"] = int(differs.sum())
         res.metrics["wrong_output_rows"] = float(info["wrong_output_rows"])

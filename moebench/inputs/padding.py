@@ -242,7 +242,7 @@ def dbo_split(x: torch.Tensor, is_padding: torch.Tensor | None
     return (x[:half], m0), (x[half:], m1)
 
 
-def _pcp_rank_masks(rows_per_rank: int, num_ranks: int, padding_ratio: float,
+def pcp_rank_masks(rows_per_rank: int, num_ranks: int, padding_ratio: float,
                     device: torch.device | str) -> list[torch.Tensor]:
     """Per-rank masks of a context-parallel batch: round(P*N*ratio) padded rows overall, the real rows spread as
     evenly as possible (lower ranks take the remainder), each rank's padding at its own tail."""
@@ -302,7 +302,7 @@ def producer_mask(p: "Params", device: torch.device | str = "cpu") -> torch.Tens
         _, mask = sp_pad_and_chunk(rows(n), upstream, p.producer_size, p.producer_size - 1)
         return mask.clone()
     if producer == "pcp":
-        masks = _pcp_rank_masks(n, p.producer_size, p.padding_ratio, device)
+        masks = pcp_rank_masks(n, p.producer_size, p.padding_ratio, device)
         peers = [(rows(n), m) for m in masks]
         _, mask = pcp_gather(peers[0][0], peers[0][1], peers=peers)
         return mask

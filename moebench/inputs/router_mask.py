@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moebench.inputs.padding import _pcp_rank_masks, ratio_mask
+from moebench.inputs.padding import pcp_rank_masks, ratio_mask
 
 
 def router_mask(p, is_padding: torch.Tensor) -> torch.Tensor | None:
@@ -25,7 +25,7 @@ def router_mask(p, is_padding: torch.Tensor) -> torch.Tensor | None:
     if not p.mask:
         return None
     if p.padding_producer == "pcp" and p.pcp_mask == "local":
-        return _pcp_rank_masks(p.num_tokens, p.producer_size, p.padding_ratio, is_padding.device)[0]
+        return pcp_rank_masks(p.num_tokens, p.producer_size, p.padding_ratio, is_padding.device)[0]
     if p.padding_producer == "dbo" and p.dbo_mask == "none":
         return None
     if p.padding_producer == "dbo" and p.dbo_mask == "full":

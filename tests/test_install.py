@@ -1,0 +1,68 @@
+"""A non-editable `pip install .` into a fresh venv runs the bundled quickstart: the sweeps ship in the wheel.
+
+The venv sees the system site-packages (torch is installed system-wide; nothing is downloaded), the install has
+no build isolation and no dependencies, and the command runs from a folder outside the copy, with no PYTHONPATH,
+so it can only find the installed package."""
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP = shutil.ignore_patterns(".git", "results", "plots", "__pycache__", "*.egg-info", "build", ".venv", ".out",
+                              ".whl", ".gl", ".deb")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_RANK")}
+    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", TRITON_INTERPRET="1")
+    return env
+
+
+def test_pip_install_runs_bundled_quickstart(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=SKIP)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)  # pip comes from the system site-packages
+    python = env_dir / "bin" / "python"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--no-cache-dir", str(src)], capture_output=True, text=True, timeout=240, env=_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    work = tmp_path / "work"
+    work.mkdir()
+    where = subprocess.run([str(python), "-c", "import moebench, moebench.paths as p; "
+                            "print(moebench.__file__); print(p.bundled_sweep_dir())"],
+                           capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
+    module_file, sweep_dir = where.stdout.split()
+    assert Path(module_file).is_relative_to(env_dir), where.stdout  # the installed copy, not the checkout
+    assert Path(sweep_dir) == Path(module_file).parent / "_sweeps"
+    run = subprocess.run([str(python), "-m", "moebench", "run", "quickstart", "--out", str(tmp_path / "runs"),
+                          "--device", "cpu", "--no-plots", "--set", "axes.num_tokens=[64]", "--set",
+                          "axes.padding_ratio=[0.5]", "--set", "timing.iters=1", "--set", "timing.warmup=0"],
+                         capture_output=True, text=True, timeout=240, env=_env(), cwd=work)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "# points: ok 4" in run.stdout
+    assert list(work.iterdir()) == []  # nothing lands in the current directory with --out
+    version = subprocess.run([str(env_dir / "bin" / "moebench"), "--version"], capture_output=True, text=True,
+                             timeout=120, env=_env(), cwd=work)
+    assert version.returncode == 0 and version.stdout.startswith("moebench "), version.stderr
+
+
+def test_default_run_location_is_ignored_by_git():
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO), "rev-parse"], capture_output=True,
+                                                      timeout=30).returncode != 0:
+        pytest.skip("not a git checkout")
+    from moebench.results import DEFAULT_RUNS_DIR
+
+    probe = DEFAULT_RUNS_DIR / "quickstart-20260101T000000Z" / "records.jsonl"
+    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(probe)], timeout=30)
+    assert proc.returncode == 0, f"{probe} is not ignored by git"
+    reference = REPO / "results" / "h200"
+    assert any(reference.glob("*/records.jsonl")) and any(reference.glob("*/plots/index.md"))
