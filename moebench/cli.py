@@ -93,12 +93,25 @@ def cmd_plot(args) -> int:
 def cmd_compare(args) -> int:
     from moebench.compare import compare_runs
 
+    if args.run_b is None or args.impls:  # within one run (moebench.peers)
+        if args.run_b is not None:
+            raise SweepError("compare --impls compares impls within one run: give one run directory")
+        from moebench.peers import compare_within_run
+
+        return compare_within_run(Path(args.run_a), args.impls)
     return compare_runs(Path(args.run_a), Path(args.run_b))
 
 
 def cmd_list(args) -> int:
     from moebench import registry
 
+    if getattr(args, "models", False):  # the model presets a sweep can name with `model:` (moebench.presets)
+        from moebench.presets import describe
+
+        print(f"# {'model':<18} {'shape':<64} source")
+        for name, shape, source in describe():
+            print(f"  {name:<18} {shape:<64} {source}")
+        return 0
     impls = registry.all_impls()
     print("# targets: " + ", ".join(registry.TARGETS))
     print(f"# {'impl':<40} {'targets':<22} {'available here':<16} description")
@@ -179,10 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="ratios of p50 per matching point of two runs (B / A)")
     c.add_argument("run_a")
-    c.add_argument("run_b")
+    c.add_argument("run_b", nargs="?", default=None,
+                   help="omitted: compare within RUN_A (every impl vs the best peer, or --impls A,B)")
+    c.add_argument("--impls", metavar="A,B", default=None, help="within one run: p50 ratio B/A per point")
     c.set_defaults(func=cmd_compare)
 
     ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")
+    ls.add_argument("--models", action="store_true", help="list the model presets (`model:` under fixed)")
     ls.set_defaults(func=cmd_list)
 
     rp = sub.add_parser("report", help="one self-contained HTML (or Markdown) page of runs: manifest, headline "

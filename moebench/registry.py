@@ -100,6 +100,9 @@ class Impl:
     # tables pair the two by this declaration.
     twin_of: str | None = None
     baseline: bool = False  # the family's reference (plain torch, the judge of every other impl)
+    # An outside implementation (a peer): "torch.compile", "vllm", "sglang", "flashinfer", "plugin". None for
+    # moebench's own impls. Tables and plots give every impl its ratio to the best peer (moebench.peers).
+    library: str | None = None
 
     @property
     def kernel(self) -> str:
@@ -132,10 +135,10 @@ def register(impl: Impl) -> Impl:
 def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
                   available: Callable[[RunContext], str | None] | None = None,
                   validate: Callable[["Params"], str | None] | None = None, multi_rank: bool = False,
-                  twin_of: str | None = None, baseline: bool = False
+                  twin_of: str | None = None, baseline: bool = False, library: str | None = None
                   ) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
     """Decorator: register `build(p, ctx) -> Case` as the impl `name`. `twin_of` marks a mask-oblivious twin
-    (and implies mask_aware=False)."""
+    (and implies mask_aware=False); `library` marks an outside implementation (a peer)."""
     def deco(build: Callable[["Params", RunContext], Case]) -> Callable[["Params", RunContext], Case]:
         kw: dict[str, Any] = {}
         if available is not None:
@@ -143,7 +146,8 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
         if validate is not None:
             kw["validate"] = validate
         register(Impl(name, targets=tuple(targets), build=build, description=description, multi_rank=multi_rank,
-                      mask_aware=twin_of is None, twin_of=twin_of, baseline=baseline, **kw))
+                      mask_aware=twin_of is None, twin_of=twin_of, baseline=baseline, library=library,
+                      **kw))
         return build
     return deco
 

@@ -266,6 +266,10 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
 
     for text in footer_lines(records, list(sweep.headlines)):
         table.comment(text)
+    from moebench.peers import peer_footer_lines  # each impl's p50 against the best peer at the same point
+
+    for text in peer_footer_lines(records):
+        table.comment(text)
     if make_plots:
         plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
         try:

@@ -99,6 +99,8 @@ class Params:
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
+    # model preset (moebench.presets): fills the layer's shape keys the sweep does not set itself; recorded
+    model: Optional[str] = None
 
     @property
     def num_padding(self) -> int:
@@ -224,11 +226,12 @@ class Sweep:
     description: str = ""
     source: str = "<memory>"
     headlines: tuple = ()  # moebench.headline specs (dicts), checked by _check_headlines
+    plugins: tuple = ()  # modules imported before the impls are looked up (moebench.plugins)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "target": self.target, "impls": list(self.impls), "fixed": self.fixed,
                 "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description,
-                "headlines": [dict(h) for h in self.headlines]}
+                "headlines": [dict(h) for h in self.headlines], "plugins": list(self.plugins)}
 
 
 @dataclass(frozen=True)
@@ -247,11 +250,11 @@ class Point:
 
 
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
-_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16"}
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None}
 _NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
-               "description": str, "headlines": list}
+               "description": str, "headlines": list, "plugins": list}
 _TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float}
 
 
@@ -341,6 +344,13 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
     impls = raw["impls"]
     if not impls:
         raise _fail(src, "impls", "empty list")
+    plugins = raw.get("plugins") or []
+    from moebench.plugins import PluginError, load_plugins  # before the impl names are looked up
+
+    try:
+        load_plugins(plugins, src)
+    except PluginError as e:
+        raise SweepError(str(e)) from None
     known = registry.all_impls()
     for i, name_i in enumerate(impls):
         if not isinstance(name_i, str):
@@ -368,7 +378,7 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
                 if not v:
                     raise _fail(src, f"axes.{k}", "empty axis")
             for val in values:
-                why = check_param_value(k, val)
+                why = check_param_value(k, val) or (_model_problem(val) if k == "model" else None)
                 if why:
                     raise _fail(src, f"{section}.{k}", why)
     both = set(fixed) & set(axes)
@@ -401,9 +411,22 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
 
     headlines = _check_headlines(raw.get("headlines") or [], src, impls)
     sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,
-                  description=raw.get("description", ""), source=src, headlines=headlines)
+                  description=raw.get("description", ""), source=src, headlines=headlines,
+                  plugins=tuple(plugins))
     expand(sweep)  # validates every combination
     return sweep
+
+
+def _model_problem(name) -> str | None:
+    if name is None:
+        return None
+    from moebench.presets import UnknownModel, get_preset
+
+    try:
+        get_preset(name)
+    except UnknownModel as e:
+        return str(e)
+    return None
 
 
 def _check_headlines(specs: list, src: str, impls: list) -> tuple:
@@ -426,6 +449,10 @@ def expand(sweep: Sweep) -> list[Point]:
     for combo in itertools.product(*(sweep.axes[k] for k in keys)):
         values = dict(sweep.fixed)
         values.update(zip(keys, combo))
+        if values.get("model") is not None:  # the preset fills what the sweep does not set itself
+            from moebench.presets import apply_preset
+
+            values = apply_preset(values, explicit=(set(sweep.fixed) | set(keys)) - {"model"})
         try:
             params = Params(**values)
         except TypeError as e:  # pragma: no cover - keys were checked above

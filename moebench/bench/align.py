@@ -17,9 +17,10 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size,
     moe_align_block_size_torch,
 )
+from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl
 
-__all__ = ["rank0_expert_map", "align_problem"]
+__all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_build_for"]
 
 
 def rank0_expert_map(p, device) -> tuple[torch.Tensor | None, int]:
@@ -30,7 +31,51 @@ def rank0_expert_map(p, device) -> tuple[torch.Tensor | None, int]:
     return build_expert_map(p.num_experts, num_local_experts=local, device=device), local
 
 
-def _build_align(variant: str):
+def canonical_alignment(got, num_routes: int, num_experts: int, block_size: int
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[str]]:
+    """An outside alignment's (sorted_token_ids, expert_ids, num_tokens_post_padded) in moebench's layout, plus the
+    problems no layout change can excuse.
+
+    Layout only: within an expert's blocks the order of its routes is free (the GEMM does not care, atomics-based
+    kernels do not keep it), slots >= num_routes are pads (the GEMM masks them), blocks of an expert id outside
+    [0, num_experts) (a dump bucket for skipped routes) are dropped from the count, and nothing after
+    num_tokens_post_padded is read. The result is then compared exactly with the reference, so a missing,
+    duplicated or misfiled route, a wrong block count, or a negative (unwritten) slot still fails.
+    """
+    sorted_ids, expert_ids, num_post = (t.reshape(-1).cpu().to(torch.int64) for t in got)
+    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
+    problems = []
+    used = int(num_post[0]) // block_size if num_post.numel() else 0
+    if used > min(expert_ids.numel(), sorted_ids.numel() // block_size):
+        return (sorted_ids, expert_ids, num_post), [f"num_tokens_post_padded {int(num_post[0])} exceeds the buffers"]
+    owners = expert_ids[:used]
+    slots = sorted_ids[:used * block_size].view(used, block_size)
+    kept = (owners >= 0) & (owners < num_experts)
+    slots, owners = slots[kept], owners[kept]
+    if bool((slots < 0).any()):
+        problems.append(f"sorted_token_ids: {int((slots < 0).sum())} negative (unwritten?) slots in used blocks")
+    owner_of_slot = owners.repeat_interleave(block_size)
+    flat = slots.reshape(-1)
+    real = (flat >= 0) & (flat < num_routes)
+    order = torch.argsort(owner_of_slot[real] * (num_routes + 1) + flat[real])
+    tokens, experts = flat[real][order], owner_of_slot[real][order]
+    counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
+    padded = (counts + block_size - 1) // block_size * block_size
+    if int(padded.sum()) != int(kept.sum()) * block_size:
+        problems.append(f"{int(kept.sum())} blocks used where the routes need {int(padded.sum()) // block_size}")
+    seg_start = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(tokens.numel()) - first[experts]
+    out_sorted = torch.full((capacity,), num_routes, dtype=torch.int32)
+    out_sorted[seg_start[experts] + rank] = tokens.to(torch.int32)
+    out_experts = torch.full((num_m_blocks,), -1, dtype=torch.int32)
+    blocks = padded // block_size
+    out_experts[:int(blocks.sum())] = torch.repeat_interleave(torch.arange(num_experts), blocks).to(torch.int32)
+    out_post = torch.tensor([int(padded.sum())], dtype=torch.int32)
+    return (out_sorted, out_experts, out_post), problems
+
+
+def _build_align(variant: str, fn=None, canonical: bool = False):
     def build(p, ctx):
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)
@@ -41,7 +86,10 @@ def _build_align(variant: str):
         out = alloc_align_outputs(num_routes, num_experts, p.block_size, ctx.device)
         workspace = align_workspace(num_routes, num_experts, ctx.device)
 
-        if variant == "torch":
+        if variant == "fn":
+            def run():
+                return fn(topk_ids, num_experts, p.block_size, expert_map, out=out)
+        elif variant == "torch":
             def run():
                 return moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map)
         else:
@@ -53,8 +101,13 @@ def _build_align(variant: str):
             for t in (*out, workspace):
                 poison(t)
             got = run()
+            problems: list[str] = []
+            if canonical:
+                got, problems = canonical_alignment(got, num_routes, num_experts, p.block_size)
+                got = tuple(t.to(r.device) for t, r in zip(got, ref))
             return CheckResult.merge(*(compare_exact(name, g, r) for name, g, r in
-                                       zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref)))
+                                       zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, ref)),
+                                     *(CheckResult(False, why, {}) for why in problems))
 
         info = {"num_local_experts": num_experts, "num_tokens_post_padded": int(ref[2].item())}
         routing_ids = topk_ids
@@ -92,3 +145,16 @@ for _variant, _text in _DESCRIPTIONS.items():
     register_impl(f"moe_align_block_size.{_variant}", targets=("kernel",), description=_text, validate=align_problem,
                   twin_of="moe_align_block_size.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_build_align(_variant))
+
+
+def align_build_for(fn, *, canonical: bool = False):
+    """build(p, ctx) of `fn` called like moebench's alignment; canonical=True judges its output after
+    `canonical_alignment` (for library kernels whose layout differs only in what that function normalises)."""
+    return _build_align("fn", fn, canonical)
+
+
+register_family(KernelFamily(
+    "moe_align_block_size", ("kernel",), align_build_for,
+    "fn(topk_ids int32 [T,K] (-1 skipped), num_experts (local), block_size, expert_map int32 [E] or None, "
+    "out=(sorted_token_ids, expert_ids, num_tokens_post_padded)) -> those three int32 tensors, moebench's layout",
+    align_problem))

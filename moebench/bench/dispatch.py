@@ -22,6 +22,7 @@ from moebench.check import compare_close, poison
 from moebench.dispatch.base import DispatchPath, EPLayout, effective_ids, package_paths
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, padded_rows_sent,
                                          scaled_expert, scaled_expert_reference)
+from moebench.families import set_path_registrar
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
 from moebench.sweep import Params
 
@@ -114,3 +115,4 @@ def register_path_impl(path_cls: type[DispatchPath]) -> None:
 
 for _path_cls in package_paths().values():
     register_path_impl(_path_cls)
+set_path_registrar(register_path_impl)  # moebench.plugins.register_dispatch_path goes through it

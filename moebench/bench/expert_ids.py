@@ -21,6 +21,7 @@ from moebench.kernels.globalize_recv_topk_idx import (
     globalize_recv_topk_idx_oblivious,
     globalize_recv_topk_idx_torch,
 )
+from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, RunContext, register_impl
 
 __all__ = ["rows_differing", "make_receive_buffer"]
@@ -51,7 +52,8 @@ def make_receive_buffer(local_ids: torch.Tensor, capacity: int, num_local_expert
 # apply_expert_map
 # ---------------------------------------------------------------------------------------------------------------
 
-def _apply_map_build(variant: str):
+def _apply_map_build(variant: str, fn=None):
+    """build(p, ctx) of a variant, or (variant "fn") of `fn` called like the Triton one."""
     def build(p, ctx: RunContext) -> Case:
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
@@ -62,7 +64,10 @@ def _apply_map_build(variant: str):
                                       device=ctx.device)
         out = torch.empty(topk_ids.shape, dtype=torch.int64, device=ctx.device)
 
-        if variant == "triton":
+        if variant == "fn":
+            def run():
+                return fn(topk_ids, expert_map, out=out)
+        elif variant == "triton":
             def run():
                 return apply_expert_map(topk_ids, expert_map, out=out)
         elif variant == "oblivious":
@@ -75,7 +80,7 @@ def _apply_map_build(variant: str):
         reference = apply_expert_map_oblivious_torch if variant == "oblivious" else apply_expert_map_torch
 
         def check() -> CheckResult:
-            if variant == "triton":
+            if variant in ("triton", "fn"):
                 poison(out)
             got = run()
             ref = reference(topk_ids, expert_map)
@@ -107,13 +112,18 @@ for _variant in ("triton", "torch", "oblivious"):
     register_impl(f"apply_expert_map.{_variant}", targets=("kernel",), description=_MAP_DESCRIPTIONS[_variant],
                   twin_of="apply_expert_map.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_apply_map_build(_variant))
+register_family(KernelFamily(
+    "apply_expert_map", ("kernel",), lambda fn: _apply_map_build("fn", fn),
+    "fn(topk_ids int32 [T,K] (-1 on padded rows), expert_map int32 [E], out=int64 [T,K]) -> int64 local ids "
+    "[T,K], -1 kept (never in place)"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # globalize_recv_topk_idx
 # ---------------------------------------------------------------------------------------------------------------
 
-def _globalize_build(variant: str):
+def _globalize_build(variant: str, fn=None):
+    """build(p, ctx) of a variant, or (variant "fn") of `fn` called like the Triton one (in place)."""
     def build(p, ctx: RunContext) -> Case:
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
@@ -130,7 +140,10 @@ def _globalize_build(variant: str):
                                                generator=generator(p.seed + 29, "cpu"))
         buf = source.clone()
 
-        if variant == "triton":
+        if variant == "fn":
+            def run():
+                return fn(buf, num_recv, offset, p.num_experts)
+        elif variant == "triton":
             def run():
                 return globalize_recv_topk_idx(buf, num_recv, offset, p.num_experts)
         elif variant == "oblivious":
@@ -176,3 +189,7 @@ for _variant in ("triton", "torch", "oblivious"):
                   description=_GLOBALIZE_DESCRIPTIONS[_variant],
                   twin_of="globalize_recv_topk_idx.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_globalize_build(_variant))
+register_family(KernelFamily(
+    "globalize_recv_topk_idx", ("kernel",), lambda fn: _globalize_build("fn", fn),
+    "fn(recv_topk_idx int64 [capacity,K], num_recv int32 [1] on the device, rank_expert_offset, num_experts) -> "
+    "recv_topk_idx updated in place (rows >= num_recv and bad ids -> -1, no host sync)"))

@@ -8,9 +8,10 @@ import torch
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
+from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl
 
-__all__ = ["compare_nan_aware"]
+__all__ = ["compare_nan_aware", "oblivious_build_for"]
 
 
 def compare_nan_aware(name: str, out: torch.Tensor, ref: torch.Tensor, max_rel: float, rms_rel: float):
@@ -24,7 +25,9 @@ def compare_nan_aware(name: str, out: torch.Tensor, ref: torch.Tensor, max_rel: 
     return CheckResult(ok, "" if ok else detail, {**close.metrics, f"{name}.nan_mismatches": float(nan_mismatch)})
 
 
-def _build_sum(variant: str):
+def _build_sum(variant: str, fn=None):
+    """build(p, ctx) of a variant; "fn": `fn` called like the Triton sum; "fn_oblivious": `fn(intermediate, out=)`
+    judged like the oblivious twin (every slot summed)."""
     def build(p, ctx):
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)
@@ -38,23 +41,28 @@ def _build_sum(variant: str):
         ref = masked_moe_sum_torch(intermediate, topk_ids)
         info = {}
 
-        if variant == "oblivious":
+        if variant in ("oblivious", "fn_oblivious"):
+            reduce = moe_sum_oblivious if variant == "oblivious" else fn
+
             def run():
-                return moe_sum_oblivious(intermediate, out=out)
+                return reduce(intermediate, out=out)
             unmasked_ref = masked_moe_sum_torch(intermediate, torch.zeros_like(topk_ids))
 
             def check():
                 poison(out)
-                run()
-                info["nan_rows"] = int(torch.isnan(out).any(dim=1).sum())  # rows the skipped slots poisoned
-                return compare_nan_aware("out", out, unmasked_ref, 1e-2, 1e-3)
+                got = run()
+                info["nan_rows"] = int(torch.isnan(got).any(dim=1).sum())  # rows the skipped slots poisoned
+                return compare_nan_aware("out", got, unmasked_ref, 1e-2, 1e-3)
             # Harm done: rows with a skipped slot whose output is not the masked result (bit for bit).
-            got = moe_sum_oblivious(intermediate)
+            got = reduce(intermediate, out=torch.empty_like(out))
             differs = (got.view(torch.int16) != ref.view(torch.int16)).any(dim=1)
             info["corrupted_rows"] = int((differs & skipped.any(dim=1)).sum().item())
             slots_read = T * K
         else:
-            if variant == "torch":
+            if variant == "fn":
+                def run():
+                    return fn(intermediate, topk_ids, out=out)
+            elif variant == "torch":
                 def run():
                     return masked_moe_sum_torch(intermediate, topk_ids, out=out)
             else:
@@ -63,12 +71,12 @@ def _build_sum(variant: str):
 
             def check():
                 poison(out)
-                run()
-                info["nan_rows"] = int(torch.isnan(out).any(dim=1).sum())  # rows the skipped slots poisoned
+                got = run()  # judged by what it returns (an outside sum may ignore `out`)
+                info["nan_rows"] = int(torch.isnan(got).any(dim=1).sum())  # rows the skipped slots poisoned
                 # fp32 accumulation in the same order: bitwise on a GPU; the CPU interpreter rounds fp32 -> bf16
                 # differently, hence the tolerance. The exact-mismatch count is reported either way.
-                res = compare_close("out", out, ref, 1e-2, 1e-2)
-                exact = compare_exact("out", out, ref)
+                res = compare_close("out", got, ref, 1e-2, 1e-2)
+                exact = compare_exact("out", got, ref)
                 return CheckResult(res.ok, res.detail, {**res.metrics, **exact.metrics})
             slots_read = int((~skipped).sum().item())
 
@@ -90,3 +98,15 @@ for _variant, _text in _DESCRIPTIONS.items():
     register_impl(f"masked_moe_sum.{_variant}", targets=("kernel",), description=_text,
                   twin_of="masked_moe_sum.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_build_sum(_variant))
+
+
+def oblivious_build_for(fn):
+    """build(p, ctx) of an outside reduction that adds every slot (`fn(intermediate, out=) -> out`, e.g. vLLM's
+    moe_sum): judged against the all-slots sum like masked_moe_sum.oblivious, with its harm counted."""
+    return _build_sum("fn_oblivious", fn)
+
+
+register_family(KernelFamily(
+    "masked_moe_sum", ("kernel",), lambda fn: _build_sum("fn", fn),
+    "fn(intermediate bf16 [T,K,H] (NaN in skipped slots), topk_ids int32 [T,K], out=bf16 [T,H]) -> bf16 [T,H]: "
+    "the sum over slots with id >= 0"))

@@ -28,6 +28,7 @@ from moebench.kernels.topk_softmax import (
     topk_softmax_scores_torch,
     topk_softmax_torch,
 )
+from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl
 
 __all__ = ["RouterReference", "topk_softmax_reference", "grouped_topk_reference", "compare_routing",
@@ -226,8 +227,8 @@ def router_case(p, ctx, route, reference):
         ref = reference(batch.logits, is_padding=mask, bias=bias)
         for t in out:
             poison(t)
-        run()
-        return compare_routing(out[0], out[1], ref)
+        weights, ids = run()  # what the router returns is judged (an outside router may ignore `out`)
+        return compare_routing(weights, ids, ref)
 
     nbytes = batch.logits.numel() * batch.logits.element_size() + num_tokens * top_k * (4 + 4)
     note = "logits read + weights and ids written"
@@ -241,19 +242,28 @@ def router_case(p, ctx, route, reference):
                 routing=Routing(out[1], batch.is_padding, p.num_experts, p.ep_size), nvtx_stage="route")
 
 
-def register_router_impls(kernel: str, variants: dict, reference, knobs, validate, baseline: str) -> None:
-    """Register `<kernel>.<variant>` (targets router and kernel) for each variant: (router function, description).
+def router_build_for(reference, knobs):
+    """build_for(route) of a router family: the case of `route` called like moebench's own router."""
+    def build_for(route):
+        def build(p, ctx):
+            kwargs = knobs(p)
+            return router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
+        return build
+    return build_for
+
+
+def register_router_impls(kernel: str, variants: dict, reference, knobs, validate, baseline: str, call: str) -> None:
+    """Register `<kernel>.<variant>` (targets router and kernel) for each variant: (router function, description),
+    and the kernel family (moebench.families) outside routers are benchmarked through.
 
     knobs(p) gives the point's keyword arguments shared by the router and `reference` (top_k, renormalize, ...);
     `baseline` names the variant that is the family's reference.
     """
+    build_for = router_build_for(reference, knobs)
+    register_family(KernelFamily(kernel, ("router", "kernel"), build_for, call, validate))
     for variant, (route, text) in variants.items():
-        def build(p, ctx, route=route):
-            kwargs = knobs(p)
-            return router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
-
         register_impl(f"{kernel}.{variant}", targets=("router", "kernel"), description=text, validate=validate,
-                      baseline=variant == baseline)(build)
+                      baseline=variant == baseline)(build_for(route))
 
 
 register_router_impls(
@@ -264,7 +274,9 @@ register_router_impls(
         "torch": (topk_softmax_torch, "eager torch softmax + stable descending sort (the reference)"),
     },
     topk_softmax_reference, knobs=lambda p: dict(top_k=p.top_k, renormalize=p.renormalize),
-    validate=lambda p: router_limits_problem(p.num_experts, p.top_k), baseline="torch")
+    validate=lambda p: router_limits_problem(p.num_experts, p.top_k), baseline="torch",
+    call="fn(logits, top_k=, renormalize=, is_padding=mask or None, bias=fp32 [E] or None, out=(weights, ids)) "
+         "-> (weights fp32 [T,K], ids int32 [T,K]); padded rows -1 / +0.0")
 
 
 def grouped_validate(p) -> str | None:
@@ -283,4 +295,7 @@ register_router_impls(
     grouped_topk_reference,
     knobs=lambda p: dict(top_k=p.top_k, num_expert_group=p.num_expert_group, topk_group=p.topk_group,
                          scoring=p.scoring, renormalize=p.renormalize, routed_scaling_factor=p.routed_scaling_factor),
-    validate=grouped_validate, baseline="torch")
+    validate=grouped_validate, baseline="torch",
+    call="fn(logits, top_k=, num_expert_group=, topk_group=, scoring=, renormalize=, routed_scaling_factor=, "
+         "is_padding=mask or None, bias=fp32 [E] or None, out=(weights, ids)) -> (weights fp32 [T,K], ids int32 "
+         "[T,K]); padded rows -1 / +0.0")

@@ -16,6 +16,7 @@ from moebench.kernels.prepare_moe_inputs import (
     prepare_moe_inputs_torch,
     stage_routing_torch,
 )
+from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, RunContext, register_impl
 
 __all__ = ["fp8_interpreter_tolerant_mismatches", "compare_staging", "rows_differing", "staging_problem"]
@@ -89,7 +90,8 @@ def staging_problem(p) -> str | None:
     return None
 
 
-def _make_build(variant: str):
+def _make_build(variant: str, fn=None):
+    """build(p, ctx) of a variant of moebench's staging, or (variant "fn") of `fn` called like the Triton one."""
     def build(p, ctx: RunContext) -> Case:
         batch = make_batch(p, ctx.device)
         # The router is not masked here: in the MegaMoE path the staging kernel is where the mask is applied.
@@ -101,7 +103,10 @@ def _make_build(variant: str):
         mask = batch.mask if variant != "oblivious" else None  # what the impl effectively applies
         outs = alloc_outputs(T, H, K, G, fmt, ctx.device)
 
-        if variant == "triton":
+        if variant == "fn":
+            def run():
+                return fn(hidden, topk_weights, topk_ids, batch.mask, G, fmt, out=outs)
+        elif variant == "triton":
             def run():
                 return prepare_moe_inputs(hidden, topk_weights, topk_ids, batch.mask, G, fmt, out=outs)
         elif variant == "oblivious":
@@ -124,9 +129,10 @@ def _make_build(variant: str):
                 return compare_staging(tuple(t[dev_rows] for t in got), cpu, bitwise=True)
             for t in outs:
                 poison(t)
-            run()
+            got = run()
             ref = prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, mask, G, fmt)
-            return compare_staging(outs, ref, bitwise=ctx.is_cuda)
+            # an outside implementation is judged by what it returns (it may ignore `out`)
+            return compare_staging(tuple(got) if variant == "fn" else outs, ref, bitwise=ctx.is_cuda)
 
         # Harm done, measured against the mask-aware result with the true padding mask.
         expect_idx, expect_w = stage_routing_torch(topk_weights, topk_ids, mask)
@@ -153,3 +159,9 @@ for _variant in ("triton", "torch", "oblivious"):
     register_impl(f"prepare_moe_inputs.{_variant}", targets=("kernel", "stage"), description=_DESCRIPTIONS[_variant],
                   validate=staging_problem, twin_of="prepare_moe_inputs.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_make_build(_variant))
+
+register_family(KernelFamily(
+    "prepare_moe_inputs", ("kernel", "stage"), lambda fn: _make_build("fn", fn),
+    "fn(hidden bf16 [T,H], topk_weights fp32 [T,K], topk_ids int32 [T,K], is_padding or None, group_size, "
+    "scale_format, out=(x_fp8, x_sf, topk_idx, topk_w)) -> (x_fp8 e4m3 [T,H], x_sf, topk_idx int64, topk_w fp32)",
+    staging_problem))

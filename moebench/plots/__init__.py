@@ -25,6 +25,7 @@ from moebench.plots.draw import Plot
 from moebench.plots.jit import jit_compiles
 from moebench.plots.latency import latency_vs_tokens
 from moebench.plots.load import expert_load, rank_load
+from moebench.plots.peers import peer_ratio
 from moebench.plots.roof import roof_fraction
 from moebench.plots.saving import saving_vs_padding
 from moebench.plots.scaling import ep_scaling
@@ -72,6 +73,10 @@ FIGURES: tuple[Figure, ...] = (
            "Cumulative Triton compiles (and compile seconds) over a batch-size trace per capacity policy; dashed: "
            "the predicted count. Runs that could not count compiles (CPU) are left out.",
            jit_compiles),
+    Figure("peer_ratio",
+           "Each impl's p50 over the fastest other peer's p50 at the same point (peers: torch.compile, library "
+           "adapters, plugins; dashed) vs num_tokens, one panel per kernel family; below 1: faster than every peer.",
+           peer_ratio),
 )
 
 KINDS: dict[str, str] = {f.kind: f.blurb for f in FIGURES}  # kind -> blurb

@@ -1,0 +1,123 @@
+"""Plugins: a user's own kernel or dispatch path through moebench's sweeps, without editing moebench.
+
+    from moebench.plugins import register_kernel
+
+    def my_router(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None): ...
+    register_kernel("topk_softmax", "mine", my_router)      # -> the impl topk_softmax.mine
+
+`fn` has exactly the signature of `moebench.kernels.<family>` (moebench.families gives, per family, how it is
+called and what it must return). moebench builds the inputs, checks `fn` against the family's reference (a wrong
+result is recorded `wrong`), times it and computes imbalance, exactly as for its own kernels. The impl is marked
+`library="plugin"` (a peer: tables and plots give every impl its ratio to the best peer).
+
+A sweep names the modules to import under the top-level key `plugins: [module, ...]` (looked up on sys.path, then
+next to the sweep file); installed packages can register through the entry-point group `moebench.impls` (each
+entry point's object is called with no arguments when callable, else importing it is the registration). A module
+that cannot be imported is a one-line error naming it. Dispatch paths: `register_dispatch_path(name, cls)` with a
+`moebench.dispatch.base.DispatchPath` subclass, timed as `dispatch.<name>`. docs/plugins.md has a worked example.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["register_kernel", "register_dispatch_path", "load_plugins", "load_entry_points", "ENTRY_POINT_GROUP",
+           "PluginError"]
+
+ENTRY_POINT_GROUP = "moebench.impls"
+
+
+class PluginError(ValueError):
+    """A plugin that cannot be loaded. str() is the one line shown to the user (exit 2)."""
+
+
+def register_kernel(family: str, variant: str, fn: Callable, *, description: str = "", library: str = "plugin",
+                    available: Callable | None = None, validate: Callable | None = None) -> str:
+    """Register `fn` as the impl `<family>.<variant>` (see the module docstring); returns the impl name.
+
+    `available(ctx)` / `validate(p)` (None when fine, else why not) add to the family's own limits.
+    """
+    from moebench.families import get_family
+    from moebench.registry import register_impl
+
+    fam = get_family(family)
+    if not variant or "." in variant:
+        raise ValueError(f"plugin variant {variant!r}: a non-empty name without dots")
+    own = fam.validate
+
+    def both(p):
+        return (own(p) if own is not None else None) or (validate(p) if validate is not None else None)
+
+    name = f"{family}.{variant}"
+    register_impl(name, targets=fam.targets, description=description or f"{library}: {getattr(fn, '__name__', fn)}",
+                  available=available, validate=both, library=library)(fam.build_for(fn))
+    return name
+
+
+def register_dispatch_path(name: str, cls: type) -> str:
+    """Register a DispatchPath subclass as the multi-rank impl `dispatch.<name>` (the path interface of
+    moebench.dispatch.base; checked and timed like moebench's own paths)."""
+    from moebench.dispatch.base import dispatch_path
+    from moebench.families import path_registrar
+
+    description = getattr(cls, "description", "") or f"plugin dispatch path {cls.__name__}"
+    dispatch_path(name, description=description)(cls)
+    path_registrar()(cls)
+    return f"dispatch.{name}"
+
+
+_loaded_modules: set[str] = set()
+
+
+def load_plugins(modules: list, src: str = "<memory>") -> None:
+    """Import each plugin module once (registration happens at import); the sweep file's folder is searched after
+    sys.path. Any failure is one PluginError line naming the module. Installed packages' entry points first."""
+    from moebench import registry
+
+    registry.load_all()  # the families must exist before a plugin registers against them
+    load_entry_points()
+    here = Path(src).resolve().parent if src and not src.startswith("<") else None
+    for i, mod in enumerate(modules):
+        if not isinstance(mod, str) or not mod:
+            raise PluginError(f"{src}: plugins[{i}]: expected a module name, got {mod!r}")
+        if mod in _loaded_modules:
+            continue
+        try:
+            _import(mod, here)
+        except Exception as e:
+            raise PluginError(f"{src}: plugins[{i}]: cannot import plugin module {mod!r} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        _loaded_modules.add(mod)
+
+
+def _import(mod: str, here: Path | None):
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if here is None or e.name != mod.split(".")[0] or str(here) in sys.path:
+            raise
+    sys.path.append(str(here))  # a plugin next to its sweep file
+    return importlib.import_module(mod)
+
+
+_entry_points_loaded = False
+
+
+def load_entry_points() -> None:
+    """Load the `moebench.impls` entry points of installed packages, once."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj):
+                obj()
+        except Exception as e:
+            raise PluginError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP}: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

@@ -1,0 +1,215 @@
+"""Peers: the torch.compile peers at small shapes, the library adapters against stand-ins with the libraries' call
+signatures (tests/standins), and the ratio of every impl to the best peer at the same point."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moebench import registry
+from moebench.bench import peers_flashinfer, peers_sglang, peers_vllm
+from moebench.bench.compile_peers import compile_available
+from moebench.peers import compare_within, peer_footer_lines, peer_ratios
+from moebench.registry import RunContext
+from moebench.sweep import Params
+from tests.standins import flashinfer_standin, sgl_kernel_standin, vllm_ops
+
+CPU = RunContext(device=torch.device("cpu"))
+SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
+             padding_ratio=0.25, num_max_tokens_per_rank=16)
+GROUPED = dict(SMALL, num_expert_group=4, topk_group=2, scoring="sigmoid", bias=True, routed_scaling_factor=2.5)
+
+
+def _params(**over) -> Params:
+    return dataclasses.replace(Params(), **over)
+
+
+def _check(name: str, p: Params):
+    impl = registry.get(name)
+    assert impl.validate(p) is None, impl.validate(p)
+    assert impl.available(CPU) is None, impl.available(CPU)
+    case = impl.build(p, CPU)
+    return case, case.check()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile peers
+# ---------------------------------------------------------------------------------------------------------------
+
+COMPILE_POINTS = {
+    "topk_softmax.compile": SMALL,
+    "grouped_topk.compile": GROUPED,
+    "prepare_moe_inputs.compile": SMALL,
+    "apply_expert_map.compile": dict(SMALL, ep_size=2),
+    "globalize_recv_topk_idx.compile": dict(SMALL, ep_size=2),
+    "masked_moe_sum.compile": SMALL,
+}
+
+
+@pytest.mark.skipif(compile_available(CPU) is not None, reason=str(compile_available(CPU)))
+@pytest.mark.parametrize("name", sorted(COMPILE_POINTS))
+def test_compile_peer_passes_its_check_and_records_compile_time(name):
+    impl = registry.get(name)
+    assert impl.library == "torch.compile"
+    case, res = _check(name, _params(**COMPILE_POINTS[name]))
+    assert res.ok, res.detail
+    assert case.info["compile_seconds"] > 0  # compiled in build, outside any timed region
+    assert case.bytes_moved > 0 and case.routing is not None
+
+
+def test_compile_peers_cover_the_plain_torch_families():
+    names = {n for n, i in registry.all_impls().items() if i.library == "torch.compile"}
+    assert names == set(COMPILE_POINTS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Library adapters against stand-ins
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def standins():
+    libs = [(peers_vllm.VLLM, vllm_ops), (peers_sglang.SGLANG, sgl_kernel_standin),
+            (peers_flashinfer.FLASHINFER, flashinfer_standin)]
+    saved = [(lib, lib.lib, lib.reason) for lib, _ in libs]
+    for lib, mod in libs:
+        lib.bind(mod)
+    yield
+    for lib, mod, reason in saved:
+        lib.lib, lib.reason = mod, reason
+
+
+ADAPTER_POINTS = {
+    "topk_softmax.vllm": SMALL,
+    "grouped_topk.vllm": GROUPED,
+    "moe_align_block_size.vllm": SMALL,
+    "moe_align_block_size.vllm@map": dict(SMALL, num_local_experts=4),
+    "masked_moe_sum.vllm": SMALL,
+    "fused_experts.vllm": SMALL,
+    "topk_softmax.sglang": SMALL,
+    "grouped_topk.sglang": GROUPED,
+    "moe_align_block_size.sglang": SMALL,
+    "moe_align_block_size.sglang@map": dict(SMALL, num_local_experts=4),
+    "grouped_topk.flashinfer": GROUPED,
+}
+
+
+@pytest.mark.parametrize("label", sorted(ADAPTER_POINTS))
+def test_adapter_passes_the_reference_check_against_its_standin(standins, label):
+    name = label.split("@")[0]
+    impl = registry.get(name)
+    assert impl.library in ("vllm", "sglang", "flashinfer")
+    case, res = _check(name, _params(**ADAPTER_POINTS[label]))
+    assert res.ok, res.detail
+    case.run()  # what is timed runs again on the same buffers
+
+
+def test_vllm_moe_sum_is_recorded_as_the_oblivious_reduction(standins):
+    impl = registry.get("masked_moe_sum.vllm")
+    assert not impl.mask_aware
+    case, res = _check("masked_moe_sum.vllm", _params(**SMALL))
+    assert res.ok and case.info["nan_rows"] > 0  # the padded rows' NaN reach its output, as they would in vLLM
+
+
+def test_adapters_refuse_points_their_library_cannot_express():
+    assert "bias" in registry.get("grouped_topk.vllm").validate(_params(**SMALL))
+    assert "sigmoid" in registry.get("grouped_topk.flashinfer").validate(_params(**SMALL))
+    assert "bias" in registry.get("topk_softmax.vllm").validate(_params(**dict(SMALL, bias=True)))
+
+
+def test_absent_library_says_why(monkeypatch):
+    lib = peers_vllm.VLLM
+    monkeypatch.setattr(lib, "lib", None)
+    monkeypatch.setattr(lib, "reason", "vllm is not installed (no module 'vllm')")
+    assert registry.get("topk_softmax.vllm").available(CPU) == "vllm is not installed (no module 'vllm')"
+
+
+def test_a_wrong_library_result_is_caught_after_the_layout_is_normalised(standins, monkeypatch):
+    def drops_a_route(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
+                      expert_map=None):
+        vllm_ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids,
+                                      num_tokens_post_pad, expert_map)
+        sorted_token_ids[0] = topk_ids.numel()  # the first route of the first expert goes missing
+
+    broken = type("broken", (), {"moe_align_block_size": staticmethod(drops_a_route), "MOEBENCH_STANDIN": True})
+    peers_vllm.VLLM.bind(broken)
+    _, res = _check("moe_align_block_size.vllm", _params(**SMALL))
+    assert not res.ok and "sorted_token_ids" in res.detail
+
+
+def test_a_router_that_ignores_the_mask_is_wrong(standins, monkeypatch):
+    # a version that takes is_padding but ignores it: the adapter trusts it, the check catches it
+    def topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize=False,
+                     is_padding=None):
+        vllm_ops.topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize)
+
+    peers_vllm.VLLM.bind(type("v", (), {"topk_softmax": staticmethod(topk_softmax), "MOEBENCH_STANDIN": True}))
+    _, res = _check("topk_softmax.vllm", _params(**SMALL))
+    assert not res.ok and "padded rows" in res.detail
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ratio to the best peer
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rec(impl, p50, library=None, status="ok", **params):
+    return {"point": 0, "impl": impl, "kernel": impl.split(".")[0], "library": library, "status": status,
+            "params": {"num_tokens": 8, **params}, "stats": {"p50": p50}}
+
+
+def test_peer_ratio_is_against_the_fastest_other_peer_at_the_same_point():
+    recs = [_rec("topk_softmax.triton", 10.0), _rec("topk_softmax.compile", 120.0, "torch.compile"),
+            _rec("topk_softmax.vllm", 40.0, "vllm"), _rec("topk_softmax.sglang", 5.0, "sglang", status="failed"),
+            _rec("topk_softmax.triton", 20.0, num_tokens=16),  # another point: no peer there
+            _rec("grouped_topk.compile", 1.0, "torch.compile")]  # another family
+    rows = {r["impl"]: r for r in peer_ratios(recs)}
+    assert set(rows) == {"topk_softmax.triton", "topk_softmax.compile", "topk_softmax.vllm"}
+    assert rows["topk_softmax.triton"]["best_peer"] == "topk_softmax.vllm"
+    assert rows["topk_softmax.triton"]["ratio"] == pytest.approx(0.25)
+    assert rows["topk_softmax.vllm"]["best_peer"] == "topk_softmax.compile"  # the fastest *other* peer
+    assert rows["topk_softmax.vllm"]["ratio"] == pytest.approx(40 / 120)
+    lines = peer_footer_lines(recs)
+    assert any("topk_softmax.triton" in line and "0.250" in line for line in lines)
+    assert peer_footer_lines([_rec("topk_softmax.triton", 10.0)]) == []
+
+
+def test_compare_within_pairs_impls_by_parameters():
+    recs = [_rec("a.x", 10.0), _rec("a.y", 5.0), _rec("a.x", 8.0, num_tokens=16), _rec("a.y", 1.0, status="wrong",
+                                                                                          num_tokens=16)]
+    rows = compare_within(recs, "a.x", "a.y")
+    assert [(r["params"]["num_tokens"], r["ratio"]) for r in rows] == [(8, 0.5)]
+
+
+def test_peer_ratio_plot_is_drawn_from_the_records(tmp_path):
+    import json
+
+    from moebench.plots import make_plots
+
+    run = tmp_path / "results" / "run1"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"sweep": {"name": "p", "axes": {"num_tokens": [8, 16]}}}))
+    recs = []
+    for t in (8, 16):
+        recs += [_rec("topk_softmax.triton", 10.0 * t, num_tokens=t),
+                 _rec("topk_softmax.compile", 30.0 * t, "torch.compile", num_tokens=t),
+                 _rec("topk_softmax.vllm", 20.0 * t, "vllm", num_tokens=t)]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    paths = make_plots(run, tmp_path / "plots")
+    assert [p.name for p in paths if p.name.startswith("peer_ratio")] == ["peer_ratio.png"]
+
+
+def test_compare_within_one_run_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from moebench.cli import main
+
+    run = tmp_path / "run1"
+    run.mkdir()
+    recs = [_rec("topk_softmax.triton", 10.0), _rec("topk_softmax.compile", 40.0, "torch.compile")]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["compare", str(run)]) == 0
+    assert "vs best peer" in capsys.readouterr().out
+    assert main(["compare", str(run), "--impls", "topk_softmax.compile,topk_softmax.triton"]) == 0
+    out = capsys.readouterr().out
+    assert "0.250" in out and "1 matching points" in out

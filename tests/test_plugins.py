@@ -1,0 +1,160 @@
+"""Plugins: a user's kernels through the bundled sweeps (a correct one ok, a wrong one wrong), the `plugins:` key,
+the one-line error of an unimportable plugin, dispatch paths, and the worked example of docs/plugins.md as
+written there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebench import registry
+from moebench.plugins import register_dispatch_path
+from moebench.registry import RunContext
+from moebench.results import load_records
+from moebench.runner import run_sweep
+from moebench.sweep import Params, SweepError, load_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+
+PLUGIN = '''
+import torch
+
+from moebench.plugins import register_kernel
+
+
+def _route(logits, top_k, renormalize, is_padding, bias, out, wrong):
+    probs = torch.softmax(logits.float(), dim=-1)
+    ids = torch.topk(probs if bias is None else probs + bias, top_k, dim=-1).indices
+    weights = probs.gather(1, ids)
+    if renormalize and not wrong:  # the wrong one forgets to renormalise
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ids = ids.to(torch.int32)
+    if is_padding is not None:
+        weights = weights.masked_fill(is_padding[:, None], 0.0)
+        ids = ids.masked_fill(is_padding[:, None], -1)
+    out[0].copy_(weights)
+    out[1].copy_(ids)
+    return out
+
+
+def good(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+    return _route(logits, top_k, renormalize, is_padding, bias, out, wrong=False)
+
+
+def bad(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+    return _route(logits, top_k, renormalize, is_padding, bias, out, wrong=True)
+
+
+register_kernel("topk_softmax", "plugin_good", good, description="a user's correct router")
+register_kernel("topk_softmax", "plugin_bad", bad, description="a user's router that forgets to renormalise")
+'''
+
+SWEEP = """\
+name: plugged
+target: router
+plugins: [{module}]
+impls: [topk_softmax.torch, topk_softmax.plugin_good, topk_softmax.plugin_bad]
+fixed: {{num_experts: 16, top_k: 4}}
+axes:
+  num_tokens: [8, 32]
+  padding_ratio: [0.0, 0.5]
+timing: {{warmup: 1, iters: 3}}
+"""
+
+
+def test_plugin_module_registers_a_correct_and_a_wrong_router(tmp_path, capsys):
+    module = "moebench_test_plugin_routers"
+    (tmp_path / f"{module}.py").write_text(PLUGIN)
+    sweep_file = tmp_path / "plugged.yaml"
+    sweep_file.write_text(SWEEP.format(module=module))  # found next to the sweep file
+    sweep = load_sweep(sweep_file)
+    assert sweep.plugins == (module,)
+    assert registry.get("topk_softmax.plugin_good").library == "plugin"
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", make_plots=False)
+    assert code == 1  # a wrong point makes the run exit 1
+    status = {}
+    for r in load_records(run_dir):
+        status.setdefault(r["impl"], set()).add(r["status"])
+    assert status == {"topk_softmax.torch": {"ok"}, "topk_softmax.plugin_good": {"ok"},
+                      "topk_softmax.plugin_bad": {"wrong"}}
+    recs = [r for r in load_records(run_dir) if r["impl"] == "topk_softmax.plugin_good"]
+    assert all(r["imbalance"] and r["samples_us"] and r["library"] == "plugin" for r in recs)
+    out = capsys.readouterr().out
+    assert "vs best peer" in out  # the reference and the good plugin are compared with the best peer
+
+
+def test_unimportable_plugin_is_exit_2_naming_the_module(tmp_path):
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(SWEEP.format(module="no_such_moebench_plugin"))
+    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(sweep_file), "--device", "cpu"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2
+    assert "no_such_moebench_plugin" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_plugin_key_must_name_modules(tmp_path):
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(SWEEP.format(module="[1]").replace("plugins: [[1]]", "plugins: [3]"))
+    with pytest.raises(SweepError, match=r"plugins\[0\]"):
+        load_sweep(sweep_file)
+
+
+def test_register_kernel_refuses_unknown_family():
+    from moebench.plugins import register_kernel
+
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        register_kernel("no_such_family", "x", lambda: None)
+
+
+def test_register_dispatch_path_times_a_path_like_moebench_s_own():
+    from moebench.dispatch.agrs import AGRSPath
+
+    name = "dispatch.plugin_agrs"
+    if name not in registry.all_impls():
+        assert register_dispatch_path("plugin_agrs", type("PluginAGRS", (AGRSPath,), {})) == name
+    impl = registry.get(name)
+    assert impl.multi_rank
+    case = impl.build(Params(num_tokens=16, hidden=64, num_experts=8, top_k=2, padding_ratio=0.25),
+                      RunContext(device=torch.device("cpu")))
+    res = case.check()
+    assert res.ok, res.detail
+    case.cleanup()
+
+
+def _doc_blocks(lang: str) -> list[str]:
+    """The fenced blocks of docs/plugins.md whose info string is `lang` ("" for a bare fence)."""
+    blocks, current, info = [], None, ""
+    for line in (REPO / "docs" / "plugins.md").read_text().splitlines():
+        if line.strip().startswith("```"):
+            if current is None:
+                current, info = [], line.strip()[3:]
+            else:
+                if info == lang:
+                    blocks.append("\n".join(current) + "\n")
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_docs_worked_example_runs_as_written(tmp_path):
+    (tmp_path / "my_router.py").write_text(_doc_blocks("python")[0])
+    (tmp_path / "my_sweep.yaml").write_text(_doc_blocks("yaml")[0])
+    command = textwrap.dedent(_doc_blocks("")[0]).split()
+    assert command[:2] == ["moebench", "run"]
+    proc = subprocess.run([sys.executable, "-m", "moebench", *command[1:]], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for run in (tmp_path / "results").rglob("records.jsonl")
+               for line in run.read_text().splitlines()]
+    assert {(r["impl"], r["status"]) for r in records} == {("topk_softmax.triton", "ok"), ("topk_softmax.mine", "ok")}
+    assert "vs best peer" in proc.stdout
