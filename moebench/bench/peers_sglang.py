@@ -32,6 +32,7 @@ from moebench.bench._peer_lib import Library, accepts, register_adapter, router_
 from moebench.bench.align import align_build_for
 from moebench.kernels.apply_expert_map import apply_expert_map_torch
 from moebench.kernels.moe_align_block_size import align_capacity
+from moebench.kernels._details.router_common import mask_padded_rows_torch
 
 
 def _load():
@@ -42,12 +43,6 @@ def _load():
 
 
 SGLANG = Library("sglang", "sgl_kernel", _load)
-
-
-def _mask(weights, ids, is_padding):
-    if is_padding is not None:
-        weights.masked_fill_(is_padding[:, None], 0.0)
-        ids.masked_fill_(is_padding[:, None], -1)
 
 
 def make_topk_softmax(lib):
@@ -69,7 +64,7 @@ def make_topk_softmax(lib):
             op(weights, ids, logits)
         if renormalize and not takes_renorm:
             weights.div_(weights.sum(dim=-1, keepdim=True))
-        _mask(weights, ids, is_padding)
+        mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
     return fn
 
@@ -90,7 +85,7 @@ def make_fused_gate(lib):
             w = w * routed_scaling_factor
         weights.copy_(w)
         ids.copy_(i)
-        _mask(weights, ids, is_padding)
+        mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
     return fn
 

@@ -32,6 +32,7 @@ import torch
 from moebench.bench._peer_lib import Library, accepts, register_adapter, router_out
 from moebench.bench.align import align_build_for
 from moebench.bench.moe_sum import oblivious_build_for
+from moebench.kernels._details.router_common import mask_padded_rows_torch
 from moebench.kernels.apply_expert_map import apply_expert_map_torch
 
 
@@ -50,12 +51,6 @@ def _load():
 
 
 VLLM = Library("vllm", "vllm", _load)
-
-
-def _mask(weights, ids, is_padding):
-    if is_padding is not None:
-        weights.masked_fill_(is_padding[:, None], 0.0)
-        ids.masked_fill_(is_padding[:, None], -1)
 
 
 def make_topk_softmax(lib):
@@ -77,7 +72,7 @@ def make_topk_softmax(lib):
         if renormalize and not takes_renorm:
             weights.div_(weights.sum(dim=-1, keepdim=True))
         if not takes_pad:
-            _mask(weights, ids, is_padding)
+            mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
     return fn
 
@@ -93,7 +88,7 @@ def make_grouped_topk(lib):
                   bias, 0 if scoring == "softmax" else 1)
         weights.copy_(w)
         ids.copy_(i)
-        _mask(weights, ids, is_padding)
+        mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
     return fn
 
