@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.bench.experts import wrap_minus_one
 from moebench.check import CheckResult, compare_close, poison
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
@@ -155,13 +156,7 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Ca
         info["config"] = cfg.short()
         run_ids = ids
         if variant == "oblivious":
-            wrapped = torch.empty_like(ids)
-            last = torch.tensor(E - 1, dtype=ids.dtype, device=dev)
-
-            def remap():
-                torch.where(ids < 0, last, ids, out=wrapped)
-
-            remap()
+            wrapped, remap = wrap_minus_one(ids, E)
             run_ids = wrapped
             info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
             routing_ids = torch.where(routing_ids < 0, torch.full_like(routing_ids, E - 1), routing_ids)
