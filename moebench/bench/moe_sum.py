@@ -3,11 +3,13 @@ every skipped slot so that an implementation that loads one shows it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import generator, make_batch, route
-from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
+from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
 from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl
 
@@ -98,6 +100,12 @@ for _variant, _text in _DESCRIPTIONS.items():
     register_impl(f"masked_moe_sum.{_variant}", targets=("kernel",), description=_text,
                   twin_of="masked_moe_sum.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_build_sum(_variant))
+
+
+for _name, _launch in SUM_CANDIDATES.items():
+    register_impl(f"masked_moe_sum.triton_{_name}", targets=("kernel",),
+                  description=f"tuning candidate: the Triton masked sum launched as {_launch.short()}")(
+        _build_sum("fn", functools.partial(masked_moe_sum, launch=_launch)))
 
 
 def oblivious_build_for(fn):

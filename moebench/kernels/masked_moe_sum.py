@@ -55,7 +55,7 @@ def moe_sum_oblivious(intermediate: torch.Tensor, out: torch.Tensor | None = Non
 def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, num_experts,
                            stride_inter_m, stride_inter_k, stride_ids_m, stride_ids_k, stride_out_m,
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                           HAS_UPPER: tl.constexpr, SOFT_BF16: tl.constexpr):
+                           HAS_UPPER: tl.constexpr, SOFT_BF16: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """out[rows, cols] for ROWS rows x BLOCK_H columns. A slot counts when its id is >= 0 (and < num_experts with
     HAS_UPPER); a row block without any such slot writes zeros without a single load of `intermediate`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -84,22 +84,44 @@ def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, n
             # A skipped slot's load is fully predicated off, so it issues no memory traffic. (One compare per
             # element against a per-row limit: the interpreter mishandles `bool block & bool scalar`.)
             take = cols[None, :] < tl.where(take_row, hidden, 0)[:, None]
-            x = tl.load(inter_ptr + rows[:, None] * stride_inter_m + k * stride_inter_k + cols[None, :], mask=take,
-                        other=0.0, eviction_policy="evict_first")
+            x_ptrs = inter_ptr + rows[:, None] * stride_inter_m + k * stride_inter_k + cols[None, :]
+            if EVICT_FIRST:  # each slot is read once: keep it from pushing the ids and the output out of L2
+                x = tl.load(x_ptrs, mask=take, other=0.0, eviction_policy="evict_first")
+            else:
+                x = tl.load(x_ptrs, mask=take, other=0.0)
             acc = tl.where(take, acc + x.to(tl.float32), acc)
         tl.store(out_ptrs, round_store_value(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=out_mask)
 
 
 @dataclass(frozen=True)
 class SumLaunch:
-    """Launch shape of the masked sum: rows x columns per program, warps."""
+    """Launch shape of the masked sum: rows x columns per program, warps, and whether the slot loads carry the
+    evict-first hint. The output does not depend on it."""
 
     rows: int = 2
     block_h: int = 1024
     num_warps: int = 4
+    evict_first: bool = True
 
     def short(self) -> str:
-        return f"rows{self.rows} H{self.block_h} w{self.num_warps}"
+        return f"rows{self.rows} H{self.block_h} w{self.num_warps}" + ("" if self.evict_first else " keep")
+
+
+# Launch shapes to time side by side on the GPU (`masked_moe_sum.triton_<name>`, sweeps/tune_moe_sum.yaml); the
+# default (sum_launch_config) is "r2_h1024_w4". At T=8192, K=8, H=7168 the default moves 97% of the copy figure
+# (257 us) where vLLM's one-token-per-block moe_sum was measured at 104% (240 us): the candidates trade bytes in
+# flight per program (rows x block_h x K) against the number of resident programs.
+SUM_CANDIDATES: dict[str, SumLaunch] = {
+    "r1_h1024_w4": SumLaunch(1, 1024, 4),
+    "r1_h1024_w2": SumLaunch(1, 1024, 2),
+    "r1_h2048_w8": SumLaunch(1, 2048, 8),
+    "r2_h2048_w8": SumLaunch(2, 2048, 8),
+    "r4_h1024_w8": SumLaunch(4, 1024, 8),
+    "r2_h512_w2": SumLaunch(2, 512, 2),
+    "r1_h512_w1": SumLaunch(1, 512, 1),
+    "r2_h1024_w4_keep": SumLaunch(2, 1024, 4, evict_first=False),
+    "r1_h1024_w4_keep": SumLaunch(1, 1024, 4, evict_first=False),
+}
 
 
 def sum_launch_config(hidden: int, block_h: int = 1024, rows: int = 2) -> SumLaunch:
@@ -121,13 +143,14 @@ def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk
         intermediate, topk_ids, out, M, H, num_experts if num_experts is not None else 0,
         strides[0], strides[1], topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         TOP_K=K, TOP_K_PAD=next_pow2(K), ROWS=launch.rows, BLOCK_H=launch.block_h,
-        HAS_UPPER=num_experts is not None, SOFT_BF16=soft_bf16(out), num_warps=launch.num_warps)
+        HAS_UPPER=num_experts is not None, SOFT_BF16=soft_bf16(out), EVICT_FIRST=launch.evict_first,
+        num_warps=launch.num_warps)
 
 
 def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None = None, *,
                    launch: SumLaunch | None = None) -> torch.Tensor:
     """Triton masked reduction over top-k: intermediate [M, K, H], topk_ids [M, K] -> out [M, H].
-    `launch` overrides the launch shape (the GPU script sweeps it)."""
+    `launch` overrides the launch shape (SUM_CANDIDATES are the ones timed side by side)."""
     if intermediate.dim() != 3:
         raise ValueError(f"intermediate must be [M, K, H], got shape {tuple(intermediate.shape)}")
     M, K, H = intermediate.shape

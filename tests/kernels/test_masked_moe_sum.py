@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from moebench.check import poison
-from moebench.kernels.masked_moe_sum import (SumLaunch, launch_masked_sum, masked_moe_sum, masked_moe_sum_torch,
-                                             moe_sum_oblivious)
+from moebench.kernels.masked_moe_sum import (SUM_CANDIDATES, SumLaunch, launch_masked_sum, masked_moe_sum,
+                                             masked_moe_sum_torch, moe_sum_oblivious)
 
 
 def make_inputs(num_tokens, top_k, hidden, *, seed, dtype=torch.bfloat16, skip_prob=0.3, padded_rows=0,
@@ -67,7 +67,7 @@ def test_bf16_nan_slots_never_reach_output(top_k, hidden, ids_dtype, device):
 
 
 @pytest.mark.parametrize("launch", [SumLaunch(1, 1024, 4), SumLaunch(2, 64, 1), SumLaunch(4, 32, 1),
-                                    SumLaunch(2, 2048, 8)])
+                                    SumLaunch(2, 2048, 8), SumLaunch(2, 64, 1, evict_first=False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_launch_shapes_bitwise(launch, dtype, device):
     """Every launch shape gives the reference's bits: odd row counts (a half-filled last row block), columns not
@@ -161,3 +161,13 @@ def test_gpu_bf16_bitwise(num_tokens, top_k, hidden):
     want = masked_moe_sum_torch(x, ids)
     assert torch.isfinite(got).all()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SUM_CANDIDATES))
+def test_gpu_candidates_bitwise(name):
+    """Every tuning candidate gives the reference's bits at the tuned shape's width (H=7168, top-8, padded rows)."""
+    x, ids = make_inputs(300, 8, 7168, seed=7, padded_rows=75, device="cuda")
+    got = poison(torch.empty(300, 7168, dtype=x.dtype, device="cuda"))
+    masked_moe_sum(x, ids, out=got, launch=SUM_CANDIDATES[name])
+    assert torch.equal(got.view(torch.int16), masked_moe_sum_torch(x, ids).view(torch.int16))
