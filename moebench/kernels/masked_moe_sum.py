@@ -55,7 +55,7 @@ def moe_sum_oblivious(intermediate: torch.Tensor, out: torch.Tensor | None = Non
 def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, num_experts,
                            stride_inter_m, stride_inter_k, stride_ids_m, stride_ids_k, stride_out_m,
                            TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                           HAS_UPPER: tl.constexpr, SOFT_BF16: tl.constexpr, EVICT_FIRST: tl.constexpr):
+                           HAS_UPPER: tl.constexpr, SOFT_BF16: tl.constexpr, LOAD_HINT: tl.constexpr):
     """out[rows, cols] for ROWS rows x BLOCK_H columns. A slot counts when its id is >= 0 (and < num_experts with
     HAS_UPPER); a row block without any such slot writes zeros without a single load of `intermediate`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -85,8 +85,10 @@ def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, n
             # element against a per-row limit: the interpreter mishandles `bool block & bool scalar`.)
             take = cols[None, :] < tl.where(take_row, hidden, 0)[:, None]
             x_ptrs = inter_ptr + rows[:, None] * stride_inter_m + k * stride_inter_k + cols[None, :]
-            if EVICT_FIRST:  # each slot is read once: keep it from pushing the ids and the output out of L2
+            if LOAD_HINT == "evict_first":  # each slot is read once
                 x = tl.load(x_ptrs, mask=take, other=0.0, eviction_policy="evict_first")
+            elif LOAD_HINT == "cg":  # cached in L2 only
+                x = tl.load(x_ptrs, mask=take, other=0.0, cache_modifier=".cg")
             else:
                 x = tl.load(x_ptrs, mask=take, other=0.0)
             acc = tl.where(take, acc + x.to(tl.float32), acc)
@@ -95,32 +97,40 @@ def _masked_moe_sum_kernel(inter_ptr, topk_ids_ptr, out_ptr, num_rows, hidden, n
 
 @dataclass(frozen=True)
 class SumLaunch:
-    """Launch shape of the masked sum: rows x columns per program, warps, and whether the slot loads carry the
-    evict-first hint. The output does not depend on it."""
+    """Launch shape of the masked sum: rows x columns per program, warps, and the slot loads' cache hint
+    ("evict_first", "cg": L2 only, or "none"). The output does not depend on it."""
 
     rows: int = 2
     block_h: int = 1024
     num_warps: int = 4
-    evict_first: bool = True
+    load_hint: str = "evict_first"
+
+    def __post_init__(self):
+        if self.load_hint not in LOAD_HINTS:
+            raise ValueError(f"load_hint {self.load_hint!r}: one of {', '.join(LOAD_HINTS)}")
 
     def short(self) -> str:
-        return f"rows{self.rows} H{self.block_h} w{self.num_warps}" + ("" if self.evict_first else " keep")
+        return f"rows{self.rows} H{self.block_h} w{self.num_warps} {self.load_hint}"
+
+
+LOAD_HINTS = ("evict_first", "cg", "none")
 
 
 # Launch shapes to time side by side on the GPU (`masked_moe_sum.triton_<name>`, sweeps/tune_moe_sum.yaml); the
-# default (sum_launch_config) is "r2_h1024_w4". At T=8192, K=8, H=7168 the default moves 97% of the copy figure
-# (257 us) where vLLM's one-token-per-block moe_sum was measured at 104% (240 us): the candidates trade bytes in
-# flight per program (rows x block_h x K) against the number of resident programs.
+# default (sum_launch_config) is rows 2, 1024 columns, 4 warps, evict-first. The first trial on the H200 (T=8192,
+# K=8, H=7168; results/h200/tuning/) had the default at 259 us (96% of the copy figure) and the best, one row with
+# no cache hint, at 247 us, where vLLM's moe_sum was measured at 240 us: these are that best one's neighbours.
 SUM_CANDIDATES: dict[str, SumLaunch] = {
-    "r1_h1024_w4": SumLaunch(1, 1024, 4),
-    "r1_h1024_w2": SumLaunch(1, 1024, 2),
-    "r1_h2048_w8": SumLaunch(1, 2048, 8),
-    "r2_h2048_w8": SumLaunch(2, 2048, 8),
-    "r4_h1024_w8": SumLaunch(4, 1024, 8),
-    "r2_h512_w2": SumLaunch(2, 512, 2),
-    "r1_h512_w1": SumLaunch(1, 512, 1),
-    "r2_h1024_w4_keep": SumLaunch(2, 1024, 4, evict_first=False),
-    "r1_h1024_w4_keep": SumLaunch(1, 1024, 4, evict_first=False),
+    "r1_h1024_w4_none": SumLaunch(1, 1024, 4, "none"),
+    "r1_h1024_w4_cg": SumLaunch(1, 1024, 4, "cg"),
+    "r1_h1024_w2_none": SumLaunch(1, 1024, 2, "none"),
+    "r1_h1024_w8_none": SumLaunch(1, 1024, 8, "none"),
+    "r1_h2048_w8_none": SumLaunch(1, 2048, 8, "none"),
+    "r1_h2048_w4_none": SumLaunch(1, 2048, 4, "none"),
+    "r1_h512_w2_none": SumLaunch(1, 512, 2, "none"),
+    "r1_h512_w1_none": SumLaunch(1, 512, 1, "none"),
+    "r2_h1024_w4_none": SumLaunch(2, 1024, 4, "none"),
+    "r2_h1024_w4_cg": SumLaunch(2, 1024, 4, "cg"),
 }
 
 
@@ -143,7 +153,7 @@ def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk
         intermediate, topk_ids, out, M, H, num_experts if num_experts is not None else 0,
         strides[0], strides[1], topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         TOP_K=K, TOP_K_PAD=next_pow2(K), ROWS=launch.rows, BLOCK_H=launch.block_h,
-        HAS_UPPER=num_experts is not None, SOFT_BF16=soft_bf16(out), EVICT_FIRST=launch.evict_first,
+        HAS_UPPER=num_experts is not None, SOFT_BF16=soft_bf16(out), LOAD_HINT=launch.load_hint,
         num_warps=launch.num_warps)
 
 

@@ -67,7 +67,7 @@ def test_bf16_nan_slots_never_reach_output(top_k, hidden, ids_dtype, device):
 
 
 @pytest.mark.parametrize("launch", [SumLaunch(1, 1024, 4), SumLaunch(2, 64, 1), SumLaunch(4, 32, 1),
-                                    SumLaunch(2, 2048, 8), SumLaunch(2, 64, 1, evict_first=False)])
+                                    SumLaunch(2, 2048, 8), SumLaunch(2, 64, 1, "none"), SumLaunch(1, 32, 1, "cg")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_launch_shapes_bitwise(launch, dtype, device):
     """Every launch shape gives the reference's bits: odd row counts (a half-filled last row block), columns not
@@ -80,6 +80,11 @@ def test_launch_shapes_bitwise(launch, dtype, device):
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.cpu().view(bits), want.cpu().view(bits))
     assert torch.equal(got[[2, 3, 6, 9, 14]].cpu().view(bits), torch.zeros(5, 100, dtype=bits))
+
+
+def test_launch_rejects_unknown_load_hint():
+    with pytest.raises(ValueError, match="load_hint"):
+        SumLaunch(1, 1024, 4, "streaming")
 
 
 def test_upper_bound_skips_high_ids(device):
