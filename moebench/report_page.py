@@ -106,7 +106,7 @@ def load_run(run_dir: str | Path) -> RunView:
     if not (run_dir / RECORDS).exists() and profiles:
         return RunView(run_dir, {}, [], [], find_plots(run_dir), profiles)  # a profile's own folder
     if not (run_dir / RECORDS).exists():
-        raise ReportError(f"{run_dir}: not a run directory (no {RECORDS} nor {PROFILE})")
+        raise ReportError(f"{run_dir}: not a run directory (no {RECORDS})")
     records = sorted(_read_records(run_dir / RECORDS), key=lambda r: r.get("point", 0))
     if not records:
         raise ReportError(f"{run_dir}: empty run (no records in {RECORDS})")
