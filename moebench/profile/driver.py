@@ -169,7 +169,7 @@ def _stats_env() -> dict[str, str]:
 
 
 def _with_libdw_hint(message: str) -> str:
-    """The error, with what to do when it is nsys lacking libdw (or when nsys wrote no report, its usual sign)."""
+    """The error of nsys lacking libdw, with what to do about it (unless MOEBENCH_NSYS_LIBS is already set)."""
     if os.environ.get(LIBS_ENV) or LIBS_ENV in message:
         return message
     return f"{message}\n{LIBDW_HINT}"
@@ -198,7 +198,9 @@ def _profile_nsys(nsys: str, sweep_path, point_index: int, out_dir: Path, overri
     result["files"].append(str(log))
     rep = out_dir / "profile.nsys-rep"
     if proc.returncode != 0 or not rep.exists():
-        result["error"] = _with_libdw_hint(f"nsys profile rc={proc.returncode}: {_tail(proc.stderr or proc.stdout)}")
+        text = f"nsys profile rc={proc.returncode}: {_tail(proc.stderr or proc.stdout)}"
+        # no report after a clean exit is the importer failing, libdw's usual sign
+        result["error"] = _with_libdw_hint(text) if "libdw" in text or proc.returncode == 0 else text
         return result
     result["files"].append(str(rep))
 
