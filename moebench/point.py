@@ -58,8 +58,12 @@ def _all_ranks_ok(ok: bool, ctx: RunContext) -> bool:
 
 
 def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing | None = None,
-                  hook: Callable[[str], None] | None = None) -> dict:
-    """Run one point on this rank and return its record (every rank of a multi-rank point calls this)."""
+                  hook: Callable[[str], None] | None = None, profile_iters: int = 0) -> dict:
+    """Run one point on this rank and return its record (every rank of a multi-rank point calls this).
+
+    `hook("start"/"stop")` brackets the timed iterations; with `profile_iters` it brackets instead that many
+    eager, untimed iterations run after the timing, in per-stage NVTX ranges (moebench.measure.nvtx
+    .profiled_iterations): what `moebench profile` captures. The timed samples are the same either way."""
     impl = registry.get(point.impl)
     p = point.params
     timing = timing or sweep.timing
@@ -93,7 +97,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                     nonlocal compiles_before_timed
                     if event == "start" and counter is not None:
                         compiles_before_timed = counter.count
-                    if hook:
+                    if hook and not profile_iters:
                         hook(event)
 
                 res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
@@ -112,6 +116,11 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                     stages[stage_name] = {**sres.stats, "mode": sres.mode}
                 if stages:
                     rec["stages"] = stages
+                if profile_iters:
+                    from moebench.measure.nvtx import profiled_iterations
+
+                    rec["profile"] = profiled_iterations(case.run, case.pipeline, name, profile_iters, ctx.device,
+                                                         hook)
         finally:
             if counter is not None:
                 counter.__exit__(None, None, None)

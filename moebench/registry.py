@@ -80,6 +80,9 @@ class Case:
     info: dict[str, Any] = field(default_factory=dict)  # extra record fields (corrupted_rows, capacity, ...)
     nvtx_stage: str = ""  # stage part of the NVTX range name; defaults to the impl's kernel name
     cleanup: Callable[[], None] | None = None
+    # run() split into its phases, in order (calling them one after the other does what run() does): the
+    # profiler's eager iterations open one NVTX range per phase, `moebench/<stage>/<impl>/<phase>`.
+    pipeline: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

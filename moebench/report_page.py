@@ -5,6 +5,10 @@ its sweep declares (moebench.headline, computed from the records), its table (on
 HTML is one self-contained file: the PNGs are embedded as data URIs, the style is inline, nothing is fetched.
 Markdown (for a pull request) links the PNGs by their path relative to the output file instead.
 
+A run directory holding profiles (`moebench profile ... --out RUN_DIR` writes <run_dir>/profile-*/profile.json),
+or a profile's own folder, also gets the profile's per-stage breakdown: one row per NVTX range (the point's, then
+its pipeline stages), count, host and device time per call, share of the point's device time, top kernels.
+
 Plots are looked up in <run_dir>/plots first, then plots/<run name> beside the run's results folder
 (<repo>/results/<run> -> <repo>/plots/<run>), then plots/<run name> under the current directory.
 Bad input (not a run directory, a run without records, an output that cannot be written or of another kind) is a
@@ -25,6 +29,8 @@ from moebench.headline import HeadlineRow, evaluate, format_value
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
+PROFILE = "profile.json"  # what moebench profile writes in its folder (moebench.profile.driver.profile_point)
+TOP_KERNELS = 3
 FORMATS = (".html", ".md")
 MAX_REASON = 90  # characters of a failure reason in a table cell
 
@@ -40,6 +46,7 @@ class RunView:
     records: list[dict]
     headlines: list[HeadlineRow]
     plots: list[Path] = field(default_factory=list)
+    profiles: list[dict] = field(default_factory=list)  # profile.json contents, "_dir" set to their folder
 
     @property
     def name(self) -> str:
@@ -76,10 +83,28 @@ def find_plots(run_dir: Path) -> list[Path]:
     return []
 
 
+def find_profiles(run_dir: Path) -> list[dict]:
+    """The profiles of a run directory: its own profile.json (a profile's folder), then those one folder down."""
+    out = []
+    for path in [run_dir / PROFILE, *sorted(run_dir.glob(f"*/{PROFILE}"))]:
+        if not path.is_file():
+            continue
+        try:
+            prof = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        if isinstance(prof, dict):
+            out.append({**prof, "_dir": path.parent.name})
+    return out
+
+
 def load_run(run_dir: str | Path) -> RunView:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: not a run directory (no such directory)")
+    profiles = find_profiles(run_dir)
+    if not (run_dir / RECORDS).exists() and profiles:
+        return RunView(run_dir, {}, [], [], find_plots(run_dir), profiles)  # a profile's own folder
     if not (run_dir / RECORDS).exists():
         raise ReportError(f"{run_dir}: not a run directory (no {RECORDS})")
     records = sorted(_read_records(run_dir / RECORDS), key=lambda r: r.get("point", 0))
@@ -92,7 +117,7 @@ def load_run(run_dir: str | Path) -> RunView:
         except json.JSONDecodeError as e:
             raise ReportError(f"{run_dir / MANIFEST}: not valid JSON ({e.msg}, line {e.lineno})") from None
     specs = (manifest.get("sweep") or {}).get("headlines") or []
-    return RunView(run_dir, manifest, records, evaluate(records, specs), find_plots(run_dir))
+    return RunView(run_dir, manifest, records, evaluate(records, specs), find_plots(run_dir), profiles)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,7 +152,7 @@ def _axis_names(run: RunView) -> list[str]:
     if axes:
         return axes
     varying = []
-    for k in (run.records[0].get("params") or {}):
+    for k in (run.records[0].get("params") or {} if run.records else {}):
         if len({json.dumps((r.get("params") or {}).get(k)) for r in run.records}) > 1:
             varying.append(k)
     return varying
@@ -167,6 +192,30 @@ def headline_table(run: RunView) -> tuple[list[str], list[list[str]]]:
         check = "" if h.equal is None else ("equal: " if h.equal else "NOT equal: ") + h.equal_detail
         rows.append([h.label, f"{h.without_label}: {format_value(h.without)}",
                      f"{h.with_label}: {format_value(h.with_)}", h.change, check])
+    return head, rows
+
+
+def _us(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def profile_caption(prof: dict) -> str:
+    """One line: which point, how it was profiled, what the device columns mean."""
+    what = f"point {prof.get('point', '?')}" + (f" ({prof['impl']})" if prof.get("impl") else "")
+    tail = f"; error: {prof['error']}" if prof.get("error") else ""
+    return f"{prof.get('_dir', '')}: {what}, {prof.get('header') or prof.get('mode', '')}{tail}"
+
+
+def profile_table(prof: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a profile's per-range summary: the point's range, then its stages."""
+    head = ["range", "count", "cpu us/call", "device us/call", "device us total", "share", "top kernels"]
+    rows = []
+    for s in prof.get("summary") or []:
+        share = s.get("device_share")
+        kernels = "; ".join(f"{k['name']} x{k['count']} {k['total_us']:.1f} us"
+                            for k in (s.get("kernels") or [])[:TOP_KERNELS])
+        rows.append([s["range"], _num(s.get("count")), _us(s.get("cpu_mean_us")), _us(s.get("device_mean_us")),
+                     _us(s.get("device_total_us")), "-" if share is None else f"{100 * share:.1f}%", kernels])
     return head, rows
 
 
@@ -223,8 +272,13 @@ def render_html(runs: list[RunView], title: str) -> str:
         if run.headlines:
             parts.append("<h3>Headline numbers</h3>")
             parts.append(_html_table(*headline_table(run), cls="headlines"))
-        parts.append("<h3>Points</h3>")
-        parts.append(_html_table(*table(run)))
+        if run.records:
+            parts.append("<h3>Points</h3>")
+            parts.append(_html_table(*table(run)))
+        for prof in run.profiles:
+            parts.append("<h3>Profile: where the device time goes</h3>")
+            parts.append(f"<p>{e(profile_caption(prof))}</p>")
+            parts.append(_html_table(*profile_table(prof), cls="profile"))
         if run.plots:
             parts.append('<h3>Plots</h3><div class="plots">')
             for png in run.plots:
@@ -260,7 +314,11 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
         parts += [f"- **status**: {status_counts(run)}", ""]
         if run.headlines:
             parts += ["### Headline numbers", "", _md_table(*headline_table(run)), ""]
-        parts += ["### Points", "", _md_table(*table(run)), ""]
+        if run.records:
+            parts += ["### Points", "", _md_table(*table(run)), ""]
+        for prof in run.profiles:
+            parts += ["### Profile: where the device time goes", "", profile_caption(prof), "",
+                      _md_table(*profile_table(prof)), ""]
         if run.plots:
             parts += ["### Plots", ""]
             for png in run.plots:

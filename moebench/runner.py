@@ -297,8 +297,10 @@ def check_point_index(sweep: Sweep, point_index: int) -> Point:
 
 def run_single_point(sweep: Sweep, point_index: int, device: str | torch.device | None, iters: int,
                      inner_hook: Callable[[str], None] | None = None) -> dict:
-    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point)."""
+    """Build, check, warm up and time one point with `iters` iterations (the profiler's entry point); with
+    `inner_hook`, `iters` profiled eager iterations follow, bracketed by it (execute_point's profile_iters)."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     pt = check_point_index(sweep, point_index)
     timing = replace(sweep.timing, iters=iters)
-    return execute_point(pt, sweep, RunContext(device=dev), timing=timing, hook=inner_hook)
+    return execute_point(pt, sweep, RunContext(device=dev), timing=timing, hook=inner_hook,
+                         profile_iters=iters if inner_hook else 0)

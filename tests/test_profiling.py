@@ -148,7 +148,7 @@ def test_summary_of_a_real_cpu_trace(tmp_path):
 
 def test_summary_matches_kernels_by_correlation():
     """GPU-shaped trace (as torch.profiler writes with CUDA activities): kernels reach their range through the
-    launching runtime call's correlation id, device time from gpu_user_annotation."""
+    launching runtime call's correlation id; device time is their sum, the span from gpu_user_annotation."""
     ev = [
         {"ph": "X", "cat": "user_annotation", "name": "moebench/route/a.triton", "ts": 100, "dur": 50, "pid": 1,
          "tid": 7},
@@ -184,13 +184,14 @@ def test_summary_matches_kernels_by_correlation():
     ]
     (s,) = summarize_trace({"traceEvents": ev})
     assert s["count"] == 2 and s["cpu_total_us"] == 100
-    assert s["device_total_us"] == 23 and s["device_source"] == "gpu_user_annotation"
+    assert s["device_total_us"] == 21 and s["device_source"] == "kernels" and s["device_mean_us"] == 10.5
+    assert s["device_span_us"] == 23  # first kernel start to last kernel end, per instance (gpu_user_annotation)
     assert s["kernel_kind"] == "gpu_kernel"
     assert [(k["name"], k["count"], k["total_us"]) for k in s["kernels"]] == \
         [("_topk_softmax_kernel", 2, 17), ("_renorm_kernel", 2, 4)]
-    # without the gpu-side annotation, device time is the kernels' sum
+    # without the gpu-side annotation the device time is the same, the span unknown
     (s2,) = summarize_trace({"traceEvents": [e for e in ev if e["cat"] != "gpu_user_annotation"]})
-    assert s2["device_total_us"] == 21 and s2["device_source"] == "kernels"
+    assert s2["device_total_us"] == 21 and s2["device_source"] == "kernels" and s2["device_span_us"] is None
 
 
 NVTX_SUM = """Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Style,Range
@@ -214,7 +215,7 @@ def test_nsys_csv_summary(tmp_path):
     assert s["cpu_total_us"] == 400.0 and s["cpu_mean_us"] == 20.0
     assert [(k["name"], k["count"], k["total_us"]) for k in s["kernels"]] == \
         [("_grouped_gemm_kernel", 20, 300.0), ("_silu_mul_kernel", 40, 60.0)]
-    assert s["device_total_us"] == 360.0 and s["device_source"] == "kernels"
+    assert s["device_total_us"] == 360.0 and s["device_source"] == "nvtx_kern_sum"
 
 
 def test_nsys_commands():

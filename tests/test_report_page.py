@@ -125,3 +125,42 @@ def test_a_real_run_reports_its_declared_headlines(tmp_path):
     assert "unmasked: 16" in text
     assert view.plots and all(p.suffix == ".png" for p in view.plots)
     assert text.count("data:image/png;base64,") == len(view.plots)
+
+
+PROFILE_POINT = "moebench/layer/layer.masked"
+
+
+def _profile_json(folder, error=None):
+    """A profile.json as `moebench profile` writes it: the point's range and two of its stages."""
+    def row(name, parent, dev, share, kernels):
+        return {"range": name, "count": 20, "cpu_total_us": 400.0, "cpu_mean_us": 20.0, "device_total_us": dev,
+                "device_mean_us": dev / 20, "device_source": "nvtx_kern_sum", "kernel_kind": "gpu_kernel",
+                "kernels": [{"name": k, "count": 20, "total_us": t, "mean_us": t / 20} for k, t in kernels],
+                "device_span_us": None, "parent": parent, "device_share": share}
+    summary = [row(PROFILE_POINT, "", 1000.0, 1.0, [("_gate_up_kernel", 700.0), ("_down_kernel", 200.0),
+                                                  ("_topk_kernel", 60.0), ("_sum_kernel", 40.0)]),
+               row(PROFILE_POINT + "/route", PROFILE_POINT, 60.0, 0.06, [("_topk_kernel", 60.0)]),
+               row(PROFILE_POINT + "/experts", PROFILE_POINT, 900.0, 0.9, [("_gate_up_kernel", 700.0),
+                                                                          ("_down_kernel", 200.0)])]
+    folder.mkdir(parents=True)
+    (folder / "profile.json").write_text(json.dumps({
+        "mode": "nsys", "point": 0, "impl": "layer.masked", "summary": summary, "error": error,
+        "launch": "eager launches", "iterations": 20,
+        "header": "device time from eager launches, 20 profiled iterations (nsys nvtx_kern_sum)"}))
+    return folder
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_profile_breakdown_of_a_run_and_of_a_profile_folder(tmp_path, suffix):
+    run = _fake_run(tmp_path)
+    _profile_json(run / "profile-layer-p0-20260101T000000Z")
+    alone = _profile_json(tmp_path / "runs" / "profile-layer-p0-20260102T000000Z", error="nsys stats rc=1")
+    out = write_report([run, alone], tmp_path / f"r{suffix}")
+    text = out.read_text()
+    assert text.count("Profile: where the device time goes") == 2
+    assert "device time from eager launches, 20 profiled iterations" in text and "nsys stats rc=1" in text
+    for cell in (PROFILE_POINT + "/experts", "90.0%", "45.0", "_gate_up_kernel x20 700.0 us", "6.0%"):
+        assert cell in text, cell
+    assert "_sum_kernel" not in text  # top 3 kernels per range only
+    assert "Points" in text  # the run keeps its table; the profile-only folder has none
+    assert load_run(alone).records == [] and len(load_run(run).profiles) == 1

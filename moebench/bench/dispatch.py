@@ -5,9 +5,10 @@ build(p, ctx) runs on every rank of ctx.group (ctx.world_size == p.ep_size): thi
 make_batch(p, seed_offset=rank), routed with the mask when p.mask (mask-aware: padded rows are not sent) or
 without (oblivious: padded rows travel with whatever experts they picked). run() = dispatch + a cheap exact expert
 (`scaled_expert`: expert e scales its rows by e + 1, weighted) + combine; the stages "dispatch" and "combine" are
-exposed too. check() compares the received rows bitwise with the single-process reference computed from every
-rank's gathered inputs, the combined output with what one process holding all experts computes (bf16 tolerance),
-that padded rows are never sent when masked, and whatever the path's `extra_checks` add.
+exposed too (timed alone), and run() split into dispatch / experts / combine as the profiler's pipeline. check()
+compares the received rows bitwise with the single-process reference computed from every rank's gathered inputs,
+the combined output with what one process holding all experts computes (bf16 tolerance), that padded rows are
+never sent when masked, and whatever the path's `extra_checks` add.
 
 A path defined outside moebench.dispatch (a test, a plugin) is registered with `register_path_impl(cls)`.
 """
@@ -70,6 +71,18 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
         def run_combine():
             return path.combine(y0, d0.handle, out=out)
 
+        # run() in its three phases, for the profiler's per-phase NVTX ranges (each reads what the last left)
+        phase: dict = {}
+
+        def phase_dispatch():
+            phase["d"] = path.dispatch(x, topk_ids, topk_weights, mask)
+
+        def phase_experts():
+            phase["y"] = expert(phase["d"])
+
+        def phase_combine():
+            return path.combine(phase.pop("y"), phase.pop("d").handle, out=out)
+
         ids_eff = effective_ids(topk_ids, mask)
         sent_padding = padded_rows_sent(path, ids_eff, batch.is_padding)
 
@@ -103,6 +116,7 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, R),
                     graph_capturable=path.graph_capturable,
                     stages=[("dispatch", run_dispatch), ("combine", run_combine)],
+                    pipeline=[("dispatch", phase_dispatch), ("experts", phase_experts), ("combine", phase_combine)],
                     info=info, nvtx_stage="dispatch", cleanup=path.close)
     return build
 

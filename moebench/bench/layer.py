@@ -457,7 +457,8 @@ def _build(variant: str):
                                "slots read + out",
                     roofline_us=sum(stage_roofs.values()) if ctx.is_cuda else None,
                     routing=Routing(pipe.router_out[1], batch.is_padding, p.num_experts, p.ep_size),
-                    stages=pipe.stage_fns(), info=info, nvtx_stage="layer", cleanup=cleanup)
+                    stages=pipe.stage_fns(), pipeline=pipe.stage_fns(), info=info, nvtx_stage="layer",
+                    cleanup=cleanup)
     return build
 
 

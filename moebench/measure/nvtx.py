@@ -3,14 +3,21 @@
 Every timed piece runs inside `nvtx_range(range_name(stage, impl))`, i.e. a range named `moebench/<stage>/<impl>`,
 so an nsys timeline reads like the MoE pipeline; while a torch.profiler session records, the same names appear
 there as record_function ranges (what `moebench profile` summarises).
+
+`profiled_iterations` is what `moebench profile` captures: the point's run() as eager launches, each call inside
+the point's range and, when the case declares its pipeline, each phase inside `<point range>/<phase>` (e.g.
+`moebench/layer/layer.masked/experts`). Eager, not graph replays: a replay is one launch inside one range, so
+nothing would tell the profiler which stage a kernel belongs to. These iterations run after the timed ones and
+are not timed: the timed samples and their ranges are the same as in `moebench run`.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 RANGE_PREFIX = "moebench/"
+EAGER_LAUNCHES = "eager launches"  # how the profiled iterations launch their work (the summary says so)
 
 
 def range_name(stage: str, impl: str) -> str:
@@ -18,6 +25,13 @@ def range_name(stage: str, impl: str) -> str:
     if not impl:
         raise ValueError("range_name: impl must be a non-empty name")
     return f"{RANGE_PREFIX}{stage or impl.split('.', 1)[0]}/{impl}"
+
+
+def stage_range_name(point_range: str, stage: str) -> str:
+    """`<point range>/<stage>`: a pipeline stage's range, nested under the point's range."""
+    if not stage:
+        raise ValueError("stage_range_name: stage must be a non-empty name")
+    return f"{point_range}/{stage}"
 
 
 def _noop(*_args: Any) -> None:
@@ -115,3 +129,33 @@ class nvtx_range:
                 self._record = None
         finally:
             self._pop()
+
+
+def profiled_iterations(run: Callable[[], Any], pipeline: Sequence[tuple[str, Callable[[], Any]]],
+                        point_range: str, iters: int, device: Any = None,
+                        hook: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`iters` eager calls of the point, each inside `point_range`; with a pipeline, its phases are called in
+    order instead of run(), each inside `stage_range_name(point_range, phase)`. `hook("start"/"stop")` brackets
+    the calls (the profiler's capture range); the device is synchronised before "stop", so every launched kernel
+    is inside the capture. Returns what ran: {"iterations", "launch", "point_range", "stage_ranges"}."""
+    import torch
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    steps = [(stage_range_name(point_range, name), fn) for name, fn in pipeline]
+    if cuda:
+        torch.cuda.synchronize(device)
+    if hook:
+        hook("start")
+    for _ in range(iters):
+        with nvtx_range(point_range):
+            if not steps:
+                run()
+            for name, fn in steps:
+                with nvtx_range(name):
+                    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    if hook:
+        hook("stop")
+    return {"iterations": iters, "launch": EAGER_LAUNCHES, "point_range": point_range,
+            "stage_ranges": [name for name, _ in steps]}

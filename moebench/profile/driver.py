@@ -17,7 +17,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from moebench.profile.summary import format_summary, summarize_nsys_csv, summarize_trace, write_summary_csv
+from moebench.measure.nvtx import EAGER_LAUNCHES
+from moebench.profile.nsys_reports import summarize_nsys_csv, summarize_nsys_traces
+from moebench.profile.summary import add_breakdown, format_summary, summarize_trace, write_summary_csv
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def _default_device() -> str:
 
 def nsys_profile_command(nsys: str, sweep_path: str | os.PathLike, point_index: int, out_dir: str | os.PathLike,
                          overrides: list[str] | None, device: str, iters: int) -> list[str]:
-    """The nsys launch of the inner process; capture is limited to the timed iterations (cudaProfilerApi)."""
+    """The nsys launch of the inner process; capture is limited to the profiled iterations (cudaProfilerApi)."""
     out_dir = Path(out_dir)
     cmd = [nsys, "profile", "-t", "cuda,nvtx", "-s", "none", "--cpuctxsw=none",
            "--capture-range=cudaProfilerApi", "--capture-range-end=stop", "--force-overwrite=true",
@@ -110,15 +112,67 @@ def nsys_stats_command(nsys: str, report_file: str | os.PathLike, reports: str, 
             f"--force-export={'true' if force_export else 'false'}", "-o", str(out_prefix), str(report_file)]
 
 
+LIBS_ENV = "MOEBENCH_NSYS_LIBS"
+LIBDW_HINT = (f"nsys needs libdw.so.1 (absent from some images, the H200's among them): set {LIBS_ENV} to a folder "
+              "of the libdw1 and libelf1 .deb files (e.g. .carry/debs) or to a folder of their unpacked libraries")
+
+
+def _lib_dirs_under(root: Path) -> list[str]:
+    """Folders under `root` (itself included) that hold shared libraries, shallowest first."""
+    dirs = {p.parent for p in root.rglob("lib*.so*") if p.is_file() or p.is_symlink()}
+    return [str(d) for d in sorted(dirs, key=lambda d: (len(d.parts), str(d)))]
+
+
+@lru_cache(maxsize=4)
+def _unpack_debs(folder: str) -> str:
+    """Unpack every .deb of `folder` (dpkg -x) into one temporary folder, once per process; returns it."""
+    import tempfile
+
+    dpkg = shutil.which("dpkg") or shutil.which("dpkg-deb")
+    if dpkg is None:
+        raise RuntimeError(f"{LIBS_ENV}={folder}: holds .deb files but neither dpkg nor dpkg-deb is installed "
+                           "to unpack them (unpack them elsewhere and point it at the lib folder)")
+    dest = tempfile.mkdtemp(prefix="moebench-nsys-libs-")
+    for deb in sorted(Path(folder).glob("*.deb")):
+        proc = subprocess.run([dpkg, "-x", str(deb), dest], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{LIBS_ENV}: dpkg -x {deb} failed: {_tail(proc.stderr, 300)}")
+    return dest
+
+
+def nsys_lib_dirs(spec: str | None = None) -> list[str]:
+    """Library folders for nsys from $MOEBENCH_NSYS_LIBS (or `spec`): a folder of .deb files, unpacked once
+    with dpkg -x, or an already unpacked folder; every folder under it holding lib*.so* files. [] when unset."""
+    spec = spec if spec is not None else os.environ.get(LIBS_ENV, "")
+    if not spec:
+        return []
+    root = Path(spec).expanduser()
+    if not root.is_dir():
+        raise RuntimeError(f"{LIBS_ENV}={spec}: no such folder")
+    if any(root.glob("*.deb")):
+        root = Path(_unpack_debs(str(root.resolve())))
+    dirs = _lib_dirs_under(root)
+    if not dirs:
+        raise RuntimeError(f"{LIBS_ENV}={spec}: no .deb files and no lib*.so* libraries in it")
+    return dirs
+
+
 def _stats_env() -> dict[str, str]:
     # Turning the capture into a report (nsys's QDSTRM importer, run at the end of `nsys profile`) and `nsys
-    # stats` both need libdw.so.1, absent from the H200 image: MOEBENCH_NSYS_LIBDIR may point at an
-    # unpacked libdw1/libelf1 (usr/lib/x86_64-linux-gnu); it is added to LD_LIBRARY_PATH for both steps.
+    # stats` both need libdw.so.1: the folders of MOEBENCH_NSYS_LIBS (and the older MOEBENCH_NSYS_LIBDIR, one
+    # unpacked lib folder) go first on LD_LIBRARY_PATH for both steps, and only for them.
     env = dict(os.environ)
-    extra = os.environ.get("MOEBENCH_NSYS_LIBDIR")
+    extra = nsys_lib_dirs() + ([os.environ["MOEBENCH_NSYS_LIBDIR"]] if os.environ.get("MOEBENCH_NSYS_LIBDIR") else [])
     if extra:
-        env["LD_LIBRARY_PATH"] = extra + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        env["LD_LIBRARY_PATH"] = ":".join(extra + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
     return env
+
+
+def _with_libdw_hint(message: str) -> str:
+    """The error of nsys lacking libdw, with what to do about it (unless MOEBENCH_NSYS_LIBS is already set)."""
+    if os.environ.get(LIBS_ENV) or LIBS_ENV in message:
+        return message
+    return f"{message}\n{LIBDW_HINT}"
 
 
 def _tail(text: str | bytes | None, n: int = 2000) -> str:
@@ -137,45 +191,60 @@ def _profile_nsys(nsys: str, sweep_path, point_index: int, out_dir: Path, overri
             stale.unlink()
     cmd = nsys_profile_command(nsys, sweep_path, point_index, out_dir, overrides, device, iters)
     result["command"] = cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_stats_env())
+    env = _stats_env()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     log = out_dir / "profile_inner.log"
     log.write_text(f"$ {' '.join(cmd)}\n# rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     result["files"].append(str(log))
     rep = out_dir / "profile.nsys-rep"
     if proc.returncode != 0 or not rep.exists():
-        result["error"] = f"nsys profile rc={proc.returncode}: {_tail(proc.stderr or proc.stdout)}"
+        text = f"nsys profile rc={proc.returncode}: {_tail(proc.stderr or proc.stdout)}"
+        # no report after a clean exit is the importer failing, libdw's usual sign
+        result["error"] = _with_libdw_hint(text) if "libdw" in text or proc.returncode == 0 else text
         return result
     result["files"].append(str(rep))
 
     stats = subprocess.run(nsys_stats_command(nsys, rep, "nvtx_sum,cuda_gpu_kern_sum", out_dir / "profile",
                                               force_export=True),
-                           capture_output=True, text=True, timeout=timeout_s, env=_stats_env())
+                           capture_output=True, text=True, timeout=timeout_s, env=env)
     csvs = sorted(out_dir.glob("profile_*.csv"))
     if stats.returncode != 0 or not csvs:
         # Typically libdw.so.1 missing: the .nsys-rep stays for a machine with a working nsys stats.
-        result["error"] = f"nsys stats rc={stats.returncode}: {_tail(stats.stderr or stats.stdout)}"
+        text = f"nsys stats rc={stats.returncode}: {_tail(stats.stderr or stats.stdout)}"
+        result["error"] = _with_libdw_hint(text) if "libdw" in text else text
         return result
-    # Extra reports for kernels-per-range and device time per range; optional, their failure is only noted.
-    notes = []
-    for extra in ("nvtx_kern_sum", "nvtx_gpu_proj_sum"):
-        p = subprocess.run(nsys_stats_command(nsys, rep, extra, out_dir / "profile"),
-                           capture_output=True, text=True, timeout=timeout_s, env=_stats_env())
-        if p.returncode != 0:
-            notes.append(f"{extra}: rc={p.returncode} {_tail(p.stderr, 300)}")
-    if notes:
-        result["notes"] = notes
-    csvs = sorted(out_dir.glob("profile_*.csv"))
-    result["files"] += [str(c) for c in csvs]
 
     def pick(report: str) -> Path | None:
-        hits = [c for c in csvs if c.stem.endswith("_" + report)]
-        return hits[0] if hits else None
+        hit = out_dir / f"profile_{report}.csv"
+        return hit if hit.exists() else None
+
+    # Kernels per range (device time per range) and the projected spans; without nvtx_kern_sum (an nsys without
+    # it) the same attribution is joined from the three traces. Each is optional: a failure is only noted.
+    notes = []
+
+    def stats_report(report: str) -> None:
+        p = subprocess.run(nsys_stats_command(nsys, rep, report, out_dir / "profile"),
+                           capture_output=True, text=True, timeout=timeout_s, env=env)
+        if p.returncode != 0 or not all(pick(r) for r in report.split(",")):
+            notes.append(f"{report}: rc={p.returncode} {_tail(p.stderr or p.stdout, 300)}")
+
+    for report in ("nvtx_kern_sum", "nvtx_gpu_proj_sum"):
+        stats_report(report)
+    traces = ("nvtx_pushpop_trace", "cuda_api_trace", "cuda_gpu_trace")
+    if pick("nvtx_kern_sum") is None:
+        stats_report(",".join(traces))
+    if notes:
+        result["notes"] = notes
+    result["files"] += [str(c) for c in sorted(out_dir.glob("profile_*.csv"))]
 
     nvtx_csv = pick("nvtx_sum")
     if nvtx_csv is None:
         result["error"] = "nsys stats wrote no nvtx_sum CSV (no NVTX ranges were captured?)"
         return result
-    result["summary"] = summarize_nsys_csv(nvtx_csv, pick("nvtx_kern_sum"), pick("nvtx_gpu_proj_sum"))
+    if pick("nvtx_kern_sum") is None and all(pick(t) for t in traces):
+        result["summary"] = summarize_nsys_traces(*(pick(t) for t in traces), pick("nvtx_gpu_proj_sum"))
+    else:
+        result["summary"] = summarize_nsys_csv(nvtx_csv, pick("nvtx_kern_sum"), pick("nvtx_gpu_proj_sum"))
     return result
 
 
@@ -210,8 +279,10 @@ def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, devic
             prof.stop()  # the point raised mid-way: keep what was recorded
             state["stopped"] = True
     result["point_status"] = _status_of(point_result)
+    if isinstance(point_result, dict) and point_result.get("profile"):
+        result["profiled"] = point_result["profile"]
     if not state["started"]:
-        result["error"] = (f"the point never reached its timed iterations (status {result['point_status']!r}): "
+        result["error"] = (f"the point never reached its profiled iterations (status {result['point_status']!r}): "
                            "nothing was profiled")
         return result
     trace_path = out_dir / "trace.json"
@@ -221,14 +292,26 @@ def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, devic
     return result
 
 
+def summary_header(result: dict) -> str:
+    """What the device columns mean for this profile, e.g. "device time from eager launches, 20 profiled
+    iterations (nsys nvtx_kern_sum)"."""
+    sources = sorted({s["device_source"] for s in result.get("summary") or [] if s.get("device_source")})
+    how = f"{result['mode']} " + "/".join(sources) if sources else f"{result['mode']}, no device activity"
+    return f"device time from {result.get('launch', EAGER_LAUNCHES)}, {result.get('iterations', '?')} profiled " \
+           f"iterations ({how})"
+
+
 def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str | os.PathLike,
                   overrides: list[str] | None = None, device: str | None = None, *, iters: int = 20,
                   use_nsys: bool | None = None, timeout_s: float = 1800.0, echo: bool = True) -> dict:
     """Profile one point of a sweep; returns what was done (mode, files, per-range summary, error or None).
 
-    nsys (found by find_nsys) and CUDA: the point is re-launched as `python -m moebench profile ... --inner`
-    under `nsys profile` with capture limited to the timed iterations, then `nsys stats` CSVs are written next
-    to the .nsys-rep. Otherwise torch.profiler records the timed iterations in this process and a chrome trace
+    What is captured: `iters` eager iterations run after the point's timing (execute_point's profile_iters),
+    one NVTX range per call and one per pipeline stage nested under it, so each range's device time is the
+    kernels launched inside it. nsys (found by find_nsys) and CUDA: the point is re-launched as `python -m
+    moebench profile ... --inner` under `nsys profile` with capture limited to those iterations, then `nsys
+    stats` CSVs are written next to the .nsys-rep (libraries nsys lacks: $MOEBENCH_NSYS_LIBS, nsys_lib_dirs).
+    Otherwise torch.profiler records the same iterations in this process and a chrome trace
     (trace.json) is exported; so it is too when nsys writes no report at all (its importer failing without
     libdw, say), with `nsys_error` and a `note` saying so. Either way the per-range summary goes to
     profile_summary.csv, is printed when `echo`, and the returned dict is saved as profile.json.
@@ -256,13 +339,18 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
             result["note"] = f"nsys wrote no report, torch.profiler used instead: {why.splitlines()[0][:200]}"
     else:
         result = _profile_torch(sweep_path, point_index, out_dir, overrides, device, iters)
+    # The profiled iterations are eager launches by construction (moebench.measure.nvtx.profiled_iterations).
+    result["launch"] = (result.get("profiled") or {}).get("launch", EAGER_LAUNCHES)
+    result["iterations"] = iters
+    result["header"] = summary_header(result)
     if result["summary"]:
-        csv_path = write_summary_csv(result["summary"], out_dir / "profile_summary.csv")
+        result["summary"] = add_breakdown(result["summary"])
+        csv_path = write_summary_csv(result["summary"], out_dir / "profile_summary.csv", launch=result["launch"])
         result["files"].append(str(csv_path))
     (out_dir / "profile.json").write_text(json.dumps(result, indent=2, default=str))
     if echo:
         print(f"# profile ({result['mode']}) of point {point_index} -> {out_dir}")
-        print(format_summary(result["summary"]))
+        print(format_summary(result["summary"], header=result["header"]))
         if result.get("note"):
             print(f"# note: {result['note']}")
         if result["error"]:
@@ -273,7 +361,7 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
 def profile_inner(sweep_path: str | os.PathLike, point_index: int, overrides: list[str] | None = None,
                   device: str = "cuda", iters: int = 20) -> Any:
     """The process nsys launches (`moebench profile ... --inner`): runs the point with the CUDA profiler API
-    switched on only around the timed iterations, which is what `--capture-range=cudaProfilerApi` records."""
+    switched on only around the profiled iterations, which is what `--capture-range=cudaProfilerApi` records."""
     import torch
 
     sweep, _ = _load_point(sweep_path, point_index, overrides)

@@ -1,16 +1,47 @@
-"""Per-range summaries of a profile: from a torch.profiler chrome trace or from `nsys stats` CSVs, both into one
-shape (range, count, CPU and device time, the kernels inside), written as CSV and printed as a table."""
+"""Per-range summaries of a profile: from a torch.profiler chrome trace (here) or from `nsys stats` CSVs
+(moebench.profile.nsys_reports), both into one shape, then the stage breakdown, the CSV and the printed table.
+
+One summary row per NVTX range name:
+  range, count, cpu_total_us / cpu_mean_us   the ranges' host (push to pop) time
+  device_total_us / device_mean_us           GPU time of the work launched inside the range: the sum of its
+                                             kernels' (and, torch.profiler, memcpy/memset) durations; None when
+                                             the profile has no device activity (CPU)
+  device_source                              where that came from: "nvtx_kern_sum", "trace join", "kernels"
+  device_span_us                             first start to last end of that work per instance, summed (nsys'
+                                             projection, torch.profiler's gpu_user_annotation), when known
+  kernel_kind, kernels                       what ran inside: GPU kernels by total time ("gpu_kernel") or, on a
+                                             CPU, the top-level CPU ops ("cpu_op")
+  parent, device_share                       (add_breakdown) the enclosing range, and the share of the point's
+                                             (outermost range's) device time
+Work launched inside a nested range counts for the enclosing ranges too (as nsys' nvtx_kern_sum counts it).
+"""
 
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from moebench.measure.nvtx import RANGE_PREFIX
+
+
+def summary_row(name: str, count: int, cpu_total_us: float | None, work: dict[str, list[float]],
+                kernel_kind: str = "gpu_kernel", device_source: str = "kernels",
+                device_span_us: float | None = None, cpu_mean_us: float | None = None) -> dict:
+    """One row of the summary shape from raw figures; `work`: kernel (or CPU op) name -> durations (us), listed
+    by total time, largest first. Device time is the kernels' sum; None for kernel_kind "cpu_op"."""
+    ks = sorted(({"name": k, "count": len(v), "total_us": float(sum(v)), "mean_us": sum(v) / len(v) if v else 0.0}
+                 for k, v in work.items()), key=lambda k: (-k["total_us"], k["name"]))
+    device_total = None if kernel_kind == "cpu_op" else float(sum(k["total_us"] for k in ks))
+    if cpu_mean_us is None and cpu_total_us is not None and count:
+        cpu_mean_us = cpu_total_us / count
+    return {"range": name, "count": count, "cpu_total_us": cpu_total_us, "cpu_mean_us": cpu_mean_us,
+            "device_total_us": device_total,
+            "device_mean_us": None if device_total is None or not count else device_total / count,
+            "device_source": device_source if device_total is not None else "", "kernel_kind": kernel_kind,
+            "kernels": ks, "device_span_us": device_span_us}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -39,11 +70,11 @@ def _top_level_ops(ops: list[dict]) -> list[dict]:
 def summarize_trace(trace: str | os.PathLike | dict, prefix: str = RANGE_PREFIX) -> list[dict]:
     """Per-range summary of a torch.profiler chrome trace (a path or the loaded JSON).
 
-    For each range whose name starts with `prefix` (record_function / NVTX ranges, category `user_annotation`):
-    count, CPU total and mean (us), device total and mean (us) from the GPU-side projection of the range
-    (`gpu_user_annotation`) or else the summed kernel time, and the work inside it: GPU kernels (matched to the
-    range through the launching runtime call's correlation id) when the trace has any, else the top-level CPU
-    ops. Ranges are listed in order of first appearance; kernels by total time, largest first.
+    Ranges: record_function / NVTX ranges (category `user_annotation`) whose name starts with `prefix`, in order
+    of first appearance. Device work reaches a range through the launching runtime call's correlation id (the
+    launch lies inside the range on the same thread); its span comes from the GPU-side projection of the range
+    (`gpu_user_annotation`) when the trace has one. Without device activity (CPU), the top-level CPU ops inside
+    each range are listed instead and the device columns stay None.
     """
     if not isinstance(trace, dict):
         with open(trace) as f:
@@ -76,173 +107,127 @@ def summarize_trace(trace: str | os.PathLike | dict, prefix: str = RANGE_PREFIX)
     summary: list[dict] = []
     for name in order:
         inst = by_name[name]
-        cpu_total = sum(r["dur"] for r in inst)
         work: dict[str, list[float]] = {}
         if have_device:
-            kind = "gpu_kernel"
             for r in inst:
                 for launch in launches:
                     if inside(launch, r):
-                        corr = (launch.get("args") or {}).get("correlation")
-                        for k in device_by_corr.get(corr, []):
-                            work.setdefault(k["name"], []).append(k["dur"])
+                        for k in device_by_corr.get((launch.get("args") or {}).get("correlation"), []):
+                            work.setdefault(k["name"], []).append(float(k["dur"]))
         else:
-            kind = "cpu_op"
             for r in inst:
                 for op in _top_level_ops([o for o in cpu_ops if inside(o, r)]):
-                    work.setdefault(op["name"], []).append(op["dur"])
-        gpu_inst = [g for g in gpu_ranges if g["name"] == name]
-        if gpu_inst:
-            device_total: float | None = sum(g["dur"] for g in gpu_inst)
-            device_source = "gpu_user_annotation"
-        elif have_device:
-            device_total = sum(sum(v) for v in work.values())
-            device_source = "kernels"
-        else:
-            device_total, device_source = None, ""
-        kernels = sorted(({"name": k, "count": len(v), "total_us": sum(v), "mean_us": sum(v) / len(v)}
-                          for k, v in work.items()), key=lambda k: -k["total_us"])
-        summary.append({
-            "range": name, "count": len(inst),
-            "cpu_total_us": cpu_total, "cpu_mean_us": cpu_total / len(inst),
-            "device_total_us": device_total,
-            "device_mean_us": None if device_total is None else device_total / len(inst),
-            "device_source": device_source, "kernel_kind": kind, "kernels": kernels,
-        })
+                    work.setdefault(op["name"], []).append(float(op["dur"]))
+        spans = [float(g["dur"]) for g in gpu_ranges if g["name"] == name]
+        summary.append(summary_row(name, len(inst), float(sum(r["dur"] for r in inst)), work,
+                                   "gpu_kernel" if have_device else "cpu_op", "kernels",
+                                   device_span_us=sum(spans) if spans else None))
     return summary
 
 
-_CSV_COLUMNS = ("range", "count", "cpu_total_us", "cpu_mean_us", "device_total_us", "device_mean_us",
-                "device_source", "kernel_kind", "kernel", "kernel_count", "kernel_total_us", "kernel_mean_us")
+# ---------------------------------------------------------------------------------------------------------------
+# Stage breakdown: parents and shares
+# ---------------------------------------------------------------------------------------------------------------
+
+def add_breakdown(summary: list[dict]) -> list[dict]:
+    """Set each row's `parent` (the longest other range name that prefixes it followed by "/", "" for none) and
+    `device_share` (its device time over its outermost ancestor's, i.e. the point's; None without device time).
+    Rows are reordered so that each range is followed by its children (first-appearance order otherwise)."""
+    names = [s["range"] for s in summary]
+    by_name = {s["range"]: s for s in summary}
+    for s in summary:
+        cands = [n for n in names if n != s["range"] and s["range"].startswith(n + "/")]
+        s["parent"] = max(cands, key=len) if cands else ""
+
+    def root(s: dict) -> dict:
+        while s["parent"]:
+            s = by_name[s["parent"]]
+        return s
+
+    for s in summary:
+        top = root(s)["device_total_us"]
+        s["device_share"] = (s["device_total_us"] / top) if s["device_total_us"] is not None and top else None
+    ordered: list[dict] = []
+
+    def visit(s: dict) -> None:
+        ordered.append(s)
+        for c in summary:
+            if c["parent"] == s["range"]:
+                visit(c)
+
+    for s in summary:
+        if not s["parent"]:
+            visit(s)
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CSV and printed table
+# ---------------------------------------------------------------------------------------------------------------
+
+CSV_COLUMNS = ("range", "count", "cpu_total_us", "cpu_mean_us", "device_total_us", "device_mean_us",
+               "device_source", "kernel_kind", "kernel", "kernel_count", "kernel_total_us", "kernel_mean_us",
+               "parent", "device_share", "device_span_us", "launch")
 
 
 def _fmt(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, float):
-        return f"{v:.3f}"
+        return f"{v:.3f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3g}"
     return str(v)
 
 
-def write_summary_csv(summary: list[dict], path: str | os.PathLike) -> Path:
-    """One row per (range, kernel); a range without kernels gets one row with empty kernel columns."""
+def write_summary_csv(summary: list[dict], path: str | os.PathLike, launch: str = "") -> Path:
+    """One row per (range, kernel); a range without kernels gets one row with empty kernel columns. `launch`
+    says how the profiled work was launched (e.g. "eager launches"), repeated on every row."""
     path = Path(path)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(_CSV_COLUMNS)
+        w.writerow(CSV_COLUMNS)
         for s in summary:
             head = [s["range"], s["count"], s["cpu_total_us"], s["cpu_mean_us"], s["device_total_us"],
                     s["device_mean_us"], s["device_source"], s["kernel_kind"]]
+            tail = [s.get("parent", ""), s.get("device_share"), s.get("device_span_us"), launch]
             rows = [[k["name"], k["count"], k["total_us"], k["mean_us"]] for k in s["kernels"]] or [[None] * 4]
             for row in rows:
-                w.writerow([_fmt(v) for v in head + row])
+                w.writerow([_fmt(v) for v in head + row + tail])
     return path
 
 
-def format_summary(summary: list[dict], max_kernels: int = 8) -> str:
-    """The printed table: one line per range, its kernels (or CPU ops) indented below."""
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def format_summary(summary: list[dict], max_kernels: int = 3, header: str = "") -> str:
+    """The printed table: one line per range (stages indented under the point's range), its top `max_kernels`
+    kernels (or CPU ops) below it with count and total time. `header` (e.g. how the work was launched) is
+    printed first as a comment."""
     if not summary:
         return f"# no {RANGE_PREFIX}... ranges in the profile"
-    width = max(40, max(len(s["range"]) for s in summary) + 2)
-    lines = [f"{'range':<{width}}{'count':>7}{'cpu total':>12}{'cpu mean':>11}{'dev total':>12}{'dev mean':>11}",
-             f"{'':<{width}}{'':>7}{'(us)':>12}{'(us)':>11}{'(us)':>12}{'(us)':>11}"]
-
-    def num(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f}"
-
+    depth = {s["range"]: 0 for s in summary}
     for s in summary:
-        lines.append(f"{s['range']:<{width}}{s['count']:>7}{num(s['cpu_total_us']):>12}{num(s['cpu_mean_us']):>11}"
-                     f"{num(s['device_total_us']):>12}{num(s['device_mean_us']):>11}")
+        p = s.get("parent") or ""
+        depth[s["range"]] = depth.get(p, -1) + 1 if p else 0
+    width = max(40, max(len(s["range"]) + 2 * depth[s["range"]] for s in summary) + 2)
+    lines = [f"# {header}"] if header else []
+    lines += [f"{'range':<{width}}{'count':>7}{'cpu total':>14}{'cpu/call':>12}{'dev total':>14}{'dev/call':>12}"
+              f"{'share':>8}",
+              f"{'':<{width}}{'':>7}{'(us)':>14}{'(us)':>12}{'(us)':>14}{'(us)':>12}{'':>8}"]
+    for s in summary:
+        ind = "  " * depth[s["range"]]
+        lines.append(f"{ind + s['range']:<{width}}{s['count']:>7} {_num(s['cpu_total_us']):>13} "
+                     f"{_num(s['cpu_mean_us']):>11} {_num(s['device_total_us']):>13} {_num(s['device_mean_us']):>11}"
+                     f"{_share(s.get('device_share')):>8}")
+        kind = "kernel" if s["kernel_kind"] == "gpu_kernel" else "cpu op"
+        room = width - len(ind) - 4
         for k in s["kernels"][:max_kernels]:
-            name = k["name"] if len(k["name"]) <= width - 4 else k["name"][: width - 7] + "..."
-            lines.append(f"    {name:<{width - 4}}{k['count']:>7}{num(k['total_us']):>12}{num(k['mean_us']):>11}")
+            name = k["name"] if len(k["name"]) <= room else k["name"][: room - 3] + "..."
+            lines.append(f"{ind}    {name:<{room}}{k['count']:>7} {_num(k['total_us']):>13}")
         if len(s["kernels"]) > max_kernels:
-            lines.append(f"    ... {len(s['kernels']) - max_kernels} more {s['kernel_kind']}s in the CSV")
+            lines.append(f"{ind}    ... {len(s['kernels']) - max_kernels} more {kind}s in the CSV")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# nsys stats CSV -> the same summary shape
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _read_csv(path: str | os.PathLike) -> list[dict]:
-    text = Path(path).read_text()
-    # nsys may print a banner line before the header; the header is the first line holding a quoted or comma list.
-    lines = text.splitlines()
-    while lines and "," not in lines[0]:
-        lines.pop(0)
-    return list(csv.DictReader(io.StringIO("\n".join(lines))))
-
-
-def _col(row: dict, *names: str) -> Any:
-    """First column whose header equals (case-insensitively) one of `names`."""
-    low = {k.strip().lower(): v for k, v in row.items() if k is not None}
-    for n in names:
-        if n.lower() in low:
-            return low[n.lower()]
-    return None
-
-
-def _ns_to_us(v: Any) -> float | None:
-    try:
-        return float(str(v).replace(",", "")) / 1000.0
-    except (TypeError, ValueError):
-        return None
-
-
-def _int(v: Any) -> int:
-    try:
-        return int(float(str(v).replace(",", "")))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _clean_range(name: Any) -> str:
-    # nsys shows push/pop ranges of the default domain as ":name" (and "domain:name" otherwise).
-    s = str(name or "").strip()
-    i = s.find(RANGE_PREFIX)
-    return s[i:] if i >= 0 else s
-
-
-def summarize_nsys_csv(nvtx_sum: str | os.PathLike, nvtx_kern_sum: str | os.PathLike | None = None,
-                       nvtx_gpu_proj_sum: str | os.PathLike | None = None) -> list[dict]:
-    """Per-range summary from `nsys stats` CSVs: nvtx_sum (count, CPU-side range time), optionally
-    nvtx_kern_sum (kernels inside each range) and nvtx_gpu_proj_sum (device-side time of each range)."""
-    summary: dict[str, dict] = {}
-    for row in _read_csv(nvtx_sum):
-        name = _clean_range(_col(row, "Range", "Name"))
-        if not name.startswith(RANGE_PREFIX):
-            continue
-        count = _int(_col(row, "Instances", "Num Calls", "Count"))
-        total = _ns_to_us(_col(row, "Total Time (ns)", "Total Time"))
-        summary[name] = {"range": name, "count": count, "cpu_total_us": total,
-                         "cpu_mean_us": _ns_to_us(_col(row, "Avg (ns)", "Average (ns)", "Avg")),
-                         "device_total_us": None, "device_mean_us": None, "device_source": "",
-                         "kernel_kind": "gpu_kernel", "kernels": []}
-    if nvtx_gpu_proj_sum and Path(nvtx_gpu_proj_sum).exists():
-        for row in _read_csv(nvtx_gpu_proj_sum):
-            s = summary.get(_clean_range(_col(row, "Range", "Name")))
-            if s is None:
-                continue
-            total = _ns_to_us(_col(row, "Total Proj Time (ns)", "Total GPU Time (ns)", "Total Time (ns)"))
-            if total is not None:
-                s["device_total_us"] = total
-                s["device_mean_us"] = total / s["count"] if s["count"] else None
-                s["device_source"] = "nvtx_gpu_proj_sum"
-    if nvtx_kern_sum and Path(nvtx_kern_sum).exists():
-        for row in _read_csv(nvtx_kern_sum):
-            s = summary.get(_clean_range(_col(row, "NVTX Range", "Range")))
-            if s is None:
-                continue
-            total = _ns_to_us(_col(row, "Total Time (ns)", "Total Time")) or 0.0
-            count = _int(_col(row, "Kern Inst", "Kernel Instances", "Instances"))
-            s["kernels"].append({"name": str(_col(row, "Kernel Name", "Name") or "?"), "count": count,
-                                 "total_us": total, "mean_us": total / count if count else 0.0})
-        for s in summary.values():
-            s["kernels"].sort(key=lambda k: -k["total_us"])
-            if s["device_total_us"] is None and s["kernels"]:
-                s["device_total_us"] = sum(k["total_us"] for k in s["kernels"])
-                s["device_mean_us"] = s["device_total_us"] / s["count"] if s["count"] else None
-                s["device_source"] = "kernels"
-    return list(summary.values())
