@@ -38,7 +38,9 @@ Route-proportional instruction work is then ~23 warp-instr/route, about half his
 which 255 are never stored) and half the sort; the scan is a serial chain on 8 SMs. The candidates in
 _details/align_config.py attack these in turn: "grouped_scan" (2-D scan grid, raw counts kept so the scatter
 reuses them: one histogram, not two), "tight" (+ next_pow2(E) bins: 256 at E=256, half the histogram work),
-"tight_br512"/"tight_br256" (+ smaller sorts: 45 / 36 stages per route instead of 55, 2-4x the counts rows).
+"tight_br512/256/128" (+ smaller sorts: 45 / 36 / 28 stages per route instead of 55, 2-8x the counts rows:
+2 MB at 256, read by a scan of 32 x 4 programs). At T=8192 (65536 routes) the default is already 256 blocks of
+256 routes (1 warp): there only the bins, the single histogram and the scan grid change, and br128 halves the sort.
 """
 
 from __future__ import annotations
@@ -316,7 +318,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
                          expert_map: torch.Tensor | None = None, *,
                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                          workspace: torch.Tensor | None = None, block_routes: int | None = None,
-                         wrap_negative: bool = False, config: str | AlignConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         wrap_negative: bool = False, config: str | AlignConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton alignment -> (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32[1]).
 
     `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.

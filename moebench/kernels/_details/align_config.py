@@ -47,10 +47,12 @@ ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
     AlignConfig("grouped_scan", grouped_scan=True, scan_experts_chunk=8, expert_ids_tile=8192),
     # ... plus tight bins and one histogram instead of two: the route-proportional work of count + scatter
     AlignConfig("tight", tight_bins=True, grouped_scan=True, scan_experts_chunk=8, expert_ids_tile=8192),
-    # ... plus smaller in-block sorts (log^2 stages: 1024 -> 55, 512 -> 45, 256 -> 36), more counts rows
+    # ... plus smaller in-block sorts (log^2 stages: 1024 -> 55, 512 -> 45, 256 -> 36, 128 -> 28), more counts rows
     AlignConfig("tight_br512", max_block_routes=512, tight_bins=True, grouped_scan=True, scan_experts_chunk=8,
                 expert_ids_tile=8192),
     AlignConfig("tight_br256", max_block_routes=256, tight_bins=True, grouped_scan=True, scan_experts_chunk=8,
+                expert_ids_tile=8192),
+    AlignConfig("tight_br128", max_block_routes=128, tight_bins=True, grouped_scan=True, scan_experts_chunk=8,
                 expert_ids_tile=8192),
 )}
 
