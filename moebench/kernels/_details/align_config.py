@@ -54,6 +54,9 @@ ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
                 expert_ids_tile=8192),
     AlignConfig("tight_br128", max_block_routes=128, tight_bins=True, grouped_scan=True, scan_experts_chunk=8,
                 expert_ids_tile=8192),
+    # tight_br256 on twice the warps (128 routes each): more warps to hide the sort's shuffle latency
+    AlignConfig("tight_br256_w2", max_block_routes=256, routes_per_warp=128, tight_bins=True, grouped_scan=True,
+                scan_experts_chunk=8, expert_ids_tile=8192),
 )}
 
 
