@@ -42,8 +42,9 @@ which 255 are never stored) and half the sort; the scan is a serial chain on 8 S
 _details/align_config.py attack these in turn: "grouped_scan" (2-D scan grid, raw counts kept so the scatter
 reuses them: one histogram, not two), "tight" (+ next_pow2(E) bins: 256 at E=256, half the histogram work),
 "tight_br512/256/128" (+ smaller sorts: 45 / 36 / 28 stages per route instead of 55, 2-8x the counts rows:
-2 MB at 256, read by a scan of 32 x 4 programs), "tight_br256_w2" (2 warps per 256 routes, for latency). At T=8192 (65536 routes) the default is already 256 blocks of
-256 routes (1 warp): there only the bins, the single histogram and the scan grid change, and br128 sorts 128 (28 stages, not 36).
+2 MB at 256, read by a scan of 32 x 4 programs), "tight_br256_w2" (2 warps per 256 routes, for latency). At
+T=8192 (65536 routes) the default is already 256 blocks of 256 routes (1 warp): there only the bins, the single
+histogram and the scan grid change, and br128 sorts 128 (28 stages, not 36).
 """
 
 from __future__ import annotations
