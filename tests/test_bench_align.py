@@ -19,3 +19,29 @@ def test_align_registration_cases(device):
     case = get("moe_align_block_size.triton").build(Params(num_tokens=32, num_experts=16, top_k=4, ep_size=2,
                                                            block_size=16, hidden=64), ctx)
     assert case.info["num_local_experts"] == 8 and case.check().ok
+
+
+def test_align_candidate_impls_registered_and_swept(device):
+    """Every non-default ALIGN_CANDIDATES entry is a registered impl whose case checks out, and
+    sweeps/tune_align.yaml times all of them beside .triton."""
+    from pathlib import Path
+
+    import yaml
+
+    from moebench.kernels.moe_align_block_size import ALIGN_CANDIDATES
+    from moebench.registry import RunContext, get
+    from moebench.sweep import Params
+
+    names = [f"moe_align_block_size.triton_{n}" for n in ALIGN_CANDIDATES if n != "default"]
+    assert names
+    sweep = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "tune_align.yaml").read_text())
+    assert sweep["impls"] == ["moe_align_block_size.triton", *names]
+    ctx = RunContext(device=device)
+    p = Params(num_tokens=40, padding_ratio=0.25, num_experts=16, top_k=6, ep_size=2, block_size=16, hidden=64)
+    for name in names:
+        impl = get(name)
+        assert "tuning candidate" in impl.description
+        case = impl.build(p, ctx)
+        res = case.check()
+        assert res.ok, (name, res.detail)
+        assert case.info["num_local_experts"] == 8

@@ -1,5 +1,9 @@
 """The alignment bench family: moe_align_block_size (target "kernel", NVTX stage "align"), on EP rank 0's expert
-map when not every expert is local."""
+map when not every expert is local.
+
+  moe_align_block_size.triton_<candidate>  the Triton alignment with one of ALIGN_CANDIDATES forced (tuning on the
+                                           GPU; same case and check as .triton)
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from moebench.check import CheckResult, compare_exact, poison
 from moebench.inputs import make_batch, route
 from moebench.kernels.apply_expert_map import build_expert_map
 from moebench.kernels.moe_align_block_size import (
+    ALIGN_CANDIDATES,
     align_capacity,
     align_workspace,
     alloc_align_outputs,
@@ -75,7 +80,7 @@ def canonical_alignment(got, num_routes: int, num_experts: int, block_size: int
     return (out_sorted, out_experts, out_post), problems
 
 
-def _build_align(variant: str, fn=None, canonical: bool = False):
+def _build_align(variant: str, fn=None, canonical: bool = False, config: str | None = None):
     def build(p, ctx):
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)
@@ -84,7 +89,7 @@ def _build_align(variant: str, fn=None, canonical: bool = False):
         oblivious = variant == "oblivious"
         ref = moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map, wrap_negative=oblivious)
         out = alloc_align_outputs(num_routes, num_experts, p.block_size, ctx.device)
-        workspace = align_workspace(num_routes, num_experts, ctx.device)
+        workspace = align_workspace(num_routes, num_experts, ctx.device, config=config)
 
         if variant == "fn":
             def run():
@@ -95,7 +100,7 @@ def _build_align(variant: str, fn=None, canonical: bool = False):
         else:
             def run():
                 return moe_align_block_size(topk_ids, num_experts, p.block_size, expert_map, out=out,
-                                            workspace=workspace, wrap_negative=oblivious)
+                                            workspace=workspace, wrap_negative=oblivious, config=config)
 
         def check():
             for t in (*out, workspace):
@@ -145,6 +150,13 @@ for _variant, _text in _DESCRIPTIONS.items():
     register_impl(f"moe_align_block_size.{_variant}", targets=("kernel",), description=_text, validate=align_problem,
                   twin_of="moe_align_block_size.triton" if _variant == "oblivious" else None,
                   baseline=_variant == "torch")(_build_align(_variant))
+
+
+for _name in ALIGN_CANDIDATES:
+    if _name != "default":  # "default" is .triton itself
+        register_impl(f"moe_align_block_size.triton_{_name}", targets=("kernel",), validate=align_problem,
+                      description=f"moe_align_block_size.triton with the {_name} tuning candidate forced")(
+            _build_align("triton", config=_name))
 
 
 def align_build_for(fn, *, canonical: bool = False):

@@ -13,7 +13,8 @@ actual sizes (no single-program pass, no loop over a fixed maximum):
   1. count:   per block of BLOCK_ROUTES routes, a histogram over experts -> counts[block, expert]; the same
               programs fill all of sorted_token_ids with the pad value (route slots are overwritten in step 3)
   2. scan:    one program per chunk of experts: the exclusive prefix of each expert's counts over the blocks
-              (in place over counts) and the expert's total
+              (in place over counts) and the expert's total; under a grouped_scan config a 2-D grid (chunks x
+              groups of blocks) writes the prefixes to a second matrix and the scatter reuses the raw counts
   3. scatter: per block, the segment layout from the E totals (cumsum of the padded counts), num_tokens_post_padded,
               the block's destination base per expert, then sort the keys (expert, position) inside the block:
               the sorted position minus the number of earlier-expert routes in the block is the stable rank
@@ -21,6 +22,29 @@ actual sizes (no single-program pass, no loop over a fixed maximum):
               write expert_ids, a slice of blocks each.
 Every element of the three outputs is written (pad slots by step 1, routes, expert_ids and the total by step 3),
 so nothing needs a zero-fill launch.
+
+Cost model (H200, T=65536, K=8, E=256, block_size 64: R = 524288 routes; "default" config; measured 47.8 us, and
+14.6 us at T=8192). Programs: 512 blocks of 1024 routes (4 warps), NUM_BINS = next_pow2(E + 1) = 512.
+  count   512 programs: tl.histogram lowers to per-lane ballots: for each element slot a warp issues
+          log2(bins) ballots + (bins / 32) bins x ~10 ops ~ 200 instructions per 32 routes ~ 6 warp-instr/route
+          (~3 at 256 bins); plus the pad fill (2.1 MB stores). ~ R * 6 / (132 SMs * 4 issue/clk) ~ 3 us + fill.
+  scan    8 programs (chunks of 32 experts) each loop 4 serial tiles of [128 rows, 32] over the 512 x 256 counts
+          (0.5 MB in L2): latency-bound on 8 SMs, ~ 4 x (load + cross-warp cumsum + store) ~ 4-6 us.
+  scatter 2111 programs (512 route blocks + expert_ids slices of 4 m-blocks): a second histogram (~3 us as
+          above), the bitonic tl.sort of 1024 keys: log2(n)(log2(n)+1)/2 = 55 compare-swap stages, each ~7
+          instructions per element of 8 per lane -> ~12 warp-instr/route ~ 10 us issue time, 3 of the stages
+          through shared memory; the gather of bases and the 2.1 MB scattered route stores.
+  launches 3 in the graph, ~2-3 us of fixed cost and tail each.
+Issue counts add up to ~30 of the 47.8 us; the rest is most likely latency the counts miss (dependent shuffle
+chains in the sort, barriers, the serial scan), which the same changes shorten.
+Route-proportional instruction work is then ~24 warp-instr/route, about half histograms (two, over 512 bins of
+which 255 are never stored) and half the sort; the scan is a serial chain on 8 SMs. The candidates in
+_details/align_config.py attack these in turn: "grouped_scan" (2-D scan grid, raw counts kept so the scatter
+reuses them: one histogram, not two), "tight" (+ next_pow2(E) bins: 256 at E=256, half the histogram work),
+"tight_br512/256/128" (+ smaller sorts: 45 / 36 / 28 stages per route instead of 55, 2-8x the counts rows:
+2 MB at 256, read by a scan of 32 x 4 programs), "tight_br256_w2" (2 warps per 256 routes, for latency). At
+T=8192 (65536 routes) the default is already 256 blocks of 256 routes (1 warp): there only the bins, the single
+histogram and the scan grid change, and br128 sorts 128 (28 stages, not 36).
 """
 
 from __future__ import annotations
@@ -29,7 +53,22 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels._details.align_config import (
+    ALIGN_CANDIDATES,
+    ALIGN_CONFIG_ENV,
+    AlignConfig,
+    align_capacity,
+    align_launch_shapes,
+    align_workspace_size,
+    default_block_routes,
+    resolve_align_config,
+)
+from moebench.kernels._details.jit import check_triton_device
+
+__all__ = ["align_capacity", "capacity_fits_int32", "local_expert_ids_torch", "moe_align_block_size_torch",
+           "default_block_routes", "align_workspace", "alloc_align_outputs", "align_launch_shapes",
+           "moe_align_block_size", "AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "resolve_align_config",
+           "align_workspace_size"]
 
 INT32_MAX = 2**31 - 1
 PAD_FILL_STEP = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
@@ -38,13 +77,6 @@ PAD_FILL_STEP = 1024  # largest step of the pad fill (offsets may run this far p
 # ---------------------------------------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------------------------------------
-
-def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[int, int]:
-    """(capacity of sorted_token_ids, length of expert_ids) for these sizes: every expert's segment may end with
-    block_size - 1 pad slots."""
-    capacity = num_routes + num_experts * (block_size - 1)
-    return capacity, triton.cdiv(capacity, block_size) if capacity else 0
-
 
 def capacity_fits_int32(capacity: int) -> bool:
     """Whether the kernels' int32 offsets reach every slot of sorted_token_ids (the pad fill may run PAD_FILL_STEP
@@ -125,17 +157,30 @@ def _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, in_range, num_experts,
 
 
 @triton.jit
+def _block_histogram(local, num_experts, NUM_BINS: tl.constexpr, TIGHT_BINS: tl.constexpr):
+    """Routes per expert of one block (bins >= num_experts hold junk, never stored). TIGHT_BINS: NUM_BINS may
+    equal num_experts, so skipped routes are counted in bin 0 and subtracted from it."""
+    if TIGHT_BINS:
+        skipped = local >= num_experts
+        hist = tl.histogram(tl.where(skipped, 0, local), NUM_BINS)
+        hist -= tl.where(tl.arange(0, NUM_BINS) == 0, tl.sum(skipped.to(tl.int32), axis=0), 0)
+    else:
+        # NUM_BINS > num_experts: skipped routes fall into bin num_experts, which is not stored.
+        hist = tl.histogram(local, NUM_BINS)
+    return hist
+
+
+@triton.jit
 def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr,
                         num_routes, num_blocks, num_experts, index_range, capacity, fill_per_program, pad_value,
-                        HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr,
-                        BLOCK_ROUTES: tl.constexpr, NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr):
+                        HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr, BLOCK_ROUTES: tl.constexpr,
+                        NUM_BINS: tl.constexpr, FILL_BLOCK: tl.constexpr, TIGHT_BINS: tl.constexpr):
     pid = tl.program_id(0)
     if pid < num_blocks:
         offs = pid * BLOCK_ROUTES + tl.arange(0, BLOCK_ROUTES)
         local = _local_expert_ids(topk_ids_ptr, expert_map_ptr, offs, offs < num_routes, num_experts, index_range,
                                   HAS_MAP, WRAP_NEGATIVE)
-        # NUM_BINS > num_experts: skipped routes fall into bin num_experts, which is not stored.
-        hist = tl.histogram(local, NUM_BINS)
+        hist = _block_histogram(local, num_experts, NUM_BINS, TIGHT_BINS)
         bins = tl.arange(0, NUM_BINS)
         tl.store(counts_ptr + pid * num_experts + bins, hist, mask=bins < num_experts)
 
@@ -169,12 +214,40 @@ def _align_scan_kernel(counts_ptr, totals_ptr, num_blocks, num_experts,
 
 
 @triton.jit
-def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, totals_ptr, num_post_padded_ptr,
+def _align_scan_grouped_kernel(counts_ptr, prefix_ptr, totals_ptr, num_blocks, num_experts, group_rows,
+                               EXPERTS_CHUNK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """Program (p, g) owns experts [p*EXPERTS_CHUNK, ...) of block rows [g*group_rows, (g+1)*group_rows): it sums
+    the counts of the rows before its group (read only: counts stay raw), then writes the exclusive prefix of its
+    rows to prefix; the last group writes the totals. Both loops run over the blocks that exist."""
+    experts = tl.program_id(0) * EXPERTS_CHUNK + tl.arange(0, EXPERTS_CHUNK)
+    expert_ok = experts < num_experts
+    rows = tl.arange(0, TILE_BLOCKS)
+    lo = tl.program_id(1) * group_rows
+    hi = tl.minimum(lo + group_rows, num_blocks)
+    carry = tl.zeros([EXPERTS_CHUNK], dtype=tl.int32)
+    for b0 in range(0, lo, TILE_BLOCKS):
+        r = b0 + rows
+        m = (r < lo)[:, None] & expert_ok[None, :]
+        carry += tl.sum(tl.load(counts_ptr + r[:, None] * num_experts + experts[None, :], mask=m, other=0), axis=0)
+    for b0 in range(lo, hi, TILE_BLOCKS):
+        r = b0 + rows
+        m = (r < hi)[:, None] & expert_ok[None, :]
+        offs = r[:, None] * num_experts + experts[None, :]
+        c = tl.load(counts_ptr + offs, mask=m, other=0)
+        tl.store(prefix_ptr + offs, carry[None, :] + tl.cumsum(c, axis=0) - c, mask=m)
+        carry += tl.sum(c, axis=0)
+    if hi == num_blocks:
+        tl.store(totals_ptr + experts, carry, mask=expert_ok)
+
+
+@triton.jit
+def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, counts_ptr, totals_ptr, num_post_padded_ptr,
                           sorted_ids_ptr, expert_ids_ptr,
                           num_routes, num_blocks, num_experts, index_range, block_size, num_m_blocks,
                           m_blocks_per_program,
                           HAS_MAP: tl.constexpr, WRAP_NEGATIVE: tl.constexpr, BLOCK_ROUTES: tl.constexpr,
-                          NUM_BINS: tl.constexpr, TILE_M_BLOCKS: tl.constexpr):
+                          NUM_BINS: tl.constexpr, TILE_M_BLOCKS: tl.constexpr, TIGHT_BINS: tl.constexpr,
+                          REUSE_COUNTS: tl.constexpr):
     pid = tl.program_id(0)
     # Segment layout from the per-expert totals: E values, recomputed by every program (cheaper than a launch).
     bins = tl.arange(0, NUM_BINS)
@@ -193,7 +266,10 @@ def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, totals_ptr, nu
                                   HAS_MAP, WRAP_NEGATIVE)
         # base[e] = seg_start[e] + (routes of e in earlier blocks) - (routes of experts < e in this block), so that
         # base + (position of the route in the block's expert-sorted order) is its destination.
-        in_block = tl.histogram(local, NUM_BINS)
+        if REUSE_COUNTS:  # the count launch's histogram, kept raw by the grouped scan
+            in_block = tl.load(counts_ptr + pid * num_experts + bins, mask=bin_is_expert, other=0)
+        else:
+            in_block = _block_histogram(local, num_experts, NUM_BINS, TIGHT_BINS)
         row = base_ptr + pid * num_experts + bins
         earlier = tl.load(row, mask=bin_is_expert, other=0)
         base = seg_end - padded + earlier - (tl.cumsum(in_block, axis=0) - in_block)
@@ -226,17 +302,12 @@ def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, base_ptr, totals_ptr, nu
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
 
-def default_block_routes(num_routes: int) -> int:
-    """Routes per program: about 256 programs (a small in-block sort each, many programs to cover the GPU), 128..1024
-    routes each; the scan then reads num_routes / block_routes rows of E counts."""
-    return min(1024, max(128, next_pow2(triton.cdiv(max(num_routes, 1), 256))))
-
-
-def align_workspace(num_routes: int, num_experts: int, device, *, block_routes: int | None = None) -> torch.Tensor:
-    """int32 scratch: counts/bases [num_blocks, E] then per-expert totals [E]. Needs no initialisation."""
-    block_routes = block_routes or default_block_routes(num_routes)
-    num_blocks = triton.cdiv(num_routes, block_routes)
-    return torch.empty(num_blocks * num_experts + num_experts, dtype=torch.int32, device=device)
+def align_workspace(num_routes: int, num_experts: int, device, *, block_routes: int | None = None,
+                    config: str | AlignConfig | None = None) -> torch.Tensor:
+    """int32 scratch: counts/bases [num_blocks, E], per-expert totals [E], and under a grouped_scan config the
+    prefixes [num_blocks, E]. Needs no initialisation. `config` as moe_align_block_size's (the same one)."""
+    size = align_workspace_size(num_routes, num_experts, block_routes=block_routes, config=config)
+    return torch.empty(size, dtype=torch.int32, device=device)
 
 
 def alloc_align_outputs(num_routes: int, num_experts: int, block_size: int, device
@@ -247,44 +318,21 @@ def alloc_align_outputs(num_routes: int, num_experts: int, block_size: int, devi
             torch.empty(1, dtype=torch.int32, device=device))
 
 
-def align_launch_shapes(num_routes: int, num_experts: int, block_size: int, block_routes: int) -> dict:
-    """Grids and tile sizes of the three launches (host arithmetic only; the GPU script prints them)."""
-    capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
-    num_blocks = triton.cdiv(num_routes, block_routes)
-    num_bins = max(32, next_pow2(num_experts + 1))  # one spare bin for skipped routes; >= a warp
-    # count: the histogram programs, plus more where the pad fill of sorted_token_ids is large (2048 slots each).
-    count_grid = max(num_blocks, triton.cdiv(capacity, 2048))
-    fill_per_program = triton.cdiv(triton.cdiv(capacity, count_grid), 16) * 16  # 64-byte aligned chunks
-    # scan: chunks of 32 experts (a 128-byte row segment per block), tiles of <= 4096 counts.
-    experts_chunk = min(32, next_pow2(num_experts))
-    tile_blocks = max(1, min(next_pow2(num_blocks), 4096 // experts_chunk))
-    # scatter: the route blocks, plus more where expert_ids is long: <= 2048 (block, expert) compares each.
-    m_tile = max(1, 2048 // num_bins)
-    scatter_grid = max(num_blocks, triton.cdiv(num_m_blocks, m_tile))
-    m_blocks_per_program = triton.cdiv(num_m_blocks, scatter_grid)
-    return dict(capacity=capacity, num_m_blocks=num_m_blocks, num_blocks=num_blocks, num_bins=num_bins,
-                count_grid=count_grid, fill_per_program=fill_per_program,
-                fill_block=min(1024, next_pow2(fill_per_program)),
-                experts_chunk=experts_chunk, scan_grid=triton.cdiv(num_experts, experts_chunk),
-                tile_blocks=tile_blocks, scan_warps=max(1, min(4, tile_blocks * experts_chunk // 512)),
-                scatter_grid=scatter_grid, m_blocks_per_program=m_blocks_per_program,
-                tile_m_blocks=max(1, min(next_pow2(m_blocks_per_program), m_tile)),
-                # At least one route per thread: tl.histogram's GPU lowering can over-count a tensor smaller than
-                # the CTA (its elements are replicated across threads). 256 routes per warp, 1..8 warps.
-                route_warps=max(1, min(8, block_routes // 256)))
-
-
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int,
                          expert_map: torch.Tensor | None = None, *,
                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                          workspace: torch.Tensor | None = None, block_routes: int | None = None,
-                         wrap_negative: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         wrap_negative: bool = False, config: str | AlignConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton alignment -> (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32[1]).
 
     `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.
     `block_routes` (power of two >= 32) overrides the routes per program (tests use it to get many blocks).
     `wrap_negative=True` is the pre-fix (oblivious) behaviour: -1 indexes the last expert / map entry.
+    `config`: one of ALIGN_CANDIDATES (name or AlignConfig); None reads MOEBENCH_ALIGN_CONFIG, else "default".
+    Every config gives the same outputs; size the workspace with align_workspace(..., config=) of the same one.
     """
+    cfg = resolve_align_config(config)
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if num_experts < 1 or block_size < 1:
@@ -309,19 +357,22 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         num_post_padded.zero_()
         return sorted_ids, expert_ids, num_post_padded
 
-    block_routes = block_routes or default_block_routes(num_routes)
+    block_routes = block_routes or default_block_routes(num_routes, cfg)
     if block_routes < 32 or block_routes & (block_routes - 1):
         raise ValueError(f"block_routes must be a power of two >= 32, got {block_routes}")
-    shapes = align_launch_shapes(num_routes, num_experts, block_size, block_routes)
+    shapes = align_launch_shapes(num_routes, num_experts, block_size, block_routes, cfg)
     num_blocks = shapes["num_blocks"]
     if num_experts * block_routes + block_routes > INT32_MAX:
         raise ValueError("num_experts * block_routes overflows the int32 sort key")
+    matrix = num_blocks * num_experts
     if workspace is None:
-        workspace = align_workspace(num_routes, num_experts, topk_ids.device, block_routes=block_routes)
-    if workspace.numel() < num_blocks * num_experts + num_experts or workspace.dtype != torch.int32:
-        raise ValueError("workspace too small (use align_workspace with the same block_routes)")
-    counts = workspace[:num_blocks * num_experts]
-    totals = workspace[num_blocks * num_experts:num_blocks * num_experts + num_experts]
+        workspace = align_workspace(num_routes, num_experts, topk_ids.device, block_routes=block_routes, config=cfg)
+    if workspace.numel() < matrix * (2 if cfg.grouped_scan else 1) + num_experts or workspace.dtype != torch.int32:
+        raise ValueError("workspace too small (use align_workspace with the same block_routes and config)")
+    counts = workspace[:matrix]
+    totals = workspace[matrix:matrix + num_experts]
+    # grouped_scan: the prefixes (then the scatter's bases) in their own matrix, the raw counts kept
+    bases = workspace[matrix + num_experts:2 * matrix + num_experts] if cfg.grouped_scan else counts
 
     has_map = expert_map is not None
     map_arg = expert_map if has_map else topk_ids  # never dereferenced without HAS_MAP
@@ -332,13 +383,21 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
         topk_ids, map_arg, counts, sorted_ids, num_routes, num_blocks, num_experts, index_range, capacity,
         shapes["fill_per_program"], num_routes,
         HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=shapes["num_bins"],
-        FILL_BLOCK=shapes["fill_block"], num_warps=route_warps)
-    _align_scan_kernel[(shapes["scan_grid"],)](
-        counts, totals, num_blocks, num_experts,
-        EXPERTS_CHUNK=shapes["experts_chunk"], TILE_BLOCKS=shapes["tile_blocks"], num_warps=shapes["scan_warps"])
+        FILL_BLOCK=shapes["fill_block"], TIGHT_BINS=cfg.tight_bins, num_warps=route_warps)
+    if cfg.grouped_scan:
+        _align_scan_grouped_kernel[(shapes["scan_grid"], shapes["scan_groups"])](
+            counts, bases, totals, num_blocks, num_experts, shapes["scan_group_rows"],
+            EXPERTS_CHUNK=shapes["experts_chunk"], TILE_BLOCKS=shapes["tile_blocks"],
+            num_warps=shapes["scan_warps"])
+    else:
+        _align_scan_kernel[(shapes["scan_grid"],)](
+            counts, totals, num_blocks, num_experts,
+            EXPERTS_CHUNK=shapes["experts_chunk"], TILE_BLOCKS=shapes["tile_blocks"],
+            num_warps=shapes["scan_warps"])
     _align_scatter_kernel[(shapes["scatter_grid"],)](
-        topk_ids, map_arg, counts, totals, num_post_padded, sorted_ids, expert_ids,
+        topk_ids, map_arg, bases, counts, totals, num_post_padded, sorted_ids, expert_ids,
         num_routes, num_blocks, num_experts, index_range, block_size, num_m_blocks, shapes["m_blocks_per_program"],
         HAS_MAP=has_map, WRAP_NEGATIVE=wrap_negative, BLOCK_ROUTES=block_routes, NUM_BINS=shapes["num_bins"],
-        TILE_M_BLOCKS=shapes["tile_m_blocks"], num_warps=route_warps)
+        TILE_M_BLOCKS=shapes["tile_m_blocks"], TIGHT_BINS=cfg.tight_bins, REUSE_COUNTS=cfg.grouped_scan,
+        num_warps=route_warps)
     return sorted_ids, expert_ids, num_post_padded

@@ -1,11 +1,14 @@
 """moe_align_block_size: Triton kernels vs the torch reference vs a literal per-expert loop (docs/contracts.md)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moebench.check import poison
 from moebench.kernels._details.jit import next_pow2
-from moebench.kernels.moe_align_block_size import (align_workspace, alloc_align_outputs, moe_align_block_size,
+from moebench.kernels.moe_align_block_size import (ALIGN_CANDIDATES, ALIGN_CONFIG_ENV, align_launch_shapes,
+                                                   align_workspace, alloc_align_outputs, moe_align_block_size,
                                                    moe_align_block_size_torch)
 
 
@@ -57,7 +60,8 @@ def run_triton_poisoned(topk_ids, num_experts, block_size, expert_map=None, **kw
     """Launch into poisoned outputs and workspace, so an unwritten element or an uninitialised read shows."""
     block_routes = kw.get("block_routes")
     out = alloc_align_outputs(topk_ids.numel(), num_experts, block_size, topk_ids.device)
-    ws = align_workspace(topk_ids.numel(), num_experts, topk_ids.device, block_routes=block_routes)
+    ws = align_workspace(topk_ids.numel(), num_experts, topk_ids.device, block_routes=block_routes,
+                         config=kw.get("config"))
     for t in (*out, ws):
         poison(t)
     return moe_align_block_size(topk_ids, num_experts, block_size, expert_map, out=out, workspace=ws, **kw)
@@ -159,8 +163,8 @@ def test_align_small_tiles_loop_everywhere(device, monkeypatch):
     mod = sys.modules[moe_align_block_size.__module__]  # the package re-exports a function of the same name
     real = mod.align_launch_shapes
 
-    def small(num_routes, num_experts, block_size, block_routes):
-        s = real(num_routes, num_experts, block_size, block_routes)
+    def small(num_routes, num_experts, block_size, block_routes, config="default"):
+        s = real(num_routes, num_experts, block_size, block_routes, config)
         s.update(experts_chunk=4, scan_grid=-(-num_experts // 4), tile_blocks=2, tile_m_blocks=2,
                  fill_block=16, scatter_grid=s["num_blocks"] + 3)
         s["m_blocks_per_program"] = -(-s["num_m_blocks"] // s["scatter_grid"])
@@ -210,6 +214,100 @@ def test_align_rejects_bad_inputs(device):
         moe_align_block_size(torch.zeros(2, 2, dtype=torch.int32, device=device), 4, 16, block_routes=24)
 
 
+def small_tiled(cfg):
+    """The config with tiles so small that every loop of its launches runs several times: scan groups of 3 block
+    rows in tiles of 2, chunks of 4 experts, expert_ids tiles of a few blocks."""
+    return dataclasses.replace(cfg, name=cfg.name + "_small", scan_group_rows=3, scan_experts_chunk=4,
+                               scan_tile=8, expert_ids_tile=128)
+
+
+# The kernel paths the candidates take (beside "default", which the tests above cover): grouped scan with the
+# scatter reusing the raw counts, the same with tight bins, and tight bins with the 1-D scan (two histograms).
+CONFIG_PATHS = {
+    "grouped": small_tiled(ALIGN_CANDIDATES["grouped_scan"]),
+    "tight_grouped": small_tiled(ALIGN_CANDIDATES["tight"]),
+    "tight_serial": dataclasses.replace(ALIGN_CANDIDATES["default"], name="tight_serial", tight_bins=True),
+}
+
+# (num_tokens, top_k, ids drawn from, num_experts, block_size, with an expert map): 4..5 blocks of 32 routes
+CANDIDATE_CASES = [
+    (21, 6, 16, 16, 16, False),  # E a power of two: tight bins == E, skipped routes corrected out of bin 0
+    (37, 4, 14, 10, 8, True),  # an expert map with non-local and corrupt entries, E not a power of two
+    (17, 8, 32, 32, 64, False),  # block_size > routes per expert: mostly pad
+    (43, 3, 8, 8, 5, False),  # odd block_size
+]
+
+
+def candidate_case(case, generator, device):
+    num_tokens, top_k, id_range, num_experts, block_size, with_map = CANDIDATE_CASES[case]
+    ids = random_ids(num_tokens, top_k, id_range, generator=generator, padded_rows=3).to(device)
+    expert_map = None
+    if with_map:
+        expert_map = torch.full((id_range,), -1, dtype=torch.int32)
+        owners = torch.randperm(id_range, generator=generator)[:num_experts]
+        expert_map[owners] = torch.randperm(num_experts, generator=generator).to(torch.int32)
+        expert_map[owners[0]] = num_experts + 1  # corrupt: outside the local range, skipped
+        expert_map = expert_map.to(device)
+    return ids, num_experts, block_size, expert_map
+
+
+@pytest.mark.parametrize("path", list(CONFIG_PATHS))
+@pytest.mark.parametrize("case", range(len(CANDIDATE_CASES)))
+def test_align_config_paths_match_reference(path, case, device):
+    """Every kernel path of the tuning candidates, over several blocks, gives the reference's outputs bit for bit."""
+    ids, num_experts, block_size, expert_map = candidate_case(case, torch.Generator().manual_seed(31 * case + 5),
+                                                              device)
+    want = moe_align_block_size_torch(ids, num_experts, block_size, expert_map)
+    assert_same(run_triton_poisoned(ids, num_experts, block_size, expert_map, block_routes=32,
+                                    config=CONFIG_PATHS[path]), want)
+
+
+@pytest.mark.parametrize("name", list(ALIGN_CANDIDATES))
+def test_align_candidates_match_reference(name, device):
+    """Each candidate by name, at its own block of routes, workspace sized for it."""
+    ids, num_experts, block_size, expert_map = candidate_case(1, torch.Generator().manual_seed(len(name)), device)
+    assert_same(run_triton_poisoned(ids, num_experts, block_size, expert_map, config=name),
+                moe_align_block_size_torch(ids, num_experts, block_size, expert_map))
+
+
+@pytest.mark.parametrize("name", [n for n in ALIGN_CANDIDATES if ALIGN_CANDIDATES[n].tight_bins])
+def test_align_tight_bins_hot_expert_zero(name, device):
+    """Tight bins count skipped routes in bin 0: with expert 0 hot and many skipped, its segment must hold exactly
+    its own routes (the correction subtracts the skipped ones, lanes past the end included)."""
+    ids = torch.zeros(30, 4, dtype=torch.int32)
+    ids[::3] = -1
+    ids[1, 2] = 16  # out of range
+    ids[4, 1] = 3
+    ids = ids.to(device)
+    want = literal_align(ids.cpu(), 16, 16)
+    assert want[2].item() == 80 + 16  # 78 routes of expert 0 (80 slots), one of expert 3
+    assert_same(run_triton_poisoned(ids, 16, 16, block_routes=32, config=name), want)
+    all_skipped = torch.full((9, 4), -1, dtype=torch.int32, device=device)
+    assert_same(run_triton_poisoned(all_skipped, 16, 16, block_routes=32, config=name),
+                literal_align(all_skipped.cpu(), 16, 16))
+
+
+def test_align_config_env_and_default_launch(device, monkeypatch):
+    """MOEBENCH_ALIGN_CONFIG picks the candidate when none is passed (workspace included); an unknown name is an
+    error; "default" keeps the first measured launch (one spare bin, 1-D scan over 32-expert chunks)."""
+    g = torch.Generator().manual_seed(4)
+    ids = random_ids(40, 6, 16, generator=g).to(device)
+    want = moe_align_block_size_torch(ids, 16, 16)
+    monkeypatch.setenv(ALIGN_CONFIG_ENV, "tight_br256")
+    ws = align_workspace(ids.numel(), 16, ids.device)
+    assert ws.numel() == 2 * 2 * 16 + 16  # 240 routes, 2 blocks of 128: counts and prefixes, then the totals
+    assert_same(moe_align_block_size(ids, 16, 16, workspace=ws), want)
+    monkeypatch.setenv(ALIGN_CONFIG_ENV, "no_such_config")
+    with pytest.raises(ValueError, match="tight_br256"):
+        moe_align_block_size(ids, 16, 16)
+    monkeypatch.delenv(ALIGN_CONFIG_ENV)
+    shapes = align_launch_shapes(524288, 256, 64, 1024)
+    assert (shapes["num_bins"], shapes["scan_grid"], shapes["scan_groups"], shapes["tile_blocks"],
+            shapes["scatter_grid"], shapes["route_warps"]) == (512, 8, 1, 128, 2111, 4)
+    tight = align_launch_shapes(524288, 256, 64, 256, "tight_br256")
+    assert (tight["num_bins"], tight["scan_grid"], tight["scan_groups"], tight["route_warps"]) == (256, 32, 4, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", [
     (1, 8, 256, 64), (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128),
@@ -228,3 +326,7 @@ def test_align_gpu_large_exact(num_tokens, top_k, num_experts, block_size):
                 moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
     for block_routes in (32, 128, 512, 2048):  # other splits into blocks (the GPU script sweeps them)
         assert_same(run_triton_poisoned(ids, num_experts, block_size, block_routes=block_routes), want)
+    for name in ALIGN_CANDIDATES:  # the tuning candidates, each at its own split
+        assert_same(run_triton_poisoned(ids, num_experts, block_size, config=name), want)
+        assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map, config=name),
+                    moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
