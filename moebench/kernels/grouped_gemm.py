@@ -30,7 +30,8 @@ import triton.language as tl
 from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels.masked_moe_sum import launch_masked_sum, sum_launch_config
-from moebench.kernels.moe_align_block_size import align_capacity, default_block_routes, moe_align_block_size
+from moebench.kernels._details.align_config import align_workspace_size
+from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,8 +117,9 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 def align_scratch_size(num_routes: int, num_experts: int) -> int:
-    """int32 elements of the alignment scratch (moe_align_block_size's workspace at its default block of routes)."""
-    return triton.cdiv(num_routes, default_block_routes(num_routes)) * num_experts + num_experts
+    """int32 elements of the alignment scratch: moe_align_block_size's workspace under the align config in effect
+    (MOEBENCH_ALIGN_CONFIG, else the default)."""
+    return align_workspace_size(num_routes, num_experts)
 
 
 def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
