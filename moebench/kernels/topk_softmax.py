@@ -53,7 +53,20 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     write_out,
     zero_non_finite_torch,
 )
+from moebench.kernels._details.router_cand import (
+    add_bias,
+    cand_geometry,
+    cand_level,
+    coarse_key,
+    exact_pick_2d,
+    pick_candidates,
+    row_max_8,
+    row_sum_8,
+    sort8_desc,
+    store_rows_2d,
+)
 from moebench.kernels._details.router_tiles import (
+    INT32_MIN,
     Q_AXIS,
     orderable_key,
     pick_topk,
@@ -162,6 +175,80 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
 
 
+@triton.jit
+def softmax_level_key(e, inv2, bias_ptr, expert, valid, HAS_BIAS: tl.constexpr, B: tl.constexpr):
+    """Coarse key of one level from its exp(x - row max); the same ops as the candidates' exact re-computation."""
+    return coarse_key(add_bias(zero_non_finite(e * inv2), bias_ptr, expert, valid, HAS_BIAS), expert, valid, B)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, flags_ptr, num_tokens,
+                              stride_logits, E: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr,
+                              K: tl.constexpr, K_PAD: tl.constexpr, C: tl.constexpr, LANES: tl.constexpr,
+                              B: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_FLAGS: tl.constexpr,
+                              Q_AXIS: tl.constexpr):
+    # The "cand" selection (module docstring): 8 levels of [BLOCK_T, LANES], C coarse picks, exact resolution
+    # among the candidates when the verification holds for every row of the program, else today's two-pass.
+    MASKED: tl.constexpr = E != 8 * LANES
+    NONE: tl.constexpr = 8 * LANES
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < num_tokens
+    live = in_range
+    if HAS_PAD:
+        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    row_base = logits_ptr + rows.to(tl.int64) * stride_logits
+    base2 = tl.expand_dims(row_base, 1)
+    live2 = tl.expand_dims(live, 1)
+    slot = tl.arange(0, LANES)[None, :] + 0 * tl.expand_dims(rows, 1)  # full shape: one layout for every tile
+    x0, n0, v0 = cand_level(base2, live2, slot, 0, LANES, E, MASKED)
+    x1, n1, v1 = cand_level(base2, live2, slot, 1, LANES, E, MASKED)
+    x2, n2, v2 = cand_level(base2, live2, slot, 2, LANES, E, MASKED)
+    x3, n3, v3 = cand_level(base2, live2, slot, 3, LANES, E, MASKED)
+    x4, n4, v4 = cand_level(base2, live2, slot, 4, LANES, E, MASKED)
+    x5, n5, v5 = cand_level(base2, live2, slot, 5, LANES, E, MASKED)
+    x6, n6, v6 = cand_level(base2, live2, slot, 6, LANES, E, MASKED)
+    x7, n7, v7 = cand_level(base2, live2, slot, 7, LANES, E, MASKED)
+    rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7)
+    e0, e1, e2, e3 = tl.exp(x0 - rm2), tl.exp(x1 - rm2), tl.exp(x2 - rm2), tl.exp(x3 - rm2)
+    e4, e5, e6, e7 = tl.exp(x4 - rm2), tl.exp(x5 - rm2), tl.exp(x6 - rm2), tl.exp(x7 - rm2)
+    inv2 = tl.expand_dims(1.0 / row_sum_8(e0, e1, e2, e3, e4, e5, e6, e7), 1)
+    s0, s1, s2, s3, s4, s5, s6, s7 = sort8_desc(
+        softmax_level_key(e0, inv2, bias_ptr, n0, v0, HAS_BIAS, B),
+        softmax_level_key(e1, inv2, bias_ptr, n1, v1, HAS_BIAS, B),
+        softmax_level_key(e2, inv2, bias_ptr, n2, v2, HAS_BIAS, B),
+        softmax_level_key(e3, inv2, bias_ptr, n3, v3, HAS_BIAS, B),
+        softmax_level_key(e4, inv2, bias_ptr, n4, v4, HAS_BIAS, B),
+        softmax_level_key(e5, inv2, bias_ptr, n5, v5, HAS_BIAS, B),
+        softmax_level_key(e6, inv2, bias_ptr, n6, v6, HAS_BIAS, B),
+        softmax_level_key(e7, inv2, bias_ptr, n7, v7, HAS_BIAS, B))
+    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE)
+    # exact when every expert outside the candidates truncates below the K-th pick (docstring); with C == E every
+    # expert is a candidate
+    if C < E:
+        fallback = tl.max((live & (t_c == t_k)).to(tl.int32), 0)
+    else:
+        fallback = tl.max((live & (rows < 0)).to(tl.int32), 0)
+    if HAS_FLAGS:
+        tl.store(flags_ptr + tl.program_id(0), fallback)
+    if fallback == 0:
+        # the candidates' exact scores, re-computed from their logits with the tile's ops, then the exact pick
+        is_cand = slot < C
+        xg = tl.load(base2 + cids, mask=live2 & is_cand, other=0.0).to(tl.float32)
+        score = add_bias(zero_non_finite(tl.exp(xg - rm2) * inv2), bias_ptr, cids, is_cand, HAS_BIAS)
+        ids = exact_pick_2d(tl.where(is_cand, orderable_key(score), INT32_MIN), cids, slot, K, NONE)
+        xw = tl.load(base2 + ids, mask=live2 & (slot < K), other=0.0).to(tl.float32)
+        w = zero_non_finite(tl.exp(xw - rm2) * inv2)
+        store_rows_2d(ids_ptr, weights_ptr, ids, w, slot, rows, in_range, live, K, RENORMALIZE, 1.0)
+    else:
+        # today's full-row two-pass selection for the whole program (same tile and picks as the twopass kernel)
+        NQ: tl.constexpr = E_PAD // W
+        cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
+        ids3, w3 = score_topk(rows_to_tile(row_base, Q_AXIS) + cols, rows_to_tile(live, Q_AXIS), cols, row_base,
+                              live, rows, bias_ptr, E, E_PAD, K, K_PAD, HAS_BIAS, Q_AXIS, False)
+        store_rows(ids_ptr, weights_ptr, ids3, w3, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
+
+
 def row_width(e_pad: int, element_size: int) -> int:
     """Experts per row slice W: at most one warp of 16-byte vectors (256 bf16/fp16, 128 fp32)."""
     return min(e_pad, 32 * (16 // element_size))
@@ -169,17 +256,23 @@ def row_width(e_pad: int, element_size: int) -> int:
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: str | None = None, fallback_flags: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
     config: a router config (router_common.ROUTER_CONFIGS name or "<selection>:<elements per program>:<elements
-    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it."""
+    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it.
+    fallback_flags: diagnostics of the cand selections only: an int32 tensor with one entry per program, set to 1
+    where the program's verification failed and it ran the full two-pass selection (see cand_programs)."""
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
         return weights, ids
     e_pad = next_pow2(num_experts)
     cfg = router_config(config)
+    if cfg.extra_candidates is not None:
+        launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg, fallback_flags)
+        return weights, ids
     block_t, num_warps = router_launch_config(e_pad) if config is None else cfg.launch(e_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _topk_softmax_kernel[grid](
@@ -192,3 +285,29 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
         Q_AXIS=Q_AXIS, PACKED=cfg.selection == "packed64", num_warps=num_warps)
     return weights, ids
 
+
+
+def cand_programs(num_tokens: int, num_experts: int, top_k: int, config: str | None = None) -> int:
+    """Programs a cand-selection launch runs (the length fallback_flags needs)."""
+    cfg = router_config(config)
+    lanes, _ = cand_geometry(next_pow2(num_experts), min(top_k + (cfg.extra_candidates or 0), num_experts))
+    return triton.cdiv(num_tokens, cfg.launch(8 * lanes)[0])
+
+
+def launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg, fallback_flags) -> None:
+    num_tokens, num_experts = logits.shape
+    e_pad = next_pow2(num_experts)
+    num_candidates = min(top_k + cfg.extra_candidates, num_experts)
+    lanes, id_bits = cand_geometry(e_pad, num_candidates)
+    block_t, num_warps = cfg.launch(8 * lanes)
+    grid = (triton.cdiv(num_tokens, block_t),)
+    if fallback_flags is not None and (fallback_flags.dtype != torch.int32 or fallback_flags.numel() < grid[0]):
+        raise ValueError(f"fallback_flags must be an int32 tensor of >= {grid[0]} entries")
+    _topk_softmax_cand_kernel[grid](
+        logits, bias if bias is not None else logits,
+        is_padding.view(torch.uint8) if is_padding is not None else logits,
+        weights, ids, fallback_flags if fallback_flags is not None else ids, num_tokens, logits.stride(0),
+        E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k),
+        C=num_candidates, LANES=lanes, B=id_bits, BLOCK_T=block_t, HAS_BIAS=bias is not None,
+        HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize), HAS_FLAGS=fallback_flags is not None,
+        Q_AXIS=Q_AXIS, num_warps=num_warps)
