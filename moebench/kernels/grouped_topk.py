@@ -33,6 +33,7 @@ from moebench.kernels._details.router_common import (
     write_out,
     zero_non_finite_torch,
 )
+from moebench.kernels._details import router_cand
 from moebench.kernels._details.router_cand import (
     add_bias,
     cand_geometry,
@@ -274,8 +275,8 @@ def level_logits(base2, live2, lane, V: tl.constexpr, G: tl.constexpr, GS: tl.co
 
 
 @triton.jit
-def masked_level_key(b, expert, valid, kept, B: tl.constexpr):
-    return coarse_key(tl.where(tl.expand_dims(kept, 1), b, float("-inf")), expert, valid, B)
+def masked_level_key(b, expert, valid, kept, B: tl.constexpr, CA: tl.constexpr):
+    return coarse_key(tl.where(tl.expand_dims(kept, CA), b, float("-inf")), expert, valid, B)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -285,30 +286,31 @@ def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
                               K: tl.constexpr, K_PAD: tl.constexpr, C: tl.constexpr, LANES: tl.constexpr,
                               B: tl.constexpr, BLOCK_T: tl.constexpr, SIGMOID: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                              HAS_FLAGS: tl.constexpr, Q_AXIS: tl.constexpr):
+                              HAS_FLAGS: tl.constexpr, Q_AXIS: tl.constexpr, ROW_AXIS: tl.constexpr):
     # The cand selection (topk_softmax's docstring) with the 8 levels = the (at most 8) groups: group scores are
     # per-level integer reductions, the kept groups come from a sort of 8 coarse group keys (verified like the
     # experts), then the experts as in topk_softmax's cand kernel; any failed row: grouped_rows for the program.
     NONE: tl.constexpr = 8 * LANES
+    CA: tl.constexpr = 1 - ROW_AXIS
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < num_tokens
     live = in_range
     if HAS_PAD:
         live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
-    base2 = tl.expand_dims(logits_ptr + rows.to(tl.int64) * stride_logits, 1)
-    live2 = tl.expand_dims(live, 1)
-    slot = tl.arange(0, LANES)[None, :] + 0 * tl.expand_dims(rows, 1)
+    base2 = tl.expand_dims(logits_ptr + rows.to(tl.int64) * stride_logits, CA)
+    live2 = tl.expand_dims(live, CA)
+    slot = tl.expand_dims(tl.arange(0, LANES), ROW_AXIS) + 0 * tl.expand_dims(rows, CA)
     x0, x1 = level_logits(base2, live2, slot, 0, G, GS), level_logits(base2, live2, slot, 1, G, GS)
     x2, x3 = level_logits(base2, live2, slot, 2, G, GS), level_logits(base2, live2, slot, 3, G, GS)
     x4, x5 = level_logits(base2, live2, slot, 4, G, GS), level_logits(base2, live2, slot, 5, G, GS)
     x6, x7 = level_logits(base2, live2, slot, 6, G, GS), level_logits(base2, live2, slot, 7, G, GS)
-    rm2 = tl.zeros([BLOCK_T, 1], tl.float32)
+    rm2 = tl.expand_dims(tl.zeros([BLOCK_T], tl.float32), CA)
     inv2 = rm2 + 1.0
     if not SIGMOID:
-        rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7)
+        rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7, CA)
         inv2 = tl.expand_dims(1.0 / row_sum_8(tl.exp(x0 - rm2), tl.exp(x1 - rm2), tl.exp(x2 - rm2),
                                               tl.exp(x3 - rm2), tl.exp(x4 - rm2), tl.exp(x5 - rm2),
-                                              tl.exp(x6 - rm2), tl.exp(x7 - rm2)), 1)
+                                              tl.exp(x6 - rm2), tl.exp(x7 - rm2), CA), CA)
     b0, n0, v0 = group_level(x0, slot, rm2, inv2, bias_ptr, 0, G, GS, SIGMOID, HAS_BIAS)
     b1, n1, v1 = group_level(x1, slot, rm2, inv2, bias_ptr, 1, G, GS, SIGMOID, HAS_BIAS)
     b2, n2, v2 = group_level(x2, slot, rm2, inv2, bias_ptr, 2, G, GS, SIGMOID, HAS_BIAS)
@@ -318,14 +320,14 @@ def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
     b6, n6, v6 = group_level(x6, slot, rm2, inv2, bias_ptr, 6, G, GS, SIGMOID, HAS_BIAS)
     b7, n7, v7 = group_level(x7, slot, rm2, inv2, bias_ptr, 7, G, GS, SIGMOID, HAS_BIAS)
     # group scores and the kept groups: coarse group keys, sorted; kept = at or above the TOPK_GROUP-th
-    g0 = group_coarse(group_score_key(tl.where(v0, orderable_key(b0), INT32_MIN), HAS_BIAS), 0, G)
-    g1 = group_coarse(group_score_key(tl.where(v1, orderable_key(b1), INT32_MIN), HAS_BIAS), 1, G)
-    g2 = group_coarse(group_score_key(tl.where(v2, orderable_key(b2), INT32_MIN), HAS_BIAS), 2, G)
-    g3 = group_coarse(group_score_key(tl.where(v3, orderable_key(b3), INT32_MIN), HAS_BIAS), 3, G)
-    g4 = group_coarse(group_score_key(tl.where(v4, orderable_key(b4), INT32_MIN), HAS_BIAS), 4, G)
-    g5 = group_coarse(group_score_key(tl.where(v5, orderable_key(b5), INT32_MIN), HAS_BIAS), 5, G)
-    g6 = group_coarse(group_score_key(tl.where(v6, orderable_key(b6), INT32_MIN), HAS_BIAS), 6, G)
-    g7 = group_coarse(group_score_key(tl.where(v7, orderable_key(b7), INT32_MIN), HAS_BIAS), 7, G)
+    g0 = group_coarse(group_score_key(tl.where(v0, orderable_key(b0), INT32_MIN), HAS_BIAS, CA), 0, G)
+    g1 = group_coarse(group_score_key(tl.where(v1, orderable_key(b1), INT32_MIN), HAS_BIAS, CA), 1, G)
+    g2 = group_coarse(group_score_key(tl.where(v2, orderable_key(b2), INT32_MIN), HAS_BIAS, CA), 2, G)
+    g3 = group_coarse(group_score_key(tl.where(v3, orderable_key(b3), INT32_MIN), HAS_BIAS, CA), 3, G)
+    g4 = group_coarse(group_score_key(tl.where(v4, orderable_key(b4), INT32_MIN), HAS_BIAS, CA), 4, G)
+    g5 = group_coarse(group_score_key(tl.where(v5, orderable_key(b5), INT32_MIN), HAS_BIAS, CA), 5, G)
+    g6 = group_coarse(group_score_key(tl.where(v6, orderable_key(b6), INT32_MIN), HAS_BIAS, CA), 6, G)
+    g7 = group_coarse(group_score_key(tl.where(v7, orderable_key(b7), INT32_MIN), HAS_BIAS, CA), 7, G)
     r0, r1, r2, r3, r4, r5, r6, r7 = sort8_desc(g0, g1, g2, g3, g4, g5, g6, g7)
     last_kept = nth_of_8(r0, r1, r2, r3, r4, r5, r6, r7, TOPK_GROUP - 1)
     if TOPK_GROUP < G:
@@ -338,11 +340,11 @@ def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
                  | ((g4 >= last_kept).to(tl.int32) << 4) | ((g5 >= last_kept).to(tl.int32) << 5)
                  | ((g6 >= last_kept).to(tl.int32) << 6) | ((g7 >= last_kept).to(tl.int32) << 7))
     s0, s1, s2, s3, s4, s5, s6, s7 = sort8_desc(
-        masked_level_key(b0, n0, v0, g0 >= last_kept, B), masked_level_key(b1, n1, v1, g1 >= last_kept, B),
-        masked_level_key(b2, n2, v2, g2 >= last_kept, B), masked_level_key(b3, n3, v3, g3 >= last_kept, B),
-        masked_level_key(b4, n4, v4, g4 >= last_kept, B), masked_level_key(b5, n5, v5, g5 >= last_kept, B),
-        masked_level_key(b6, n6, v6, g6 >= last_kept, B), masked_level_key(b7, n7, v7, g7 >= last_kept, B))
-    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE)
+        masked_level_key(b0, n0, v0, g0 >= last_kept, B, CA), masked_level_key(b1, n1, v1, g1 >= last_kept, B, CA),
+        masked_level_key(b2, n2, v2, g2 >= last_kept, B, CA), masked_level_key(b3, n3, v3, g3 >= last_kept, B, CA),
+        masked_level_key(b4, n4, v4, g4 >= last_kept, B, CA), masked_level_key(b5, n5, v5, g5 >= last_kept, B, CA),
+        masked_level_key(b6, n6, v6, g6 >= last_kept, B, CA), masked_level_key(b7, n7, v7, g7 >= last_kept, B, CA))
+    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE, CA)
     if C < G * GS:
         expert_fail = t_c == t_k
     else:
@@ -354,12 +356,12 @@ def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
         is_cand = slot < C
         xg = tl.load(base2 + cids, mask=live2 & is_cand, other=0.0).to(tl.float32)
         bg = add_bias(activate(xg, rm2, inv2, SIGMOID), bias_ptr, cids, is_cand, HAS_BIAS)
-        kept = ((tl.expand_dims(kept_bits, 1) >> (cids // GS)) & 1) != 0
+        kept = ((tl.expand_dims(kept_bits, CA) >> (cids // GS)) & 1) != 0
         bg = tl.where(kept, bg, float("-inf"))
-        ids = exact_pick_2d(tl.where(is_cand, orderable_key(bg), INT32_MIN), cids, slot, K, NONE)
+        ids = exact_pick_2d(tl.where(is_cand, orderable_key(bg), INT32_MIN), cids, slot, K, NONE, CA)
         xw = tl.load(base2 + ids, mask=live2 & (slot < K), other=0.0).to(tl.float32)
         store_rows_2d(ids_ptr, weights_ptr, ids, activate(xw, rm2, inv2, SIGMOID), slot, rows, in_range, live, K,
-                      RENORMALIZE, routed_scaling_factor)
+                      RENORMALIZE, routed_scaling_factor, CA)
     else:
         grouped_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, in_range, live, stride_logits,
                      routed_scaling_factor, G, GS, G_PAD, GS_PAD, TOPK_GROUP, K, K_PAD, BLOCK_T, SIGMOID,
@@ -440,4 +442,4 @@ def launch_grouped_cand(logits, bias, is_padding, weights, ids, top_k, num_exper
         GS_PAD=next_pow2(group_size), TOPK_GROUP=topk_group, K=top_k, K_PAD=next_pow2(top_k), C=num_candidates,
         LANES=lanes, B=id_bits, BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
         HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize), HAS_FLAGS=fallback_flags is not None,
-        Q_AXIS=Q_AXIS, num_warps=num_warps)
+        Q_AXIS=Q_AXIS, ROW_AXIS=router_cand.ROW_AXIS, num_warps=num_warps)

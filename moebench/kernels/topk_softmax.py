@@ -53,6 +53,7 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     write_out,
     zero_non_finite_torch,
 )
+from moebench.kernels._details import router_cand
 from moebench.kernels._details.router_cand import (
     add_bias,
     cand_geometry,
@@ -187,20 +188,22 @@ def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
                               K: tl.constexpr, K_PAD: tl.constexpr, C: tl.constexpr, LANES: tl.constexpr,
                               B: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_FLAGS: tl.constexpr,
-                              Q_AXIS: tl.constexpr):
+                              Q_AXIS: tl.constexpr, ROW_AXIS: tl.constexpr):
     # The "cand" selection (module docstring): 8 levels of [BLOCK_T, LANES], C coarse picks, exact resolution
     # among the candidates when the verification holds for every row of the program, else today's two-pass.
     MASKED: tl.constexpr = E != 8 * LANES
     NONE: tl.constexpr = 8 * LANES
+    CA: tl.constexpr = 1 - ROW_AXIS
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < num_tokens
     live = in_range
     if HAS_PAD:
         live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
-    base2 = tl.expand_dims(row_base, 1)
-    live2 = tl.expand_dims(live, 1)
-    slot = tl.arange(0, LANES)[None, :] + 0 * tl.expand_dims(rows, 1)  # full shape: one layout for every tile
+    base2 = tl.expand_dims(row_base, CA)
+    live2 = tl.expand_dims(live, CA)
+    # full shape: one layout for every tile
+    slot = tl.expand_dims(tl.arange(0, LANES), ROW_AXIS) + 0 * tl.expand_dims(rows, CA)
     x0, n0, v0 = cand_level(base2, live2, slot, 0, LANES, E, MASKED)
     x1, n1, v1 = cand_level(base2, live2, slot, 1, LANES, E, MASKED)
     x2, n2, v2 = cand_level(base2, live2, slot, 2, LANES, E, MASKED)
@@ -209,10 +212,10 @@ def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
     x5, n5, v5 = cand_level(base2, live2, slot, 5, LANES, E, MASKED)
     x6, n6, v6 = cand_level(base2, live2, slot, 6, LANES, E, MASKED)
     x7, n7, v7 = cand_level(base2, live2, slot, 7, LANES, E, MASKED)
-    rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7)
+    rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7, CA)
     e0, e1, e2, e3 = tl.exp(x0 - rm2), tl.exp(x1 - rm2), tl.exp(x2 - rm2), tl.exp(x3 - rm2)
     e4, e5, e6, e7 = tl.exp(x4 - rm2), tl.exp(x5 - rm2), tl.exp(x6 - rm2), tl.exp(x7 - rm2)
-    inv2 = tl.expand_dims(1.0 / row_sum_8(e0, e1, e2, e3, e4, e5, e6, e7), 1)
+    inv2 = tl.expand_dims(1.0 / row_sum_8(e0, e1, e2, e3, e4, e5, e6, e7, CA), CA)
     s0, s1, s2, s3, s4, s5, s6, s7 = sort8_desc(
         softmax_level_key(e0, inv2, bias_ptr, n0, v0, HAS_BIAS, B),
         softmax_level_key(e1, inv2, bias_ptr, n1, v1, HAS_BIAS, B),
@@ -222,7 +225,7 @@ def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
         softmax_level_key(e5, inv2, bias_ptr, n5, v5, HAS_BIAS, B),
         softmax_level_key(e6, inv2, bias_ptr, n6, v6, HAS_BIAS, B),
         softmax_level_key(e7, inv2, bias_ptr, n7, v7, HAS_BIAS, B))
-    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE)
+    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE, CA)
     # exact when every expert outside the candidates truncates below the K-th pick (docstring); with C == E every
     # expert is a candidate
     if C < E:
@@ -236,10 +239,10 @@ def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
         is_cand = slot < C
         xg = tl.load(base2 + cids, mask=live2 & is_cand, other=0.0).to(tl.float32)
         score = add_bias(zero_non_finite(tl.exp(xg - rm2) * inv2), bias_ptr, cids, is_cand, HAS_BIAS)
-        ids = exact_pick_2d(tl.where(is_cand, orderable_key(score), INT32_MIN), cids, slot, K, NONE)
+        ids = exact_pick_2d(tl.where(is_cand, orderable_key(score), INT32_MIN), cids, slot, K, NONE, CA)
         xw = tl.load(base2 + ids, mask=live2 & (slot < K), other=0.0).to(tl.float32)
         w = zero_non_finite(tl.exp(xw - rm2) * inv2)
-        store_rows_2d(ids_ptr, weights_ptr, ids, w, slot, rows, in_range, live, K, RENORMALIZE, 1.0)
+        store_rows_2d(ids_ptr, weights_ptr, ids, w, slot, rows, in_range, live, K, RENORMALIZE, 1.0, CA)
     else:
         # today's full-row two-pass selection for the whole program (same tile and picks as the twopass kernel)
         NQ: tl.constexpr = E_PAD // W
@@ -310,4 +313,4 @@ def launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg,
         E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k),
         C=num_candidates, LANES=lanes, B=id_bits, BLOCK_T=block_t, HAS_BIAS=bias is not None,
         HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize), HAS_FLAGS=fallback_flags is not None,
-        Q_AXIS=Q_AXIS, num_warps=num_warps)
+        Q_AXIS=Q_AXIS, ROW_AXIS=router_cand.ROW_AXIS, num_warps=num_warps)

@@ -1,11 +1,12 @@
 """Triton building blocks of the routers' candidate selection ("cand<M>" router configs; the cost model is in
 topk_softmax's module docstring).
 
-A row of E experts is held as 8 "levels", 2-D [BLOCK_T, LANES] tiles: level v, column j holds expert
-v * LANES + j. Every score becomes a coarse int32 key (its orderable key with the low B bits replaced by the inverted
-expert id: distinct within a row, one int32 max per pick). Each column's 8 keys are sorted once (a 19-comparator
-network, elementwise max/min between the levels), so a pick is a max over the column heads (level 0) and a shift of
-the winning column's list; C = K + M candidates are picked this way, then resolved exactly on their fp32 scores.
+A row of E experts is held as 8 "levels", 2-D [BLOCK_T, LANES] tiles (or their transpose, see ROW_AXIS): level
+v, column j holds expert v * LANES + j (grouped_topk: level v = group v). Every score becomes a coarse int32 key
+(its orderable key with the low B bits replaced by the inverted expert id: distinct within a row, one int32 max per
+pick). Each column's 8 keys are sorted once (a 19-comparator network, elementwise max/min between the levels), so
+a pick is a max over the column heads (level 0) and a shift of the winning column's list; C = K + M candidates are
+picked this way, then resolved exactly on their fp32 scores.
 Public names: the routers' cand kernels call them.
 """
 
@@ -15,9 +16,15 @@ import triton
 import triton.language as tl
 
 from moebench.kernels._details.jit import next_pow2
-from moebench.kernels._details.router_tiles import INT32_MIN, orderable_key
+from moebench.kernels._details.router_tiles import INT32_MIN, orderable_key, triton_version
 
 LEVELS = 8  # keys per column: the sorting network below is written for exactly 8
+
+# The 2-D cand tiles put the rows on axis ROW_AXIS and the columns on CA = 1 - ROW_AXIS. Loads of unknown
+# contiguity (the candidates' gathers) are coalesced along the lower axis by Triton 3.6 and along the higher by 3.9
+# (router_tiles.Q_AXIS tells the same story for 3-D tiles): the columns go there, so that the gathers keep the
+# levels' layout (a row inside one warp) instead of spreading a row over warps (shared-memory reductions).
+ROW_AXIS = 1 if triton_version() < (3, 9) else 0
 
 
 def cand_geometry(e_pad: int, num_candidates: int) -> tuple[int, int]:
@@ -69,7 +76,7 @@ def sort8_desc(s0, s1, s2, s3, s4, s5, s6, s7):
 
 @triton.jit
 def pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K: tl.constexpr, C: tl.constexpr, B: tl.constexpr,
-                    NONE: tl.constexpr):
+                    NONE: tl.constexpr, CA: tl.constexpr):
     """C picks of the largest coarse key per row from 8 column-sorted levels (see sort8_desc).
 
     Returns (candidate ids as a slot tile [BLOCK_T, LANES], slots >= C holding NONE; per-row truncated key of the
@@ -78,11 +85,11 @@ def pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K: tl.constexpr, C: tl
     column can still be picked, so deeper levels are left stale."""
     IDMASK: tl.constexpr = (1 << B) - 1
     cids = tl.where(slot < 0, 0, NONE)
-    t_k = tl.max(s0, 1) >> B
+    t_k = tl.max(s0, CA) >> B
     t_c = t_k
     for c in tl.static_range(C):
-        best = tl.max(s0, 1)
-        hit = s0 == tl.expand_dims(best, 1)
+        best = tl.max(s0, CA)
+        hit = s0 == tl.expand_dims(best, CA)
         if C - c - 1 > 0:
             s0 = tl.where(hit, s1, s0)
         if C - c - 1 > 1:
@@ -99,7 +106,7 @@ def pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K: tl.constexpr, C: tl
             s6 = tl.where(hit, s7, s6)
         if C - c - 1 > 7:
             s7 = tl.where(hit, INT32_MIN, s7)
-        cids = tl.where(slot == c, tl.expand_dims(IDMASK - (best & IDMASK), 1), cids)
+        cids = tl.where(slot == c, tl.expand_dims(IDMASK - (best & IDMASK), CA), cids)
         if c == K - 1:
             t_k = best >> B
         if c == C - 1:
@@ -108,31 +115,31 @@ def pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K: tl.constexpr, C: tl
 
 
 @triton.jit
-def exact_pick_2d(key, cids, slot, K: tl.constexpr, NONE: tl.constexpr):
+def exact_pick_2d(key, cids, slot, K: tl.constexpr, NONE: tl.constexpr, CA: tl.constexpr):
     """K two-pass picks (max key, then the lowest id holding it, knock-out by id) on a small 2-D candidate tile:
     the exact tie rule among the candidates. Slots without a candidate hold key INT32_MIN and id NONE."""
     ids = tl.where(slot < 0, 0, NONE)
     for k in tl.static_range(K):
-        best = tl.max(key, 1)
-        first = tl.min(tl.where(key == tl.expand_dims(best, 1), cids, NONE), 1)
-        key = tl.where(cids == tl.expand_dims(first, 1), INT32_MIN, key)
-        ids = tl.where(slot == k, tl.expand_dims(first, 1), ids)
+        best = tl.max(key, CA)
+        first = tl.min(tl.where(key == tl.expand_dims(best, CA), cids, NONE), CA)
+        key = tl.where(cids == tl.expand_dims(first, CA), INT32_MIN, key)
+        ids = tl.where(slot == k, tl.expand_dims(first, CA), ids)
     return ids
 
 
 @triton.jit
 def store_rows_2d(ids_ptr, weights_ptr, ids, w, slot, rows, in_range, live, K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, scale):
+                  RENORMALIZE: tl.constexpr, scale, CA: tl.constexpr):
     """router_tiles.store_rows for 2-D slot tiles: renormalise, scale, write; padded rows -1 / 0.0."""
     slot_ok = slot < K
     w = tl.where(slot_ok, w, 0.0)
     if RENORMALIZE:
-        total = tl.sum(w, 1)
-        w = w * tl.expand_dims(tl.where(total == 0.0, 1.0, 1.0 / total), 1)
+        total = tl.sum(w, CA)
+        w = w * tl.expand_dims(tl.where(total == 0.0, 1.0, 1.0 / total), CA)
     w = w * scale
-    out_off = tl.expand_dims(rows.to(tl.int64), 1) * K + slot
-    store = tl.expand_dims(in_range, 1) & slot_ok
-    live2 = tl.expand_dims(live, 1)
+    out_off = tl.expand_dims(rows.to(tl.int64), CA) * K + slot
+    store = tl.expand_dims(in_range, CA) & slot_ok
+    live2 = tl.expand_dims(live, CA)
     tl.store(ids_ptr + out_off, tl.where(live2, ids, -1), mask=store)
     tl.store(weights_ptr + out_off, tl.where(live2, w, 0.0), mask=store)
 
@@ -151,16 +158,17 @@ def cand_level(base2, live2, lane, V: tl.constexpr, LANES: tl.constexpr, E: tl.c
 
 
 @triton.jit
-def row_max_8(x0, x1, x2, x3, x4, x5, x6, x7):
-    """[BLOCK_T, 1] row max of 8 levels: elementwise across the levels first, so one cross-lane reduction."""
-    m = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))
-    return tl.expand_dims(tl.max(m, 1), 1)
+def row_max_8(x0, x1, x2, x3, x4, x5, x6, x7, CA: tl.constexpr):
+    """Row max of 8 levels, expanded back to 2-D: elementwise across the levels first, so one cross-lane reduction."""
+    m = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)),
+                   tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))
+    return tl.expand_dims(tl.max(m, CA), CA)
 
 
 @triton.jit
-def row_sum_8(x0, x1, x2, x3, x4, x5, x6, x7):
+def row_sum_8(x0, x1, x2, x3, x4, x5, x6, x7, CA: tl.constexpr):
     """[BLOCK_T] row sum of 8 levels (elementwise first, as row_max_8)."""
-    return tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), 1)
+    return tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), CA)
 
 
 @triton.jit
@@ -178,14 +186,14 @@ def key_to_float(key):
 
 
 @triton.jit
-def group_score_key(key, HAS_BIAS: tl.constexpr):
+def group_score_key(key, HAS_BIAS: tl.constexpr, CA: tl.constexpr):
     """[BLOCK_T] orderable key of one group's score from the exact keys of its level: the max, or with a bias the
     top-2 sum (a max occurring twice counts twice). Integer reductions (one REDUX each on sm_80+)."""
-    hi = tl.max(key, 1)
+    hi = tl.max(key, CA)
     if HAS_BIAS:
-        at_hi = key == tl.expand_dims(hi, 1)
-        twice = tl.sum(at_hi.to(tl.int32), 1) > 1
-        runner_up = tl.max(tl.where(at_hi, INT32_MIN, key), 1)
+        at_hi = key == tl.expand_dims(hi, CA)
+        twice = tl.sum(at_hi.to(tl.int32), CA) > 1
+        runner_up = tl.max(tl.where(at_hi, INT32_MIN, key), CA)
         top = key_to_float(hi)
         return orderable_key(top + tl.where(twice, top, key_to_float(runner_up)))
     else:
