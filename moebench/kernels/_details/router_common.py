@@ -185,9 +185,14 @@ def parse_router_config(text: str) -> RouterConfig:
     return RouterConfig(parts[0], int(parts[1]), int(parts[2]))
 
 
+def router_config_name(config: str | None = None) -> str:
+    """The text naming the config in effect (the keyword, else $MOEBENCH_ROUTER_CONFIG, else the default)."""
+    return (config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG).strip()
+
+
 def router_config(config: str | None = None) -> RouterConfig:
     """The config named by the keyword, else by $MOEBENCH_ROUTER_CONFIG, else the default."""
-    return parse_router_config(config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG)
+    return parse_router_config(router_config_name(config))
 
 
 def router_launch_config(row_elements: int) -> tuple[int, int]:
