@@ -10,8 +10,8 @@ order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores
 (docs/contracts.md "Routers", non-finite logits). The weights are recomputed from the K gathered logits
 (L1-resident), so no full-width value has to be carried through the picks.
 
-Two selections are built in (router_common.RouterConfig, picked by the `config` keyword or
-$MOEBENCH_ROUTER_CONFIG; ids and weights are identical under both, the tests run every config):
+Three selections are built in (router_common.RouterConfig, picked by the `config` keyword or
+$MOEBENCH_ROUTER_CONFIG; ids and weights are the same under all, the tests run every config):
 
 - "twopass" (the default, the kernel measured so far): per pick, an int32 max of the keys, then an int32 min of the
   expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
@@ -24,8 +24,35 @@ $MOEBENCH_ROUTER_CONFIG; ids and weights are identical under both, the tests run
 
 Both scan the whole row K times, which bounds them: at E=256, K=8 the picks alone are ~12k thread instructions per
 row, ~2.7 rows/ns at an H200's ~33 T thread instructions/s, while half the copy roof at bf16 E=256 is ~3.6 rows/ns
-(60 us at T=65536, 1.1 rows/ns, measured 15% of it). Reaching it needs a selection that does not rescan every
-element per pick (per-lane candidate lists, or a threshold then a compaction).
+(60 us at T=65536, 1.1 rows/ns, measured 15% of it).
+
+- "cand<M>" (kernels/_details/router_cand, `_topk_softmax_cand_kernel`): the row is held as 8 levels of
+  [BLOCK_T, LANES] (expert v * LANES + j at level v, column j). Each score becomes a coarse int32 key: its
+  orderable key with the low B bits (B = bits of the padded expert count, 8 for 256) replaced by 2^B - 1 - expert,
+  so keys are distinct and a larger key is a larger truncated score, then a lower id. Each column's 8 keys are
+  sorted once by a 19-comparator network (38 int32 min/max per column, ~5 per element), after which a pick is one
+  max over the column heads (one REDUX per row), a compare, and a shift of the winning column's list (after pick c
+  only the top C - c - 1 entries of a column can still be picked, so the shift stops there: 56 selects per column
+  in all for C = 12). C = K + M candidates are picked, their exact fp32 scores re-computed from their gathered
+  logits with the tile's own op sequence (so the same values), and the K results chosen by the exact two-pass pick on
+  that small tile (lowest id among equal scores). Per element: ~5 (sort) + ~7 (shifts, C = 12) + ~2 (head
+  compares and candidate slots) int32 ops instead of 48 for the two-pass at K = 8, plus per-row work (C + 2K
+  reductions) that every lane of the row repeats. Compiled for sm_90 with Triton 3.6 (static SASS of a 16-row,
+  4-warp program at E=256, K=8, bf16, mask): twopass 4488 instructions, cand fast path 1880 / 1992 / 2160 for
+  M = 2 / 4 / 8, with no shared-memory layout conversion (see router_cand.ROW_AXIS).
+
+  Verification: the fast path is exact when no expert outside the candidates can reach the K-th exact pick. The
+  candidates are the top C by (truncated score, id); the K-th exact pick has the K-th largest truncated score
+  among them (order statistics commute with the monotone truncation), i.e. that of the K-th coarse pick. So the
+  per-row condition is trunc(C-th pick) < trunc(K-th pick): every other expert then truncates, hence scores,
+  strictly below the K-th pick. A program with any live row failing it runs the full two-pass selection instead
+  (a scalar branch on a max of per-row flags; the fallback_flags argument exposes it), so results are always
+  exact. It fails when M + 1 or more scores from the K-th pick on share the K-th's truncated value: on random
+  routing (N(0,1) or N(0,2) logits, E=256, K=8) for bf16 softmax rows 7.6% / 0.4% / 5e-6 / 0 of rows for
+  M = 1 / 2 / 4 / 8 (exact p ties from equal bf16 logits), 0 for M >= 2 with a bias or fp32 logits (in 2e5 rows
+  each); rows of a constant, NaN / +Inf rows (all scores clamped to 0), and any tie of M + 1 at the K-th pick
+  always fall back, padded rows never (their flag is masked). Hence "cand4" for bf16 softmax without a bias
+  (programs of 16 rows fall back ~1e-4 of the time), "cand2" with a bias.
 
 The pieces shared with grouped_topk (argument checks, the stable selection of the references, the tile helpers)
 are in kernels/_details (router_common, router_tiles).
