@@ -148,3 +148,25 @@ def test_compare_routing_non_finite_rows():
     ref = grouped_topk_reference(logits, 3, 2, 1, scoring="sigmoid", bias=torch.zeros(8))
     assert ref.ids[1].tolist() == [0, 1, 2] and ref.ids[2].tolist() == [0, 1, 2]
     assert torch.isfinite(ref.weights).all() and compare_routing(ref.weights.clone(), ref.ids.clone(), ref).ok
+
+
+@pytest.mark.parametrize("impl", ["topk_softmax.triton", "grouped_topk.triton"])
+def test_router_cases_record_the_router_config(device, monkeypatch, impl):
+    # a sweep run under MOEBENCH_ROUTER_CONFIG=<name> times that config: the point's record says which
+    from moebench import registry
+    from moebench.registry import RunContext
+    from moebench.sweep import Params
+
+    p = Params(num_tokens=20, num_experts=64, top_k=6, padding_ratio=0.25, mask=True, padding_fill="repeat",
+               bias=True, dtype="bf16", num_expert_group=8, topk_group=4, scoring="sigmoid")
+    ctx = RunContext(device=device)
+    assert registry.get(impl).build(p, ctx).info["router_config"] == "twopass"
+    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "cand2")
+    case = registry.get(impl).build(p, ctx)
+    assert case.info["router_config"] == "cand2"
+    res = case.check()
+    assert res.ok and res.metrics["ids.mismatches"] == 0, res.detail
+    assert "router_config" not in registry.get(impl.replace("triton", "torch")).build(p, ctx).info
+    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "fastest")
+    with pytest.raises(ValueError, match="router config"):
+        registry.get(impl).build(p, ctx)

@@ -14,7 +14,12 @@ import torch
 
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import make_batch
-from moebench.kernels._details.router_common import renormalize_torch, select_desc_torch
+from moebench.kernels._details.router_common import (
+    renormalize_torch,
+    router_config,
+    router_config_name,
+    select_desc_torch,
+)
 from moebench.kernels.grouped_topk import (
     grouped_args_problem,
     grouped_topk,
@@ -247,9 +252,16 @@ def router_build_for(reference, knobs):
     def build_for(route):
         def build(p, ctx):
             kwargs = knobs(p)
-            return router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
+            case = router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
+            if route in TRITON_ROUTERS:
+                router_config()  # an unknown $MOEBENCH_ROUTER_CONFIG fails the point here, not inside the timing
+                case.info["router_config"] = router_config_name()  # the selection and launch shape timed
+            return case
         return build
     return build_for
+
+
+TRITON_ROUTERS = (topk_softmax, grouped_topk)  # the routers that follow $MOEBENCH_ROUTER_CONFIG
 
 
 def register_router_impls(kernel: str, variants: dict, reference, knobs, validate, baseline: str, call: str) -> None:

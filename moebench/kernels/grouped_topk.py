@@ -12,6 +12,17 @@ The Triton kernel holds a block of rows as a 3-D tile of groups x rows x experts
 of two and masked), so the group scores are plain reductions over the last axis; the group and expert picks reuse
 topk_softmax's int-key iterative arg-max (kernels/_details/router_tiles), two-pass or packed int64 as the router
 config says (topk_softmax's docstring compares them). Non-finite s are clamped to 0 as in the reference.
+
+Under a "cand<M>" config (topk_softmax's docstring) with 2..8 groups, `_grouped_topk_cand_kernel` holds the 8 levels
+as the groups (level v = group v, padded members and groups masked): a group's score is one or three integer
+REDUX reductions of its level's exact orderable keys (the max; with a bias the max, the count at the max and the
+runner-up: values only, no ids), the kept groups come from one 19-comparator sort of 8 coarse group keys (score key
+with its low 3 bits replaced by 7 - group: kept = at or above the topk_group-th, exact when that one truncates
+strictly above the next, else the row fails), the dropped groups' experts are masked to -inf, and the experts are
+picked, resolved and verified as in topk_softmax's cand kernel. Any failed live row (e.g. tied group scores: a
+constant row) sends the program to the two-pass selection (`grouped_rows`). Other group counts run the two-pass
+kernel under every config. Static SASS on sm_90 (Triton 3.6, E=256, 8 groups keep 4, K=8, fp32 sigmoid + bias,
+16 rows, 4 warps): two-pass 5208 instructions, cand fast path 3040 / 3136 for M = 2 / 4.
 """
 
 from __future__ import annotations
@@ -32,6 +43,21 @@ from moebench.kernels._details.router_common import (
     triton_router_operands,
     write_out,
     zero_non_finite_torch,
+)
+from moebench.kernels._details import router_cand
+from moebench.kernels._details.router_cand import (
+    add_bias,
+    cand_geometry,
+    coarse_key,
+    exact_pick_2d,
+    group_coarse,
+    group_score_key,
+    nth_of_8,
+    pick_candidates,
+    row_max_8,
+    row_sum_8,
+    sort8_desc,
+    store_rows_2d,
 )
 from moebench.kernels._details.router_tiles import (
     INT32_MIN,
@@ -134,15 +160,28 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
                          TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
                          RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr, PACKED: tl.constexpr):
-    # Tile: groups (slice axis Q_AXIS) x rows x members; the groups of a row stay inside each thread (see
-    # router_tiles.Q_AXIS), so the group scores are per-thread reductions plus a few lanes.
-    NONE: tl.constexpr = G_PAD * GS_PAD
-    PADDED: tl.constexpr = (G != G_PAD) or (GS != GS_PAD)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < num_tokens
     live = in_range
     if HAS_PAD:
         live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    grouped_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, in_range, live, stride_logits,
+                 routed_scaling_factor, G, GS, G_PAD, GS_PAD, TOPK_GROUP, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS,
+                 RENORMALIZE, Q_AXIS, PACKED)
+
+
+@triton.jit
+def grouped_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, in_range, live, stride_logits,
+                 routed_scaling_factor, G: tl.constexpr, GS: tl.constexpr, G_PAD: tl.constexpr,
+                 GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 Q_AXIS: tl.constexpr, PACKED: tl.constexpr):
+    """The two-pass (or packed) grouped selection of a block of rows, written to the outputs.
+
+    Tile: groups (slice axis Q_AXIS) x rows x members; the groups of a row stay inside each thread (see
+    router_tiles.Q_AXIS), so the group scores are per-thread reductions plus a few lanes."""
+    NONE: tl.constexpr = G_PAD * GS_PAD
+    PADDED: tl.constexpr = (G != G_PAD) or (GS != GS_PAD)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
     group = slice_index(G_PAD, Q_AXIS)
     member = tl.arange(0, GS_PAD)[None, None, :]
@@ -219,13 +258,137 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
                Q_AXIS)
 
 
+@triton.jit
+def group_level(x, lane, rm2, inv2, bias_ptr, V: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Level V of the cand tile = group V: (b, expert ids, valid) from its logits x (the softmax's row max and
+    1 / sum in rm2 / inv2)."""
+    expert = V * GS + lane
+    valid = (lane < GS) & (V < G)
+    return add_bias(activate(x, rm2, inv2, SIGMOID), bias_ptr, expert, valid, HAS_BIAS), expert, valid
+
+
+@triton.jit
+def activate(x, rm2, inv2, SIGMOID: tl.constexpr):
+    """s = sigmoid(x) or exp(x - row max) / row sum, non-finite clamped: the tile's and the candidates' ops."""
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        s = tl.exp(x - rm2) * inv2
+    return zero_non_finite(s)
+
+
+@triton.jit
+def level_logits(base2, live2, lane, V: tl.constexpr, G: tl.constexpr, GS: tl.constexpr):
+    expert = V * GS + lane
+    valid = (lane < GS) & (V < G)
+    return tl.where(valid, tl.load(base2 + expert, mask=live2 & valid, other=0.0).to(tl.float32), float("-inf"))
+
+
+@triton.jit
+def masked_level_key(b, expert, valid, kept, B: tl.constexpr, CA: tl.constexpr):
+    return coarse_key(tl.where(tl.expand_dims(kept, CA), b, float("-inf")), expert, valid, B)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, flags_ptr, num_tokens,
+                              stride_logits, routed_scaling_factor, G: tl.constexpr, GS: tl.constexpr,
+                              G_PAD: tl.constexpr, GS_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                              K: tl.constexpr, K_PAD: tl.constexpr, C: tl.constexpr, LANES: tl.constexpr,
+                              B: tl.constexpr, BLOCK_T: tl.constexpr, SIGMOID: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                              HAS_FLAGS: tl.constexpr, Q_AXIS: tl.constexpr, ROW_AXIS: tl.constexpr):
+    # The cand selection (topk_softmax's docstring) with the 8 levels = the (at most 8) groups: group scores are
+    # per-level integer reductions, the kept groups come from a sort of 8 coarse group keys (verified like the
+    # experts), then the experts as in topk_softmax's cand kernel; any failed row: grouped_rows for the program.
+    NONE: tl.constexpr = 8 * LANES
+    CA: tl.constexpr = 1 - ROW_AXIS
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < num_tokens
+    live = in_range
+    if HAS_PAD:
+        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    base2 = tl.expand_dims(logits_ptr + rows.to(tl.int64) * stride_logits, CA)
+    live2 = tl.expand_dims(live, CA)
+    slot = tl.expand_dims(tl.arange(0, LANES), ROW_AXIS) + 0 * tl.expand_dims(rows, CA)
+    x0, x1 = level_logits(base2, live2, slot, 0, G, GS), level_logits(base2, live2, slot, 1, G, GS)
+    x2, x3 = level_logits(base2, live2, slot, 2, G, GS), level_logits(base2, live2, slot, 3, G, GS)
+    x4, x5 = level_logits(base2, live2, slot, 4, G, GS), level_logits(base2, live2, slot, 5, G, GS)
+    x6, x7 = level_logits(base2, live2, slot, 6, G, GS), level_logits(base2, live2, slot, 7, G, GS)
+    rm2 = tl.expand_dims(tl.zeros([BLOCK_T], tl.float32), CA)
+    inv2 = rm2 + 1.0
+    if not SIGMOID:
+        rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7, CA)
+        inv2 = tl.expand_dims(1.0 / row_sum_8(tl.exp(x0 - rm2), tl.exp(x1 - rm2), tl.exp(x2 - rm2),
+                                              tl.exp(x3 - rm2), tl.exp(x4 - rm2), tl.exp(x5 - rm2),
+                                              tl.exp(x6 - rm2), tl.exp(x7 - rm2), CA), CA)
+    b0, n0, v0 = group_level(x0, slot, rm2, inv2, bias_ptr, 0, G, GS, SIGMOID, HAS_BIAS)
+    b1, n1, v1 = group_level(x1, slot, rm2, inv2, bias_ptr, 1, G, GS, SIGMOID, HAS_BIAS)
+    b2, n2, v2 = group_level(x2, slot, rm2, inv2, bias_ptr, 2, G, GS, SIGMOID, HAS_BIAS)
+    b3, n3, v3 = group_level(x3, slot, rm2, inv2, bias_ptr, 3, G, GS, SIGMOID, HAS_BIAS)
+    b4, n4, v4 = group_level(x4, slot, rm2, inv2, bias_ptr, 4, G, GS, SIGMOID, HAS_BIAS)
+    b5, n5, v5 = group_level(x5, slot, rm2, inv2, bias_ptr, 5, G, GS, SIGMOID, HAS_BIAS)
+    b6, n6, v6 = group_level(x6, slot, rm2, inv2, bias_ptr, 6, G, GS, SIGMOID, HAS_BIAS)
+    b7, n7, v7 = group_level(x7, slot, rm2, inv2, bias_ptr, 7, G, GS, SIGMOID, HAS_BIAS)
+    # group scores and the kept groups: coarse group keys, sorted; kept = at or above the TOPK_GROUP-th
+    g0 = group_coarse(group_score_key(tl.where(v0, orderable_key(b0), INT32_MIN), HAS_BIAS, CA), 0, G)
+    g1 = group_coarse(group_score_key(tl.where(v1, orderable_key(b1), INT32_MIN), HAS_BIAS, CA), 1, G)
+    g2 = group_coarse(group_score_key(tl.where(v2, orderable_key(b2), INT32_MIN), HAS_BIAS, CA), 2, G)
+    g3 = group_coarse(group_score_key(tl.where(v3, orderable_key(b3), INT32_MIN), HAS_BIAS, CA), 3, G)
+    g4 = group_coarse(group_score_key(tl.where(v4, orderable_key(b4), INT32_MIN), HAS_BIAS, CA), 4, G)
+    g5 = group_coarse(group_score_key(tl.where(v5, orderable_key(b5), INT32_MIN), HAS_BIAS, CA), 5, G)
+    g6 = group_coarse(group_score_key(tl.where(v6, orderable_key(b6), INT32_MIN), HAS_BIAS, CA), 6, G)
+    g7 = group_coarse(group_score_key(tl.where(v7, orderable_key(b7), INT32_MIN), HAS_BIAS, CA), 7, G)
+    r0, r1, r2, r3, r4, r5, r6, r7 = sort8_desc(g0, g1, g2, g3, g4, g5, g6, g7)
+    last_kept = nth_of_8(r0, r1, r2, r3, r4, r5, r6, r7, TOPK_GROUP - 1)
+    if TOPK_GROUP < G:
+        # the kept set is exact when the last kept group truncates strictly above the best dropped one
+        group_fail = (last_kept >> 3) == (nth_of_8(r0, r1, r2, r3, r4, r5, r6, r7, TOPK_GROUP) >> 3)
+    else:
+        group_fail = rows < 0
+    kept_bits = ((g0 >= last_kept).to(tl.int32) | ((g1 >= last_kept).to(tl.int32) << 1)
+                 | ((g2 >= last_kept).to(tl.int32) << 2) | ((g3 >= last_kept).to(tl.int32) << 3)
+                 | ((g4 >= last_kept).to(tl.int32) << 4) | ((g5 >= last_kept).to(tl.int32) << 5)
+                 | ((g6 >= last_kept).to(tl.int32) << 6) | ((g7 >= last_kept).to(tl.int32) << 7))
+    s0, s1, s2, s3, s4, s5, s6, s7 = sort8_desc(
+        masked_level_key(b0, n0, v0, g0 >= last_kept, B, CA), masked_level_key(b1, n1, v1, g1 >= last_kept, B, CA),
+        masked_level_key(b2, n2, v2, g2 >= last_kept, B, CA), masked_level_key(b3, n3, v3, g3 >= last_kept, B, CA),
+        masked_level_key(b4, n4, v4, g4 >= last_kept, B, CA), masked_level_key(b5, n5, v5, g5 >= last_kept, B, CA),
+        masked_level_key(b6, n6, v6, g6 >= last_kept, B, CA), masked_level_key(b7, n7, v7, g7 >= last_kept, B, CA))
+    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE, CA)
+    if C < G * GS:
+        expert_fail = t_c == t_k
+    else:
+        expert_fail = rows < 0
+    fallback = tl.max((live & (group_fail | expert_fail)).to(tl.int32), 0)
+    if HAS_FLAGS:
+        tl.store(flags_ptr + tl.program_id(0), fallback)
+    if fallback == 0:
+        is_cand = slot < C
+        xg = tl.load(base2 + cids, mask=live2 & is_cand, other=0.0).to(tl.float32)
+        bg = add_bias(activate(xg, rm2, inv2, SIGMOID), bias_ptr, cids, is_cand, HAS_BIAS)
+        kept = ((tl.expand_dims(kept_bits, CA) >> (cids // GS)) & 1) != 0
+        bg = tl.where(kept, bg, float("-inf"))
+        ids = exact_pick_2d(tl.where(is_cand, orderable_key(bg), INT32_MIN), cids, slot, K, NONE, CA)
+        xw = tl.load(base2 + ids, mask=live2 & (slot < K), other=0.0).to(tl.float32)
+        store_rows_2d(ids_ptr, weights_ptr, ids, activate(xw, rm2, inv2, SIGMOID), slot, rows, in_range, live, K,
+                      RENORMALIZE, routed_scaling_factor, CA)
+    else:
+        grouped_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, in_range, live, stride_logits,
+                     routed_scaling_factor, G, GS, G_PAD, GS_PAD, TOPK_GROUP, K, K_PAD, BLOCK_T, SIGMOID,
+                     HAS_BIAS, RENORMALIZE, Q_AXIS, False)
+
+
 def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int, scoring: str = "softmax",
                  bias: torch.Tensor | None = None, renormalize: bool = True, routed_scaling_factor: float = 1.0,
                  is_padding: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: str | None = None, fallback_flags: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
-    config: as topk_softmax's (router_common.RouterConfig); outputs do not depend on it."""
+    config: as topk_softmax's (router_common.RouterConfig); outputs do not depend on it. A cand selection applies
+    to 2..8 groups (its levels are the groups); other group counts run the two-pass kernel. fallback_flags: as
+    topk_softmax's (grouped_cand_programs entries; left as they are when the two-pass kernel runs)."""
     num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
@@ -234,6 +397,10 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
     group_size = num_experts // num_expert_group
     g_pad, gs_pad = next_pow2(num_expert_group), next_pow2(group_size)
     cfg = router_config(config)
+    if cfg.extra_candidates is not None and cand_shape_ok(num_expert_group):
+        launch_grouped_cand(logits, bias, is_padding, weights, ids, top_k, num_expert_group, topk_group, scoring,
+                            renormalize, routed_scaling_factor, cfg, fallback_flags)
+        return weights, ids
     block_t, num_warps = (router_launch_config(g_pad * gs_pad) if config is None
                           else cfg.launch(g_pad * gs_pad))
     grid = (triton.cdiv(num_tokens, block_t),)
@@ -246,3 +413,44 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         HAS_BIAS=bias is not None, HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize),
         Q_AXIS=Q_AXIS, PACKED=cfg.selection == "packed64", num_warps=num_warps)
     return weights, ids
+
+
+def cand_shape_ok(num_expert_group: int) -> bool:
+    """Whether the cand kernel takes this grouping: its 8 levels are the groups (one group: nothing to gain)."""
+    return 2 <= num_expert_group <= 8
+
+
+def grouped_cand_geometry(num_experts: int, num_expert_group: int, top_k: int, extra: int):
+    """(C, LANES, B) of the grouped cand kernel."""
+    num_candidates = min(top_k + extra, num_experts)
+    lanes, _ = cand_geometry(8 * next_pow2(num_experts // num_expert_group), num_candidates)
+    return num_candidates, lanes, max(0, (next_pow2(num_experts) - 1).bit_length())
+
+
+def grouped_cand_programs(num_tokens: int, num_experts: int, num_expert_group: int, top_k: int,
+                          config: str | None = None) -> int:
+    """Programs a grouped cand launch runs (the length fallback_flags needs)."""
+    cfg = router_config(config)
+    _, lanes, _ = grouped_cand_geometry(num_experts, num_expert_group, top_k, cfg.extra_candidates or 0)
+    return triton.cdiv(num_tokens, cfg.launch(8 * lanes)[0])
+
+
+def launch_grouped_cand(logits, bias, is_padding, weights, ids, top_k, num_expert_group, topk_group, scoring,
+                        renormalize, routed_scaling_factor, cfg, fallback_flags) -> None:
+    num_tokens, num_experts = logits.shape
+    group_size = num_experts // num_expert_group
+    num_candidates, lanes, id_bits = grouped_cand_geometry(num_experts, num_expert_group, top_k,
+                                                           cfg.extra_candidates)
+    block_t, num_warps = cfg.launch(8 * lanes)
+    grid = (triton.cdiv(num_tokens, block_t),)
+    if fallback_flags is not None and (fallback_flags.dtype != torch.int32 or fallback_flags.numel() < grid[0]):
+        raise ValueError(f"fallback_flags must be an int32 tensor of >= {grid[0]} entries")
+    _grouped_topk_cand_kernel[grid](
+        logits, bias if bias is not None else logits,
+        is_padding.view(torch.uint8) if is_padding is not None else logits,
+        weights, ids, fallback_flags if fallback_flags is not None else ids, num_tokens, logits.stride(0),
+        float(routed_scaling_factor), G=num_expert_group, GS=group_size, G_PAD=next_pow2(num_expert_group),
+        GS_PAD=next_pow2(group_size), TOPK_GROUP=topk_group, K=top_k, K_PAD=next_pow2(top_k), C=num_candidates,
+        LANES=lanes, B=id_bits, BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
+        HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize), HAS_FLAGS=fallback_flags is not None,
+        Q_AXIS=Q_AXIS, ROW_AXIS=router_cand.ROW_AXIS, num_warps=num_warps)

@@ -10,8 +10,8 @@ order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores
 (docs/contracts.md "Routers", non-finite logits). The weights are recomputed from the K gathered logits
 (L1-resident), so no full-width value has to be carried through the picks.
 
-Two selections are built in (router_common.RouterConfig, picked by the `config` keyword or
-$MOEBENCH_ROUTER_CONFIG; ids and weights are identical under both, the tests run every config):
+Three selections are built in (router_common.RouterConfig, picked by the `config` keyword or
+$MOEBENCH_ROUTER_CONFIG; ids and weights are the same under all, the tests run every config):
 
 - "twopass" (the default, the kernel measured so far): per pick, an int32 max of the keys, then an int32 min of the
   expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
@@ -24,8 +24,35 @@ $MOEBENCH_ROUTER_CONFIG; ids and weights are identical under both, the tests run
 
 Both scan the whole row K times, which bounds them: at E=256, K=8 the picks alone are ~12k thread instructions per
 row, ~2.7 rows/ns at an H200's ~33 T thread instructions/s, while half the copy roof at bf16 E=256 is ~3.6 rows/ns
-(60 us at T=65536, 1.1 rows/ns, measured 15% of it). Reaching it needs a selection that does not rescan every
-element per pick (per-lane candidate lists, or a threshold then a compaction).
+(60 us at T=65536, 1.1 rows/ns, measured 15% of it).
+
+- "cand<M>" (kernels/_details/router_cand, `_topk_softmax_cand_kernel`): the row is held as 8 levels of
+  [BLOCK_T, LANES] (expert v * LANES + j at level v, column j). Each score becomes a coarse int32 key: its
+  orderable key with the low B bits (B = bits of the padded expert count, 8 for 256) replaced by 2^B - 1 - expert,
+  so keys are distinct and a larger key is a larger truncated score, then a lower id. Each column's 8 keys are
+  sorted once by a 19-comparator network (38 int32 min/max per column, ~5 per element), after which a pick is one
+  max over the column heads (one REDUX per row), a compare, and a shift of the winning column's list (after pick c
+  only the top C - c - 1 entries of a column can still be picked, so the shift stops there: 56 selects per column
+  in all for C = 12). C = K + M candidates are picked, their exact fp32 scores re-computed from their gathered
+  logits with the tile's own op sequence (so the same values), and the K results chosen by the exact two-pass pick on
+  that small tile (lowest id among equal scores). Per element: ~5 (sort) + ~7 (shifts, C = 12) + ~2 (head
+  compares and candidate slots) int32 ops instead of 48 for the two-pass at K = 8, plus per-row work (C + 2K
+  reductions) that every lane of the row repeats. Compiled for sm_90 with Triton 3.6 (static SASS of a 16-row,
+  4-warp program at E=256, K=8, bf16, mask): twopass 4488 instructions, cand fast path 1880 / 1992 / 2160 for
+  M = 2 / 4 / 8, with no shared-memory layout conversion (see router_cand.ROW_AXIS).
+
+  Verification: the fast path is exact when no expert outside the candidates can reach the K-th exact pick. The
+  candidates are the top C by (truncated score, id); the K-th exact pick has the K-th largest truncated score
+  among them (order statistics commute with the monotone truncation), i.e. that of the K-th coarse pick. So the
+  per-row condition is trunc(C-th pick) < trunc(K-th pick): every other expert then truncates, hence scores,
+  strictly below the K-th pick. A program with any live row failing it runs the full two-pass selection instead
+  (a scalar branch on a max of per-row flags; the fallback_flags argument exposes it), so results are always
+  exact. It fails when M + 1 or more scores from the K-th pick on share the K-th's truncated value: on random
+  routing (N(0,1) or N(0,2) logits, E=256, K=8) for bf16 softmax rows 7.6% / 0.4% / 5e-6 / 0 of rows for
+  M = 1 / 2 / 4 / 8 (exact p ties from equal bf16 logits), 0 for M >= 2 with a bias or fp32 logits (in 2e5 rows
+  each); rows of a constant, NaN / +Inf rows (all scores clamped to 0), and any tie of M + 1 at the K-th pick
+  always fall back, padded rows never (their flag is masked). Hence "cand4" for bf16 softmax without a bias
+  (programs of 16 rows fall back ~1e-4 of the time), "cand2" with a bias.
 
 The pieces shared with grouped_topk (argument checks, the stable selection of the references, the tile helpers)
 are in kernels/_details (router_common, router_tiles).
@@ -53,7 +80,21 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     write_out,
     zero_non_finite_torch,
 )
+from moebench.kernels._details import router_cand
+from moebench.kernels._details.router_cand import (
+    add_bias,
+    cand_geometry,
+    cand_level,
+    coarse_key,
+    exact_pick_2d,
+    pick_candidates,
+    row_max_8,
+    row_sum_8,
+    sort8_desc,
+    store_rows_2d,
+)
 from moebench.kernels._details.router_tiles import (
+    INT32_MIN,
     Q_AXIS,
     orderable_key,
     pick_topk,
@@ -162,6 +203,82 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     store_rows(ids_ptr, weights_ptr, ids, w, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
 
 
+@triton.jit
+def softmax_level_key(e, inv2, bias_ptr, expert, valid, HAS_BIAS: tl.constexpr, B: tl.constexpr):
+    """Coarse key of one level from its exp(x - row max); the same ops as the candidates' exact re-computation."""
+    return coarse_key(add_bias(zero_non_finite(e * inv2), bias_ptr, expert, valid, HAS_BIAS), expert, valid, B)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, flags_ptr, num_tokens,
+                              stride_logits, E: tl.constexpr, E_PAD: tl.constexpr, W: tl.constexpr,
+                              K: tl.constexpr, K_PAD: tl.constexpr, C: tl.constexpr, LANES: tl.constexpr,
+                              B: tl.constexpr, BLOCK_T: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_FLAGS: tl.constexpr,
+                              Q_AXIS: tl.constexpr, ROW_AXIS: tl.constexpr):
+    # The "cand" selection (module docstring): 8 levels of [BLOCK_T, LANES], C coarse picks, exact resolution
+    # among the candidates when the verification holds for every row of the program, else today's two-pass.
+    MASKED: tl.constexpr = E != 8 * LANES
+    NONE: tl.constexpr = 8 * LANES
+    CA: tl.constexpr = 1 - ROW_AXIS
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < num_tokens
+    live = in_range
+    if HAS_PAD:
+        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    row_base = logits_ptr + rows.to(tl.int64) * stride_logits
+    base2 = tl.expand_dims(row_base, CA)
+    live2 = tl.expand_dims(live, CA)
+    # full shape: one layout for every tile
+    slot = tl.expand_dims(tl.arange(0, LANES), ROW_AXIS) + 0 * tl.expand_dims(rows, CA)
+    x0, n0, v0 = cand_level(base2, live2, slot, 0, LANES, E, MASKED)
+    x1, n1, v1 = cand_level(base2, live2, slot, 1, LANES, E, MASKED)
+    x2, n2, v2 = cand_level(base2, live2, slot, 2, LANES, E, MASKED)
+    x3, n3, v3 = cand_level(base2, live2, slot, 3, LANES, E, MASKED)
+    x4, n4, v4 = cand_level(base2, live2, slot, 4, LANES, E, MASKED)
+    x5, n5, v5 = cand_level(base2, live2, slot, 5, LANES, E, MASKED)
+    x6, n6, v6 = cand_level(base2, live2, slot, 6, LANES, E, MASKED)
+    x7, n7, v7 = cand_level(base2, live2, slot, 7, LANES, E, MASKED)
+    rm2 = row_max_8(x0, x1, x2, x3, x4, x5, x6, x7, CA)
+    e0, e1, e2, e3 = tl.exp(x0 - rm2), tl.exp(x1 - rm2), tl.exp(x2 - rm2), tl.exp(x3 - rm2)
+    e4, e5, e6, e7 = tl.exp(x4 - rm2), tl.exp(x5 - rm2), tl.exp(x6 - rm2), tl.exp(x7 - rm2)
+    inv2 = tl.expand_dims(1.0 / row_sum_8(e0, e1, e2, e3, e4, e5, e6, e7, CA), CA)
+    s0, s1, s2, s3, s4, s5, s6, s7 = sort8_desc(
+        softmax_level_key(e0, inv2, bias_ptr, n0, v0, HAS_BIAS, B),
+        softmax_level_key(e1, inv2, bias_ptr, n1, v1, HAS_BIAS, B),
+        softmax_level_key(e2, inv2, bias_ptr, n2, v2, HAS_BIAS, B),
+        softmax_level_key(e3, inv2, bias_ptr, n3, v3, HAS_BIAS, B),
+        softmax_level_key(e4, inv2, bias_ptr, n4, v4, HAS_BIAS, B),
+        softmax_level_key(e5, inv2, bias_ptr, n5, v5, HAS_BIAS, B),
+        softmax_level_key(e6, inv2, bias_ptr, n6, v6, HAS_BIAS, B),
+        softmax_level_key(e7, inv2, bias_ptr, n7, v7, HAS_BIAS, B))
+    cids, t_k, t_c = pick_candidates(s0, s1, s2, s3, s4, s5, s6, s7, slot, K, C, B, NONE, CA)
+    # exact when every expert outside the candidates truncates below the K-th pick (docstring); with C == E every
+    # expert is a candidate
+    if C < E:
+        fallback = tl.max((live & (t_c == t_k)).to(tl.int32), 0)
+    else:
+        fallback = tl.max((live & (rows < 0)).to(tl.int32), 0)
+    if HAS_FLAGS:
+        tl.store(flags_ptr + tl.program_id(0), fallback)
+    if fallback == 0:
+        # the candidates' exact scores, re-computed from their logits with the tile's ops, then the exact pick
+        is_cand = slot < C
+        xg = tl.load(base2 + cids, mask=live2 & is_cand, other=0.0).to(tl.float32)
+        score = add_bias(zero_non_finite(tl.exp(xg - rm2) * inv2), bias_ptr, cids, is_cand, HAS_BIAS)
+        ids = exact_pick_2d(tl.where(is_cand, orderable_key(score), INT32_MIN), cids, slot, K, NONE, CA)
+        xw = tl.load(base2 + ids, mask=live2 & (slot < K), other=0.0).to(tl.float32)
+        w = zero_non_finite(tl.exp(xw - rm2) * inv2)
+        store_rows_2d(ids_ptr, weights_ptr, ids, w, slot, rows, in_range, live, K, RENORMALIZE, 1.0, CA)
+    else:
+        # today's full-row two-pass selection for the whole program (same tile and picks as the twopass kernel)
+        NQ: tl.constexpr = E_PAD // W
+        cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
+        ids3, w3 = score_topk(rows_to_tile(row_base, Q_AXIS) + cols, rows_to_tile(live, Q_AXIS), cols, row_base,
+                              live, rows, bias_ptr, E, E_PAD, K, K_PAD, HAS_BIAS, Q_AXIS, False)
+        store_rows(ids_ptr, weights_ptr, ids3, w3, rows, in_range, live, K, K_PAD, RENORMALIZE, 1.0, Q_AXIS)
+
+
 def row_width(e_pad: int, element_size: int) -> int:
     """Experts per row slice W: at most one warp of 16-byte vectors (256 bf16/fp16, 128 fp32)."""
     return min(e_pad, 32 * (16 // element_size))
@@ -169,17 +286,23 @@ def row_width(e_pad: int, element_size: int) -> int:
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: str | None = None, fallback_flags: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
     config: a router config (router_common.ROUTER_CONFIGS name or "<selection>:<elements per program>:<elements
-    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it."""
+    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it.
+    fallback_flags: diagnostics of the cand selections only: an int32 tensor with one entry per program, set to 1
+    where the program's verification failed and it ran the full two-pass selection (see cand_programs)."""
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
     if num_tokens == 0:
         return weights, ids
     e_pad = next_pow2(num_experts)
     cfg = router_config(config)
+    if cfg.extra_candidates is not None:
+        launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg, fallback_flags)
+        return weights, ids
     block_t, num_warps = router_launch_config(e_pad) if config is None else cfg.launch(e_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _topk_softmax_kernel[grid](
@@ -192,3 +315,29 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
         Q_AXIS=Q_AXIS, PACKED=cfg.selection == "packed64", num_warps=num_warps)
     return weights, ids
 
+
+
+def cand_programs(num_tokens: int, num_experts: int, top_k: int, config: str | None = None) -> int:
+    """Programs a cand-selection launch runs (the length fallback_flags needs)."""
+    cfg = router_config(config)
+    lanes, _ = cand_geometry(next_pow2(num_experts), min(top_k + (cfg.extra_candidates or 0), num_experts))
+    return triton.cdiv(num_tokens, cfg.launch(8 * lanes)[0])
+
+
+def launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg, fallback_flags) -> None:
+    num_tokens, num_experts = logits.shape
+    e_pad = next_pow2(num_experts)
+    num_candidates = min(top_k + cfg.extra_candidates, num_experts)
+    lanes, id_bits = cand_geometry(e_pad, num_candidates)
+    block_t, num_warps = cfg.launch(8 * lanes)
+    grid = (triton.cdiv(num_tokens, block_t),)
+    if fallback_flags is not None and (fallback_flags.dtype != torch.int32 or fallback_flags.numel() < grid[0]):
+        raise ValueError(f"fallback_flags must be an int32 tensor of >= {grid[0]} entries")
+    _topk_softmax_cand_kernel[grid](
+        logits, bias if bias is not None else logits,
+        is_padding.view(torch.uint8) if is_padding is not None else logits,
+        weights, ids, fallback_flags if fallback_flags is not None else ids, num_tokens, logits.stride(0),
+        E=num_experts, E_PAD=e_pad, W=row_width(e_pad, logits.element_size()), K=top_k, K_PAD=next_pow2(top_k),
+        C=num_candidates, LANES=lanes, B=id_bits, BLOCK_T=block_t, HAS_BIAS=bias is not None,
+        HAS_PAD=is_padding is not None, RENORMALIZE=bool(renormalize), HAS_FLAGS=fallback_flags is not None,
+        Q_AXIS=Q_AXIS, ROW_AXIS=router_cand.ROW_AXIS, num_warps=num_warps)

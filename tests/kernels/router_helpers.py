@@ -43,3 +43,28 @@ def assert_same_as_reference(weights, ids, ref: RouterReference):
     assert torch.equal(ids.cpu(), ref.ids.cpu()), "ids differ from the reference"
     assert res.metrics["ids.near_tie_rows"] == 0
     assert res.metrics["weights.max_rel"] <= 1e-5
+
+
+def crafted_tie_logits(num_experts: int, device) -> torch.Tensor:
+    """Rows built to tie: all equal, a tied top block, +0.0 / -0.0 logits, ties that only appear after the bias
+    (see tie_bias), and blocks of equal values at both ends of the row."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, num_experts, generator=g)
+    logits[0] = 0.25
+    logits[1, ::3] = 3.0
+    logits[2] = torch.where(torch.arange(num_experts) % 2 == 0, torch.tensor(0.0), torch.tensor(-0.0))
+    logits[3, :] = 1.0
+    logits[3, num_experts // 2:] = 1.5  # a tie block in the upper half, the lower half tied below it
+    logits[4, -7:] = 5.0  # the top block at the end of the row (and inside the padded tail's slice)
+    logits[5] = torch.arange(num_experts, dtype=torch.float32) % 5  # five-valued row: wide tie groups
+    logits[6] = 0.0
+    logits[7] = torch.arange(num_experts, dtype=torch.float32).flip(0) * 1e-3
+    return logits.to(device)
+
+
+def tie_bias(num_experts: int, device) -> torch.Tensor:
+    # row 6 (all p equal) + this bias: experts 1 and 4 (and every 7th from 2) tie after the bias
+    bias = torch.zeros(num_experts)
+    bias[[1, 4]] = 0.5
+    bias[2::7] = 0.25
+    return bias.to(device)

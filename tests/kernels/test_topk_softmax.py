@@ -16,7 +16,12 @@ from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch
 from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch
 from moebench.kernels._details.router_common import (DEFAULT_ROUTER_CONFIG, ROUTER_CONFIG_ENV, ROUTER_CONFIGS,
                                                      RouterConfig, router_config)
-from router_helpers import (DTYPES, assert_same_as_reference, make_bias, make_logits, make_mask, poisoned_out)
+from router_helpers import (DTYPES, assert_same_as_reference, crafted_tie_logits, make_bias, make_logits, make_mask,
+                            poisoned_out, tie_bias)
+
+# the crafted-tie tests run every selection, one launch shape each beyond the two-pass / packed pairs (the random
+# and adversarial cases of every cand config are in test_router_cand)
+CONFIGS_UNDER_TEST = ["twopass", "packed64", "twopass-16", "packed64-16", "cand2", "cand4-16"]
 
 
 SHAPES = [(8, 1), (8, 2), (8, 6), (8, 8), (160, 6), (160, 8), (160, 32), (384, 2), (384, 32), (1024, 1),
@@ -102,32 +107,7 @@ def test_topk_softmax_distinct_logits_with_equal_p_tie(device, dtype):
         assert ids.tolist() == [[0, 1, 2, 5, 9], [15, 6, 10, 13, 14]], fn.__name__
 
 
-def crafted_tie_logits(num_experts: int, device) -> torch.Tensor:
-    """Rows built to tie: all equal, a tied top block, +0.0 / -0.0 logits, ties that only appear after the bias
-    (see tie_bias), and blocks of equal values at both ends of the row."""
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(8, num_experts, generator=g)
-    logits[0] = 0.25
-    logits[1, ::3] = 3.0
-    logits[2] = torch.where(torch.arange(num_experts) % 2 == 0, torch.tensor(0.0), torch.tensor(-0.0))
-    logits[3, :] = 1.0
-    logits[3, num_experts // 2:] = 1.5  # a tie block in the upper half, the lower half tied below it
-    logits[4, -7:] = 5.0  # the top block at the end of the row (and inside the padded tail's slice)
-    logits[5] = torch.arange(num_experts, dtype=torch.float32) % 5  # five-valued row: wide tie groups
-    logits[6] = 0.0
-    logits[7] = torch.arange(num_experts, dtype=torch.float32).flip(0) * 1e-3
-    return logits.to(device)
-
-
-def tie_bias(num_experts: int, device) -> torch.Tensor:
-    # row 6 (all p equal) + this bias: experts 1 and 4 (and every 7th from 2) tie after the bias
-    bias = torch.zeros(num_experts)
-    bias[[1, 4]] = 0.5
-    bias[2::7] = 0.25
-    return bias.to(device)
-
-
-@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS_UNDER_TEST)
 @pytest.mark.parametrize("num_experts,top_k", [(40, 6), (160, 6), (256, 8), (100, 32), (1000, 5)])
 def test_topk_softmax_crafted_ties_every_config(device, config, num_experts, top_k):
     # exact ids against the stable-sort reference under every selection / launch config (non-power-of-two E, K=6)
@@ -139,7 +119,7 @@ def test_topk_softmax_crafted_ties_every_config(device, config, num_experts, top
             assert_same_as_reference(w, ids, topk_softmax_reference(x, top_k, True, bias=bias))
 
 
-@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS_UNDER_TEST)
 def test_grouped_topk_crafted_ties_every_config(device, config):
     for num_experts, groups, topk_group, top_k in ((40, 5, 2, 6), (256, 8, 4, 8), (96, 12, 3, 6)):
         logits = crafted_tie_logits(num_experts, device)

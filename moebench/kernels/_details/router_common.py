@@ -116,7 +116,7 @@ def write_out(weights: torch.Tensor, ids: torch.Tensor, out) -> tuple[torch.Tens
 
 
 ROUTER_CONFIG_ENV = "MOEBENCH_ROUTER_CONFIG"
-SELECTIONS = ("twopass", "packed64")
+SELECTIONS = ("twopass", "packed64", "cand<M>")  # cand<M>: K + M candidates, M a positive integer
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ class RouterConfig:
     """How the Triton routers pick and launch (outputs are the same under every config; only the speed differs).
 
     selection: "twopass" (per pick, a max of the int32 score keys, then the lowest expert holding it: two int32
-    reductions) or "packed64" (per pick, one max of int64 keys = score key << 32 | inverted expert index).
+    reductions), "packed64" (per pick, one max of int64 keys = score key << 32 | inverted expert index) or
+    "cand<M>" (K + M candidates by coarse int32 keys from column-sorted levels, resolved exactly, verified, with
+    the two-pass selection as the fallback; see topk_softmax's module docstring).
     elements_per_program: row elements per program (BLOCK_T = this // padded row width, at most 128 rows).
     elements_per_thread: row elements each thread holds (num_warps = the program's elements // (32 * this), at
     most 8).
@@ -133,6 +135,11 @@ class RouterConfig:
     selection: str = "twopass"
     elements_per_program: int = 4096
     elements_per_thread: int = 32
+
+    @property
+    def extra_candidates(self) -> int | None:
+        """M of a "cand<M>" selection, else None."""
+        return int(self.selection[4:]) if self.selection.startswith("cand") else None
 
     def launch(self, row_elements: int) -> tuple[int, int]:
         """(BLOCK_T, num_warps) for a tile whose rows hold `row_elements` (a power of two) elements."""
@@ -149,8 +156,19 @@ ROUTER_CONFIGS = {
     "packed64": RouterConfig("packed64", 4096, 32),
     "twopass-16": RouterConfig("twopass", 2048, 16),  # 8 rows of 256, 4 warps, half the registers per thread
     "packed64-16": RouterConfig("packed64", 2048, 16),
+    # candidate selections: K + M coarse candidates (M = 2 falls back on ~0.4% of random bf16 softmax rows,
+    # M = 4 on ~5e-6; see topk_softmax's module docstring)
+    "cand2": RouterConfig("cand2", 4096, 32),
+    "cand4": RouterConfig("cand4", 4096, 32),
+    "cand8": RouterConfig("cand8", 4096, 32),
+    "cand4-16": RouterConfig("cand4", 2048, 16),
+    "cand4-8192": RouterConfig("cand4", 8192, 32),
 }
 DEFAULT_ROUTER_CONFIG = "twopass"
+
+
+def is_selection(name: str) -> bool:
+    return name in SELECTIONS[:2] or (name.startswith("cand") and name[4:].isdigit() and int(name[4:]) > 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,16 +178,21 @@ def parse_router_config(text: str) -> RouterConfig:
     if text in ROUTER_CONFIGS:
         return ROUTER_CONFIGS[text]
     parts = text.split(":")
-    ok = len(parts) == 3 and parts[0] in SELECTIONS and all(p.isdigit() and int(p) > 0 for p in parts[1:])
+    ok = len(parts) == 3 and is_selection(parts[0]) and all(p.isdigit() and int(p) > 0 for p in parts[1:])
     if not ok:
         raise ValueError(f"router config {text!r}: expected one of {', '.join(ROUTER_CONFIGS)} or "
                          f"'<{'|'.join(SELECTIONS)}>:<elements per program>:<elements per thread>'")
     return RouterConfig(parts[0], int(parts[1]), int(parts[2]))
 
 
+def router_config_name(config: str | None = None) -> str:
+    """The text naming the config in effect (the keyword, else $MOEBENCH_ROUTER_CONFIG, else the default)."""
+    return (config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG).strip()
+
+
 def router_config(config: str | None = None) -> RouterConfig:
     """The config named by the keyword, else by $MOEBENCH_ROUTER_CONFIG, else the default."""
-    return parse_router_config(config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG)
+    return parse_router_config(router_config_name(config))
 
 
 def router_launch_config(row_elements: int) -> tuple[int, int]:
