@@ -28,11 +28,11 @@ def test_align_candidate_impls_registered_and_swept(device):
 
     import yaml
 
-    from moebench.kernels.moe_align_block_size import ALIGN_CANDIDATES
+    from moebench.kernels.moe_align_block_size import ALIGN_CANDIDATES, DEFAULT_ALIGN_CONFIG
     from moebench.registry import RunContext, get
     from moebench.sweep import Params
 
-    names = [f"moe_align_block_size.triton_{n}" for n in ALIGN_CANDIDATES if n != "default"]
+    names = [f"moe_align_block_size.triton_{n}" for n in ALIGN_CANDIDATES if n != DEFAULT_ALIGN_CONFIG]
     assert names
     sweep = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "tune_align.yaml").read_text())
     assert sweep["impls"] == ["moe_align_block_size.triton", *names]

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from moebench.kernels._details.router_common import DEFAULT_ROUTER_CONFIG
 from moebench.bench.routers import compare_routing, grouped_topk_reference, topk_softmax_reference
 
 
@@ -160,7 +161,7 @@ def test_router_cases_record_the_router_config(device, monkeypatch, impl):
     p = Params(num_tokens=20, num_experts=64, top_k=6, padding_ratio=0.25, mask=True, padding_fill="repeat",
                bias=True, dtype="bf16", num_expert_group=8, topk_group=4, scoring="sigmoid")
     ctx = RunContext(device=device)
-    assert registry.get(impl).build(p, ctx).info["router_config"] == "twopass"
+    assert registry.get(impl).build(p, ctx).info["router_config"] == DEFAULT_ROUTER_CONFIG
     monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "cand2")
     case = registry.get(impl).build(p, ctx)
     assert case.info["router_config"] == "cand2"

@@ -14,6 +14,7 @@ from moebench.inputs import make_batch, route
 from moebench.kernels.apply_expert_map import build_expert_map
 from moebench.kernels.moe_align_block_size import (
     ALIGN_CANDIDATES,
+    DEFAULT_ALIGN_CONFIG,
     align_capacity,
     align_workspace,
     alloc_align_outputs,
@@ -153,7 +154,7 @@ for _variant, _text in _DESCRIPTIONS.items():
 
 
 for _name in ALIGN_CANDIDATES:
-    if _name != "default":  # "default" is .triton itself
+    if _name != DEFAULT_ALIGN_CONFIG:  # the default is .triton itself
         register_impl(f"moe_align_block_size.triton_{_name}", targets=("kernel",), validate=align_problem,
                       description=f"moe_align_block_size.triton with the {_name} tuning candidate forced")(
             _build_align("triton", config=_name))

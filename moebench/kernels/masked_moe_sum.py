@@ -5,8 +5,8 @@ rounded once to the intermediate's dtype. A skipped slot is never loaded: the Tr
 mask from the slot's id, so a skipped slot issues no memory traffic and NaN/garbage there cannot reach the output.
 A row whose slots are all -1 yields zeros.
 
-The Triton kernel takes two rows per program: a padded row pair (all slots -1) only stores zeros, without loading
-anything, and a real pair keeps 2 x K x 2 KB of loads in flight. fused_experts' slot sum uses the same kernel, with
+The Triton kernel takes one row x 512 columns per program by default (sum_launch_config): a padded row (all
+slots -1) only stores zeros, without loading anything, and a real one keeps K x 1 KB of loads in flight. fused_experts' slot sum uses the same kernel, with
 ids >= num_experts skipped as well (`launch_masked_sum(..., num_experts=E)`).
 
 The pre-fix path (`torch.sum(intermediate, dim=1)`, vLLM's ops.moe_sum) adds every slot: `moe_sum_oblivious`, the
@@ -117,9 +117,9 @@ LOAD_HINTS = ("evict_first", "cg", "none")
 
 
 # Launch shapes to time side by side on the GPU (`masked_moe_sum.triton_<name>`, sweeps/tune_moe_sum.yaml); the
-# default (sum_launch_config) is rows 2, 1024 columns, 4 warps, evict-first. The first trial on the H200 (T=8192,
-# K=8, H=7168; results/h200/tuning/) had the default at 259 us (96% of the copy figure) and the best, one row with
-# no cache hint, at 247 us, where vLLM's moe_sum was measured at 240 us: these are that best one's neighbours.
+# first default was rows 2, 1024 columns, 4 warps, evict-first (259 us at T=8192, K=8, H=7168: 96% of the copy
+# figure); the first trial's best, one row with no cache hint, took 247 us, where vLLM's moe_sum was measured at
+# 240 us; these are that best one's neighbours (the second trial picked today's default, r1_h512_w1_none).
 SUM_CANDIDATES: dict[str, SumLaunch] = {
     "r1_h1024_w4_none": SumLaunch(1, 1024, 4, "none"),
     "r1_h1024_w4_cg": SumLaunch(1, 1024, 4, "cg"),
@@ -128,17 +128,20 @@ SUM_CANDIDATES: dict[str, SumLaunch] = {
     "r1_h2048_w8_none": SumLaunch(1, 2048, 8, "none"),
     "r1_h2048_w4_none": SumLaunch(1, 2048, 4, "none"),
     "r1_h512_w2_none": SumLaunch(1, 512, 2, "none"),
-    "r1_h512_w1_none": SumLaunch(1, 512, 1, "none"),
     "r2_h1024_w4_none": SumLaunch(2, 1024, 4, "none"),
     "r2_h1024_w4_cg": SumLaunch(2, 1024, 4, "cg"),
+    "r2_h1024_w4_evict_first": SumLaunch(2, 1024, 4, "evict_first"),  # the first default
 }
 
 
-def sum_launch_config(hidden: int, block_h: int = 1024, rows: int = 2) -> SumLaunch:
-    """Two rows x up to 1024 columns per program (7168 = 7 x 1024), 8 bf16 (16 bytes) per thread and row: 16 KB
-    of loads in flight per row pair and slot group, and a padded row pair costs one small program."""
+def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1) -> SumLaunch:
+    """One row x up to 512 columns per program on one warp (16 bytes per lane and slot), loads without a cache
+    hint: the best of SUM_CANDIDATES on the H200 (T=8192, K=8, H=7168: 246.7 us unpadded, 196.1 us with a quarter
+    of the rows padded, against 259.2 / 205.4 us for the first launch, rows 2 x 1024 columns on 4 warps with
+    evict-first; results/h200/tuning/). Many small programs keep the most loads in flight, and a padded row costs
+    one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512 columns."""
     block_h = min(block_h, next_pow2(hidden))
-    return SumLaunch(rows, block_h, max(1, min(4, block_h // 256)))
+    return SumLaunch(rows, block_h, max(1, min(4, block_h // 512)), "none")
 
 
 def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk_ids: torch.Tensor,

@@ -23,7 +23,7 @@ actual sizes (no single-program pass, no loop over a fixed maximum):
 Every element of the three outputs is written (pad slots by step 1, routes, expert_ids and the total by step 3),
 so nothing needs a zero-fill launch.
 
-Cost model (H200, T=65536, K=8, E=256, block_size 64: R = 524288 routes; "default" config; measured 47.8 us, and
+Cost model (H200, T=65536, K=8, E=256, block_size 64: R = 524288 routes; the "first" config; measured 47.8 us, and
 14.6 us at T=8192). Programs: 512 blocks of 1024 routes (4 warps), NUM_BINS = next_pow2(E + 1) = 512.
   count   512 programs: tl.histogram lowers to per-lane ballots: for each element slot a warp issues
           log2(bins) ballots + (bins / 32) bins x ~10 ops ~ 200 instructions per 32 routes ~ 6 warp-instr/route
@@ -56,6 +56,7 @@ import triton.language as tl
 from moebench.kernels._details.align_config import (
     ALIGN_CANDIDATES,
     ALIGN_CONFIG_ENV,
+    DEFAULT_ALIGN_CONFIG,
     AlignConfig,
     align_capacity,
     align_launch_shapes,
@@ -67,8 +68,8 @@ from moebench.kernels._details.jit import check_triton_device
 
 __all__ = ["align_capacity", "capacity_fits_int32", "local_expert_ids_torch", "moe_align_block_size_torch",
            "default_block_routes", "align_workspace", "alloc_align_outputs", "align_launch_shapes",
-           "moe_align_block_size", "AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "resolve_align_config",
-           "align_workspace_size"]
+           "moe_align_block_size", "AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "DEFAULT_ALIGN_CONFIG",
+           "resolve_align_config", "align_workspace_size"]
 
 INT32_MAX = 2**31 - 1
 PAD_FILL_STEP = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
@@ -329,7 +330,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.
     `block_routes` (power of two >= 32) overrides the routes per program (tests use it to get many blocks).
     `wrap_negative=True` is the pre-fix (oblivious) behaviour: -1 indexes the last expert / map entry.
-    `config`: one of ALIGN_CANDIDATES (name or AlignConfig); None reads MOEBENCH_ALIGN_CONFIG, else "default".
+    `config`: one of ALIGN_CANDIDATES (name or AlignConfig); None reads MOEBENCH_ALIGN_CONFIG, else DEFAULT_ALIGN_CONFIG.
     Every config gives the same outputs; size the workspace with align_workspace(..., config=) of the same one.
     """
     cfg = resolve_align_config(config)

@@ -163,7 +163,7 @@ def test_align_small_tiles_loop_everywhere(device, monkeypatch):
     mod = sys.modules[moe_align_block_size.__module__]  # the package re-exports a function of the same name
     real = mod.align_launch_shapes
 
-    def small(num_routes, num_experts, block_size, block_routes, config="default"):
+    def small(num_routes, num_experts, block_size, block_routes, config="first"):
         s = real(num_routes, num_experts, block_size, block_routes, config)
         s.update(experts_chunk=4, scan_grid=-(-num_experts // 4), tile_blocks=2, tile_m_blocks=2,
                  fill_block=16, scatter_grid=s["num_blocks"] + 3)
@@ -226,7 +226,7 @@ def small_tiled(cfg):
 CONFIG_PATHS = {
     "grouped": small_tiled(ALIGN_CANDIDATES["grouped_scan"]),
     "tight_grouped": small_tiled(ALIGN_CANDIDATES["tight"]),
-    "tight_serial": dataclasses.replace(ALIGN_CANDIDATES["default"], name="tight_serial", tight_bins=True),
+    "tight_serial": dataclasses.replace(ALIGN_CANDIDATES["first"], name="tight_serial", tight_bins=True),
 }
 
 # (num_tokens, top_k, ids drawn from, num_experts, block_size, with an expert map): 4..5 blocks of 32 routes
@@ -289,7 +289,7 @@ def test_align_tight_bins_hot_expert_zero(name, device):
 
 def test_align_config_env_and_default_launch(device, monkeypatch):
     """MOEBENCH_ALIGN_CONFIG picks the candidate when none is passed (workspace included); an unknown name is an
-    error; "default" keeps the first measured launch (one spare bin, 1-D scan over 32-expert chunks)."""
+    error; "first" keeps the first measured launch (one spare bin, 1-D scan over 32-expert chunks)."""
     g = torch.Generator().manual_seed(4)
     ids = random_ids(40, 6, 16, generator=g).to(device)
     want = moe_align_block_size_torch(ids, 16, 16)
@@ -301,7 +301,7 @@ def test_align_config_env_and_default_launch(device, monkeypatch):
     with pytest.raises(ValueError, match="tight_br256"):
         moe_align_block_size(ids, 16, 16)
     monkeypatch.delenv(ALIGN_CONFIG_ENV)
-    shapes = align_launch_shapes(524288, 256, 64, 1024)
+    shapes = align_launch_shapes(524288, 256, 64, 1024, "first")
     assert (shapes["num_bins"], shapes["scan_grid"], shapes["scan_groups"], shapes["tile_blocks"],
             shapes["scatter_grid"], shapes["route_warps"]) == (512, 8, 1, 128, 2111, 4)
     tight = align_launch_shapes(524288, 256, 64, 256, "tight_br256")

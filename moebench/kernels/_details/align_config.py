@@ -1,8 +1,8 @@
 """Launch configurations of moe_align_block_size: the candidate table and the host arithmetic of its grids.
 
 Every candidate gives bitwise the same outputs (the work split and the histogram formulation change, never the
-order: the in-block sort key is (expert, position) under all of them). "default" is the launch of the kernels as
-first measured; the others are tuning candidates for one GPU sweep (see moe_align_block_size's docstring for
+order: the in-block sort key is (expert, position) under all of them). "first" is the launch of the kernels as
+first measured, DEFAULT_ALIGN_CONFIG the one chosen on the H200; the others are tuning candidates for one GPU sweep (see moe_align_block_size's docstring for
 the cost model behind them).
 """
 
@@ -15,10 +15,13 @@ import triton
 
 from moebench.kernels._details.jit import next_pow2
 
-__all__ = ["AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "resolve_align_config", "default_block_routes",
+__all__ = ["AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "DEFAULT_ALIGN_CONFIG", "resolve_align_config", "default_block_routes",
            "align_workspace_size", "align_launch_shapes", "align_capacity"]
 
 ALIGN_CONFIG_ENV = "MOEBENCH_ALIGN_CONFIG"  # a candidate name: the configuration when none is passed
+# The default, chosen on the H200 (sweeps/tune_align.yaml, E=256, K=8, block 64; p50 us at T=128 / 8192 / 65536):
+# first 7.8 / 14.6 / 47.8, tight 7.6 / 10.6 / 31.1, tight_br256 7.6 / 10.5 / 22.0, tight_br256_w2 7.5 / 9.3 / 22.1.
+DEFAULT_ALIGN_CONFIG = "tight_br256_w2"
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class AlignConfig:
 
 
 ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
-    AlignConfig("default"),
+    AlignConfig("first"),  # the launch as first measured (47.8 us at T=65536)
     # the scan on 32x more programs (chunks of 8 experts, one tile of rows each) and expert_ids on 4x fewer
     AlignConfig("grouped_scan", grouped_scan=True, scan_experts_chunk=8, expert_ids_tile=8192),
     # ... plus tight bins and one histogram instead of two: the route-proportional work of count + scatter
@@ -62,10 +65,10 @@ ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
 
 def resolve_align_config(config: str | AlignConfig | None = None) -> AlignConfig:
     """`config` (a candidate name or an AlignConfig), else the environment variable MOEBENCH_ALIGN_CONFIG, else
-    "default"."""
+    DEFAULT_ALIGN_CONFIG."""
     if isinstance(config, AlignConfig):
         return config
-    name = config or os.environ.get(ALIGN_CONFIG_ENV) or "default"
+    name = config or os.environ.get(ALIGN_CONFIG_ENV) or DEFAULT_ALIGN_CONFIG
     if name not in ALIGN_CANDIDATES:
         raise ValueError(f"alignment config {name!r}: one of {', '.join(ALIGN_CANDIDATES)}")
     return ALIGN_CANDIDATES[name]
@@ -78,7 +81,7 @@ def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[
     return capacity, triton.cdiv(capacity, block_size) if capacity else 0
 
 
-def default_block_routes(num_routes: int, config: str | AlignConfig | None = "default") -> int:
+def default_block_routes(num_routes: int, config: str | AlignConfig | None = None) -> int:
     """Routes per program: about `target_programs` programs (a small in-block sort each, many programs to cover the
     GPU), 128..max_block_routes routes each; the scan then reads num_routes / block_routes rows of E counts."""
     cfg = resolve_align_config(config)
@@ -95,7 +98,7 @@ def align_workspace_size(num_routes: int, num_experts: int, *, block_routes: int
 
 
 def align_launch_shapes(num_routes: int, num_experts: int, block_size: int, block_routes: int,
-                        config: str | AlignConfig | None = "default") -> dict:
+                        config: str | AlignConfig | None = None) -> dict:
     """Grids and tile sizes of the three launches (host arithmetic only; the GPU script prints them)."""
     cfg = resolve_align_config(config)
     capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
