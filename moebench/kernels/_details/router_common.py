@@ -158,12 +158,14 @@ ROUTER_CONFIGS = {
     "twopass-16": RouterConfig("twopass", 2048, 16),  # 8 rows of 256, 4 warps, half the registers per thread
     "packed64-16": RouterConfig("packed64", 2048, 16),
     # candidate selections: K + M coarse candidates (M = 2 falls back on ~0.4% of random bf16 softmax rows,
-    # M = 4 on ~5e-6; see topk_softmax's module docstring)
+    # M = 4 on ~5e-6; see topk_softmax's module docstring). At E=256 on sm_90 (Triton 3.6) the 16-row program
+    # takes 189 registers a thread (two-pass: 128), the 8-row one 71, the 4-row one 40: occupancy for the trial.
     "cand2": RouterConfig("cand2", 4096, 32),
     "cand4": RouterConfig("cand4", 4096, 32),
     "cand8": RouterConfig("cand8", 4096, 32),
-    "cand4-16": RouterConfig("cand4", 2048, 16),
-    "cand4-8192": RouterConfig("cand4", 8192, 32),
+    "cand2-16": RouterConfig("cand2", 2048, 16),
+    "cand4-16": RouterConfig("cand4", 2048, 16),  # 8 rows of 256, 4 warps
+    "cand4-8": RouterConfig("cand4", 1024, 8),  # 4 rows of 256, 4 warps, one row per thread
 }
 DEFAULT_ROUTER_CONFIG = "cand4"  # H200: 7.9 / 43.8 us (topk_softmax T=8192 / 65536) vs twopass 10.3 / 62.0
 
