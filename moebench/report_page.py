@@ -254,6 +254,12 @@ def _html_table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
     return "\n".join(out)
 
 
+def profile_only(run: RunView) -> bool:
+    """A profile's own folder: no manifest and no records of its own, only the profile (its point's run
+    directory has the manifest)."""
+    return not run.manifest and not run.records and bool(run.profiles)
+
+
 def _data_uri(png: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
 
@@ -267,8 +273,10 @@ def render_html(runs: list[RunView], title: str) -> str:
                                       for i, r in enumerate(runs)) + "</ul>")
     for i, run in enumerate(runs):
         parts.append(f'<h2 id="run-{i}">{e(run.name)}</h2>')
-        parts.append("<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in manifest_items(run)) + "</dl>")
-        parts.append(f"<p>points: {e(status_counts(run))}</p>")
+        if not profile_only(run):
+            parts.append("<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in manifest_items(run))
+                         + "</dl>")
+            parts.append(f"<p>points: {e(status_counts(run))}</p>")
         if run.headlines:
             parts.append("<h3>Headline numbers</h3>")
             parts.append(_html_table(*headline_table(run), cls="headlines"))
@@ -285,7 +293,7 @@ def render_html(runs: list[RunView], title: str) -> str:
                 parts.append(f'<figure><img alt="{e(png.name)}" src="{_data_uri(png)}">'
                              f"<figcaption>{e(png.name)}</figcaption></figure>")
             parts.append("</div>")
-        else:
+        elif not profile_only(run):
             parts.append("<p>No plots found for this run.</p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
@@ -309,9 +317,10 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
     parts = [f"# {title}", ""]
     for run in runs:
         parts += [f"## {run.name}", ""]
-        parts += [f"- **{k}**: `{v}`" if k in ("commit", "command") else f"- **{k}**: {v}"
-                  for k, v in manifest_items(run)]
-        parts += [f"- **status**: {status_counts(run)}", ""]
+        if not profile_only(run):
+            parts += [f"- **{k}**: `{v}`" if k in ("commit", "command") else f"- **{k}**: {v}"
+                      for k, v in manifest_items(run)]
+            parts += [f"- **status**: {status_counts(run)}", ""]
         if run.headlines:
             parts += ["### Headline numbers", "", _md_table(*headline_table(run)), ""]
         if run.records:
@@ -325,7 +334,7 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
                 rel = Path(os.path.relpath(png.resolve(), out_dir.resolve())).as_posix()
                 parts.append(f"![{png.stem}]({rel})")
             parts.append("")
-        else:
+        elif not profile_only(run):
             parts += ["No plots found for this run.", ""]
     return "\n".join(parts)
 
