@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from moebench.cli import main
 from moebench.compare import compare_records, compare_runs
 
 
@@ -37,20 +38,18 @@ def test_compare_runs_prints_ratios_and_geomean(tmp_path, capsys):
     assert "geometric mean B/A: 1.000" in out
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "moebench", *args], capture_output=True, text=True, timeout=120)
-
-
-def test_cli_compare_and_plot_reject_non_run_dirs(tmp_path):
+def test_cli_compare_and_plot_reject_non_run_dirs(tmp_path, capsys):
     for args in (("compare", str(tmp_path), str(tmp_path)), ("plot", str(tmp_path))):
-        proc = _cli(*args)
-        assert proc.returncode == 2
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "not a run directory" in lines[0], proc.stderr
+        code = main(list(args))
+        err = capsys.readouterr().err
+        assert code == 2
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "not a run directory" in lines[0], err
 
 
 def test_cli_list_names_impls_and_bundled_sweeps():
-    proc = _cli("list")
+    """A fresh process: what the registry discovers by itself, with nothing imported before."""
+    proc = subprocess.run([sys.executable, "-m", "moebench", "list"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in ("topk_softmax.triton", "layer.masked", "dispatch.a2a_fixed", "jit_trace.a2a_fixed",
                  "fused_experts.oblivious", "quickstart", "routers"):

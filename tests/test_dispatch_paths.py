@@ -118,13 +118,19 @@ def _run_toy(ctx) -> dict:
     return out
 
 
-def _toy_worker(ctx):
-    return _run_toy(ctx)
+def _two_rank_worker(ctx):
+    """Both two-rank checks of this module in one rank group (each spawned rank costs an interpreter start)."""
+    return {"toy": _run_toy(ctx), "graph_cache": _graph_cache_worker(ctx)}
 
 
 @pytest.fixture(scope="module")
-def toy_two_ranks():
-    return mdist.spawn(_toy_worker, 2, backend="gloo", timeout_s=240)
+def two_ranks():
+    return mdist.spawn(_two_rank_worker, 2, backend="gloo", timeout_s=240, pg_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def toy_two_ranks(two_ranks):
+    return [r["toy"] for r in two_ranks]
 
 
 def _assert_toy_ok(results, R):
@@ -323,9 +329,8 @@ def _graph_cache_worker(ctx):
     return {"steps": steps, "graphs": len(path.graphs)}
 
 
-def test_a2a_graph_cache_pairs_count_exchanges_when_ranks_miss_apart():
-    results = mdist.spawn(_graph_cache_worker, 2, backend="gloo", timeout_s=240, pg_timeout_s=60)
-    for rank, res in enumerate(results):
+def test_a2a_graph_cache_pairs_count_exchanges_when_ranks_miss_apart(two_ranks):
+    for rank, res in enumerate(r["graph_cache"] for r in two_ranks):
         for i, s in enumerate(res["steps"]):
             assert s["ok"], f"rank {rank} step {i}: {s['detail']}"
             assert s["exchanges"] == 1, f"rank {rank} step {i}: {s['exchanges']} count exchanges"

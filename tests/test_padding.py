@@ -1,12 +1,12 @@
 """Padding producers (docs/contracts.md#padding-producers): cudagraph, dp (lists and a 2-process gloo group), sp, pcp
 (peers and a gloo group), dbo, and the single-rank masks of producer_mask."""
 
-import os
-import socket
+import io
 
 import pytest
 import torch
 
+from moebench import dist as mdist
 from moebench.inputs import padding
 from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)
@@ -85,36 +85,22 @@ def test_dp_pad_argument_errors():
         dp_pad(x, [3, 5], is_padding=_mask([0, 1]))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _gloo_worker(ctx):
+    # dp: rank 0 has 2 rows, rank 1 has 5; both end with 5.
+    num_local = (2, 5)[ctx.rank]
+    x = _rows(num_local, 3, seed=10 + ctx.rank)
+    xp, mask = dp_pad(x, group=ctx.group)
+    # pcp: 3 rows per rank, different masks per rank (rank 1 sends None: all real).
+    xl = _rows(3, 2, seed=20 + ctx.rank)
+    ml = _mask([0, 1, 1]) if ctx.rank == 0 else None
+    xg, mg = pcp_gather(xl, ml, group=ctx.group)
+    buf = io.BytesIO()  # as bytes: a tensor sent through the pipe would need this rank alive after it reports
+    torch.save({"dp": (x, xp, mask), "pcp": (xl, xg, mg)}, buf)
+    return buf.getvalue()
 
 
-def _gloo_worker(rank, world, port, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        group = dist.group.WORLD
-        # dp: rank 0 has 2 rows, rank 1 has 5; both end with 5.
-        num_local = (2, 5)[rank]
-        x = _rows(num_local, 3, seed=10 + rank)
-        xp, mask = dp_pad(x, group=group)
-        # pcp: 3 rows per rank, different masks per rank (rank 1 sends None: all real).
-        xl = _rows(3, 2, seed=20 + rank)
-        ml = _mask([0, 1, 1]) if rank == 0 else None
-        xg, mg = pcp_gather(xl, ml, group=group)
-        torch.save({"dp": (x, xp, mask), "pcp": (xl, xg, mg)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_dp_pad_and_pcp_gather_with_gloo_group(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def test_dp_pad_and_pcp_gather_with_gloo_group():
+    res = [torch.load(io.BytesIO(b)) for b in mdist.spawn(_gloo_worker, 2, backend="gloo", timeout_s=120)]
     for r in range(2):
         x, xp, mask = res[r]["dp"]
         assert xp.shape == (5, 3) and torch.equal(xp[:x.shape[0]], x) and not xp[x.shape[0]:].any()

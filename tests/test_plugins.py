@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moebench import registry
+from moebench.cli import main
 from moebench.plugins import register_dispatch_path
 from moebench.registry import RunContext
 from moebench.results import load_records
@@ -90,14 +91,14 @@ def test_plugin_module_registers_a_correct_and_a_wrong_router(tmp_path, capsys):
     assert "vs best peer" in out  # the reference and the good plugin are compared with the best peer
 
 
-def test_unimportable_plugin_is_exit_2_naming_the_module(tmp_path):
+def test_unimportable_plugin_is_exit_2_naming_the_module(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader may append the sweep's folder
     sweep_file = tmp_path / "s.yaml"
     sweep_file.write_text(SWEEP.format(module="no_such_moebench_plugin"))
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(sweep_file), "--device", "cpu"],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 2
-    assert "no_such_moebench_plugin" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert main(["run", str(sweep_file), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_moebench_plugin" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "results").exists()
 
 

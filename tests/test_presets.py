@@ -3,17 +3,11 @@ the bundled table; explicit keys override it; an unknown name is one line listin
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from moebench.cli import main
 from moebench.presets import PRESETS, PRESET_KEYS
 from moebench.sweep import Params, Point, SweepError, expand, load_sweep, sweep_from_dict
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _sweep(fixed=None, axes=None, impls=("grouped_topk.torch",)):
@@ -81,8 +75,7 @@ def test_point_keys_unchanged_without_a_model():
     assert Point(0, "x.y", p).key != Point(0, "x.y", Params(model="deepseek-v3")).key
 
 
-def test_list_models_prints_the_table():
-    proc = subprocess.run([sys.executable, "-m", "moebench", "list", "--models"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0
-    assert "deepseek-v3" in proc.stdout and "E=256 top_k=8" in proc.stdout and "huggingface.co" in proc.stdout
+def test_list_models_prints_the_table(capsys):
+    assert main(["list", "--models"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3" in out and "E=256 top_k=8" in out and "huggingface.co" in out

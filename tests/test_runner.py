@@ -11,6 +11,7 @@ import time
 import torch
 
 from moebench import registry
+from moebench.cli import main
 from moebench.registry import Case, CheckResult, Impl, Routing
 from moebench.results import load_records
 from moebench.runner import run_sweep
@@ -77,13 +78,13 @@ def test_statuses_recorded_and_sweep_goes_on(tmp_path, capsys):
     assert manifest["sweep"]["name"] == "st" and manifest["env"]["torch"] == torch.__version__
 
 
-def test_router_sweep_end_to_end(tmp_path):
+def test_router_sweep_end_to_end(tmp_path, capsys):
     sweep_path = tmp_path / "rt.yaml"
     sweep_path.write_text(SWEEP)
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(sweep_path), "--out", str(tmp_path / "r"),
-                           "--plots", str(tmp_path / "p"), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr + proc.stdout
+    code = main(["run", str(sweep_path), "--out", str(tmp_path / "r"), "--plots", str(tmp_path / "p"),
+                 "--device", "cpu"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr + stdout
     (run_dir,) = list((tmp_path / "r").iterdir())
     recs = load_records(run_dir)
     assert len(recs) == 8 and all(r["status"] == "ok" for r in recs)
@@ -94,15 +95,15 @@ def test_router_sweep_end_to_end(tmp_path):
             assert pad_routes == r["params"]["num_tokens"] // 2 * 2
         else:
             assert pad_routes == 0
-    header = [line for line in proc.stdout.splitlines() if line.lstrip().startswith("#") and "impl" in line]
-    assert header, proc.stdout
+    header = [line for line in stdout.splitlines() if line.lstrip().startswith("#") and "impl" in line]
+    assert header, stdout
 
 
 def _records_count(path):
     return sum(1 for line in open(path) if line.endswith("\n")) if os.path.exists(path) else 0
 
 
-def test_resume_after_kill(tmp_path):
+def test_resume_after_kill(tmp_path, capsys):
     sweep_path = tmp_path / "slow.yaml"
     sweep_path.write_text(textwrap.dedent("""\
         name: slow
@@ -133,8 +134,9 @@ def test_resume_after_kill(tmp_path):
     with open(records, "ab") as f:  # a torn line, as if killed mid-write
         f.write(b'{"point": 99, "key": "tor')
     run_dir = records.parent
-    proc = subprocess.run(cmd + ["--resume", str(run_dir)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    code = main(cmd[3:] + ["--resume", str(run_dir)])  # the resume in this process
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
     recs = load_records(run_dir)
     assert sorted(r["point"] for r in recs) == list(range(6))  # every point once, the torn line gone
-    assert f"resuming: {n_before} points" in proc.stdout
+    assert f"resuming: {n_before} points" in stdout

@@ -2,13 +2,12 @@
 with and without the fix, plus the `headlines:` sweep key (validation, evaluation) and the runner's footer."""
 
 import io
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from moebench import headline
+from moebench.cli import main
 from moebench.results import load_records
 from moebench.runner import run_sweep
 from moebench.sweep import SweepError, load_sweep, sweep_from_dict
@@ -143,14 +142,14 @@ def test_f_minus_one_and_nan(tmp_path):
     assert _by_prefix(rows, "padded slots routed").without == 8 * 4
 
 
-def test_g_dbo_mask_slices_through_the_cli(tmp_path):
-    cmd = [sys.executable, "-m", "moebench", "run", str(SCENARIOS / "dbo_mask_slices.yaml"), "--out", str(tmp_path),
-           "--no-plots", "--device", "cpu"]
+def test_g_dbo_mask_slices_through_the_cli(tmp_path, capsys):
+    argv = ["run", str(SCENARIOS / "dbo_mask_slices.yaml"), "--out", str(tmp_path), "--no-plots", "--device", "cpu"]
     for s in SMALL["dbo_mask_slices"] + FAST:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr  # the full-mask point fails (size mismatch), by design
-    assert "is_padding size mismatch" in proc.stdout
+        argv += ["--set", s]
+    code = main(argv)
+    stdout, stderr = capsys.readouterr()
+    assert code == 1, stderr  # the full-mask point fails (size mismatch), by design
+    assert "is_padding size mismatch" in stdout
     run_dir = next(tmp_path.iterdir())
     sweep = load_sweep(SCENARIOS / "dbo_mask_slices.yaml")
     rows = {r.label: r for r in headline.evaluate(load_records(run_dir), list(sweep.headlines))}
@@ -160,7 +159,7 @@ def test_g_dbo_mask_slices_through_the_cli(tmp_path):
         row = _by_prefix(rows, prefix)
         assert row.without > row.with_ and row.equal is True, prefix
     assert _by_prefix(rows, "points failing").without == 1
-    assert f"#   {headline.line(pad)}" in proc.stdout
+    assert f"#   {headline.line(pad)}" in stdout
 
 
 # ------------------------------------------------------------------------------------------ the headlines key
@@ -188,14 +187,13 @@ def test_bad_headlines_are_one_line_errors(spec, why):
     assert msg.startswith("s.yaml: headlines[0]: ") and why in msg and "\n" not in msg
 
 
-def test_bad_headlines_exit_2_from_the_cli(tmp_path):
+def test_bad_headlines_exit_2_from_the_cli(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: h\ntarget: router\nimpls: [topk_softmax.torch]\nheadlines:\n  - {label: x, metric: status,"
                    " reduce: nope, without: {}, with: {}}\n")
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(bad), "--dry-run"], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "headlines[0]: reduce" in proc.stderr
+    assert main(["run", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "headlines[0]: reduce" in err
 
 
 def test_headlines_survive_the_manifest_round_trip():

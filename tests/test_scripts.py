@@ -1,6 +1,7 @@
 """The scripts under scripts/ import (they broke silently once when the package moved), answer --help, and hold
 no timer and no roof of their own: timing is moebench.measure's, roofs are moebench.measure.roofline's."""
 
+import json
 import re
 import subprocess
 import sys
@@ -14,12 +15,39 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
 
 
+# Every script's `SCRIPT --help` in one fresh process (runpy, as __main__): one interpreter start, not one each.
+HELP_ALL = """\
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    sys.path[0] = os.path.dirname(path)  # as `python SCRIPT` has it, not the current directory
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            code, _ = 1, err.write(traceback.format_exc())
+    results[path] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps():
+    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *map(str, SCRIPTS)], capture_output=True, text=True,
+                          timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_script_imports_and_answers_help(script):
-    res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "usage" in res.stdout
+def test_script_imports_and_answers_help(helps, script):
+    res = helps[str(script)]
+    assert res["code"] == 0, res["stderr"][-2000:]
+    assert "usage" in res["stdout"]
 
 
 # A timer records a clock itself; a script's Events that are waited on (not read for a time) are not timers.

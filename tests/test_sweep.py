@@ -1,11 +1,10 @@
 """Sweep files: validation (one line naming file, key and reason; exit 2; nothing written), --set, expansion."""
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from moebench.cli import main
 from moebench.sweep import Params, SweepError, apply_overrides, expand, load_sweep, parse_set
 
 GOOD = """\
@@ -89,34 +88,33 @@ def test_malformed_sweep_rejected_with_one_line(tmp_path, label, text, message):
     assert message in line, line
 
 
+# The command line in this process (main(argv)); tests/test_hostile_input.py runs the real entry point in a fresh one.
 @pytest.mark.parametrize("label,text,message", MALFORMED[:12], ids=[m[0] for m in MALFORMED[:12]])
-def test_cli_exit_2_and_nothing_written(tmp_path, label, text, message):
+def test_cli_exit_2_and_nothing_written(tmp_path, capsys, label, text, message):
     path = _write(tmp_path, text)
     out = tmp_path / "results"
     plots = tmp_path / "plots"
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--out", str(out), "--plots",
-                           str(plots), "--device", "cpu"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and message in err[0], proc.stderr
+    code = main(["run", str(path), "--out", str(out), "--plots", str(plots), "--device", "cpu"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], stderr
     assert not out.exists() and not plots.exists()
-    assert proc.stdout == ""
+    assert stdout == ""
 
 
-def test_cli_bad_set_expression(tmp_path):
+def test_cli_bad_set_expression(tmp_path, capsys):
     path = _write(tmp_path, GOOD)
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--set", "axes.top_k", "--dry-run"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "--set axes.top_k: expected key=value" in proc.stderr
+    assert main(["run", str(path), "--set", "axes.top_k", "--dry-run"]) == 2
+    assert "--set axes.top_k: expected key=value" in capsys.readouterr().err
 
 
-def test_dry_run_lists_points_and_writes_nothing(tmp_path):
+def test_dry_run_lists_points_and_writes_nothing(tmp_path, capsys):
     path = _write(tmp_path, GOOD)
-    proc = subprocess.run([sys.executable, "-m", "moebench", "run", str(path), "--dry-run", "--out",
-                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    code = main(["run", str(path), "--dry-run", "--out", str(tmp_path / "r")])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    rows = [line for line in stdout.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert len(rows) == 4
     assert not (tmp_path / "r").exists()
 

@@ -1,14 +1,11 @@
 """Measurement core: statistics, mode resolution, wall-clock sampling, per-iteration max over ranks (gloo)."""
 
 import math
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from moebench import dist as mdist
 from moebench.measure import nvtx
 from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
 from moebench.sweep import Timing
@@ -63,40 +60,22 @@ def test_each_timed_iteration_runs_inside_its_nvtx_range(monkeypatch):
     assert events == ["run", "run"]  # no range name: no range
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        # rank r's sample i is 10*i + r, except that rank 0 is slowest on iteration 2; rank 1 took one more sample
-        samples = [10.0 * i + rank for i in range(4 + rank)]
-        if rank == 0:
-            samples[2] = 100.0
-        maxed, info = reduce_over_ranks(samples, dist.group.WORLD, torch.device("cpu"))
-        results[rank] = (maxed, info)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(ctx):
+    # rank r's sample i is 10*i + r, except that rank 0 is slowest on iteration 2; rank 1 took one more sample
+    samples = [10.0 * i + ctx.rank for i in range(4 + ctx.rank)]
+    if ctx.rank == 0:
+        samples[2] = 100.0
+    return reduce_over_ranks(samples, ctx.group, torch.device("cpu"))
 
 
 def test_reduce_over_ranks_per_iteration_max_gloo():
-    world = 3
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(world, _free_port(), results), nprocs=world, join=True)
-        out = dict(results)
-    for rank in range(world):
-        maxed, info = out[rank]
+    for maxed, info in mdist.spawn(_rank_main, 2, backend="gloo", timeout_s=120):
         # common prefix of 4 samples; per iteration the max over ranks
-        assert maxed == [2.0, 12.0, 100.0, 32.0]
-        assert info["world_size"] == 3
-        assert info["slowest_rank"] == 2  # attains the max on 3 of 4 iterations
+        assert maxed == [1.0, 11.0, 100.0, 31.0]
+        assert info["world_size"] == 2
+        assert info["slowest_rank"] == 1  # attains the max on 3 of 4 iterations
         assert info["slowest_share"] == pytest.approx(0.75)
-        assert info["per_rank_p50_us"][1] == pytest.approx(16.0)
+        assert info["per_rank_p50_us"][1] == pytest.approx(16.0)  # of the common prefix, not its 5 samples
 
 
 def test_choose_unroll_hides_the_replay_launch():
