@@ -409,7 +409,7 @@ def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: to
     assert y.shape == (M * K, H) and y.stride(1) == 1 and out.stride(1) == 1
     ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
     launch_masked_sum(y, (K * y.stride(0), y.stride(0)), ids, out, num_experts=num_experts,
-                      launch=sum_launch_config(H, block_h))
+                      launch=sum_launch_config(H, block_h, top_k=K))
     return out
 
 

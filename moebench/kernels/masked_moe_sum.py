@@ -134,12 +134,18 @@ SUM_CANDIDATES: dict[str, SumLaunch] = {
 }
 
 
-def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1) -> SumLaunch:
+def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1, top_k: int = 8) -> SumLaunch:
     """One row x up to 512 columns per program on one warp (16 bytes per lane and slot), loads without a cache
     hint: the best of SUM_CANDIDATES on the H200 (T=8192, K=8, H=7168: 246.7 us unpadded, 196.1 us with a quarter
     of the rows padded, against 259.2 / 205.4 us for the first launch, rows 2 x 1024 columns on 4 warps with
     evict-first; results/h200/tuning/). Many small programs keep the most loads in flight, and a padded row costs
-    one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512 columns."""
+    one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512 columns.
+
+    top_k == 1 keeps the first launch: with a single slot a 512-column program has only 1 KB in flight, and the
+    kernels_moe_sum run measured it 12-23% slower there (T=8192, H=2048..7168)."""
+    if top_k == 1:
+        block_h = min(max(block_h, 1024), next_pow2(hidden))
+        return SumLaunch(2, block_h, max(1, min(4, block_h // 256)), "evict_first")
     block_h = min(block_h, next_pow2(hidden))
     return SumLaunch(rows, block_h, max(1, min(4, block_h // 512)), "none")
 
@@ -150,7 +156,7 @@ def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk
     dimension contiguous). Valid: id >= 0, and id < num_experts when given. fp32 in order k, rounded once."""
     M, K = topk_ids.shape
     H = out.shape[1]
-    launch = launch or sum_launch_config(H)
+    launch = launch or sum_launch_config(H, top_k=K)
     grid = (triton.cdiv(M, launch.rows), triton.cdiv(H, launch.block_h))
     _masked_moe_sum_kernel[grid](
         intermediate, topk_ids, out, M, H, num_experts if num_experts is not None else 0,
