@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default=None)
     pr.add_argument("--out", default=str(DEFAULT_RUNS_DIR), help="base directory for the profile output "
                                                                  f"(default: {DEFAULT_RUNS_DIR})")
-    pr.add_argument("--iters", type=int, default=20, help="timed iterations inside the capture range")
+    pr.add_argument("--iters", type=int, default=20, help="profiled iterations (eager launches with stage ranges) inside the capture range, after the point's usual timing")
     pr.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the process nsys launches
     pr.set_defaults(func=cmd_profile)
     return ap

@@ -119,7 +119,8 @@ LOAD_HINTS = ("evict_first", "cg", "none")
 # Launch shapes to time side by side on the GPU (`masked_moe_sum.triton_<name>`, sweeps/tune_moe_sum.yaml); the
 # first default was rows 2, 1024 columns, 4 warps, evict-first (259 us at T=8192, K=8, H=7168: 96% of the copy
 # figure); the first trial's best, one row with no cache hint, took 247 us, where vLLM's moe_sum was measured at
-# 240 us; these are that best one's neighbours (the second trial picked today's default, r1_h512_w1_none).
+# 240 us; these are that best one's neighbours (the second trial picked today's default, one row x 512 columns on one warp without a hint:
+# sum_launch_config, timed as `.triton`).
 SUM_CANDIDATES: dict[str, SumLaunch] = {
     "r1_h1024_w4_none": SumLaunch(1, 1024, 4, "none"),
     "r1_h1024_w4_cg": SumLaunch(1, 1024, 4, "cg"),
