@@ -164,3 +164,14 @@ def test_profile_breakdown_of_a_run_and_of_a_profile_folder(tmp_path, suffix):
     assert "_sum_kernel" not in text  # top 3 kernels per range only
     assert "Points" in text  # the run keeps its table; the profile-only folder has none
     assert load_run(alone).records == [] and len(load_run(run).profiles) == 1
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_profile_folder_alone_shows_no_empty_manifest(tmp_path, suffix):
+    """A profile's own folder has no manifest or records: the page shows its breakdown, not '?' fields, 'GPU:
+    none' and 'No plots found'."""
+    alone = _profile_json(tmp_path / "runs" / "profile-layer-p0-20260102T000000Z")
+    text = write_report([alone], tmp_path / f"r{suffix}").read_text()
+    assert "Profile: where the device time goes" in text
+    for absent in ("No plots found", "commit", "points:", "**status**"):
+        assert absent not in text, absent

@@ -292,3 +292,14 @@ def test_target_shape_gpu(skip_frac):
     assert _frob(out[rows], ref) < 1e-2
     if hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):
         assert _frob(fused_experts_grouped_mm(x, w13, w2, w, ids)[rows], ref) < 1e-2
+
+
+def test_alignment_scratch_follows_the_align_config(monkeypatch):
+    """align_scratch_size is moe_align_block_size's workspace under the config in effect, so a candidate with a
+    larger workspace (grouped scan: counts and prefixes) still fits the grouped GEMM's scratch."""
+    from moebench.kernels.moe_align_block_size import ALIGN_CONFIG_ENV, align_workspace_size
+    monkeypatch.setenv(ALIGN_CONFIG_ENV, "first")
+    first = align_scratch_size(4096, 64)
+    assert first == align_workspace_size(4096, 64, config="first")
+    monkeypatch.setenv(ALIGN_CONFIG_ENV, "tight_br128")
+    assert align_scratch_size(4096, 64) == align_workspace_size(4096, 64, config="tight_br128") > first

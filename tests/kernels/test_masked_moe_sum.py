@@ -5,6 +5,7 @@ import torch
 
 from moebench.check import poison
 from moebench.kernels.masked_moe_sum import (SUM_CANDIDATES, SumLaunch, launch_masked_sum, masked_moe_sum,
+                                             sum_launch_config,
                                              masked_moe_sum_torch, moe_sum_oblivious)
 
 
@@ -80,6 +81,16 @@ def test_launch_shapes_bitwise(launch, dtype, device):
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.cpu().view(bits), want.cpu().view(bits))
     assert torch.equal(got[[2, 3, 6, 9, 14]].cpu().view(bits), torch.zeros(5, 100, dtype=bits))
+
+
+def test_default_launch_by_top_k():
+    """The H200-tuned default: one row x 512 columns on one warp, no hint; top_k 1 keeps the first launch (2 rows
+    x 1024 columns, 4 warps, evict-first); wider blocks get a warp per 512 columns; narrow rows a narrow block."""
+    assert sum_launch_config(7168) == SumLaunch(1, 512, 1, "none")
+    assert sum_launch_config(7168, top_k=1) == SumLaunch(2, 1024, 4, "evict_first")
+    assert sum_launch_config(7168, 1024) == SumLaunch(1, 1024, 2, "none")
+    assert sum_launch_config(100) == SumLaunch(1, 128, 1, "none")
+    assert sum_launch_config(100, top_k=1) == SumLaunch(2, 128, 1, "evict_first")
 
 
 def test_launch_rejects_unknown_load_hint():
