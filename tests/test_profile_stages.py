@@ -58,8 +58,11 @@ def test_layer_and_dispatch_cases_declare_their_pipelines():
     for _, fn in case.pipeline:
         got = fn()
     assert torch.equal(got, want)
-    src = (REPO / "moebench" / "bench" / "layer.py").read_text()
-    assert "pipeline=pipe.stage_fns()" in src
+    from moebench.bench.layer import STAGES
+
+    p = Params(num_tokens=8, hidden=128, intermediate=64, num_experts=16, top_k=2, padding_ratio=0.25)
+    case = registry.get("layer.masked").build(p, registry.RunContext(device=torch.device("cpu")))
+    assert [n for n, _ in case.pipeline] == list(STAGES) == [n for n, _ in case.stages]
 
 
 # ---------------------------------------------------------------------------------------------------------------
