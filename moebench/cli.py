@@ -71,7 +71,7 @@ def cmd_run(args) -> int:
     if args.plots is not None and not args.no_plots:
         check_output_dir("--plots", args.plots)
     code, _ = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
-                        make_plots=not args.no_plots, plots_base=args.plots)
+                        make_plots=not args.no_plots, plots_base=args.plots, isolate=not args.in_process)
     return code
 
 
@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"refuse sweeps of more points (default: {DEFAULT_MAX_POINTS:,})")
     r.add_argument("--dry-run", action="store_true", help="list the points and exit")
     r.add_argument("--no-plots", action="store_true", help="do not make plots at the end")
+    r.add_argument("--in-process", action="store_true",
+                   help="run single-rank points in this process, not in the point worker (for a debugger: a point "
+                        "that crashes or hangs then ends the run)")
     r.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="make the plots of a run directory")

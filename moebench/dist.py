@@ -278,7 +278,8 @@ _FALLOUT_MARKERS = ("closed by peer", "reset by peer", "remote worker", "communi
                     "Connection refused", "Broken pipe")
 
 
-def _is_peer_fallout(line: str) -> bool:
+def is_peer_fallout(line: str) -> bool:
+    """The error a rank sees when a peer of its group died (its own work was fine)."""
     return any(m.lower() in line.lower() for m in _FALLOUT_MARKERS)
 
 
@@ -364,7 +365,10 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
         if not closed and readers[rank].poll():  # it reported just before exiting
             return collect(rank)
         procs[rank].join(2.0)
-        errors[rank] = (f"exited with code {procs[rank].exitcode} without reporting", "", time.time())
+        code = procs[rank].exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and \
+            -code in signal.valid_signals() else f"exited with code {code}"
+        errors[rank] = (f"{how} without reporting", "", time.time())
         return True
 
     try:
@@ -391,7 +395,7 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str | None = None, a
             _stop(procs)
             # The root cause is the earliest failure that is not a peer's fallout (a broken connection to the
             # rank that failed first); a rank that died silently is only noticed late, hence the two keys.
-            rank = min(errors, key=lambda r: (_is_peer_fallout(errors[r][0]), errors[r][2], r))
+            rank = min(errors, key=lambda r: (is_peer_fallout(errors[r][0]), errors[r][2], r))
             line, tb, _ = errors[rank]
             others = sorted(r for r in errors if r != rank)
             also = f" (also failed afterwards: ranks {others})" if others else ""

@@ -53,6 +53,7 @@ def register_kernel(family: str, variant: str, fn: Callable, *, description: str
         return (own(p) if own is not None else None) or (validate(p) if validate is not None else None)
 
     name = f"{family}.{variant}"
+    _registering_modules.add(getattr(fn, "__module__", None) or "__main__")
     register_impl(name, targets=fam.targets, description=description or f"{library}: {getattr(fn, '__name__', fn)}",
                   available=available, validate=both, library=library)(fam.build_for(fn))
     return name
@@ -65,12 +66,20 @@ def register_dispatch_path(name: str, cls: type) -> str:
     from moebench.families import path_registrar
 
     description = getattr(cls, "description", "") or f"plugin dispatch path {cls.__name__}"
+    _registering_modules.add(getattr(cls, "__module__", None) or "__main__")
     dispatch_path(name, description=description)(cls)
     path_registrar()(cls)
     return f"dispatch.{name}"
 
 
 _loaded_modules: set[str] = set()
+_registering_modules: set[str] = set()  # where registered functions and classes live (the point worker imports them)
+
+
+def imported_modules() -> list[str]:
+    """The plugin modules this process imported and those its registered impls were defined in: what a fresh
+    process (the point worker) imports to see the same impls."""
+    return sorted(_loaded_modules | _registering_modules)
 
 
 def load_plugins(modules: list, src: str = "<memory>") -> None:

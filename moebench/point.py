@@ -168,9 +168,14 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                 pass
     rec["wall_s"] = round(time.perf_counter() - t_start, 3)
     del case
-    gc.collect()
-    if ctx.is_cuda:
-        torch.cuda.empty_cache()
+    try:
+        gc.collect()
+        if ctx.is_cuda:
+            torch.cuda.empty_cache()
+    except Exception as e:  # an asynchronous CUDA error surfaces here: it belongs to this point
+        rec["cleanup_error"] = error_line(e)
+        if rec["status"] == "ok":
+            rec.update(status="failed", reason=error_line(e))
     return rec
 
 

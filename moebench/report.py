@@ -88,12 +88,15 @@ class Table:
                 line += " " + _fmt_val(v, w)
         self._emit(line)
 
-    def footer(self, records: list[dict]) -> None:
+    def footer(self, records: list[dict], restarts: int = 0) -> None:
+        """The summary: points by status (and how many times a worker was restarted this run), the failures and
+        the reasons for skipping."""
         counts: dict[str, int] = {}
         for r in records:
             counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
         self.comment("")
-        self.comment("points: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) if counts else "no points")
+        line = "points: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) if counts else "no points"
+        self.comment(line + (f"; worker restarts: {restarts}" if restarts else ""))
         bad = [r for r in records if r.get("status") in ("wrong", "failed")]
         if bad:
             self.comment("failures:")

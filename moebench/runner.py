@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from moebench import registry
+from moebench import point_worker, registry
 from moebench.registry import RunContext
 from moebench.point import error_line, execute_point, interpreting
 from moebench.report import Table
@@ -162,8 +162,11 @@ def _open_run(sweep: Sweep, points: list[Point], dev: torch.device, out_base, re
 
 def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: str | None = None,
               resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path | None = None,
-              out=None) -> tuple[int, Path]:
+              out=None, isolate: bool = True) -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
+
+    Single-rank points run in a worker process (moebench.point_worker; `isolate=False`: in this process, for a
+    debugger), so a point that crashes, hangs or loses the CUDA context is recorded failed and the run goes on.
 
     The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal), its plots
     in `<run dir>/plots/` (`plots_base` given: `plots_base/<run name>/`). An interrupt (KeyboardInterrupt) leaves
@@ -179,6 +182,8 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
+    if isolate and leader and any(_needs_world(pt) == 1 for pt in points):
+        point_worker.prestart(dev)  # its interpreter starts while this one opens the run
     run_dir, done, lock = None, set(), None
     try:
         if leader:
@@ -196,7 +201,7 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
                 raise ValueError(error)
         else:
             run_dir, done = _share_start(None, set(), None, trun)
-        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out)
+        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out, isolate)
     except KeyboardInterrupt as e:
         if leader and run_dir is not None:
             e.run_dir = run_dir
@@ -215,7 +220,7 @@ def _final_records(run_dir: Path) -> list[dict]:
 
 
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
-                leader: bool, make_plots: bool, plots_base, out) -> tuple[int, Path]:
+                leader: bool, make_plots: bool, plots_base, out, isolate: bool) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
     table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
@@ -240,6 +245,7 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
     from moebench.multirank import run_multi_rank, skip_all
 
+    restarts = 0
     for world, pts in sorted(multi.items()):
         if trun is not None and world != trun.world_size:
             if leader:
@@ -247,21 +253,23 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
                     rows.show(rec)
             continue
         rows.working_on(f"{len(pts)} points on {world} ranks")
-        run_multi_rank(sweep, pts, world, dev, run_dir, show=rows.show, working_on=rows.working_on)
+        recs = run_multi_rank(sweep, pts, world, dev, run_dir, show=rows.show, working_on=rows.working_on)
+        restarts += sum(1 for r in recs if r.get("worker_restarted"))
     if not leader:
         return 0, run_dir
 
-    ctx = RunContext(device=dev)
+    run_one = _isolated_runner(sweep, dev) if isolate else _in_process_runner(sweep, dev)
     for pt in single:
         rows.working_on(pt.impl)
-        rec = execute_point(pt, sweep, ctx)
+        rec = run_one(pt)
+        restarts += bool(rec.get("worker_restarted"))
         writer.append(rec)
         rows.show(rec)
     rows.progress.close()
 
     records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
-    table.footer(records)
+    table.footer(records, restarts=restarts)
     from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
 
     for text in footer_lines(records, list(sweep.headlines)):
@@ -282,6 +290,36 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     table.comment(f"records: {run_dir / RECORDS}")
     bad = any(r.get("status") in ("wrong", "failed") for r in records)
     return (1 if bad else 0), run_dir
+
+
+def _in_process_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
+    ctx = RunContext(device=dev)
+    return lambda pt: execute_point(pt, sweep, ctx)
+
+
+def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
+    """Each point in the point worker; a worker that died, hung or lost its context is replaced for the next."""
+    timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
+
+    def run(pt: Point) -> dict:
+        try:
+            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s)
+        except point_worker.WorkerStartError as e:
+            point_worker.drop(dev)
+            return point_worker.failed_record(pt, sweep, str(e))
+        except BaseException:  # an interrupt: the point in flight is not recorded, its worker goes with it
+            point_worker.drop(dev)
+            raise
+        if outcome.restarted:
+            point_worker.drop(dev)
+        if outcome.record is None:
+            rec = in_process(pt)
+            rec["isolation"] = "in-process: the impl is registered in the runner's process only"
+            return rec
+        return outcome.record
+
+    in_process = _in_process_runner(sweep, dev)
+    return run
 
 
 def check_point_index(sweep: Sweep, point_index: int) -> Point:

@@ -200,7 +200,8 @@ def params_problem(p: Params) -> str | None:
 
 TIMING_MODES = ("auto", "events", "cuda_graph", "wall")
 # Upper bounds: every sample is stored, and CUDA events are allocated per iteration up front.
-TIMING_LIMITS = {"warmup": 100_000, "iters": 100_000, "unroll": 1024, "max_seconds": 86_400.0}
+TIMING_LIMITS = {"warmup": 100_000, "iters": 100_000, "unroll": 1024, "max_seconds": 86_400.0,
+                 "point_timeout_s": 86_400.0}
 DEFAULT_MAX_POINTS = 100_000
 # A sweep name becomes a directory name: a newline, a slash or 300 characters must not get that far.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -213,6 +214,9 @@ class Timing:
     iters: int = 100
     unroll: int = 1  # cuda_graph: calls captured per replay; a sample is replay time / unroll
     max_seconds: float = 30.0  # stop sampling a point after this long (a CPU run of a big point)
+    # A point still running after this long is killed and recorded failed (None: the device's default, see
+    # moebench.point_worker.DEFAULT_POINT_TIMEOUT_S).
+    point_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,9 @@ _NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
                "description": str, "headlines": list, "plugins": list}
-_TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float}
+_TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float,
+                 "point_timeout_s": float}
+_TIMING_NULLABLE = {"point_timeout_s"}
 
 
 def _fail(src: str, key: str, reason: str) -> SweepError:
@@ -396,6 +402,8 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
         if k not in _TIMING_TYPES:
             raise _fail(src, f"timing.{k}", f"unknown key (allowed: {', '.join(_TIMING_TYPES)})")
         want = _TIMING_TYPES[k]
+        if v is None and k in _TIMING_NULLABLE:
+            continue
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) if want is float else \
             isinstance(v, want) and not isinstance(v, bool)
         if not ok:
@@ -405,8 +413,10 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
         raise _fail(src, "timing.mode", f"{timing.mode!r} is not one of {', '.join(TIMING_MODES)}")
     if timing.iters < 1 or timing.warmup < 0 or timing.unroll < 1 or timing.max_seconds <= 0:
         raise _fail(src, "timing", "iters and unroll must be >= 1, warmup >= 0, max_seconds > 0")
+    if timing.point_timeout_s is not None and timing.point_timeout_s <= 0:
+        raise _fail(src, "timing.point_timeout_s", f"{timing.point_timeout_s} is not > 0 (null: the device default)")
     for k, limit in TIMING_LIMITS.items():
-        if getattr(timing, k) > limit:
+        if getattr(timing, k) is not None and getattr(timing, k) > limit:
             raise _fail(src, f"timing.{k}", f"{getattr(timing, k)} is over the limit of {limit:g}")
 
     headlines = _check_headlines(raw.get("headlines") or [], src, impls)

@@ -1,0 +1,224 @@
+"""A kernel that aborts, hangs, raises or faults on the GPU costs its point, never the run: the point is recorded
+failed with the reason, a fresh worker takes the next point, and the later points are ok."""
+
+import os
+import textwrap
+
+import pytest
+import torch
+
+from moebench import point_worker
+from moebench.cli import main
+from moebench.results import load_records
+
+# A router plugin that misbehaves at one batch size (16 tokens) and is a correct router everywhere else.
+PLUGIN = '''
+import os
+import signal
+import time
+
+import torch
+
+from moebench.plugins import register_kernel
+
+
+def _route(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ids = ids.to(torch.int32)
+    if is_padding is not None:
+        weights = weights.masked_fill(is_padding[:, None], 0.0)
+        ids = ids.masked_fill(is_padding[:, None], -1)
+    out[0].copy_(weights)
+    out[1].copy_(ids)
+    return out
+
+
+def _misbehaving(what):
+    def route(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+        if logits.shape[0] == 16:
+            if what == "abort":
+                os.abort()  # what a segfaulting extension does to its process
+            if what == "hang":
+                time.sleep(3600)  # a deadlocked kernel
+            if what == "raise":
+                raise RuntimeError("the kernel refused")
+            if what == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _route(logits, top_k, renormalize, is_padding, bias, out=out)
+    return route
+
+
+for _what in ("abort", "hang", "raise", "kill"):
+    register_kernel("topk_softmax", f"isolation_{_what}", _misbehaving(_what))
+'''
+
+SWEEP = """\
+name: isolation-{what}
+target: router
+plugins: [moebench_test_isolation_plugin]
+impls: [topk_softmax.isolation_{what}, topk_softmax.torch]
+fixed: {{num_experts: 16, top_k: 2}}
+axes:
+  num_tokens: [8, 16, 32]
+timing: {{mode: wall, warmup: 1, iters: 2, point_timeout_s: {timeout}}}
+"""
+
+
+def _run(tmp_path, what, timeout=60):
+    (tmp_path / "moebench_test_isolation_plugin.py").write_text(PLUGIN)
+    sweep = tmp_path / f"{what}.yaml"
+    sweep.write_text(SWEEP.format(what=what, timeout=timeout))
+    out = tmp_path / "runs"
+    code = main(["run", str(sweep), "--out", str(out), "--device", "cpu", "--no-plots"])
+    (run_dir,) = out.iterdir()
+    return code, {(r["params"]["num_tokens"], r["impl"].split(".")[1]): r for r in load_records(run_dir)}
+
+
+def _assert_one_point_lost(recs, what, reason):
+    bad = recs[(16, f"isolation_{what}")]
+    assert bad["status"] == "failed" and reason in bad["reason"], bad
+    assert len(recs) == 6  # every point recorded once, the lost one included
+    others = [r for k, r in recs.items() if k != (16, f"isolation_{what}")]
+    assert all(r["status"] == "ok" and r["samples_us"] for r in others), others
+
+
+@pytest.mark.parametrize("what, reason", [("abort", "worker died: SIGABRT"), ("kill", "worker died: SIGKILL")])
+def test_a_kernel_that_kills_its_process_costs_one_point(tmp_path, capsys, what, reason):
+    code, recs = _run(tmp_path, what)
+    assert code == 1
+    _assert_one_point_lost(recs, what, reason)
+    assert recs[(16, f"isolation_{what}")]["worker_restarted"]
+    assert "worker restarts: 1" in capsys.readouterr().out
+
+
+def test_a_kernel_that_never_returns_is_killed_at_the_point_timeout(tmp_path, capsys):
+    code, recs = _run(tmp_path, "hang", timeout=8)
+    assert code == 1
+    _assert_one_point_lost(recs, "hang", "timeout after 8 s")
+    assert "worker restarts: 1" in capsys.readouterr().out
+
+
+def test_a_kernel_that_raises_is_failed_in_a_worker_that_carries_on(tmp_path, capsys):
+    code, recs = _run(tmp_path, "raise")
+    assert code == 1
+    _assert_one_point_lost(recs, "raise", "RuntimeError: the kernel refused")
+    assert not recs[(16, "isolation_raise")].get("worker_restarted")
+    assert "worker restarts" not in capsys.readouterr().out
+
+
+def test_the_worker_is_kept_across_points_and_runs(tmp_path):
+    w = point_worker.get_worker(torch.device("cpu"))
+    assert point_worker.get_worker(torch.device("cpu")) is w and w.alive()
+    _run(tmp_path, "raise")
+    assert point_worker.get_worker(torch.device("cpu")) is w  # no restart for a point that merely raised
+    assert w.proc.pid != os.getpid()
+
+
+def test_point_timeout_must_be_positive(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(SWEEP.format(what="raise", timeout=0).replace("plugins: [moebench_test_isolation_plugin]\n", "")
+                     .replace("topk_softmax.isolation_raise, ", ""))
+    assert main(["run", str(sweep), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "point_timeout_s" in err and len(err.splitlines()) == 1
+
+
+OOB_PLUGIN = textwrap.dedent('''
+    import torch
+    import triton
+    import triton.language as tl
+
+    from moebench.plugins import register_kernel
+
+
+    @triton.jit
+    def _store_far_out_of_bounds(ptr, offset):
+        tl.store(ptr + offset + tl.arange(0, 16), tl.zeros([16], dtype=tl.float32))
+
+
+    def route(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+        if logits.shape[0] == 16:  # an illegal address: the CUDA context is lost for good
+            _store_far_out_of_bounds[(1,)](out[0], 1 << 40)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids = ids.to(torch.int32)
+        if is_padding is not None:
+            weights = weights.masked_fill(is_padding[:, None], 0.0)
+            ids = ids.masked_fill(is_padding[:, None], -1)
+        out[0].copy_(weights)
+        out[1].copy_(ids)
+        return out
+
+
+    register_kernel("topk_softmax", "isolation_oob", route)
+''')
+
+
+@pytest.mark.gpu
+def test_an_out_of_bounds_triton_store_costs_one_point_on_the_gpu(tmp_path, capsys):
+    (tmp_path / "moebench_test_isolation_oob.py").write_text(OOB_PLUGIN)
+    sweep = tmp_path / "oob.yaml"
+    sweep.write_text(SWEEP.format(what="oob", timeout=300).replace("moebench_test_isolation_plugin",
+                                                                     "moebench_test_isolation_oob")
+                     .replace("mode: wall, ", ""))
+    out = tmp_path / "runs"
+    assert main(["run", str(sweep), "--out", str(out), "--device", "cuda", "--no-plots"]) == 1
+    (run_dir,) = out.iterdir()
+    recs = {(r["params"]["num_tokens"], r["impl"].split(".")[1]): r for r in load_records(run_dir)}
+    bad = recs[(16, "isolation_oob")]
+    assert bad["status"] == "failed" and "the CUDA context was lost, worker restarted" in bad["reason"], bad
+    assert "illegal memory access" in bad["reason"] or "illegal address" in bad["reason"], bad
+    _assert_one_point_lost(recs, "oob", "worker restarted")
+    assert "worker restarts: 1" in capsys.readouterr().out
+
+
+PATH_PLUGIN = '''
+import os
+
+import torch.distributed as dist
+
+from moebench.dispatch.agrs import AGRSPath
+from moebench.plugins import register_dispatch_path
+
+
+class AbortingAGRS(AGRSPath):
+    """AGRS whose rank 1 aborts (a crashing communication extension) when it dispatches 24 tokens."""
+
+    def dispatch(self, x, topk_ids, topk_weights, is_padding=None):
+        if x.shape[0] == 24 and dist.get_rank() == 1:
+            os.abort()
+        return super().dispatch(x, topk_ids, topk_weights, is_padding)
+
+
+register_dispatch_path("isolation_aborting_agrs", AbortingAGRS)
+'''
+
+MULTI_RANK = """\
+name: isolation-ranks
+target: dispatch
+plugins: [moebench_test_isolation_path]
+impls: [dispatch.isolation_aborting_agrs]
+fixed: {num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}
+axes:
+  num_tokens: [16, 24, 32]
+timing: {mode: wall, warmup: 0, iters: 3}
+"""
+
+
+def test_a_rank_that_aborts_costs_one_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys):
+    (tmp_path / "moebench_test_isolation_path.py").write_text(PATH_PLUGIN)
+    sweep = tmp_path / "ranks.yaml"
+    sweep.write_text(MULTI_RANK)
+    out = tmp_path / "runs"
+    assert main(["run", str(sweep), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
+    (run_dir,) = out.iterdir()
+    recs = {r["params"]["num_tokens"]: r for r in load_records(run_dir)}
+    assert sorted(recs) == [16, 24, 32]
+    assert recs[24]["status"] == "failed" and "rank 1 of 2 failed: killed by SIGABRT" in recs[24]["reason"], recs[24]
+    assert recs[16]["status"] == "ok" and recs[32]["status"] == "ok", (recs[16], recs[32])
+    assert "worker restarts: 1" in capsys.readouterr().out
