@@ -5,7 +5,8 @@ and registering an adapter as a peer impl through its kernel family.
 An adapter is `make(lib) -> fn`, where `lib` is the library's namespace (the real functions, or a stand-in module
 with the same call signatures) and `fn` has moebench's signature for the family. Everything a library does
 differently (sentinels, output layout, missing arguments) is handled in `fn` or by the family's build, never by a
-looser check.
+looser check. An adapter may give `fn` an `info` dict (which library path it takes, what it does around the call):
+it lands in the point's record (`case.info`), and what `fn` writes there later (on its first, untimed call) too.
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ def register_adapter(library: Library, family: str, variant: str, needs: str, ma
     own = fam.validate
 
     def build(p, ctx):
-        return builder(make(library.get()))(p, ctx)
+        fn = make(library.get())
+        case = builder(fn)(p, ctx)
+        if isinstance(getattr(fn, "info", None), dict):
+            case.info.update(fn.info)
+            fn.info = case.info  # the adapter's later notes go to the record too
+        return case
 
     def check_point(p):
         return (own(p) if own is not None else None) or (validate(p) if validate is not None else None)

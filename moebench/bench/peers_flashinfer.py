@@ -6,6 +6,14 @@
                            (weights, ids) buffers. Points with softmax scoring, without bias or without renormalize
                            are refused; it takes no mask, so padded rows are set to -1 / 0.0 after the call.
 
+Source read: flashinfer-ai/flashinfer flashinfer/fused_moe (fused_topk_deepseek, the NoAuxTc custom op; the version
+in the stored index, commit not recorded there): outputs written in place into topk_values / topk_indices, no
+sentinel and no mask of its own (so nothing here depends on one), sigmoid + bias selection, group score = sum of the
+top-2 biased scores, weights sigmoid(scores) renormalised then scaled; a backend check refuses some shapes (e.g.
+n_group = 1 allows topk <= 8). Recent versions add an optional `routing_replay_out` after launch_with_pdl, hence
+launch_with_pdl by keyword. Which dtypes it accepts for topk_values / topk_indices (moebench hands fp32 / int32)
+was not verifiable from the source read here.
+
 Not run against a real FlashInfer by moebench's tests: they use tests/standins/flashinfer_standin.py, a stand-in
 with this call signature.
 """
@@ -32,7 +40,9 @@ def make_fused_topk_deepseek(lib):
     def fn(logits, top_k, num_expert_group, topk_group, scoring="softmax", bias=None, renormalize=True,
            routed_scaling_factor=1.0, is_padding=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
-        op(logits, bias, num_expert_group, topk_group, top_k, float(routed_scaling_factor), weights, ids, True)
+        # by keyword: a version whose ninth argument is something else fails loudly instead of taking True
+        op(logits, bias, num_expert_group, topk_group, top_k, float(routed_scaling_factor), weights, ids,
+           launch_with_pdl=True)
         if is_padding is not None:
             weights.masked_fill_(is_padding[:, None], 0.0)
             ids.masked_fill_(is_padding[:, None], -1)

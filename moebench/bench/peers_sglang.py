@@ -18,6 +18,12 @@
                                drops those blocks and frees the order within an expert's blocks). With a partial
                                expert map the map is applied first (torch, timed).
 
+Sources read (sgl-project/sglang): sgl-kernel/python/sgl_kernel/moe.py at 0c1e18c1 (the signatures above: topk_softmax
+takes no bias and no mask, moe_align_block_size takes cumsum_buffer and pad_sorted_token_ids), sgl-kernel/csrc/moe/
+moe_align_kernel.cu (older at ce378154: no -1 bucket, a -1 indexes before its counters; newer: every id counted at
+id + 1 with no range check, so -1 is the one sentinel and an id >= num_experts is an out-of-bounds atomic). The
+adapter therefore hands skipped routes as -1, never num_experts.
+
 None of these has been run against a real sgl_kernel by moebench's tests: they run against
 tests/standins/sgl_kernel_standin.py, a stand-in with these call signatures.
 """

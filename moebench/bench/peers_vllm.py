@@ -1,26 +1,48 @@
 """vLLM's kernels as peers (library "vllm"), each checked against moebench's reference before it is timed.
 
+Sources read (vllm-project/vllm): csrc/moe/moe_align_sum_kernels.cu at 1377b4e0 (and at 00e6fb6d, before the
+expert_map argument), csrc/libtorch_stable/moe/moe_align_sum_kernels.cu at 76f957b3, csrc/libtorch_stable/moe/
+torch_bindings.cpp at fb73c465 (op schemas). What the adapters rely on:
+
   topk_softmax.vllm          ops.topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output
-                             [, renormalize][, is_padding]): `is_padding` passed where the installed version takes
-                             it; otherwise the padded rows are set to -1 / 0.0 after the call (inside the timed
-                             region: that is what a caller of such a version must do). `renormalize` likewise. No
-                             selection bias: points with bias are refused.
+                             [, renormalize][, e_score_correction_bias | bias][, is_padding]). Recent versions take a
+                             selection bias (softmax + bias picks, the unbiased probability is the weight): passed
+                             where the signature has it, bias points refused where it has none. `is_padding` passed
+                             where taken; otherwise the padded rows are set to -1 / 0.0 after the call (inside the
+                             timed region: that is what a caller of such a version must do). `renormalize` likewise.
   grouped_topk.vllm          ops.grouped_topk(scores, num_expert_group, topk_group, topk, renormalize,
                              routed_scaling_factor, bias, scoring_func): the fused noaux_tc kernel, which always
                              scores groups by their top-2 sum with the bias, so points without bias are refused;
                              softmax scoring hands it softmax(logits) with scoring_func=0 (no activation), sigmoid
-                             the logits with scoring_func=1. Padded rows masked after the call.
+                             the logits with scoring_func=1. It returns new tensors: the copy into the caller's
+                             buffers and the masking of padded rows after the call are timed (said in the record).
   moe_align_block_size.vllm  ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids,
-                             experts_ids, num_tokens_post_pad[, expert_map]); without the expert_map argument the
-                             map is applied before (torch, timed). Judged after moebench.bench.align.
-                             canonical_alignment (route order within an expert's blocks is free).
+                             experts_ids, num_tokens_post_pad[, expert_map]). No kernel of it skips -1: a negative
+                             id indexes before its counting buffers. The two-block kernel (routes >= 1024 or more
+                             than 64 experts) skips ids >= num_experts, so masked routes are handed as num_experts
+                             (torch.where, timed). The one-block small-batch kernel checks no id range at all; it
+                             skips only routes the expert_map sends to -1, so there masked routes are handed as a
+                             global expert the map does not own, and without a point map as id E through an
+                             (E + 1)-entry identity map whose last entry is -1 (built once, untimed; num_experts =
+                             E + 1). With an expert_map vLLM takes the global expert count and writes local ids.
+                             Without the expert_map argument (older versions) the map is applied before (torch,
+                             timed), and a small-batch point with skipped routes is refused when it runs. The record
+                             says which kernel and which sentinel (info "vllm_align_kernel", "vllm_align_sentinel").
+                             Judged after moebench.bench.align.canonical_alignment (route order within an expert's
+                             blocks is free).
   masked_moe_sum.vllm        ops.moe_sum(input, output): adds every slot (no mask), so it is judged like
                              masked_moe_sum.oblivious (against the all-slots sum) and recorded mask_aware=False.
+                             csrc/moe (1377b4e0): kernels for top_k 2, 3 and 4 only, whose running sum is the input
+                             dtype (bf16); any other top_k runs torch's at::sum_out, not a vLLM kernel. The record's
+                             info "moe_sum_path" says which by that rule; newer sources (libtorch_stable at
+                             76f957b3) sum in fp32 for every top_k. Judged by the bf16-accumulation precision class
+                             (within top_k / 2 bf16 ulps of sum(|x_k|) of the fp32 sum), flagged in info
+                             "precision", with the observed class in info "accumulation".
   fused_experts.vllm         vllm...fused_moe.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, ...):
                              its Triton path, bf16, silu, local ids with -1 for skipped routes.
 
 None of these has been run against a real vLLM by moebench's tests: they run against tests/standins/vllm_ops.py,
-a stand-in with these call signatures.
+a stand-in with these call signatures that raises where the real kernels read or write out of bounds.
 """
 
 from __future__ import annotations
@@ -56,6 +78,7 @@ VLLM = Library("vllm", "vllm", _load)
 def make_topk_softmax(lib):
     op = lib.topk_softmax
     takes_renorm, takes_pad = accepts(op, "renormalize"), accepts(op, "is_padding")
+    bias_arg = topk_softmax_bias_arg(op)
     scratch: dict = {}
 
     def fn(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
@@ -68,6 +91,8 @@ def make_topk_softmax(lib):
             kw["renormalize"] = bool(renormalize)
         if takes_pad and is_padding is not None:
             kw["is_padding"] = is_padding
+        if bias is not None:  # validate refuses bias points where the signature has no bias argument
+            kw[bias_arg] = bias
         op(weights, ids, scratch[key], logits, **kw)
         if renormalize and not takes_renorm:
             weights.div_(weights.sum(dim=-1, keepdim=True))
@@ -75,6 +100,11 @@ def make_topk_softmax(lib):
             mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
     return fn
+
+
+def topk_softmax_bias_arg(op) -> str | None:
+    """The name of topk_softmax's selection-bias argument in this version, or None."""
+    return next((n for n in ("e_score_correction_bias", "bias") if accepts(op, n)), None)
 
 
 def make_grouped_topk(lib):
@@ -90,33 +120,86 @@ def make_grouped_topk(lib):
         ids.copy_(i)
         mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
+    fn.info = {"vllm_grouped_topk": "returns new tensors: their copy into the caller's buffers and the masking of "
+                                    "padded rows are timed with the kernel"}
     return fn
+
+
+SMALL_BATCH_ROUTES, SMALL_BATCH_EXPERTS = 1024, 64  # vLLM's one-block alignment: routes below, experts up to
+
+
+def small_batch_align(num_routes: int, num_experts: int) -> bool:
+    """Whether vLLM's moe_align_block_size takes its small-batch kernel, which checks no id range."""
+    return num_routes < SMALL_BATCH_ROUTES and num_experts <= SMALL_BATCH_EXPERTS
+
+
+def _align_plan(topk_ids, num_experts, expert_map, takes_map):
+    """(num_experts argument, expert_map argument or None, sentinel for skipped routes, map applied before the call,
+    notes for the record). Called on the first (untimed) call: it may look at the map on the host."""
+    routes = topk_ids.numel()
+    if expert_map is not None and takes_map:
+        count = expert_map.numel()  # vLLM takes the global expert count with a map
+        if not small_batch_align(routes, count):
+            return count, expert_map, count, False, ("two-block", "num_experts (skipped before the map)")
+        unowned = (expert_map < 0).nonzero()
+        if unowned.numel() == 0:
+            raise ValueError("vLLM's small-batch alignment skips only experts the map sends to -1; this map owns all")
+        sentinel = int(unowned[-1])
+        return count, expert_map, sentinel, False, ("small-batch", f"global expert {sentinel} (expert_map -1)")
+    if expert_map is None and small_batch_align(routes, num_experts):
+        if not takes_map:
+            return num_experts, None, None, False, ("small-batch", "none (this vLLM takes no expert_map)")
+        extended = torch.cat([torch.arange(num_experts, dtype=torch.int32, device=topk_ids.device),
+                              torch.full((1,), -1, dtype=torch.int32, device=topk_ids.device)])
+        kernel = "small-batch" if small_batch_align(routes, num_experts + 1) else "two-block"
+        return (num_experts + 1, extended, num_experts, False,
+                (kernel, f"{num_experts} through an identity expert_map of {num_experts + 1} with -1 last"))
+    mapped = expert_map is not None  # a map but no expert_map argument: applied in torch before the call
+    if small_batch_align(routes, num_experts):
+        return num_experts, None, None, mapped, ("small-batch", "none (this vLLM takes no expert_map)")
+    return num_experts, None, num_experts, mapped, ("two-block", "num_experts")
 
 
 def make_align(lib):
     op = lib.moe_align_block_size
-    takes_map = accepts(op, "expert_map")
+    takes_map = accepts(op, "expert_map") or accepts(op, "maybe_expert_map")
+    plans: dict = {}
 
     def fn(topk_ids, num_experts, block_size, expert_map=None, *, out=None, workspace=None):
         sorted_ids, expert_ids, num_post = out
-        ids = topk_ids
-        kw = {}
-        if expert_map is not None:
-            if takes_map:
-                kw["expert_map"] = expert_map
-            else:
-                ids = apply_expert_map_torch(topk_ids, expert_map).to(torch.int32)
-        op(ids, num_experts, block_size, sorted_ids, expert_ids, num_post, **kw)
+        key = (tuple(topk_ids.shape), num_experts, block_size, topk_ids.device, expert_map is not None)
+        first = key not in plans
+        if first:
+            plans[key] = _align_plan(topk_ids, num_experts, expert_map, takes_map)
+            kernel, sentinel = plans[key][4]
+            fn.info.update(vllm_align_kernel=kernel, vllm_align_sentinel=sentinel)
+        count, map_arg, sentinel, map_first, _ = plans[key]
+        ids = apply_expert_map_torch(topk_ids, expert_map).to(torch.int32) if map_first else topk_ids
+        if sentinel is not None:
+            ids = torch.where(ids < 0, torch.full_like(ids, sentinel), ids)  # timed: vLLM reads no -1
+        elif first and bool((ids < 0).any()):  # the untimed first call; the timed calls see the same ids
+            raise ValueError("vLLM's small-batch alignment skips no id and this version takes no expert_map: "
+                             "skipped routes cannot be handed to it")
+        kw = {} if map_arg is None else {"expert_map": map_arg}
+        op(ids, count, block_size, sorted_ids, expert_ids, num_post, **kw)
         return sorted_ids, expert_ids, num_post
+    fn.info = {}
     return fn
+
+
+MOE_SUM_KERNEL_TOPK = (2, 3, 4)  # csrc/moe/moe_align_sum_kernels.cu: the top_k with a kernel; others: at::sum_out
 
 
 def make_moe_sum(lib):
     op = lib.moe_sum
 
     def fn(intermediate, out=None):
+        top_k = intermediate.shape[1]
+        fn.info["moe_sum_path"] = (f"moe_sum_kernel<topk={top_k}> (csrc/moe rule)" if top_k in MOE_SUM_KERNEL_TOPK
+                                   else "torch at::sum_out fallback, not a vLLM kernel (csrc/moe rule)")
         op(intermediate, out)
         return out
+    fn.info = {}
     return fn
 
 
@@ -132,8 +215,13 @@ def make_fused_experts(lib):
     return fn
 
 
-def _no_bias(p):
-    return "bias: vLLM's topk_softmax has no selection bias" if p.bias else None
+def _bias_taken(p):
+    lib = VLLM.get()
+    if not p.bias or lib is None or not hasattr(lib, "topk_softmax"):
+        return None  # no library: available() says why
+    if topk_softmax_bias_arg(lib.topk_softmax) is None:
+        return "bias: this vLLM's topk_softmax takes no selection bias (e_score_correction_bias)"
+    return None
 
 
 def _needs_bias(p):
@@ -143,16 +231,19 @@ def _needs_bias(p):
 
 
 register_adapter(VLLM, "topk_softmax", "vllm", "topk_softmax", make_topk_softmax,
-                 "vLLM ops.topk_softmax (is_padding where the installed version has it, else masked after)",
-                 validate=_no_bias)
+                 "vLLM ops.topk_softmax (bias and is_padding where the installed version has them, else masked "
+                 "after)", validate=_bias_taken)
 register_adapter(VLLM, "grouped_topk", "vllm", "grouped_topk", make_grouped_topk,
-                 "vLLM ops.grouped_topk, the fused noaux_tc router (bias required); padded rows masked after",
+                 "vLLM ops.grouped_topk, the fused noaux_tc router (bias required); its new tensors copied into the "
+                 "buffers and padded rows masked after (timed)",
                  validate=_needs_bias)
 register_adapter(VLLM, "moe_align_block_size", "vllm", "moe_align_block_size", make_align,
-                 "vLLM ops.moe_align_block_size, judged in moebench's layout (canonical_alignment)",
+                 "vLLM ops.moe_align_block_size, skipped routes handed as an id its kernel skips (timed), judged in "
+                 "moebench's layout (canonical_alignment)",
                  build_for=lambda fn: align_build_for(fn, canonical=True))
 register_adapter(VLLM, "masked_moe_sum", "vllm", "moe_sum", make_moe_sum,
-                 "vLLM ops.moe_sum: adds every slot (no mask), judged like the oblivious twin",
-                 build_for=oblivious_build_for, mask_aware=False)
+                 "vLLM ops.moe_sum: adds every slot (no mask), judged like the oblivious twin by the bf16-accumulation "
+                 "precision class; kernels for top_k 2-4, torch sum_out otherwise",
+                 build_for=lambda fn: oblivious_build_for(fn, input_dtype_accumulation=True), mask_aware=False)
 register_adapter(VLLM, "fused_experts", "vllm", "fused_experts", make_fused_experts,
                  "vLLM fused_experts (its Triton fused MoE), bf16 silu, -1 routes skipped")

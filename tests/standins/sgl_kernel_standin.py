@@ -1,4 +1,6 @@
-"""Stand-in for SGLang's `sgl_kernel` (topk_softmax, moe_fused_gate, moe_align_block_size), current signatures."""
+"""Stand-in for SGLang's `sgl_kernel` (topk_softmax, moe_fused_gate, moe_align_block_size), with the signatures of
+sgl-kernel/python/sgl_kernel/moe.py at sgl-project/sglang 0c1e18c1 and the alignment's -1 bucket of
+sgl-kernel/csrc/moe/moe_align_kernel.cu (ids counted at id + 1, unchecked)."""
 
 import torch
 
@@ -28,8 +30,12 @@ def moe_fused_gate(input_tensor, bias, num_expert_group, topk_group, topk, num_f
 
 def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
                          cumsum_buffer, pad_sorted_token_ids=False):
-    # SGLang's convention: num_experts counts one extra bucket (0) for the skipped (-1) routes, emitted as expert -1
+    # SGLang's convention: num_experts counts one extra bucket (0) for the skipped (-1) routes, emitted as expert -1.
+    # Its kernels count at shared_counts[id + 1] with no range check: any other id is an out-of-bounds atomic.
     flat = topk_ids.reshape(-1)
+    if bool(((flat < -1) | (flat >= num_experts - 1)).any()):
+        raise IndexError(f"moe_align_block_size: ids must lie in [-1, {num_experts - 1}) (counted at id + 1 with no "
+                         "range check: an out-of-bounds atomic on the GPU)")
     if pad_sorted_token_ids:
         sorted_token_ids.fill_(flat.numel())
     buckets, padded = align_segments(flat, num_experts, block_size,
