@@ -1,10 +1,11 @@
-"""Packaging beyond pyproject.toml: the bundled sweeps (top-level sweeps/) ship inside the wheel as the data-only
-package moebench._sweeps, so that `moebench run quickstart` works from a non-editable install."""
+"""Packaging beyond pyproject.toml: the bundled sweeps (sweeps/*.yaml and the scenarios, sweeps/scenarios/*.yaml)
+ship inside the wheel as the data-only package moebench._sweeps, so that `moebench run quickstart` (or a scenario
+by name) works from a non-editable install."""
 
 from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(include=["moebench", "moebench.*"]) + ["moebench._sweeps"],
     package_dir={"moebench._sweeps": "sweeps"},
-    package_data={"moebench._sweeps": ["*.yaml"]},
+    package_data={"moebench._sweeps": ["*.yaml", "scenarios/*.yaml"]},
 )

@@ -2,7 +2,10 @@
 
 Exit codes: 0 every point ok (or skipped); 1 some point wrong or failed; 2 refused (bad sweep or arguments: one
 line on stderr naming the file or option, the key and the reason; nothing written); 130 interrupted (SIGINT),
-143 terminated (SIGTERM), both naming the run directory to `--resume`.
+143 terminated (SIGTERM), both naming the run directory to `--resume` whatever phase of the run the signal lands
+in (a point, the summary, the plots, a second signal during the clean-up, the moments after the run returned). A
+SIGINT that was ignored when the process started (a background job of a script) stays ignored, as POSIX shells
+expect; SIGTERM still stops the run.
 """
 
 from __future__ import annotations
@@ -28,6 +31,52 @@ class _Parser(argparse.ArgumentParser):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that the same clean-up as for Ctrl-C runs (ranks stopped, lock
     released, summary written)."""
+
+
+class _Signals:
+    """SIGINT and SIGTERM while `main` runs a command (main thread only). Until `settle`, each raises
+    KeyboardInterrupt (Terminated) where it lands, so that a run cleans up; after it (the run has returned, or
+    main is already reporting an interrupt) a signal is only noted, and main still exits 130 (143) naming the
+    run."""
+
+    def __init__(self):
+        self.noted: int | None = None
+        self.run_dir: Path | None = None
+        self._settled = False
+        self._previous: dict = {}
+
+    def install(self) -> "_Signals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # ignored by whoever started us: kept so
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def settle(self, run_dir: Path | None = None) -> None:
+        self.run_dir = run_dir or self.run_dir
+        self._settled = True
+
+    def _on_signal(self, signum, frame):
+        if self._settled:
+            self.noted = self.noted or signum
+            return
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _run_dir_of(e: BaseException) -> Path | None:
+    """The run directory an interrupt carries (run_sweep sets it), also when a second signal interrupted the
+    clean-up of the first: that one is the first's context."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "run_dir", None) is not None:
+            return e.run_dir
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _positive_int(text: str) -> int:
@@ -70,8 +119,16 @@ def cmd_run(args) -> int:
         check_output_dir("--out", args.out)
     if args.plots is not None and not args.no_plots:
         check_output_dir("--plots", args.plots)
-    code, _ = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
-                        make_plots=not args.no_plots, plots_base=args.plots, isolate=not args.in_process)
+    signals = getattr(args, "signals", None)
+    try:
+        code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
+                                  make_plots=not args.no_plots, plots_base=args.plots, isolate=not args.in_process)
+    except KeyboardInterrupt as e:
+        if _run_dir_of(e) is None and args.resume:
+            e.run_dir = Path(args.resume)
+        raise
+    if signals is not None:
+        signals.settle(run_dir)  # a signal from here on is noted: main exits 130 or 143 naming this run
     return code
 
 
@@ -240,8 +297,11 @@ def _interpret_without_gpu(args) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+def _interrupted(signum: int, run_dir: Path | None) -> int:
+    what = "terminated" if signum == signal.SIGTERM else "interrupted"
+    hint = f"; resume with: moebench run --resume {run_dir}" if run_dir else ""
+    sys.stderr.write(f"moebench: {what}{hint}\n")
+    return 143 if signum == signal.SIGTERM else 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,9 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _interpret_without_gpu(args)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only there can it take signals
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
+    args.signals = signals = _Signals().install() if in_main_thread else None
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        if signals is not None and signals.noted:  # landed after the run returned
+            return _interrupted(signals.noted, signals.run_dir)
+        return code
     except (SweepError, ValueError) as e:
         sys.stderr.write(f"moebench: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}\n")
         return 2
@@ -268,14 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"moebench: error: {where}{e.strerror or e}\n")
         return 2
     except KeyboardInterrupt as e:
-        run_dir = getattr(e, "run_dir", None)
-        what = "terminated" if isinstance(e, Terminated) else "interrupted"
-        hint = f"; resume with: moebench run --resume {run_dir}" if run_dir else ""
-        sys.stderr.write(f"moebench: {what}{hint}\n")
-        return 143 if isinstance(e, Terminated) else 130
+        if signals is not None:
+            signals.settle()  # a further signal while this is reported is only noted
+        return _interrupted(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT, _run_dir_of(e))
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        if signals is not None:
+            signals.restore()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,6 @@
 """Where sweeps come from and where runs go: the bundled sweeps (a checkout's sweeps/ or the installed package's
-moebench/_sweeps/) and the check of an output folder before anything is written there."""
+moebench/_sweeps/, each with its scenarios/ folder) and the check of an output folder before anything is written
+there."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def bundled_sweep_dir() -> Path | None:
 
 
 def bundled_sweeps() -> list[Path]:
+    """The top-level sweeps, then the scenarios (sweeps/scenarios/*.yaml); their names do not collide."""
     d = bundled_sweep_dir()
-    return sorted(d.glob("*.yaml")) if d else []
+    return sorted(d.glob("*.yaml")) + sorted(d.glob("scenarios/*.yaml")) if d else []
 
 
 def resolve_sweep_path(arg: str) -> str:
-    """A path, or the name of a bundled sweep (`quickstart` -> sweeps/quickstart.yaml)."""
+    """A path, or the name of a bundled sweep or scenario (`quickstart` -> sweeps/quickstart.yaml, `topk6` ->
+    sweeps/scenarios/topk6.yaml)."""
     if Path(arg).exists():
         return arg
     for p in bundled_sweeps():

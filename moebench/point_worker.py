@@ -131,7 +131,7 @@ def _worker_main(conn, device: str, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         dev = torch.device(device)
-        if dev.type == "cuda":
+        if dev.type == "cuda" and dev.index is not None:  # plain "cuda" is the current device, as in the runner
             torch.cuda.set_device(dev)
         from moebench import registry
         from moebench.point import error_line, execute_point

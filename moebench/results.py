@@ -18,6 +18,9 @@ from moebench.measure.roofline import current_roofs
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
+# The environment variables that pick a Triton kernel's launch config when a point names none (the kernels' own
+# *_CONFIG_ENV constants): recorded in the manifest, so that a resume under other values is refused (moebench.resume).
+TUNING_ENV = ("MOEBENCH_ROUTER_CONFIG", "MOEBENCH_ALIGN_CONFIG", "MOEBENCH_FP8_CONFIG")
 SUMMARY = "summary.csv"
 
 
@@ -225,6 +228,12 @@ def environment() -> dict:
     return env
 
 
+def tuning_env() -> dict[str, str | None]:
+    """TUNING_ENV as this process sees it: name -> value, None when unset (an empty value counts as unset, as in
+    the kernels)."""
+    return {k: os.environ.get(k) or None for k in TUNING_ENV}
+
+
 def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str, extra: dict | None = None) -> dict:
     manifest = {
         "moebench": _version(),
@@ -234,6 +243,7 @@ def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str
         "device": device,
         "env": environment(),
         "sweep": sweep_dict,
+        "tuning_env": tuning_env(),
         "num_points": num_points,
         "roofs": current_roofs().as_dict(),
     }

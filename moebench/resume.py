@@ -1,7 +1,9 @@
 """`--resume RUN_DIR`: the sweep comes from the run's manifest; a sweep given beside it must be that same sweep.
 
 A resumed run that mixed two sweeps would hold points of both under one manifest (and, when the parameters differ,
-new point keys that no earlier record matches): so any difference is refused, naming the first one.
+new point keys that no earlier record matches): so any difference is refused, naming the first one. So is a resume
+under other tuning variables (results.TUNING_ENV, e.g. MOEBENCH_ROUTER_CONFIG) than the manifest records: they are
+not sweep parameters, yet they change what the points time.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebench.results import MANIFEST, RECORDS
+from moebench.results import MANIFEST, RECORDS, load_manifest, tuning_env
 from moebench.sweep import Sweep, SweepError, sweep_from_dict
 
 
@@ -59,8 +61,31 @@ def stored_sweep(run_dir: str | Path) -> Sweep:
         raise SweepError(f"{opt}: the stored sweep no longer validates: {e}") from None
 
 
+def _tuning_difference(run_dir: str | Path) -> str | None:
+    """'NAME: <in the run> in the run, <here> here' for the first tuning variable that differs from the manifest's
+    (None for a manifest written before they were recorded: nothing to compare)."""
+    stored = load_manifest(run_dir).get("tuning_env")
+    if not isinstance(stored, dict):
+        return None
+    here = tuning_env()
+    for name in list(stored) + [k for k in here if k not in stored]:
+        was, now = stored.get(name), here.get(name)
+        if was != now:
+            return f"{name}: {_shown(was)} in the run, {_shown(now)} here"
+    return None
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else json.dumps(value)
+
+
 def check_same_sweep(run_dir: str | Path, stored: Sweep, given: Sweep | None) -> None:
-    """Refuse `given` (the SWEEP argument with its --set) when it is not the run's own sweep."""
+    """Refuse a resume under other tuning variables than the run's, and `given` (the SWEEP argument with its
+    --set) when it is not the run's own sweep."""
+    diff = _tuning_difference(run_dir)
+    if diff:
+        raise SweepError(f"--resume {run_dir}: a different tuning environment: {diff} (resume with the run's "
+                         "values)")
     if given is None:
         return
     diff = first_difference(_plain(stored.to_dict()), _plain(given.to_dict()))

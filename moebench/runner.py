@@ -212,7 +212,11 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
         raise
     finally:
         if lock is not None:
-            lock.release()
+            try:
+                lock.release()
+            except KeyboardInterrupt as e:  # a Ctrl-C in the release still names the run to resume
+                e.run_dir = run_dir if leader else None
+                raise
 
 
 def _final_records(run_dir: Path) -> list[dict]:
@@ -301,25 +305,35 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
     """Each point in the point worker; a worker that died, hung or lost its context is replaced for the next."""
     timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
 
+    cannot_start: list[str] = []
+
     def run(pt: Point) -> dict:
+        if cannot_start:
+            return _noted(in_process(pt), f"in-process: {cannot_start[0]}")
         try:
             outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s)
         except point_worker.WorkerStartError as e:
+            # No point ran there, so nothing is lost by running the rest here (unprotected, and said so).
             point_worker.drop(dev)
-            return point_worker.failed_record(pt, sweep, str(e))
+            cannot_start.append(str(e))
+            print(f"moebench: {e}; the points run in this process", file=sys.stderr)
+            return run(pt)
         except BaseException:  # an interrupt: the point in flight is not recorded, its worker goes with it
             point_worker.drop(dev)
             raise
         if outcome.restarted:
             point_worker.drop(dev)
         if outcome.record is None:
-            rec = in_process(pt)
-            rec["isolation"] = "in-process: the impl is registered in the runner's process only"
-            return rec
+            return _noted(in_process(pt), "in-process: the impl is registered in the runner's process only")
         return outcome.record
 
     in_process = _in_process_runner(sweep, dev)
     return run
+
+
+def _noted(rec: dict, isolation: str) -> dict:
+    rec["isolation"] = isolation
+    return rec
 
 
 def check_point_index(sweep: Sweep, point_index: int) -> Point:

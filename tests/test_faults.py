@@ -72,6 +72,12 @@ def _lines(path):
     return sum(1 for line in open(path, "rb") if line.endswith(b"\n")) if path.exists() else 0
 
 
+def _sigint_as_on_a_terminal():
+    """In the child before exec: SIGINT at its default, as in a command started from a terminal. A suite started
+    as a background job of a script inherits SIGINT ignored, and moebench (as Python) keeps an ignored SIGINT so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Run:
     """`moebench run` in its own process group, killed with its group whatever happens."""
 
@@ -80,7 +86,7 @@ class _Run:
         self.stderr = open(tmp_path / f"stderr-{time.monotonic_ns()}.txt", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "moebench", "run", *map(str, args)], env=_env(),
                                      stdout=kw.get("stdout", self.stdout), stderr=self.stderr,
-                                     start_new_session=True, text=True)
+                                     start_new_session=True, text=True, preexec_fn=_sigint_as_on_a_terminal)
 
     def wait_for_records(self, out: Path, n: int, timeout_s: float = 300.0) -> Path:
         deadline = time.monotonic() + timeout_s
@@ -174,17 +180,85 @@ def test_sigterm_of_parent_stops_ranks_and_names_the_run(tmp_path):
 
 
 def test_sigint_exits_130_naming_the_run_directory(tmp_path):
+    """Ctrl-C while a point is provably running (the first record is written, 30 more points of 1 s each to go)."""
     sweep = tmp_path / "slow.yaml"
+    num_points = 32
     sweep.write_text(SINGLE.replace("iters: 2}", "iters: 100000, max_seconds: 1.0}")
-                     .replace("[8, 16]", "[8, 16, 24, 32, 40]"))
+                     .replace("[8, 16]", str(list(range(8, 8 * num_points + 1, 8)))))
     out = tmp_path / "runs"
     with _Run(tmp_path, [sweep, "--out", out, "--device", "cpu", "--no-plots"]) as run:
         run_dir = run.wait_for_records(out, 1)
         run.proc.send_signal(signal.SIGINT)
-        assert run.proc.wait(60) == 130
+        rc = run.proc.wait(60)
         err = run.text()
+    assert rc == 130, err
     assert f"moebench: interrupted; resume with: moebench run --resume {run_dir}" in err
     assert "Traceback" not in err
+    assert 1 <= _lines(run_dir / "records.jsonl") < num_points  # it did stop the run
+    assert (run_dir / "summary.csv").exists() and not (run_dir / LOCK).exists()
+
+
+def _interrupt_during(tmp_path, capsys, monkeypatch, module, name, times=1):
+    """`moebench run` in this process with `module.name` raising KeyboardInterrupt on its first `times` calls (a
+    Ctrl-C landing there): the exit code and the one stderr line."""
+    real = getattr(module, name)
+    calls = []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) <= times:
+            raise KeyboardInterrupt()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, interrupted)
+    sweep = tmp_path / "tiny.yaml"
+    sweep.write_text(SINGLE)
+    code = main(["run", str(sweep), "--out", str(tmp_path / "runs"), "--device", "cpu"])
+    assert calls, f"{name} was never called"
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    return code, _one_error_line(capsys), run_dir
+
+
+def test_sigint_while_plotting_exits_130_naming_the_run(tmp_path, capsys, monkeypatch):
+    import moebench.plots
+
+    code, line, run_dir = _interrupt_during(tmp_path, capsys, monkeypatch, moebench.plots, "make_plots")
+    assert code == 130 and line == f"moebench: interrupted; resume with: moebench run --resume {run_dir}"
+    assert len(load_records(run_dir)) == 2 and not (run_dir / LOCK).exists()
+
+
+def test_sigint_while_writing_the_summary_and_again_during_the_clean_up_names_the_run(tmp_path, capsys,
+                                                                                         monkeypatch):
+    import moebench.runner
+
+    for times in (1, 2):  # the second: Ctrl-C again while the interrupted run writes its summary
+        sub = tmp_path / f"t{times}"
+        sub.mkdir()
+        code, line, run_dir = _interrupt_during(sub, capsys, monkeypatch, moebench.runner, "write_summary", times)
+        assert code == 130 and line == f"moebench: interrupted; resume with: moebench run --resume {run_dir}"
+        assert not (run_dir / LOCK).exists()
+        monkeypatch.undo()
+
+
+def test_signal_after_the_run_returned_still_exits_130_or_143_naming_it(tmp_path, capsys, monkeypatch):
+    import moebench.cli
+
+    settle = moebench.cli._Signals.settle
+    for sig, code, what in ((signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")):
+        def settle_then_signal(self, run_dir=None, sig=sig):
+            settle(self, run_dir)
+            signal.raise_signal(sig)  # handled before raise_signal returns: noted, not raised
+
+        monkeypatch.setattr(moebench.cli._Signals, "settle", settle_then_signal)
+        sub = tmp_path / what
+        sub.mkdir()
+        sweep = sub / "tiny.yaml"
+        sweep.write_text(SINGLE)
+        assert main(["run", str(sweep), "--out", str(sub / "runs"), "--device", "cpu", "--no-plots"]) == code
+        (run_dir,) = list((sub / "runs").iterdir())
+        assert _one_error_line(capsys) == f"moebench: {what}; resume with: moebench run --resume {run_dir}"
+        assert len(load_records(run_dir)) == 2
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # main put the handlers back
 
 
 def _tiny_run(tmp_path, capsys):
@@ -239,6 +313,49 @@ def test_resume_with_a_different_sweep_is_refused_naming_the_difference(tmp_path
     assert len(load_records(run_dir)) == 2 and "resumes" not in load_manifest(run_dir)
     # the same sweep and --set values are fine
     assert main(["run", str(sweep), "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
+
+
+def test_resume_under_other_tuning_variables_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch):
+    """MOEBENCH_ROUTER_CONFIG and the like pick the launch config of the points without being sweep parameters:
+    the manifest records them, and a resume that would mix two configs in one run is refused like a sweep change."""
+    from moebench.results import TUNING_ENV
+
+    for name in TUNING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    sweep, run_dir = _tiny_run(tmp_path, capsys)
+    assert load_manifest(run_dir)["tuning_env"] == dict.fromkeys(TUNING_ENV)
+    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "cand2")
+    for given in ([], [str(sweep)]):
+        assert main(["run", *given, "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 2
+        line = _one_error_line(capsys)
+        assert (f"--resume {run_dir}: a different tuning environment: MOEBENCH_ROUTER_CONFIG: unset in the run, "
+                '"cand2" here') in line
+    assert len(load_records(run_dir)) == 2 and "resumes" not in load_manifest(run_dir)
+    # a run started under a value resumes only under that value; an empty value is no value, as in the kernels
+    monkeypatch.setenv("MOEBENCH_ALIGN_CONFIG", "tight")
+    (run_dir / "records.jsonl").write_text("")
+    manifest = load_manifest(run_dir)
+    manifest["tuning_env"] = {**manifest["tuning_env"], "MOEBENCH_ROUTER_CONFIG": "cand2"}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 2
+    assert 'MOEBENCH_ALIGN_CONFIG: unset in the run, "tight" here' in _one_error_line(capsys)
+    monkeypatch.setenv("MOEBENCH_ALIGN_CONFIG", "")
+    assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
+    capsys.readouterr()
+    # a manifest from before the variables were recorded has nothing to compare
+    del manifest["tuning_env"]
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "packed64:4")
+    assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
+
+
+def test_tuning_variables_are_the_kernels_own():
+    from moebench.kernels._details.align_config import ALIGN_CONFIG_ENV
+    from moebench.kernels._details.router_common import ROUTER_CONFIG_ENV
+    from moebench.kernels.fused_experts_fp8 import CONFIG_ENV as FP8_CONFIG_ENV
+    from moebench.results import TUNING_ENV
+
+    assert TUNING_ENV == (ROUTER_CONFIG_ENV, ALIGN_CONFIG_ENV, FP8_CONFIG_ENV)
 
 
 def test_duplicate_records_are_counted_once(tmp_path, capsys):

@@ -1,13 +1,18 @@
-"""A non-editable `pip install .` into a fresh venv runs the bundled quickstart: the sweeps ship in the wheel.
+"""A non-editable `pip install .` into a fresh venv runs the bundled quickstart: the sweeps (and the scenarios)
+ship in the wheel.
 
-The venv sees the system site-packages (torch is installed system-wide; nothing is downloaded), the install has
-no build isolation and no dependencies, and the command runs from a folder outside the copy, with no PYTHONPATH,
-so it can only find the installed package."""
+The venv is bare (no system site-packages: what the base interpreter happens to hold does not matter); a .pth
+file puts the site-packages of the environment running the tests after its own, so torch, pip and the build
+backend come from there (the dev extra brings setuptools>=70.1, which builds a wheel by itself) and nothing is
+downloaded. The install has no build isolation (pip checks the build requirements instead), no dependencies and
+no index, and the commands run from a folder outside the copy, with no PYTHONPATH, so they can only find the
+installed package."""
 
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -25,24 +30,36 @@ def _env():
     return env
 
 
+def _bare_venv_over_this_environment(env_dir: Path) -> Path:
+    """A venv without system site-packages whose .pth appends this environment's site-packages to its own."""
+    venv.create(env_dir, with_pip=False)
+    (own,) = env_dir.glob("lib/python*/site-packages")
+    outer = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))  # plain paths: no .pth of theirs runs
+    (own / "_test_environment.pth").write_text("".join(f"{d}\n" for d in outer))
+    return env_dir / "bin" / "python"
+
+
 def test_pip_install_runs_bundled_quickstart(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=SKIP)
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)  # pip comes from the system site-packages
-    python = env_dir / "bin" / "python"
+    python = _bare_venv_over_this_environment(env_dir)
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--no-cache-dir", str(src)], capture_output=True, text=True, timeout=240, env=_env(),
-                          cwd=tmp_path)
+                           "--check-build-dependencies", "--no-cache-dir", str(src)], capture_output=True,
+                          text=True, timeout=240, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
-    where = subprocess.run([str(python), "-c", "import moebench, moebench.paths as p; "
-                            "print(moebench.__file__); print(p.bundled_sweep_dir())"],
+    where = subprocess.run([str(python), "-c", "import moebench, moebench.paths as p; print(moebench.__file__); "
+                            "print(p.bundled_sweep_dir()); print(p.resolve_sweep_path('sp_padding_straggler'))"],
                            capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
-    module_file, sweep_dir = where.stdout.split()
+    module_file, sweep_dir, scenario = where.stdout.split()
     assert Path(module_file).is_relative_to(env_dir), where.stdout  # the installed copy, not the checkout
     assert Path(sweep_dir) == Path(module_file).parent / "_sweeps"
+    assert Path(scenario) == Path(sweep_dir) / "scenarios" / "sp_padding_straggler.yaml"  # a scenario, by name
+    dry = subprocess.run([str(python), "-m", "moebench", "run", "sp_padding_straggler", "--dry-run", "--device",
+                          "cpu"], capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
+    assert dry.returncode == 0 and "planned" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-3000:]
     run = subprocess.run([str(python), "-m", "moebench", "run", "quickstart", "--out", str(tmp_path / "runs"),
                           "--device", "cpu", "--no-plots", "--set", "axes.num_tokens=[64]", "--set",
                           "axes.padding_ratio=[0.5]", "--set", "timing.iters=1", "--set", "timing.warmup=0"],
