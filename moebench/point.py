@@ -27,6 +27,9 @@ def interpreting() -> bool:
 def error_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     head = msg[-1] if msg else ""
+    cuda = [ln.strip() for ln in msg if ln.strip().startswith("CUDA error:")]
+    if cuda:  # torch puts its debugging hints (CUDA_LAUNCH_BLOCKING, TORCH_USE_CUDA_DSA) after the error itself
+        return cuda[0][:300]
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return f"out of memory: {head[:300]}"
     name = type(e).__name__

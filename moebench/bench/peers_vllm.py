@@ -114,6 +114,8 @@ def make_grouped_topk(lib):
            routed_scaling_factor=1.0, is_padding=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
         scores = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else logits
+        if bias is not None and bias.dtype != scores.dtype:
+            bias = bias.to(scores.dtype)  # the kernel reads the bias as the scores' dtype, with no cast of its own
         w, i = op(scores, num_expert_group, topk_group, top_k, bool(renormalize), float(routed_scaling_factor),
                   bias, 0 if scoring == "softmax" else 1)
         weights.copy_(w)
