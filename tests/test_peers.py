@@ -131,6 +131,18 @@ def test_adapters_refuse_points_their_library_cannot_express(standins):
     assert "bias" in registry.get("topk_softmax.vllm").validate(_params(**dict(SMALL, bias=True)))
 
 
+def test_vllm_topk_softmax_of_fp32_gating_only_gets_the_cast_its_own_caller_made(standins):
+    def fp32_only(topk_weights, topk_ids, token_expert_indices, gating_output):
+        if gating_output.dtype != torch.float32:  # the older kernel's TORCH_CHECK, as torch words it
+            raise RuntimeError(f"expected scalar type Float but found {str(gating_output.dtype)[6:].title()}")
+        vllm_ops.topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output)
+
+    peers_vllm.VLLM.bind(type("v", (), {"topk_softmax": staticmethod(fp32_only), "MOEBENCH_STANDIN": True}))
+    case, res = _check("topk_softmax.vllm", _params(**dict(SMALL, dtype="bf16")))
+    assert res.ok, res.detail
+    assert "cast to fp32" in case.info["vllm_topk_softmax_gating"]
+
+
 @pytest.mark.parametrize("label, kernel, sentinel", [
     ("moe_align_block_size.vllm", "small-batch", "identity expert_map"),
     ("moe_align_block_size.vllm@map", "small-batch", "global expert 7"),

@@ -10,6 +10,9 @@ torch_bindings.cpp at fb73c465 (op schemas). What the adapters rely on:
                              where the signature has it, bias points refused where it has none. `is_padding` passed
                              where taken; otherwise the padded rows are set to -1 / 0.0 after the call (inside the
                              timed region: that is what a caller of such a version must do). `renormalize` likewise.
+                             Older csrc/moe/topk_softmax_kernels.cu (0112cf23) takes fp32 gating only ("expected
+                             scalar type Float", seen on the H200 build): bf16 logits are then cast to fp32 before the
+                             call (timed), as vLLM's fused_topk of that time did; info "vllm_topk_softmax_gating".
   grouped_topk.vllm          ops.grouped_topk(scores, num_expert_group, topk_group, topk, renormalize,
                              routed_scaling_factor, bias, scoring_func): the fused noaux_tc kernel, which always
                              scores groups by their top-2 sum with the bias, so points without bias are refused;
@@ -80,6 +83,7 @@ def make_topk_softmax(lib):
     takes_renorm, takes_pad = accepts(op, "renormalize"), accepts(op, "is_padding")
     bias_arg = topk_softmax_bias_arg(op)
     scratch: dict = {}
+    fp32_gating_only: set = set()
 
     def fn(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
@@ -93,12 +97,25 @@ def make_topk_softmax(lib):
             kw["is_padding"] = is_padding
         if bias is not None:  # validate refuses bias points where the signature has no bias argument
             kw[bias_arg] = bias
-        op(weights, ids, scratch[key], logits, **kw)
+        gating = logits.float() if logits.dtype in fp32_gating_only else logits
+        try:
+            op(weights, ids, scratch[key], gating, **kw)
+        except RuntimeError as e:
+            # Versions before bf16 gating check `gating_output` is fp32; their own caller (fused_topk) handed
+            # them gating_output.float(), so the adapter does the same (timed) and says so. Found on the first,
+            # untimed call; any other error is the kernel's.
+            if gating is not logits or "expected scalar type Float" not in str(e):
+                raise
+            fp32_gating_only.add(logits.dtype)
+            fn.info["vllm_topk_softmax_gating"] = (f"fp32 only in this version: {logits.dtype} logits cast to "
+                                                   "fp32 before the call (timed), as vLLM's fused_topk did")
+            op(weights, ids, scratch[key], logits.float(), **kw)
         if renormalize and not takes_renorm:
             weights.div_(weights.sum(dim=-1, keepdim=True))
         if not takes_pad:
             mask_padded_rows_torch(weights, ids, is_padding)
         return weights, ids
+    fn.info = {}
     return fn
 
 
