@@ -49,10 +49,11 @@ class RecordTail:
 
 def skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: str,
              status: str = "skipped", **extra) -> list[dict]:
+    from moebench.point import bare_record
+
     recs = []
     for pt in points:
-        rec = {"point": pt.index, "key": pt.key, "impl": pt.impl, "target": sweep.target,
-               "params": pt.params.to_dict(), "status": status, "reason": reason, **extra}
+        rec = bare_record(pt, sweep, status, reason, **extra)
         writer.append(rec)
         recs.append(rec)
     return recs
@@ -66,11 +67,19 @@ def _in_process_group() -> bool:
     return (dist.is_available() and dist.is_initialized()) or mdist.launched_by_torchrun()
 
 
-class _PointTimeout(Exception):
+class _GroupTimeout(Exception):
     pass
 
 
-GIVE_UP_AFTER = 3  # rank groups in a row that recorded nothing: the group itself cannot start
+IN_FLIGHT = ".in_flight"  # in the run directory while a spawned group runs: the key of rank 0's current point
+GIVE_UP_AFTER = 3  # rank groups in a row that failed before starting any point: the group itself cannot start
+
+
+def _in_flight(run_dir: Path) -> str | None:
+    try:
+        return (Path(run_dir) / IN_FLIGHT).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.device, run_dir: Path,
@@ -81,9 +90,10 @@ def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.dev
     as it is appended. Returns the records written.
 
     A spawned rank group that dies (a rank killed by a signal, a lost CUDA context) or runs one point past
-    `timing.point_timeout_s` costs the point it was on (the first one not yet recorded): that point is recorded
-    failed with the reason and a fresh group runs the rest. After GIVE_UP_AFTER groups in a row that recorded
-    nothing, the rest fail with the error (a group that cannot start)."""
+    `timing.point_timeout_s` (counted from the point's start, as rank 0 announces it in IN_FLIGHT) costs the point
+    it was on: that point is recorded failed with the reason (unless rank 0 recorded it already) and a fresh group
+    runs the rest. A group that fails before it starts a point GIVE_UP_AFTER times in a row fails the rest with its
+    error. Under torchrun nothing is restarted: a crash, a hang or a lost context ends the run (`--resume`)."""
     writer = RecordWriter(run_dir)
     show = show or (lambda rec: None)
     if dev.type == "cuda" and torch.cuda.device_count() < world:
@@ -93,29 +103,30 @@ def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.dev
             show(rec)
         return recs
     from moebench import dist as mdist
-    from moebench.point_worker import point_timeout_s
+    from moebench.point_worker import START_TIMEOUT_S, point_timeout_s
 
     keys = {pt.key for pt in points}
     tail = RecordTail(Path(run_dir) / RECORDS)
     timeout_s = point_timeout_s(sweep.timing, dev)
     in_process = _in_process_group()  # the worker runs right here (torchrun): it can call show() itself
-    last_progress = [time.monotonic()]
+    flight = {"key": None, "since": 0.0}
 
     def poll() -> None:
-        new = tail.new()
-        if new:
-            last_progress[0] = time.monotonic()
-        for rec in new:
+        for rec in tail.new():
             show(rec)
         if working_on is not None:
             working_on(f"{len(points)} points on {world} ranks")
-        if time.monotonic() - last_progress[0] > timeout_s:
-            raise _PointTimeout()
+        key, now = _in_flight(run_dir), time.monotonic()
+        if key != flight["key"]:
+            flight.update(key=key, since=now)
+        if now - flight["since"] > (timeout_s if key else START_TIMEOUT_S):
+            raise _GroupTimeout()
 
     todo = list(points)
     barren = 0
     while todo:
-        last_progress[0] = time.monotonic()
+        (Path(run_dir) / IN_FLIGHT).unlink(missing_ok=True)
+        flight.update(key=None, since=time.monotonic())
         try:
             mdist.run_in_world(_world_worker, world, dev.type,
                                args=(sweep.to_dict(), sweep.source, [pt.index for pt in todo], str(run_dir),
@@ -124,53 +135,70 @@ def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.dev
             reason = None
         except mdist.SpawnError as e:
             reason = f"rank group failed: {str(e).splitlines()[0][:300]}"
-        except _PointTimeout:
-            reason = f"timeout after {timeout_s:g} s (rank group killed)"
+        except _GroupTimeout:
+            reason = (f"timeout after {timeout_s:g} s (rank group killed)" if flight["key"] else
+                      f"the rank group started no point in {START_TIMEOUT_S:g} s (killed)")
         for rec in tail.new():
             show(rec)
+        in_flight = _in_flight(run_dir)
+        (Path(run_dir) / IN_FLIGHT).unlink(missing_ok=True)
         recorded = {r.get("key") for r in load_records(run_dir)}
         left = [pt for pt in todo if pt.key not in recorded]
         if reason is None or not left:
             break
-        barren = barren + 1 if len(left) == len(todo) else 1
-        if barren >= GIVE_UP_AFTER:
-            for rec in skip_all(sweep, left, writer, reason, status="failed"):
-                show(rec)
-            break
-        for rec in skip_all(sweep, left[:1], writer, reason, status="failed", worker_restarted=True):
+        if in_flight is None:  # it failed before rank 0 started a point
+            barren += 1
+            if barren >= GIVE_UP_AFTER:
+                for rec in skip_all(sweep, left, writer, reason, status="failed"):
+                    show(rec)
+                break
+            continue
+        barren = 0
+        for rec in skip_all(sweep, [pt for pt in left if pt.key == in_flight], writer, reason, status="failed",
+                            worker_restarted=True):
             show(rec)
-        todo = left[1:]
+        todo = [pt for pt in left if pt.key != in_flight]
     for rec in tail.new():
         show(rec)
     return [r for r in sorted(load_records(run_dir), key=lambda r: r.get("point", 0)) if r.get("key") in keys]
 
 
+def _announce(run_dir: Path, key: str | None) -> None:
+    path = Path(run_dir) / IN_FLIGHT
+    tmp = path.with_name(IN_FLIGHT + ".tmp")
+    tmp.write_text(key or "")
+    os.replace(tmp, path)  # the runner never reads half a key
+
+
 def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[int], run_dir: str,
                   show: Callable[[dict], None] | None = None) -> None:
-    """Body of every rank of a multi-rank group: run the points; rank 0 appends the records."""
+    """Body of every rank of a multi-rank group: run the points; rank 0 announces each point (spawned groups)
+    and appends the records."""
     from moebench import dist as mdist
     from moebench.point import execute_point
-    from moebench.point_worker import context_error
+    from moebench.point_worker import context_error, with_lost_context
     from moebench.sweep import expand, sweep_from_dict
 
     sweep = sweep_from_dict(sweep_dict, source, max_points=None)  # the runner already applied the limit
     points = expand(sweep)
     writer = RecordWriter(Path(run_dir)) if ctx.rank == 0 else None
+    announce = writer is not None and show is None  # spawned: the runner watches IN_FLIGHT
     for i in indices:
+        if announce:
+            _announce(Path(run_dir), points[i].key)
         rec = execute_point(points[i], sweep, ctx)
         if rec.get("status") == "failed" and mdist.is_peer_fallout(rec.get("reason", "")):
             # Another rank died under this point: the runner blames the point on that rank's death and starts
             # a fresh group for the rest (this group's connections are gone).
             raise RuntimeError(f"a peer rank failed during point {points[i].index}: {rec['reason']}")
         lost = context_error(ctx.device)
-        if lost:  # a sticky CUDA error: this rank's group is done; the runner starts a fresh one for the rest
-            rec.update(status="failed", worker_restarted=True,
-                       reason="; ".join(x for x in (rec.get("reason") or f"CUDA error: {lost}",
-                                                    f"the CUDA context of rank {ctx.rank} was lost, rank group "
-                                                    "restarted") if x))
+        if lost:
+            with_lost_context(rec, lost, f"rank group restarted (rank {ctx.rank})")
         if writer is not None:
             writer.append(rec)
             if show is not None:
                 show(rec)
-        if lost and not mdist.launched_by_torchrun():  # under torchrun the run ends with the rank
-            os._exit(3)
+        if lost:  # this rank's group is done: spawned, the runner starts a fresh one for the rest
+            raise RuntimeError(f"the CUDA context of rank {ctx.rank} was lost during point {points[i].index}: {lost}")
+    if announce:
+        (Path(run_dir) / IN_FLIGHT).unlink(missing_ok=True)

@@ -16,6 +16,12 @@ from moebench.registry import Case, CheckResult, RunContext
 from moebench.sweep import Point, Sweep, Timing
 
 
+def bare_record(point: Point, sweep: Sweep, status: str, reason: str, **extra) -> dict:
+    """The record of a point that did not run to a result of its own (skipped, or lost with its process)."""
+    return {"point": point.index, "key": point.key, "impl": point.impl, "target": sweep.target,
+            "params": point.params.to_dict(), "status": status, "reason": reason, **extra}
+
+
 def interpreting() -> bool:
     """Triton kernels run in the interpreter here (imported late: importing the kernels imports triton, which
     must only happen after the CLI has set TRITON_INTERPRET)."""

@@ -2,21 +2,24 @@
 extension that aborts), loses the CUDA context (an illegal address, a device-side assert, an OOM that leaves the
 context unusable) or never returns costs that point, not the run.
 
-The worker is spawned (CUDA cannot be forked once the parent has touched it, and a forked CPU process hangs in its
-first OpenMP region) and kept for the life of the runner process, keyed by device and TRITON_INTERPRET, so JIT and
-allocator caches stay warm across points and across runs in one process (the test suite). Per run the runner
-sends the sweep, the plugin modules it has imported, sys.path and the MOEBENCH_* / TRITON_* environment; per
-point it sends the point, the worker answers with the record, and the runner writes it (one writer, nothing
-doubled). What the runner records when a point does not come back:
+The worker is `python -m moebench.point_worker`, started with a socket to the runner: a fresh interpreter (CUDA
+cannot be forked once the parent has touched it, a forked CPU process hangs in its first OpenMP region, and unlike
+multiprocessing's spawn it never re-runs the caller's `__main__`). It is kept for the life of the runner process,
+keyed by device and TRITON_INTERPRET, so JIT and allocator caches stay warm across points and across runs in one
+process (the test suite). Per run the runner sends the sweep, the plugin modules it has imported, sys.path and the
+MOEBENCH_* / TRITON_* environment; per point it sends the point, the worker answers with the record, and the runner
+writes it (one writer, nothing doubled). What the runner records when a point does not come back:
 
 - the worker died: `failed: worker died: SIGABRT` (or `exit code N`); a fresh worker runs the next point;
-- the point ran past `timing.point_timeout_s`: the worker is killed, `failed: timeout after N s`;
+- the point ran past `timing.point_timeout_s` (counted from the point's hand-over: the worker's start-up is not
+  in it): the worker is killed, `failed: timeout after N s (worker killed)`;
 - the point came back but the CUDA context is no longer usable: the record's own reason plus `; the CUDA context
   was lost, worker restarted`.
 
 An impl registered in the runner's process alone (`registry.register` from a script or a test, not through a
 plugin module, an entry point or `moebench.plugins` from an importable module) is unknown to the worker: its points
-run in the runner's process, unprotected, and their records say so (`isolation`).
+run in the runner's process, unprotected, and their records say so (`isolation`). The worker imports the modules
+that registered plugins in the runner (their import-time side effects happen there too).
 
 The worker ignores SIGINT and SIGTERM (the runner's Ctrl-C / SIGTERM handling decides, and kills it) and dies with
 its parent (moebench.dist.die_with_parent), so a killed run leaves no worker behind.
@@ -27,19 +30,23 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
 # Per-point time limits when the sweep sets none: minutes on a GPU; the CPU (and Triton's interpreter above all)
 # runs the same point hundreds of times slower.
 DEFAULT_POINT_TIMEOUT_S = {"cuda": 600.0, "cpu": 3600.0}
-START_TIMEOUT_S = 300.0  # a fresh interpreter importing torch, triton and moebench
+START_TIMEOUT_S = 300.0  # a fresh interpreter importing torch, triton and moebench, then a run's plugins
 _ENV_PREFIXES = ("MOEBENCH_", "TRITON_")
-_RESTART_KEY = "TRITON_INTERPRET"  # read when triton is imported: a change needs a new worker
+_WORKER_KEY_ENV = "TRITON_INTERPRET"  # read when triton is imported: a change needs a new worker
+WORKER_COMMAND = [sys.executable, "-m", "moebench.point_worker"]  # + fd, device, parent pid
 
 
 def point_timeout_s(timing, device: torch.device) -> float:
@@ -54,21 +61,30 @@ class Outcome:
     restarted: bool = False  # the worker that ran the point is gone (died, killed, or its CUDA context was lost)
 
 
-def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None:
+class WorkerStartError(RuntimeError):
+    """The worker did not come up (or could not load a run): no point has run in it."""
+
+
+class WorkerGone(RuntimeError):
+    """The worker was found dead before a point was handed to it (killed while idle): the point did not run."""
+
+
+def _exit_reason(returncode: int | None) -> str:
+    if returncode is None:
         return "no exit code"
-    if exitcode < 0:
+    if returncode < 0:
         try:
-            return signal.Signals(-exitcode).name
+            return signal.Signals(-returncode).name
         except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
 
 
-def failed_record(point, sweep, reason: str) -> dict:
-    """The record of a point whose worker did not return one (the fields every record carries)."""
-    return {"point": point.index, "key": point.key, "impl": point.impl, "target": sweep.target,
-            "params": point.params.to_dict(), "status": "failed", "reason": reason, "worker_restarted": True}
+def lost_record(point, sweep, reason: str) -> dict:
+    """The record of a point whose worker did not return one."""
+    from moebench.point import bare_record
+
+    return bare_record(point, sweep, "failed", reason, worker_restarted=True)
 
 
 def context_error(device: torch.device) -> str | None:
@@ -88,15 +104,18 @@ def context_error(device: torch.device) -> str | None:
         return error_line(e)
 
 
-def _plugin_modules() -> list[str]:
-    from moebench import plugins
-
-    return plugins.imported_modules()
+def with_lost_context(rec: dict, lost: str, what: str) -> dict:
+    """`rec` marked failed because the CUDA context was lost during it (`what`: who was restarted)."""
+    reason = rec.get("reason") if rec.get("status") != "ok" and rec.get("reason") else lost
+    rec.update(status="failed", worker_restarted=True, reason=f"{reason}; the CUDA context was lost, {what}")
+    return rec
 
 
 def _run_message(sweep) -> tuple:
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k != _RESTART_KEY}
-    return ("run", sweep, _plugin_modules(), list(sys.path), env)
+    from moebench import plugins
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k != _WORKER_KEY_ENV}
+    return ("run", sweep, plugins.imported_modules(), list(sys.path), env)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,7 +126,7 @@ def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str]) 
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
-    for k in [k for k in os.environ if k.startswith(_ENV_PREFIXES) and k != _RESTART_KEY and k not in env]:
+    for k in [k for k in os.environ if k.startswith(_ENV_PREFIXES) and k != _WORKER_KEY_ENV and k not in env]:
         del os.environ[k]
     os.environ.update(env)
     from moebench import registry
@@ -119,16 +138,18 @@ def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str]) 
         if mod != "__main__":
             try:
                 __import__(mod)
-            except Exception:  # noqa: BLE001 - the point then fails naming its unknown impl
+            except Exception:  # noqa: BLE001 - the point then runs in the runner, said in its record
                 pass
 
 
-def _worker_main(conn, device: str, parent_pid: int) -> None:
+def worker_main(fd: int, device: str, parent_pid: int) -> None:
     from moebench.dist import die_with_parent
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.set_inheritable(fd, False)  # a compiler it starts must not keep the runner's end from seeing it die
+    conn = Connection(fd)
     try:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:  # plain "cuda" is the current device, as in the runner
@@ -136,6 +157,7 @@ def _worker_main(conn, device: str, parent_pid: int) -> None:
         from moebench import registry
         from moebench.point import error_line, execute_point
         from moebench.registry import RunContext
+        from moebench.results import json_ready
 
         ctx = RunContext(device=dev)
         conn.send(("ready", os.getpid()))
@@ -160,15 +182,16 @@ def _worker_main(conn, device: str, parent_pid: int) -> None:
             continue
         point = msg[1]
         if point.impl not in registry.all_impls():
-            conn.send(("unknown", None, None))  # registered in the runner's process only
+            conn.send(("unknown", None, None))
             continue
         try:
             rec = execute_point(point, sweep, ctx)
         except BaseException as e:  # noqa: BLE001 - execute_point catches what a case raises; this is the rest
-            rec = failed_record(point, sweep, error_line(e))
-            rec.pop("worker_restarted")
+            from moebench.point import bare_record
+
+            rec = bare_record(point, sweep, "failed", error_line(e))
         lost = context_error(dev)
-        conn.send(("record", rec, lost))
+        conn.send(("record", json_ready(rec), lost))
         if lost:
             os._exit(3)
 
@@ -177,28 +200,24 @@ def _worker_main(conn, device: str, parent_pid: int) -> None:
 # The runner's side
 # ---------------------------------------------------------------------------------------------------------------
 
-class WorkerStartError(RuntimeError):
-    pass
-
-
 class PointWorker:
     """One worker process for one device; `run_point` runs a point in it and returns the record."""
 
     def __init__(self, device: torch.device):
-        import torch.multiprocessing as mp
-
         self.device = device
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, name="moebench-point-worker", daemon=True,
-                                args=(child, str(device), os.getpid()))
-        self.proc.start()
-        child.close()
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(WORKER_COMMAND + [str(theirs.fileno()), str(device), str(os.getpid())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(mine.detach())
         self.ready = False
-        self.sweep_id = None
+        self.timed_out = False
+        self.run_token = None
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
 
     def _recv(self, timeout_s: float):
         """The next message; None when the worker died (`self.timed_out` False) or `timeout_s` passed (True)."""
@@ -211,68 +230,76 @@ class PointWorker:
             if left <= 0:
                 self.timed_out = True
                 return None
-            ready = mpc.wait([self.conn, self.proc.sentinel], timeout=min(left, 1.0))
-            if self.conn in ready or self.conn.poll():
+            if mpc.wait([self.conn], timeout=min(left, 1.0)) or self.conn.poll():
                 try:
                     return self.conn.recv()
                 except (EOFError, OSError):  # its end closed: it is dying
                     return None
-            if self.proc.sentinel in ready:
+            if self.proc.poll() is not None:
                 return None
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:  # BrokenPipeError and kin: it died since the last message
+            raise WorkerGone(f"worker died while idle: {self.exit_reason()}") from e
 
     def _wait_ready(self) -> None:
         if self.ready:
             return
         msg = self._recv(START_TIMEOUT_S)
         if msg is None or msg[0] != "ready":
-            detail = msg[1].strip().splitlines()[-1] if msg else f"worker died: {self.exit_reason()}"
+            detail = msg[1].strip().splitlines()[-1] if msg else \
+                (f"no answer in {START_TIMEOUT_S:g} s" if self.timed_out else f"worker died: {self.exit_reason()}")
             self.kill()
             raise WorkerStartError(f"the point worker did not start: {detail}")
         self.ready = True
 
-    def start_run(self, sweep) -> None:
-        """Hand the worker this run's sweep (once per run; its plugins are imported there)."""
+    def start_run(self, sweep, token) -> None:
+        """Hand the worker a run's sweep, plugins, sys.path and environment (once per run)."""
         self._wait_ready()
-        self.conn.send(_run_message(sweep))
+        self._send(_run_message(sweep))
         msg = self._recv(START_TIMEOUT_S)
         if msg is None or msg[0] != "ok":
             detail = msg[1] if msg else f"worker died: {self.exit_reason()}"
             self.kill()
             raise WorkerStartError(f"the point worker could not load the sweep: {detail}")
-        self.sweep_id = id(sweep)
+        self.run_token = token
 
     def exit_reason(self) -> str:
-        self.proc.join(5.0)
-        return _signal_name(self.proc.exitcode)
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return _exit_reason(self.proc.returncode)
 
-    def run_point(self, point, sweep, timeout_s: float) -> Outcome:
-        if self.sweep_id != id(sweep):
-            self.start_run(sweep)
-        self.conn.send(("point", point))
+    def run_point(self, point, sweep, timeout_s: float, token) -> Outcome:
+        if self.run_token is not token:
+            self.start_run(sweep, token)
+        if not self.alive():
+            raise WorkerGone(f"worker died while idle: {self.exit_reason()}")
+        self._send(("point", point))
         msg = self._recv(timeout_s)
         if msg is None:
             if self.timed_out:
                 self.kill()
-                return Outcome(failed_record(point, sweep, f"timeout after {timeout_s:g} s (worker killed)"), True)
-            return Outcome(failed_record(point, sweep, f"worker died: {self.exit_reason()}"), True)
+                return Outcome(lost_record(point, sweep, f"timeout after {timeout_s:g} s (worker killed)"), True)
+            return Outcome(lost_record(point, sweep, f"worker died: {self.exit_reason()}"), True)
         kind, rec, lost = msg
         if kind == "unknown":
             return Outcome(None)
         if lost:
-            rec["reason"] = "; ".join(x for x in (rec.get("reason") or (f"CUDA error: {lost}"),
-                                                  "the CUDA context was lost, worker restarted") if x)
-            if rec.get("status") == "ok":
-                rec["status"] = "failed"
-            rec["worker_restarted"] = True
-            self.proc.join(10.0)
             self.kill()
-            return Outcome(rec, True)
+            return Outcome(with_lost_context(rec, lost, "worker restarted"), True)
         return Outcome(rec, False)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()  # it ignores SIGTERM
-        self.proc.join(10.0)
+        try:
+            self.proc.wait(10.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused
+            pass
         try:
             self.conn.close()
         except OSError:
@@ -280,10 +307,10 @@ class PointWorker:
 
     def stop(self) -> None:
         try:
-            if self.proc.is_alive():
+            if self.proc.poll() is None:
                 self.conn.send(("stop",))
-                self.proc.join(5.0)
-        except (OSError, BrokenPipeError):
+                self.proc.wait(5.0)
+        except (OSError, subprocess.TimeoutExpired):
             pass
         self.kill()
 
@@ -292,7 +319,7 @@ _WORKERS: dict[tuple[str, str], PointWorker] = {}
 
 
 def _key(device: torch.device) -> tuple[str, str]:
-    return (str(device), os.environ.get(_RESTART_KEY, ""))
+    return (str(device), os.environ.get(_WORKER_KEY_ENV, ""))
 
 
 def get_worker(device: torch.device) -> PointWorker:
@@ -320,3 +347,7 @@ def _stop_all() -> None:
     for w in list(_WORKERS.values()):
         w.stop()
     _WORKERS.clear()
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

