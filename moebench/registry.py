@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from moebench.sweep import Params
 
 __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "register", "register_impl",
-           "load_all", "get", "all_impls", "BENCH_PACKAGE"]
+           "register_variants", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
 
 # Sweep targets. An impl declares which of them it can be timed under.
 TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace")
@@ -153,6 +153,17 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
                       **kw))
         return build
     return deco
+
+
+def register_variants(family: str, descriptions: dict[str, str], make_build: Callable[[str], Callable], *,
+                      targets: tuple[str, ...] = ("kernel",),
+                      validate: Callable[["Params"], str | None] | None = None) -> None:
+    """Register `<family>.<variant>` for each variant of `descriptions`, in its order, built by
+    `make_build(variant)`: "torch" is the baseline (the reference), "oblivious" the twin of "<family>.triton"."""
+    for variant, text in descriptions.items():
+        register_impl(f"{family}.{variant}", targets=targets, description=text, validate=validate,
+                      twin_of=f"{family}.triton" if variant == "oblivious" else None,
+                      baseline=variant == "torch")(make_build(variant))
 
 
 def bench_modules() -> list[str]:

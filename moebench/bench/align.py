@@ -24,7 +24,7 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size_torch,
 )
 from moebench.families import KernelFamily, register_family
-from moebench.registry import Case, Routing, register_impl
+from moebench.registry import Case, Routing, register_impl, register_variants
 
 __all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_build_for"]
 
@@ -147,10 +147,7 @@ _DESCRIPTIONS = {
     "torch": "eager torch stable argsort + counting (the reference)",
     "oblivious": "pre-fix: -1 indexes the last expert, so padded routes pile onto it (same Triton kernels)",
 }
-for _variant, _text in _DESCRIPTIONS.items():
-    register_impl(f"moe_align_block_size.{_variant}", targets=("kernel",), description=_text, validate=align_problem,
-                  twin_of="moe_align_block_size.triton" if _variant == "oblivious" else None,
-                  baseline=_variant == "torch")(_build_align(_variant))
+register_variants("moe_align_block_size", _DESCRIPTIONS, _build_align, validate=align_problem)
 
 
 for _name in ALIGN_CANDIDATES:

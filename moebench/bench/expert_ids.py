@@ -22,7 +22,7 @@ from moebench.kernels.globalize_recv_topk_idx import (
     globalize_recv_topk_idx_torch,
 )
 from moebench.families import KernelFamily, register_family
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.registry import Case, Routing, RunContext, register_variants
 
 __all__ = ["rows_differing", "make_receive_buffer"]
 
@@ -108,10 +108,7 @@ _MAP_DESCRIPTIONS = {
     "torch": "eager torch reference: where(id >= 0, expert_map[clamped id], -1)",
     "oblivious": "expert_map[topk_ids] before the fix: -1 wraps to the last expert",
 }
-for _variant in ("triton", "torch", "oblivious"):
-    register_impl(f"apply_expert_map.{_variant}", targets=("kernel",), description=_MAP_DESCRIPTIONS[_variant],
-                  twin_of="apply_expert_map.triton" if _variant == "oblivious" else None,
-                  baseline=_variant == "torch")(_apply_map_build(_variant))
+register_variants("apply_expert_map", _MAP_DESCRIPTIONS, _apply_map_build)
 register_family(KernelFamily(
     "apply_expert_map", ("kernel",), lambda fn: _apply_map_build("fn", fn),
     "fn(topk_ids int32 [T,K] (-1 on padded rows), expert_map int32 [E], out=int64 [T,K]) -> int64 local ids "
@@ -184,11 +181,7 @@ _GLOBALIZE_DESCRIPTIONS = {
     "torch": "eager torch reference of the same (in place, no host sync)",
     "oblivious": "before the fix: offset added to every row's non-negative ids, stale rows kept",
 }
-for _variant in ("triton", "torch", "oblivious"):
-    register_impl(f"globalize_recv_topk_idx.{_variant}", targets=("kernel",),
-                  description=_GLOBALIZE_DESCRIPTIONS[_variant],
-                  twin_of="globalize_recv_topk_idx.triton" if _variant == "oblivious" else None,
-                  baseline=_variant == "torch")(_globalize_build(_variant))
+register_variants("globalize_recv_topk_idx", _GLOBALIZE_DESCRIPTIONS, _globalize_build)
 register_family(KernelFamily(
     "globalize_recv_topk_idx", ("kernel",), lambda fn: _globalize_build("fn", fn),
     "fn(recv_topk_idx int64 [capacity,K], num_recv int32 [1] on the device, rank_expert_offset, num_experts) -> "

@@ -11,7 +11,7 @@ from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
 from moebench.families import KernelFamily, register_family
-from moebench.registry import Case, Routing, register_impl
+from moebench.registry import Case, Routing, register_impl, register_variants
 
 __all__ = ["compare_nan_aware", "compare_within_bf16_ulps", "input_dtype_sum_ulps", "oblivious_build_for"]
 
@@ -138,10 +138,7 @@ _DESCRIPTIONS = {
     "torch": "eager torch masked sum, fp32 accumulation in slot order (the reference)",
     "oblivious": "pre-fix torch.sum(dim=1): adds every slot, NaN/garbage in -1 slots reaches the output",
 }
-for _variant, _text in _DESCRIPTIONS.items():
-    register_impl(f"masked_moe_sum.{_variant}", targets=("kernel",), description=_text,
-                  twin_of="masked_moe_sum.triton" if _variant == "oblivious" else None,
-                  baseline=_variant == "torch")(_build_sum(_variant))
+register_variants("masked_moe_sum", _DESCRIPTIONS, _build_sum)
 
 
 for _name, _launch in SUM_CANDIDATES.items():

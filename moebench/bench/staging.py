@@ -17,7 +17,7 @@ from moebench.kernels.prepare_moe_inputs import (
     stage_routing_torch,
 )
 from moebench.families import KernelFamily, register_family
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.registry import Case, Routing, RunContext, register_variants
 
 __all__ = ["fp8_interpreter_tolerant_mismatches", "compare_staging", "rows_differing", "staging_problem"]
 
@@ -155,10 +155,8 @@ _DESCRIPTIONS = {
     "torch": "eager torch reference of the staging (docs/contracts.md#staging literally)",
     "oblivious": "same Triton staging with the padding mask ignored (before the fix)",
 }
-for _variant in ("triton", "torch", "oblivious"):
-    register_impl(f"prepare_moe_inputs.{_variant}", targets=("kernel", "stage"), description=_DESCRIPTIONS[_variant],
-                  validate=staging_problem, twin_of="prepare_moe_inputs.triton" if _variant == "oblivious" else None,
-                  baseline=_variant == "torch")(_make_build(_variant))
+register_variants("prepare_moe_inputs", _DESCRIPTIONS, _make_build, targets=("kernel", "stage"),
+                  validate=staging_problem)
 
 register_family(KernelFamily(
     "prepare_moe_inputs", ("kernel", "stage"), lambda fn: _make_build("fn", fn),
