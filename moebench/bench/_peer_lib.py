@@ -18,9 +18,10 @@ from typing import Any, Callable
 import torch
 
 from moebench.families import get_family
+from moebench.kernels._details.router_common import mask_padded_rows_torch
 from moebench.registry import Impl, register
 
-__all__ = ["Library", "register_adapter", "accepts", "router_out"]
+__all__ = ["Library", "register_adapter", "accepts", "router_out", "scratch_like", "router_after"]
 
 
 class Library:
@@ -70,6 +71,29 @@ def router_out(logits: torch.Tensor, top_k: int, out):
     T = logits.shape[0]
     return (torch.empty(T, top_k, dtype=torch.float32, device=logits.device),
             torch.empty(T, top_k, dtype=torch.int32, device=logits.device))
+
+
+def scratch_like(cache: dict, ids: torch.Tensor) -> torch.Tensor:
+    """An int32 buffer shaped like `ids` for an output moebench does not read (token_expert_indices), made once
+    per shape and device in `cache` (on the first, untimed call)."""
+    key = (tuple(ids.shape), ids.device)
+    if key not in cache:
+        cache[key] = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    return cache[key]
+
+
+def router_after(weights: torch.Tensor, ids: torch.Tensor, is_padding: torch.Tensor | None = None, *,
+                 new: tuple[torch.Tensor, torch.Tensor] | None = None, renormalize: bool = False):
+    """What an adapter does after a router kernel, in this order (timed with it): the kernel's `new` tensors
+    (weights, ids) copied into the caller's buffers, the weights renormalised (for a kernel with no such
+    argument), rows of `is_padding` set to -1 / 0.0 (pass None where the kernel took the mask). -> (weights, ids)"""
+    if new is not None:
+        weights.copy_(new[0])
+        ids.copy_(new[1])
+    if renormalize:
+        weights.div_(weights.sum(dim=-1, keepdim=True))
+    mask_padded_rows_torch(weights, ids, is_padding)
+    return weights, ids
 
 
 def register_adapter(library: Library, family: str, variant: str, needs: str, make: Callable[[Any], Callable],

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from moebench.bench._peer_lib import Library, register_adapter, router_out
+from moebench.bench._peer_lib import Library, register_adapter, router_after, router_out
 
 
 def _load():
@@ -43,10 +43,7 @@ def make_fused_topk_deepseek(lib):
         # by keyword: a version whose ninth argument is something else fails loudly instead of taking True
         op(logits, bias, num_expert_group, topk_group, top_k, float(routed_scaling_factor), weights, ids,
            launch_with_pdl=True)
-        if is_padding is not None:
-            weights.masked_fill_(is_padding[:, None], 0.0)
-            ids.masked_fill_(is_padding[:, None], -1)
-        return weights, ids
+        return router_after(weights, ids, is_padding)
     return fn
 
 

@@ -34,11 +34,10 @@ from types import SimpleNamespace
 
 import torch
 
-from moebench.bench._peer_lib import Library, accepts, register_adapter, router_out
+from moebench.bench._peer_lib import Library, accepts, register_adapter, router_after, router_out, scratch_like
 from moebench.bench.align import align_build_for
 from moebench.kernels.apply_expert_map import apply_expert_map_torch
 from moebench.kernels.moe_align_block_size import align_capacity
-from moebench.kernels._details.router_common import mask_padded_rows_torch
 
 
 def _load():
@@ -60,18 +59,12 @@ def make_topk_softmax(lib):
     def fn(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
         if old_api:
-            key = (tuple(ids.shape), ids.device)
-            if key not in scratch:
-                scratch[key] = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
-            op(weights, ids, scratch[key], logits)
+            op(weights, ids, scratch_like(scratch, ids), logits)
         elif takes_renorm:
             op(weights, ids, logits, bool(renormalize))
         else:
             op(weights, ids, logits)
-        if renormalize and not takes_renorm:
-            weights.div_(weights.sum(dim=-1, keepdim=True))
-        mask_padded_rows_torch(weights, ids, is_padding)
-        return weights, ids
+        return router_after(weights, ids, is_padding, renormalize=renormalize and not takes_renorm)
     return fn
 
 
@@ -89,10 +82,7 @@ def make_fused_gate(lib):
         w, i = op(logits, bias, num_expert_group, topk_group, top_k, **kw)
         if not on_output and routed_scaling_factor != 1.0:
             w = w * routed_scaling_factor
-        weights.copy_(w)
-        ids.copy_(i)
-        mask_padded_rows_torch(weights, ids, is_padding)
-        return weights, ids
+        return router_after(weights, ids, is_padding, new=(w, i))
     return fn
 
 

@@ -54,10 +54,9 @@ from types import SimpleNamespace
 
 import torch
 
-from moebench.bench._peer_lib import Library, accepts, register_adapter, router_out
+from moebench.bench._peer_lib import Library, accepts, register_adapter, router_after, router_out, scratch_like
 from moebench.bench.align import align_build_for
 from moebench.bench.moe_sum import oblivious_build_for
-from moebench.kernels._details.router_common import mask_padded_rows_torch
 from moebench.kernels.apply_expert_map import apply_expert_map_torch
 
 
@@ -87,9 +86,7 @@ def make_topk_softmax(lib):
 
     def fn(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
         weights, ids = router_out(logits, top_k, out)
-        key = (tuple(ids.shape), ids.device)
-        if key not in scratch:  # first call is the untimed check
-            scratch[key] = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+        indices = scratch_like(scratch, ids)
         kw = {}
         if takes_renorm:
             kw["renormalize"] = bool(renormalize)
@@ -99,7 +96,7 @@ def make_topk_softmax(lib):
             kw[bias_arg] = bias
         gating = logits.float() if logits.dtype in fp32_gating_only else logits
         try:
-            op(weights, ids, scratch[key], gating, **kw)
+            op(weights, ids, indices, gating, **kw)
         except RuntimeError as e:
             # Versions before bf16 gating check `gating_output` is fp32; their own caller (fused_topk) handed
             # them gating_output.float(), so the adapter does the same (timed) and says so. Found on the first,
@@ -109,12 +106,9 @@ def make_topk_softmax(lib):
             fp32_gating_only.add(logits.dtype)
             fn.info["vllm_topk_softmax_gating"] = (f"fp32 only in this version: {logits.dtype} logits cast to "
                                                    "fp32 before the call (timed), as vLLM's fused_topk did")
-            op(weights, ids, scratch[key], logits.float(), **kw)
-        if renormalize and not takes_renorm:
-            weights.div_(weights.sum(dim=-1, keepdim=True))
-        if not takes_pad:
-            mask_padded_rows_torch(weights, ids, is_padding)
-        return weights, ids
+            op(weights, ids, indices, logits.float(), **kw)
+        return router_after(weights, ids, None if takes_pad else is_padding,
+                            renormalize=renormalize and not takes_renorm)
     fn.info = {}
     return fn
 
@@ -142,10 +136,7 @@ def make_grouped_topk(lib):
             bias = cast_bias[key]
         w, i = op(scores, num_expert_group, topk_group, top_k, bool(renormalize), float(routed_scaling_factor),
                   bias, 0 if scoring == "softmax" else 1)
-        weights.copy_(w)
-        ids.copy_(i)
-        mask_padded_rows_torch(weights, ids, is_padding)
-        return weights, ids
+        return router_after(weights, ids, is_padding, new=(w, i))
     fn.info = {"vllm_grouped_topk": "returns new tensors: their copy into the caller's buffers and the masking of "
                                     "padded rows are timed with the kernel"}
     return fn
