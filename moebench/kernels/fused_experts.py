@@ -30,7 +30,8 @@ from moebench.kernels.grouped_gemm import (
 from moebench.kernels.moe_align_block_size import align_capacity
 
 __all__ = ["fused_experts", "fused_experts_torch", "fused_experts_grouped_mm", "grouped_mm_available",
-           "ExpertsWorkspace", "make_workspace", "choose_config", "expert_shapes", "expert_work"]
+           "ExpertsWorkspace", "make_workspace", "choose_config", "expert_shapes", "check_routes", "expert_work",
+           "alignment_buffers", "checked_workspace", "routes_alignment"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -48,11 +49,16 @@ def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     E, I = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (E, H, I):
         raise ValueError(f"w2: expected [E={E}, H={H}, I={I}], got shape {tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != M:
-        raise ValueError(f"topk_ids: expected [M={M}, K], got shape {tuple(topk_ids.shape)}")
+    return M, check_routes(topk_weights, topk_ids, M), E, H, I
+
+
+def check_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens: int) -> int:
+    """K of topk_ids [M, K] with topk_weights of its shape, or ValueError naming the inconsistent argument."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids: expected [M={num_tokens}, K], got shape {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
-    return M, topk_ids.shape[1], E, H, I
+    return topk_ids.shape[1]
 
 
 @dataclass
@@ -76,20 +82,53 @@ class ExpertsWorkspace:
         return (self.num_tokens, self.top_k, self.num_experts, self.hidden, self.intermediate) == (M, K, E, H, I)
 
 
+def alignment_buffers(num_routes: int, num_experts: int, block_m: int,
+                      device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A workspace's alignment outputs and scratch (int32): sorted_ids, expert_ids, num_post, align_scratch."""
+    cap, bcap = align_capacity(num_routes, num_experts, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    return dict(sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32),
+                num_post=torch.empty(1, **i32),
+                align_scratch=torch.empty(align_scratch_size(num_routes, num_experts), **i32))
+
+
 def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
                    config: ExpertsConfig | None = None, dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str = "cuda") -> ExpertsWorkspace:
     R = num_tokens * top_k
     cfg = config or choose_config(R, num_experts, hidden, intermediate)
-    cap, bcap = align_capacity(R, num_experts, cfg.block_m)
     rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
-    i32 = dict(dtype=torch.int32, device=device)
     return ExpertsWorkspace(
         cfg, num_tokens, top_k, num_experts, hidden, intermediate,
-        sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32), num_post=torch.empty(1, **i32),
-        align_scratch=torch.empty(align_scratch_size(R, num_experts), **i32),
+        **alignment_buffers(R, num_experts, cfg.block_m, device),
         act=torch.empty(rows, intermediate, dtype=dtype, device=device),
         y=torch.empty(R, hidden, dtype=dtype, device=device))
+
+
+def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
+    """`workspace` if it fits shape (M, K, E, H, I), make() when it is None, else ValueError."""
+    if workspace is None:
+        return make()
+    if not workspace.fits(*shape):
+        raise ValueError("workspace was made for other shapes")
+    return workspace
+
+
+def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, workspace,
+                     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, expert_ids, num_post): topk_ids aligned into the workspace's buffers, or the caller's
+    `alignment` once its capacities are checked for block_m."""
+    if alignment is None:
+        ws = workspace
+        return align_routes(topk_ids, num_experts, block_m,
+                            out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
+    sorted_ids, expert_ids, num_post = alignment
+    cap, bcap = align_capacity(topk_ids.numel(), num_experts, block_m)
+    if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
+        raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={block_m}, got "
+                         f"({sorted_ids.numel()}, {expert_ids.numel()})")
+    return sorted_ids, expert_ids, num_post
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -112,10 +151,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         out = torch.empty(M, H, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if workspace is None:
-        workspace = make_workspace(M, K, E, H, I, config=config, dtype=x.dtype, device=x.device)
-    elif not workspace.fits(M, K, E, H, I):
-        raise ValueError("workspace was made for other shapes")
+    workspace = checked_workspace(workspace, (M, K, E, H, I),
+                                  lambda: make_workspace(M, K, E, H, I, config=config, dtype=x.dtype, device=x.device))
     cfg = config or workspace.config
     if cfg.block_m != workspace.config.block_m:
         raise ValueError("config.block_m differs from the workspace's")
@@ -123,15 +160,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.float().contiguous()
     ws = workspace
-    if alignment is None:
-        sorted_ids, expert_ids, num_post = align_routes(
-            topk_ids, E, cfg.block_m, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
-    else:
-        sorted_ids, expert_ids, num_post = alignment
-        cap, bcap = align_capacity(M * K, E, cfg.block_m)
-        if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
-            raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={cfg.block_m}, got "
-                             f"({sorted_ids.numel()}, {expert_ids.numel()})")
+    sorted_ids, expert_ids, num_post = routes_alignment(topk_ids, E, cfg.block_m, ws, alignment)
     gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act)
     down_proj(ws.act, w2, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.down, ws.y)
     return sum_slots(ws.y, topk_ids, E, out, block_h=cfg.reduce_block_h)

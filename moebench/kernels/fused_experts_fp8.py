@@ -41,16 +41,14 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels.fused_experts import alignment_buffers, check_routes, checked_workspace, routes_alignment
 from moebench.kernels.grouped_gemm import (
-    align_routes,
-    align_scratch_size,
     max_blocks,
     persistent_programs,
     sum_slots,
     swizzle,
     weight_operand,
 )
-from moebench.kernels.moe_align_block_size import align_capacity
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "Fp8ExpertsWorkspace",
@@ -308,11 +306,7 @@ def check_fp8_args(x_q, x_scales, topk_ids, topk_weights, w13_q, w13_scales, w2_
     if tuple(x_scales.shape) != sf_shape or x_scales.dtype != sf_dtype:
         raise ValueError(f"x_scales: expected {sf_dtype} {sf_shape} ({scale_format}, group {group_size}), got "
                          f"{x_scales.dtype} {tuple(x_scales.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != M:
-        raise ValueError(f"topk_ids: expected [M={M}, K], got shape {tuple(topk_ids.shape)}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
-    return M, topk_ids.shape[1], E, H, I
+    return M, check_routes(topk_weights, topk_ids, M), E, H, I
 
 
 @dataclass
@@ -338,13 +332,10 @@ def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: in
                        ) -> Fp8ExpertsWorkspace:
     R = num_tokens * top_k
     cfg = config or choose_fp8_config(R, num_experts, hidden, intermediate)
-    cap, bcap = align_capacity(R, num_experts, cfg.block_m)
     rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
-    i32 = dict(dtype=torch.int32, device=device)
     return Fp8ExpertsWorkspace(
         cfg, (num_tokens, top_k, num_experts, hidden, intermediate),
-        sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32), num_post=torch.empty(1, **i32),
-        align_scratch=torch.empty(align_scratch_size(R, num_experts), **i32),
+        **alignment_buffers(R, num_experts, cfg.block_m, device),
         act_q=torch.empty(rows, intermediate, dtype=E4M3, device=device),
         act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device),
         y=torch.empty(R, hidden, dtype=torch.bfloat16, device=device))
@@ -410,10 +401,8 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
         out = torch.empty(M, H, dtype=torch.bfloat16, device=x_q.device)
     if M == 0:
         return out
-    if workspace is None:
-        workspace = make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device)
-    elif not workspace.fits(M, K, E, H, I):
-        raise ValueError("workspace was made for other shapes")
+    workspace = checked_workspace(workspace, (M, K, E, H, I),
+                                  lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device))
     if config is not None and config != workspace.config:
         raise ValueError("config differs from the workspace's (make the workspace with it)")
     ws = workspace
@@ -421,15 +410,7 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
     w13_scales, w2_scales = w13_scales.contiguous(), w2_scales.contiguous()
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.float().contiguous()
-    bm = ws.config.block_m
-    if alignment is None:
-        sorted_ids, expert_ids, num_post = align_routes(
-            topk_ids, E, bm, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
-    else:
-        sorted_ids, expert_ids, num_post = alignment
-        cap, bcap = align_capacity(M * K, E, bm)
-        if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
-            raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={bm}")
+    sorted_ids, expert_ids, num_post = routes_alignment(topk_ids, E, ws.config.block_m, ws, alignment)
     if K == 0:
         return out.zero_()
     fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws,
