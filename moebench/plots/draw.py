@@ -6,7 +6,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moebench.plots.common import fmt_value
+from moebench.plots.common import Run, figure_title, fmt_value, slug
 
 
 @dataclass
@@ -41,6 +41,23 @@ def save(fig, path: Path, title: str) -> None:
     fig.suptitle("\n".join(lines), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def panel_figure(panels: int, max_cols: int = 3, **kw):
+    """(fig, axes) of a grid_shape grid for `panels` panels; new_figure's keywords passed on."""
+    nrows, ncols = grid_shape(panels, max_cols)
+    return new_figure(nrows, ncols, **kw)
+
+
+def save_panels(fig, axes, panels: int, run: Run, out: Path, kind: str, what: str, records: list[dict], dims,
+                group: dict) -> Plot:
+    """A panel figure finished: the panels past `panels` hidden, titled (figure_title over `records`, those
+    drawn) and saved as out/<kind><slug(group)>.png; its Plot."""
+    hide_unused(axes, panels)
+    title = figure_title(run, what, records, dims, group)
+    path = out / f"{kind}{slug(group)}.png"
+    save(fig, path, title)
+    return Plot(kind, path, title, len(records), group)
 
 
 def hide_unused(axes, used: int) -> None:

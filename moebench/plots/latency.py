@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.plots.common import Run, aggregate, figure_title, fmt_value, param, slug, sorted_unique, split, stat
-from moebench.plots.draw import Plot, grid_shape, hide_unused, log2_ticks, new_figure, palette, save
+from moebench.plots.common import Run, aggregate, fmt_value, param, sorted_unique, split, stat
+from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
 from moebench.plots.pairing import MODE_ORDER, mode_of, mode_styles, panel_names
 
 
@@ -24,8 +24,7 @@ def latency_vs_tokens(run: Run, out: Path) -> list[Plot]:
         styles = mode_styles(rs)
         ratios = sorted_unique(param(r, "padding_ratio") for r in rs) or [None]
         colors = dict(zip(ratios, palette(len(ratios))))
-        nrows, ncols = grid_shape(len(panels))
-        fig, axes = new_figure(nrows, ncols, sharey=True)
+        fig, axes = panel_figure(len(panels), sharey=True)
         for ax, panel in zip(axes.flat, panels):
             agg = aggregate([r for r in rs if panel_of[r["impl"]] == panel],
                             lambda r: (param(r, "padding_ratio"), mode_of(r), param(r, "num_tokens")))
@@ -51,9 +50,6 @@ def latency_vs_tokens(run: Run, out: Path) -> list[Plot]:
         for ax in axes[:, 0]:
             ax.set_ylabel("latency p50 (us), band p10-p90")
         axes.flat[0].legend(fontsize=7, loc="upper left")
-        hide_unused(axes, len(panels))
-        title = figure_title(run, "Latency vs tokens", rs, dims, group)
-        path = out / f"latency_vs_tokens{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("latency_vs_tokens", path, title, len(rs), group))
+        plots.append(save_panels(fig, axes, len(panels), run, out, "latency_vs_tokens", "Latency vs tokens",
+                                 rs, dims, group))
     return plots

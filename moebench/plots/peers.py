@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from moebench.peers import peer_ratios, point_of
-from moebench.plots.common import Run, figure_title, param, slug, split
-from moebench.plots.draw import Plot, grid_shape, hide_unused, log2_ticks, new_figure, palette, save
+from moebench.plots.common import Run, param, split
+from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
 
 
 def peer_ratio(run: Run, out: Path) -> list[Plot]:
@@ -20,8 +20,7 @@ def peer_ratio(run: Run, out: Path) -> list[Plot]:
     plots = []
     for group, rs in split(recs, dims):
         kernels = list(dict.fromkeys(r.get("kernel") or r["impl"].split(".")[0] for r in rs))
-        nrows, ncols = grid_shape(len(kernels))
-        fig, axes = new_figure(nrows, ncols)
+        fig, axes = panel_figure(len(kernels))
         for ax, kernel in zip(axes.flat, kernels):
             sub = [r for r in rs if (r.get("kernel") or r["impl"].split(".")[0]) == kernel]
             impls = list(dict.fromkeys(r["impl"] for r in sub))
@@ -39,9 +38,6 @@ def peer_ratio(run: Run, out: Path) -> list[Plot]:
             ax.set_ylabel("p50 / best other peer's p50")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-        hide_unused(axes, len(kernels))
-        title = figure_title(run, "Ratio to the best peer at the same point (dashed: peers)", rs, dims, group)
-        path = out / f"peer_ratio{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("peer_ratio", path, title, len(rs), group))
+        plots.append(save_panels(fig, axes, len(kernels), run, out, "peer_ratio",
+                                 "Ratio to the best peer at the same point (dashed: peers)", rs, dims, group))
     return plots

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.plots.common import Run, aggregate, figure_title, fmt_value, param, slug, sorted_unique, split
-from moebench.plots.draw import Plot, grid_shape, hide_unused, log2_ticks, new_figure, palette, save
+from moebench.plots.common import Run, aggregate, fmt_value, param, sorted_unique, split
+from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
 from moebench.plots.pairing import MODE_ORDER, mode_of, mode_styles, series_label
 
 
@@ -21,8 +21,7 @@ def roof_fraction(run: Run, out: Path) -> list[Plot]:
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         colors = dict(zip(impls, palette(len(impls), "tab10")))
         styles = mode_styles(rs)
-        nrows, ncols = grid_shape(len(ratios))
-        fig, axes = new_figure(nrows, ncols, sharey=True)
+        fig, axes = panel_figure(len(ratios), sharey=True)
         for ax, ratio in zip(axes.flat, ratios):
             sub = [r for r in rs if param(r, "padding_ratio") == ratio]
             agg = aggregate(sub, lambda r: (r["impl"], mode_of(r), param(r, "num_tokens")))
@@ -43,9 +42,6 @@ def roof_fraction(run: Run, out: Path) -> list[Plot]:
         for ax in axes[:, 0]:
             ax.set_ylabel("fraction of roofline (roofline_us / p50)")
         axes.flat[0].legend(fontsize=7)
-        hide_unused(axes, len(ratios))
-        title = figure_title(run, "Achieved fraction of the roofline", rs, dims, group)
-        path = out / f"roof_fraction{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("roof_fraction", path, title, len(rs), group))
+        plots.append(save_panels(fig, axes, len(ratios), run, out, "roof_fraction", "Achieved fraction of the roofline",
+                                 rs, dims, group))
     return plots

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.plots.common import Run, aggregate, figure_title, param, slug, sorted_unique, split, stat
-from moebench.plots.draw import Plot, grid_shape, hide_unused, new_figure, palette, save
+from moebench.plots.common import Run, aggregate, param, sorted_unique, split, stat
+from moebench.plots.draw import Plot, palette, panel_figure, save_panels
 from moebench.plots.pairing import mode_of, twin_impls
 
 
@@ -52,8 +52,7 @@ def saving_vs_padding(run: Run, out: Path) -> list[Plot]:
         tokens_all = sorted_unique(k[1] for k in pairs)
         colors = dict(zip(tokens_all, palette(len(tokens_all), "plasma")))
         ratios_all = sorted_unique(k[2] for k in pairs)
-        nrows, ncols = grid_shape(len(panels))
-        fig, axes = new_figure(nrows, ncols, sharey=True)
+        fig, axes = panel_figure(len(panels), sharey=True)
         for ax, panel in zip(axes.flat, panels):
             ideal_labelled = False
             for tokens in tokens_all:
@@ -78,11 +77,8 @@ def saving_vs_padding(run: Run, out: Path) -> list[Plot]:
         for ax in axes[:, 0]:
             ax.set_ylabel("p50 masked / p50 unmasked or oblivious\n(lower = saving)")
         axes.flat[0].legend(fontsize=7)
-        hide_unused(axes, len(panels))
         used = [r for r in rs if (r["impl"], param(r, "num_tokens"), param(r, "padding_ratio"), mode_of(r))
                 in used_keys]
-        title = figure_title(run, "Saving from the padding mask", used, dims, group)
-        path = out / f"saving_vs_padding{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("saving_vs_padding", path, title, len(used), group))
+        plots.append(save_panels(fig, axes, len(panels), run, out, "saving_vs_padding", "Saving from the padding mask",
+                                 used, dims, group))
     return plots

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.plots.common import Run, aggregate, figure_title, fmt_value, param, slug, sorted_unique, split, stat
-from moebench.plots.draw import Plot, grid_shape, hide_unused, log2_ticks, new_figure, palette, save
+from moebench.plots.common import Run, aggregate, fmt_value, param, sorted_unique, split, stat
+from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
 from moebench.plots.pairing import MODE_ORDER, mode_of, mode_styles, series_label
 
 
@@ -23,8 +23,7 @@ def ep_scaling(run: Run, out: Path) -> list[Plot]:
         impls = list(dict.fromkeys(r["impl"] for r in rs))
         colors = dict(zip(impls, palette(len(impls), "tab10")))
         styles = mode_styles(rs)
-        nrows, ncols = grid_shape(len(ratios))
-        fig, axes = new_figure(nrows, ncols, sharey=True)
+        fig, axes = panel_figure(len(ratios), sharey=True)
         any_sim = False
         for ax, ratio in zip(axes.flat, ratios):
             sub = [r for r in rs if param(r, "padding_ratio") == ratio]
@@ -62,9 +61,6 @@ def ep_scaling(run: Run, out: Path) -> list[Plot]:
             handles.append(Line2D([], [], marker="o", ls="", color="grey", markerfacecolor="none"))
             labels.append("simulated (computed, not measured)")
         ax0.legend(handles, labels, fontsize=7)
-        hide_unused(axes, len(ratios))
-        title = figure_title(run, "EP-size scaling", rs, dims, group)
-        path = out / f"ep_scaling{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("ep_scaling", path, title, len(rs), group))
+        plots.append(save_panels(fig, axes, len(ratios), run, out, "ep_scaling", "EP-size scaling",
+                                 rs, dims, group))
     return plots

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moebench.plots.common import Run, figure_title, fmt_value, median, param, slug, sorted_unique, split, stat
-from moebench.plots.draw import Plot, grid_shape, hide_unused, new_figure, palette, save
+from moebench.plots.common import Run, fmt_value, median, param, sorted_unique, split, stat
+from moebench.plots.draw import Plot, palette, panel_figure, save_panels
 from moebench.plots.pairing import mask_of, mode_of
 
 
@@ -38,12 +38,11 @@ def layer_stages(run: Run, out: Path) -> list[Plot]:
         modes = {mode_of(r) for r in rs}
         unmasked_word = " / ".join(w for m, w in (("unmasked", "unmasked"), ("oblivious", "mask-oblivious"))
                                    if m in modes)
-        nrows, ncols = grid_shape(len(impls), 2)
         # bar slots per panel: an oblivious twin's panel has only unmasked bars, not an empty masked slot
         panel_masks = {impl: [m for m in masks if any(r["impl"] == impl and mask_of(r) is m for r in rs)]
                        for impl in impls}
         slots = max(len(m) for m in panel_masks.values())
-        fig, axes = new_figure(nrows, ncols, panel_w=max(5.0, 1.2 * len(ratios) * slots), sharey=True)
+        fig, axes = panel_figure(len(impls), 2, panel_w=max(5.0, 1.2 * len(ratios) * slots), sharey=True)
         for ax, impl in zip(axes.flat, impls):
             width = 0.8 / len(panel_masks[impl])
             for xi, ratio in enumerate(ratios):
@@ -82,9 +81,6 @@ def layer_stages(run: Run, out: Path) -> list[Plot]:
 
             handles.append(Line2D([], [], color="black", lw=1.5, label="whole layer p50"))
         axes.flat[0].legend(handles=handles, fontsize=7)
-        hide_unused(axes, len(impls))
-        title = figure_title(run, "Layer latency per stage", rs, dims, group)
-        path = out / f"layer_stages{slug(group)}.png"
-        save(fig, path, title)
-        plots.append(Plot("layer_stages", path, title, len(rs), group))
+        plots.append(save_panels(fig, axes, len(impls), run, out, "layer_stages", "Layer latency per stage",
+                                 rs, dims, group))
     return plots
