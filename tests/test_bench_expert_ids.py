@@ -5,18 +5,11 @@ import pytest
 import torch
 
 from moebench.bench.expert_ids import make_receive_buffer
+from tests.kernels.expert_id_helpers import receive_buffer
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def receive_buffer(num_recv, capacity, K, local_experts, *, seed, dtype=torch.int64):
-    g = gen(seed)
-    local = torch.randint(-1, local_experts, (num_recv, K), generator=g)
-    local[:, 0] = torch.randint(0, local_experts, (num_recv,), generator=g)  # every received row has work
-    recv, n = make_receive_buffer(local, capacity, local_experts, generator=g)
-    return recv.to(dtype), n
 
 
 def test_receive_buffer_tail_looks_valid():

@@ -12,9 +12,9 @@ from moebench.kernels import globalize_recv_topk_idx_torch as globalize_torch_ex
 from moebench.kernels.apply_expert_map import (apply_expert_map, apply_expert_map_oblivious,
                                                apply_expert_map_oblivious_torch, apply_expert_map_torch,
                                                build_expert_map)
-from moebench.bench.expert_ids import make_receive_buffer
 from moebench.kernels.globalize_recv_topk_idx import (globalize_recv_topk_idx, globalize_recv_topk_idx_oblivious,
                                                       globalize_recv_topk_idx_torch)
+from expert_id_helpers import receive_buffer
 
 
 def gen(seed):
@@ -116,14 +116,6 @@ def test_oblivious_expert_map_wraps_minus_one():
     assert (fixed[padded] == -1).all()
     differs = (got.long() != fixed).any(dim=1)
     assert torch.equal(differs, padded)
-
-
-def receive_buffer(num_recv, capacity, K, local_experts, *, seed, dtype=torch.int64):
-    g = gen(seed)
-    local = torch.randint(-1, local_experts, (num_recv, K), generator=g)
-    local[:, 0] = torch.randint(0, local_experts, (num_recv,), generator=g)  # every received row has work
-    recv, n = make_receive_buffer(local, capacity, local_experts, generator=g)
-    return recv.to(dtype), n
 
 
 @pytest.mark.gpu

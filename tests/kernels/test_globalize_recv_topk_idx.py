@@ -4,21 +4,9 @@ garbage receive rows and bad ids neutralised, and the oblivious twin keeping the
 import pytest
 import torch
 
-from moebench.bench.expert_ids import make_receive_buffer
 from moebench.kernels.globalize_recv_topk_idx import (globalize_oblivious_reference, globalize_recv_topk_idx,
                                                       globalize_recv_topk_idx_oblivious, globalize_recv_topk_idx_torch)
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def receive_buffer(num_recv, capacity, K, local_experts, *, seed, dtype=torch.int64):
-    g = gen(seed)
-    local = torch.randint(-1, local_experts, (num_recv, K), generator=g)
-    local[:, 0] = torch.randint(0, local_experts, (num_recv,), generator=g)  # every received row has work
-    recv, n = make_receive_buffer(local, capacity, local_experts, generator=g)
-    return recv.to(dtype), n
+from expert_id_helpers import receive_buffer
 
 
 @pytest.mark.parametrize("num_recv,capacity,K,dtype", [(13, 50, 6, torch.int64), (300, 700, 8, torch.int32),
