@@ -16,8 +16,8 @@ A new kernel is one library file plus one registration:
      `build` makes the inputs (moebench.inputs), preallocates the outputs, and returns a Case whose `run` is the
      timed call and whose `check` compares against the reference; it declares bytes_moved (and flops) and its
      NVTX stage. Register the reference with `baseline=True` and an oblivious twin with `twin_of="<op>.triton"`
-     (the mask-aware impl it is paired with). Variants may be registered in a loop:
-     `register_impl(f"<op>.{variant}", ...)(make_build(variant))`.
+     (the mask-aware impl it is paired with). The usual triton / torch / oblivious set is one call,
+     `register_variants("<op>", {variant: description}, make_build)`, which does exactly that.
 tests/test_bench_contract.py then builds, checks and times every registered impl at a small shape on the CPU, so a
 new impl gets those tests for free.
 """
