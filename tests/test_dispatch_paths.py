@@ -21,8 +21,8 @@ from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, Received
                                     local_ids, package_paths, path_class, token_in_rank)
 from moebench.dispatch.comm import all_gather_rows, reduce_scatter_rows
 from moebench.dispatch.reference import check_received, gather_inputs, scaled_expert, scaled_expert_reference
+from moebench.params import Params
 from moebench.registry import RunContext
-from moebench.sweep import Params
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from moebench import dist as mdist
 from moebench.inputs import padding
 from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)
-from moebench.sweep import Params
+from moebench.params import Params
 
 
 def _rows(n, width=3, seed=0):

@@ -24,8 +24,8 @@ from moebench.dispatch.base import DispatchPath, EPLayout, effective_ids, packag
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, padded_rows_sent,
                                          scaled_expert, scaled_expert_reference)
 from moebench.families import set_path_registrar
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 COMBINE_MAX_REL = 2e-2  # partial sums are rounded to bf16 on each rank before they are added
 COMBINE_RMS_REL = 5e-3

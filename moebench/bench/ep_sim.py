@@ -34,8 +34,8 @@ from moebench.kernels._details.jit import interpreting
 from moebench.kernels.fused_experts import expert_work, fused_experts, fused_experts_torch, make_workspace
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure
+from moebench.params import Params, Timing
 from moebench.registry import Case, Routing, RunContext, register_impl
-from moebench.sweep import Params, Timing
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
 REPS_CPU = 1  # on a CPU (the interpreter) one replay: the figures are only a smoke signal there

@@ -53,8 +53,8 @@ from moebench.dispatch.pack import (COMBINE_FIXED_KERNEL, PACK_FIXED_KERNEL, cap
                                     combine_fixed_torch, pack_fixed, pack_fixed_torch, send_positions)
 from moebench.kernels._details.jit import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
 DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch

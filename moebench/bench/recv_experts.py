@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 STALE_SEED_SALT = 31  # the stale rows' contents draw from their own stream
 

@@ -40,7 +40,7 @@ from moebench.kernels._details.args import check_mask
 
 if TYPE_CHECKING:  # pragma: no cover
     from moebench.registry import RunContext
-    from moebench.sweep import Params
+    from moebench.params import Params
 
 PACKAGE = "moebench.dispatch"  # every module of it is imported by package_paths()
 

@@ -10,7 +10,7 @@ from moebench.inputs.padding import fill_rows, ratio_mask
 from moebench.inputs.routing import DTYPES, expert_prior, real_logits
 from moebench.kernels.grouped_topk import grouped_topk_torch
 from moebench.kernels.topk_softmax import topk_softmax_torch
-from moebench.sweep import Params
+from moebench.params import Params
 
 
 @dataclass

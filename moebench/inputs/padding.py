@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from moebench.sweep import Params
+    from moebench.params import Params
 
 from moebench.kernels._details.args import check_mask  # noqa: E402  (re-exported)
 
