@@ -74,7 +74,7 @@ class Params:
 
     @property
     def num_padding(self) -> int:
-        return int(round(self.num_tokens * self.padding_ratio))
+        return padding_rows(self.num_tokens, self.padding_ratio)
 
     @property
     def local_experts(self) -> int:
@@ -82,6 +82,12 @@ class Params:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def padding_rows(num_rows: int, padding_ratio: float) -> int:
+    """How many of `num_rows` rows are padding at `padding_ratio`: round(), so half-way cases go to even (the one
+    place this is computed: the producers' masks and the records must agree on it)."""
+    return int(round(num_rows * padding_ratio))
 
 
 @dataclass(frozen=True)
