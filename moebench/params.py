@@ -1,5 +1,7 @@
 """The parameters of one point: `Params` (every key a sweep may put under `fixed` or `axes`), `Timing` (how a point
-is timed) and `Point` (one impl at one Params, with the stable key runs are resumed and compared by).
+is timed) and `Point` (one impl at one Params, with the stable key runs are resumed and compared by); and the values
+derived from Params that several layers need, each computed in one place: `EPLayout` (which EP rank owns which
+experts), `padding_rows` (how many rows a padding ratio pads).
 
 Plain frozen data, importing nothing of moebench, so that everything else can sit above it: the inputs, the
 registry, the dispatch paths, the bench modules and the measurements read a point's parameters from here, while
@@ -78,7 +80,7 @@ class Params:
 
     @property
     def local_experts(self) -> int:
-        return self.num_local_experts if self.num_local_experts is not None else self.num_experts // self.ep_size
+        return self.num_local_experts if self.num_local_experts is not None else EPLayout.of(self).experts_per_rank
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,6 +90,51 @@ def padding_rows(num_rows: int, padding_ratio: float) -> int:
     """How many of `num_rows` rows are padding at `padding_ratio`: round(), so half-way cases go to even (the one
     place this is computed: the producers' masks and the records must agree on it)."""
     return int(round(num_rows * padding_ratio))
+
+
+def ep_split_problem(num_experts: int, ep_size: int) -> str | None:
+    """Why num_experts experts cannot be split evenly over ep_size EP ranks, or None (the one place it is checked)."""
+    if num_experts < 1 or ep_size < 1:
+        return f"ep_size: num_experts and ep_size must be >= 1, got {num_experts}, {ep_size}"
+    if num_experts % ep_size:
+        return f"ep_size: {ep_size} does not divide num_experts {num_experts}"
+    return None
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Expert ownership over the EP ranks, seen from one of them: rank r of ep_size owns the experts
+    [r * E / ep_size, (r + 1) * E / ep_size). The one place experts per rank is derived; the dispatch paths, the
+    imbalance figures and the simulated ranks all read it from here."""
+
+    rank: int
+    ep_size: int
+    num_experts: int
+    group: Any = None  # the torch.distributed group of the ep_size ranks when they are real processes
+
+    def __post_init__(self):
+        why = ep_split_problem(self.num_experts, self.ep_size)
+        if why:
+            raise ValueError(why)
+        if not 0 <= self.rank < self.ep_size:
+            raise ValueError(f"rank {self.rank} not in [0, {self.ep_size})")
+
+    @classmethod
+    def of(cls, p: Params, rank: int = 0, group: Any = None) -> "EPLayout":
+        """The layout of point `p` as rank `rank` sees it."""
+        return cls(rank, p.ep_size, p.num_experts, group)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def first_expert(self, rank: int) -> int:
+        """The first (global) expert id rank `rank` owns."""
+        return rank * self.experts_per_rank
+
+    @property
+    def expert_offset(self) -> int:
+        return self.first_expert(self.rank)
 
 
 @dataclass(frozen=True)

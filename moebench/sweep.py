@@ -26,7 +26,7 @@ import yaml
 
 from moebench import registry, strict_yaml
 from moebench.headline import spec_problem
-from moebench.params import Params, Point, Timing
+from moebench.params import Params, Point, Timing, ep_split_problem
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
 
@@ -115,8 +115,9 @@ def params_problem(p: Params) -> str | None:
         return f"topk_group: {p.topk_group} > num_expert_group {p.num_expert_group}"
     if p.num_expert_group > 1 and p.top_k > p.topk_group * (p.num_experts // p.num_expert_group):
         return f"top_k: {p.top_k} > experts in the {p.topk_group} kept groups"
-    if p.num_experts % p.ep_size:
-        return f"ep_size: {p.ep_size} does not divide num_experts {p.num_experts}"
+    why = ep_split_problem(p.num_experts, p.ep_size)
+    if why:
+        return why
     if p.num_local_experts is not None and not 1 <= p.num_local_experts <= p.num_experts:
         return f"num_local_experts: must be in [1, num_experts={p.num_experts}], got {p.num_local_experts}"
     if p.hot_experts > p.num_experts:

@@ -279,7 +279,7 @@ def deepep_low_latency(ctx, args, layout) -> list[dict]:
     if why:
         return [_row("ll128", "deepep_ll", "-", None, 0, note=f"skipped: {why}")]
     p = Params(num_tokens=128, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
-               ep_size=layout.world_size, low_latency=True)
+               ep_size=layout.ep_size, low_latency=True)
     batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
     w, ids = inputs.route(p, batch)
     x = batch.hidden

@@ -64,11 +64,11 @@ class GatherPath(DispatchPath):
                             "" if ordered else "rows out of order", {})]
 
     def record_info(self, p):
-        return {"gathered_rows": p.num_tokens * self.layout.world_size}
+        return {"gathered_rows": p.num_tokens * self.layout.ep_size}
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None):
         lay = self.layout
-        R, (T, K) = lay.world_size, topk_ids.shape
+        R, (T, K) = lay.ep_size, topk_ids.shape
         ids = effective_ids(topk_ids, is_padding)
         all_x = torch.empty(R * T, x.shape[1], dtype=x.dtype)
         all_ids = torch.empty(R * T, K, dtype=torch.int32)
@@ -85,10 +85,10 @@ class GatherPath(DispatchPath):
     def combine(self, expert_out, handle, out=None):
         lay = self.layout
         T, rows = handle
-        full = torch.zeros(lay.world_size * T, expert_out.shape[1], dtype=expert_out.dtype)
+        full = torch.zeros(lay.ep_size * T, expert_out.shape[1], dtype=expert_out.dtype)
         full[rows] = expert_out
         out = torch.empty(T, expert_out.shape[1], dtype=expert_out.dtype) if out is None else out
-        reduce_scatter_rows(out, full, lay.group, lay.world_size)
+        reduce_scatter_rows(out, full, lay.group, lay.ep_size)
         return out
 
     def received(self, d):

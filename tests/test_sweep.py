@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moebench.cli import main
-from moebench.params import Params, Point
+from moebench.params import EPLayout, Params, Point
 from moebench.sweep import SweepError, apply_overrides, expand, load_sweep, parse_set
 
 GOOD = """\
@@ -141,3 +141,15 @@ def test_params_defaults_are_valid():
 
     assert params_problem(Params()) is None
     assert Params(num_tokens=10, padding_ratio=0.25).num_padding == 2  # round(2.5) -> banker's rounding
+
+
+def test_ep_layout_is_derived_from_params_once():
+    p = Params(num_experts=32, ep_size=4)
+    lay = EPLayout.of(p, rank=3)
+    assert (lay.rank, lay.ep_size, lay.num_experts, lay.experts_per_rank, lay.expert_offset) == (3, 4, 32, 8, 24)
+    assert [lay.first_expert(r) for r in range(4)] == [0, 8, 16, 24]
+    assert p.local_experts == 8 and Params(num_experts=32, ep_size=4, num_local_experts=5).local_experts == 5
+    with pytest.raises(ValueError, match="ep_size: 3 does not divide num_experts 32"):
+        EPLayout(0, 3, 32)
+    with pytest.raises(ValueError, match="rank 4 not in"):
+        EPLayout.of(p, rank=4)

@@ -139,7 +139,7 @@ def step_inputs(p: Params, step: int, batch: int, device: torch.device) -> dict[
     b = inputs.make_batch(sp, device, seed_offset=step)
     topk_weights, topk_ids = inputs.route(sp, b)  # -1 on padded rows when p.mask
     ids = effective_ids(topk_ids, b.mask)
-    layout = EPLayout(0, p.ep_size, p.num_experts)
+    layout = EPLayout.of(p)
     send_pos, counts = send_positions(token_in_rank(ids, layout))
     max_rows = int(counts.max().item()) if counts.numel() else 0
     # fresh, offset-0 copies: pointer alignment is part of a Triton specialisation and must not vary per step
@@ -191,7 +191,7 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
     (the last step's inputs, buffers, output and kernels) for the timed replay and the check."""
     sizes = trace_batch_sizes(p)
     policy, buffer_rows = p.capacity_policy, p.num_max_tokens_per_rank
-    experts_per_rank = p.num_experts // p.ep_size
+    experts_per_rank = EPLayout.of(p).experts_per_rank
     kernels = (fresh_kernel(PACK_FIXED_KERNEL), fresh_kernel(COMBINE_FIXED_KERNEL)) if use_triton else None
     bufs = _Buffers(p, device)
     steps: list[dict[str, Any]] = []
