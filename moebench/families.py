@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
     from moebench.registry import Case, RunContext
-    from moebench.sweep import Params
+    from moebench.params import Params
 
 __all__ = ["KernelFamily", "register_family", "get_family", "all_families", "set_path_registrar", "path_registrar"]
 

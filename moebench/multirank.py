@@ -15,9 +15,10 @@ from typing import Callable
 
 import torch
 
+from moebench.params import Point
 from moebench.registry import RunContext
 from moebench.results import RECORDS, RecordWriter, load_records
-from moebench.sweep import Point, Sweep
+from moebench.sweep import Sweep
 
 
 class RecordTail:

@@ -12,8 +12,9 @@ import torch
 
 from moebench import registry
 from moebench.measure.roofline import roofline_us
+from moebench.params import Point, Timing
 from moebench.registry import Case, CheckResult, RunContext
-from moebench.sweep import Point, Sweep, Timing
+from moebench.sweep import Sweep
 
 
 def bare_record(point: Point, sweep: Sweep, status: str, reason: str, **extra) -> dict:

@@ -23,7 +23,7 @@ from moebench.check import CheckResult
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from moebench.sweep import Params
+    from moebench.params import Params
 
 __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "register", "register_impl",
            "register_variants", "load_all", "get", "all_impls", "BENCH_PACKAGE"]

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from moebench import point_worker, registry
+from moebench.params import Point
 from moebench.registry import RunContext
 from moebench.point import error_line, execute_point, interpreting
 from moebench.report import Table
@@ -23,7 +24,7 @@ from moebench.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_reco
                               unique_records, write_manifest, write_summary)
 from moebench.resume import check_same_sweep, stored_sweep
 from moebench.run_lock import RunLock
-from moebench.sweep import Point, Sweep, expand
+from moebench.sweep import Sweep, expand
 
 
 def pick_device(requested: str | None) -> torch.device:

@@ -1,5 +1,9 @@
 """Sweep files: YAML (safe_load only) -> typed, validated, frozen dataclasses -> the list of points.
 
+The data a point is made of (Params, Timing, Point) lives in moebench.params, below everything; this module loads
+and validates sweeps, which needs the registry (impl names and their limits), the plugins, the presets and the
+headline specs, so it sits above all of them and nothing below the runner imports it.
+
 Every problem is reported as one `SweepError` line naming the file, the key and the reason, before anything
 runs or is written. Limits that keep hostile input cheap: the strict YAML rules of `strict_yaml` (no aliases, no
 duplicate keys, bounded depth and size, UTF-8), finite numbers only, names of NAME_PATTERN, and the point count
@@ -11,18 +15,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import itertools
-import json
 import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from moebench import strict_yaml
+from moebench import registry, strict_yaml
+from moebench.headline import spec_problem
+from moebench.params import Params, Point, Timing, ep_split_problem
+from moebench.plugins import PluginError, load_plugins
+from moebench.presets import UnknownModel, apply_preset, get_preset
 
 
 class SweepError(ValueError):
@@ -30,8 +36,7 @@ class SweepError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a field here; anything else is
-# an unknown key. Defaults are a DeepSeek-V3-like layer.
+# The values a parameter accepts (its type is the Params field's), and the combinations that are impossible.
 # ---------------------------------------------------------------------------------------------------------------
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -48,71 +53,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dbo_mask": ("sliced", "full", "none"),
     "expert_dtype": ("bf16", "fp8"),
 }
-
-
-@dataclass(frozen=True)
-class Params:
-    # token axis and padding
-    num_tokens: int = 1024  # rows on one rank, padding included (for `cudagraph`: real tokens before padding)
-    padding_ratio: float = 0.0  # fraction of rows that are padding (`ratio` producer: the trailing rows)
-    padding_producer: str = "ratio"
-    padding_fill: str = "repeat"
-    mask: bool = True  # pass is_padding to mask-aware impls (False: padded rows routed like real ones)
-    capture_sizes: Optional[list] = None  # cudagraph producer; None = 1,2,4,8 then multiples of 8 up to 512
-    producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
-    # the mask the router is handed (scenarios d and g; moebench.inputs.router_mask documents both)
-    pcp_mask: str = "gathered"  # pcp: the gathered mask (the fix) or the rank-local one (the size-mismatch bug)
-    dbo_mask: str = "sliced"  # dbo: each micro-batch's slice (the fix), the full-batch mask, or none
-    # routing
-    num_experts: int = 256
-    top_k: int = 8
-    routing: str = "uniform"
-    zipf_exponent: float = 1.2
-    hot_experts: int = 1
-    hot_ratio: float = 0.5  # hot_expert: share of each real token's probability mass aimed at the hot experts
-    renormalize: bool = True
-    bias: bool = False  # selection bias (DeepSeek-V3 e_score_correction_bias)
-    scoring: str = "softmax"
-    num_expert_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    # shapes and formats
-    hidden: int = 7168
-    intermediate: int = 2048
-    dtype: str = "bf16"
-    group_size: int = 32
-    scale_format: str = "ue8m0_packed"
-    expert_dtype: str = "bf16"  # the layer's expert GEMMs: bf16 on the hidden states, or fp8 on the staged rows
-    block_size: int = 64
-    num_local_experts: Optional[int] = None  # None: num_experts / ep_size
-    # expert parallelism
-    ep_size: int = 1
-    ep_mode: str = "real"
-    capacity_policy: str = "exact"
-    num_max_tokens_per_rank: int = 8192
-    low_latency: bool = False  # deepep: low-latency mode instead of normal mode
-    # jit_trace
-    trace: Optional[list] = None  # explicit per-step batch sizes
-    trace_steps: int = 100
-    trace_distribution: str = "decode_prefill"
-    trace_max_tokens: int = 8192
-    # bookkeeping
-    seed: int = 0
-    repeat: int = 0  # a label: lets one sweep time the same point several times
-    # model preset (moebench.presets): fills the layer's shape keys the sweep does not set itself; recorded
-    model: Optional[str] = None
-
-    @property
-    def num_padding(self) -> int:
-        return int(round(self.num_tokens * self.padding_ratio))
-
-    @property
-    def local_experts(self) -> int:
-        return self.num_local_experts if self.num_local_experts is not None else self.num_experts // self.ep_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 _PARAM_TYPES = get_type_hints(Params)
 PARAM_NAMES = tuple(f.name for f in fields(Params))
@@ -175,8 +115,9 @@ def params_problem(p: Params) -> str | None:
         return f"topk_group: {p.topk_group} > num_expert_group {p.num_expert_group}"
     if p.num_expert_group > 1 and p.top_k > p.topk_group * (p.num_experts // p.num_expert_group):
         return f"top_k: {p.top_k} > experts in the {p.topk_group} kept groups"
-    if p.num_experts % p.ep_size:
-        return f"ep_size: {p.ep_size} does not divide num_experts {p.num_experts}"
+    why = ep_split_problem(p.num_experts, p.ep_size)
+    if why:
+        return why
     if p.num_local_experts is not None and not 1 <= p.num_local_experts <= p.num_experts:
         return f"num_local_experts: must be in [1, num_experts={p.num_experts}], got {p.num_local_experts}"
     if p.hot_experts > p.num_experts:
@@ -189,9 +130,12 @@ def params_problem(p: Params) -> str | None:
         return "capture_sizes: must be a non-empty list of positive ints"
     if p.trace is not None and (not p.trace or min(p.trace) < 1):
         return "trace: must be a non-empty list of positive batch sizes"
-    from moebench.inputs.router_mask import mask_knob_problem
-
-    return mask_knob_problem(p)
+    # pcp_mask / dbo_mask (moebench.inputs.router_mask) only mean something with their producer
+    if p.pcp_mask != "gathered" and p.padding_producer != "pcp":
+        return f"pcp_mask: {p.pcp_mask!r} needs padding_producer pcp, got {p.padding_producer!r}"
+    if p.dbo_mask != "sliced" and p.padding_producer != "dbo":
+        return f"dbo_mask: {p.dbo_mask!r} needs padding_producer dbo, got {p.padding_producer!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,18 +149,6 @@ TIMING_LIMITS = {"warmup": 100_000, "iters": 100_000, "unroll": 1024, "max_secon
 DEFAULT_MAX_POINTS = 100_000
 # A sweep name becomes a directory name: a newline, a slash or 300 characters must not get that far.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-@dataclass(frozen=True)
-class Timing:
-    mode: str = "auto"  # auto: cuda_graph on a GPU when the case allows, wall clock on CPU
-    warmup: int = 10
-    iters: int = 100
-    unroll: int = 1  # cuda_graph: calls captured per replay; a sample is replay time / unroll
-    max_seconds: float = 30.0  # stop sampling a point after this long (a CPU run of a big point)
-    # A point still running after this long is killed and recorded failed (None: the device's default, see
-    # moebench.point_worker.DEFAULT_POINT_TIMEOUT_S).
-    point_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -237,25 +169,6 @@ class Sweep:
                 "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description,
                 "headlines": [dict(h) for h in self.headlines], "plugins": list(self.plugins)}
 
-
-@dataclass(frozen=True)
-class Point:
-    index: int
-    impl: str
-    params: Params
-
-    @property
-    def key(self) -> str:
-        """Stable identity of a point (impl + all parameters), used to resume a run and to compare runs.
-        Parameters added later are left out at their default, so runs recorded before them keep their keys."""
-        params = {k: v for k, v in self.params.to_dict().items() if _LATER_DEFAULTS.get(k, _NO_DEFAULT) != v}
-        blob = json.dumps({"impl": self.impl, **params}, sort_keys=True)
-        return hashlib.sha1(blob.encode()).hexdigest()[:16]
-
-
-# Parameters added after reference runs were recorded, with their defaults (see Point.key).
-_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None}
-_NO_DEFAULT = object()
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
                "description": str, "headlines": list, "plugins": list}
@@ -327,8 +240,6 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
 
 def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None = DEFAULT_MAX_POINTS) -> Sweep:
     """Validate plain data (a parsed sweep file) into a Sweep; `max_points` None: no limit on the point count."""
-    from moebench import registry
-
     bad = strict_yaml.tree_problem(raw)
     if bad:
         raise _fail(src, *bad)
@@ -351,10 +262,8 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
     if not impls:
         raise _fail(src, "impls", "empty list")
     plugins = raw.get("plugins") or []
-    from moebench.plugins import PluginError, load_plugins  # before the impl names are looked up
-
     try:
-        load_plugins(plugins, src)
+        load_plugins(plugins, src)  # before the impl names are looked up
     except PluginError as e:
         raise SweepError(str(e)) from None
     known = registry.all_impls()
@@ -430,8 +339,6 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
 def _model_problem(name) -> str | None:
     if name is None:
         return None
-    from moebench.presets import UnknownModel, get_preset
-
     try:
         get_preset(name)
     except UnknownModel as e:
@@ -441,8 +348,6 @@ def _model_problem(name) -> str | None:
 
 def _check_headlines(specs: list, src: str, impls: list) -> tuple:
     """The `headlines:` list (moebench.headline documents a spec): one line naming the bad entry and key."""
-    from moebench.headline import spec_problem
-
     for i, spec in enumerate(specs):
         why = spec_problem(spec, PARAM_NAMES, impls)
         if why:
@@ -452,16 +357,12 @@ def _check_headlines(specs: list, src: str, impls: list) -> tuple:
 
 def expand(sweep: Sweep) -> list[Point]:
     """Cartesian product of the axes (in file order), times the impls (innermost). Validates each point."""
-    from moebench import registry
-
     keys = list(sweep.axes)
     points: list[Point] = []
     for combo in itertools.product(*(sweep.axes[k] for k in keys)):
         values = dict(sweep.fixed)
         values.update(zip(keys, combo))
         if values.get("model") is not None:  # the preset fills what the sweep does not set itself
-            from moebench.presets import apply_preset
-
             values = apply_preset(values, explicit=(set(sweep.fixed) | set(keys)) - {"model"})
         try:
             params = Params(**values)

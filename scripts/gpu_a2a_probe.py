@@ -50,7 +50,7 @@ def worker(ctx) -> dict:
     from moebench.dispatch.pack import pack_fixed
     from moebench.dispatch.permute import RowLayout, plan_scratch, plan_sends
     from moebench.measure.timing import host_call_us, marked_calls, measure
-    from moebench.sweep import Params, Timing
+    from moebench.params import Params, Timing
 
     R, rank, dev = ctx.world_size, ctx.rank, ctx.device
     cuda = dev.type == "cuda"

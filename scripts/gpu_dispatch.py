@@ -57,9 +57,9 @@ from moebench.dispatch.reference import (check_received, count_padding_received,
                                          padded_rows_sent, scaled_expert, scaled_expert_reference)
 from moebench.measure.kernel_time import kernel_time, top_kernels  # noqa: E402
 from moebench.measure.timing import marked_calls, measure  # noqa: E402
+from moebench.params import Params, Timing  # noqa: E402
 from moebench.report import print_rows  # noqa: E402
 from moebench.results import environment  # noqa: E402
-from moebench.sweep import Params, Timing  # noqa: E402
 
 CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
 COMBINE_MAX_REL, COMBINE_RMS_REL = 2e-2, 5e-3  # as moebench.bench.dispatch checks the combined output
@@ -279,7 +279,7 @@ def deepep_low_latency(ctx, args, layout) -> list[dict]:
     if why:
         return [_row("ll128", "deepep_ll", "-", None, 0, note=f"skipped: {why}")]
     p = Params(num_tokens=128, hidden=args.hidden, num_experts=args.experts, top_k=args.top_k,
-               ep_size=layout.world_size, low_latency=True)
+               ep_size=layout.ep_size, low_latency=True)
     batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
     w, ids = inputs.route(p, batch)
     x = batch.hidden

@@ -3,7 +3,7 @@
 
 def test_align_registration_cases(device):
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     ctx = RunContext(device=device)
     p = Params(num_tokens=48, padding_ratio=0.25, num_experts=16, top_k=6, block_size=16, hidden=64)
@@ -30,7 +30,7 @@ def test_align_candidate_impls_registered_and_swept(device):
 
     from moebench.kernels.moe_align_block_size import ALIGN_CANDIDATES, DEFAULT_ALIGN_CONFIG
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     names = [f"moe_align_block_size.triton_{n}" for n in ALIGN_CANDIDATES if n != DEFAULT_ALIGN_CONFIG]
     assert names

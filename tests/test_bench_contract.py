@@ -2,7 +2,7 @@
 at a small point on the CPU it builds, its check passes, it declares the bytes (or FLOPs) it must move, it times
 through moebench.measure.timing, and its NVTX range is `moebench/<stage>/<impl>`.
 
-The point is the sweep defaults (moebench.sweep.Params) shrunk to interpreter sizes, with a per-family override
+The point is the sweep defaults (moebench.params.Params) shrunk to interpreter sizes, with a per-family override
 where a family needs its own knobs (ep_sim: simulated ranks; jit_trace: a short batch-size trace). Multi-rank impls
 (dispatch paths) are built at ep_size 1, which every path supports; an impl that cannot run here (available(ctx)
 gives a reason, e.g. deep_ep not installed, CUDA only) is skipped with that reason.
@@ -19,8 +19,8 @@ import torch
 from moebench import registry
 from moebench.measure.timing import measure
 from moebench.measure.nvtx import range_name
+from moebench.params import Params, Timing
 from moebench.registry import RunContext
-from moebench.sweep import Params, Timing
 
 CPU = RunContext(device=torch.device("cpu"))
 

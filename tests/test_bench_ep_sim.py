@@ -6,9 +6,9 @@ import torch
 
 from moebench import registry
 from moebench.measure.imbalance import imbalance, per_rank_loads
+from moebench.params import Params
 from moebench.registry import RunContext
 from moebench.bench.ep_sim import rank_work, simulated_batches
-from moebench.sweep import Params
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ def test_receive_buffer_tail_looks_valid():
 
 def test_registered_impls_check_and_count_harm():
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     ctx = RunContext(device=torch.device("cpu"))
     p = Params(num_tokens=40, padding_ratio=0.5, num_experts=32, top_k=6, ep_size=4, num_max_tokens_per_rank=64)

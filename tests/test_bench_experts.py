@@ -4,7 +4,7 @@ work; the oblivious twin corrupts rows. CPU runs go through Triton's interpreter
 
 def test_registered_impls_check(device):
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     ctx = RunContext(device=device)
     p = Params(num_tokens=16, num_experts=8, num_local_experts=4, top_k=3, hidden=64, intermediate=32,

@@ -10,10 +10,11 @@ from moebench.bench import layer as layer_mod
 from moebench.inputs import cached_expert_weights, make_batch, route
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fused_experts import fused_experts_torch
+from moebench.params import Params
 from moebench.registry import RunContext, get
 from moebench.results import load_records
 from moebench.runner import run_sweep
-from moebench.sweep import Params, sweep_from_dict
+from moebench.sweep import sweep_from_dict
 
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=32, group_size=32, dtype="fp32")
 
@@ -218,7 +219,7 @@ def test_layer_point_through_runner(tmp_path):
 def test_deepseek_v3_shape_gpu():
     """DeepSeek-V3-like layer on one H200: 256 experts all local, top-8, H=7168, I=2048, 4096 tokens, half padding."""
     from moebench.measure.timing import measure
-    from moebench.sweep import Timing
+    from moebench.params import Timing
 
     p = Params(num_tokens=4096, num_experts=256, top_k=8, hidden=7168, intermediate=2048, padding_ratio=0.5,
                padding_fill="repeat", num_expert_group=8, topk_group=4, scoring="sigmoid", bias=True,

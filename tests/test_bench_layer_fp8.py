@@ -16,10 +16,11 @@ from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expe
 from moebench.kernels.fused_experts_fp8_ref import fused_experts_fp8_torch
 from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs_torch
 from moebench.measure.roofline import roofline_us
+from moebench.params import Params
 from moebench.registry import RunContext, get
 from moebench.results import load_records
 from moebench.runner import run_sweep
-from moebench.sweep import Params, expand, sweep_from_dict
+from moebench.sweep import expand, sweep_from_dict
 
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=128, group_size=32, dtype="fp32")
 
@@ -231,7 +232,7 @@ def test_deepseek_v3_shape_fp8_gpu():
     """DeepSeek-V3-like layer with fp8 experts on one H200: 256 experts all local, top-8, H=7168, I=2048, 4096
     tokens, half padding; checked, replayed from CUDA graphs, masked and oblivious agreeing on real rows."""
     from moebench.measure.timing import measure
-    from moebench.sweep import Timing
+    from moebench.params import Timing
 
     p = Params(num_tokens=4096, num_experts=256, top_k=8, hidden=7168, intermediate=2048, padding_ratio=0.5,
                padding_fill="repeat", num_expert_group=8, topk_group=4, scoring="sigmoid", bias=True,

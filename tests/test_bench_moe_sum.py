@@ -3,7 +3,7 @@
 
 def test_registration_cases(device):
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     ctx = RunContext(device=device)
     p = Params(num_tokens=16, padding_ratio=0.5, num_experts=16, top_k=6, hidden=256)

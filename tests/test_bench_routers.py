@@ -86,7 +86,7 @@ def test_compare_routing_group_level_near_tie():
 def test_registered_router_cases(device, impl, mask):
     from moebench import registry
     from moebench.registry import RunContext
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     grouped = impl.startswith("grouped")
     p = Params(num_tokens=48, num_experts=64, top_k=6, padding_ratio=0.25, mask=mask, padding_fill="repeat",
@@ -116,7 +116,7 @@ def test_registered_router_cases(device, impl, mask):
 
 def test_router_validate_reasons():
     from moebench import registry
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     for name in ("topk_softmax.triton", "topk_softmax.torch"):
         impl = registry.get(name)
@@ -156,7 +156,7 @@ def test_router_cases_record_the_router_config(device, monkeypatch, impl):
     # a sweep run under MOEBENCH_ROUTER_CONFIG=<name> times that config: the point's record says which
     from moebench import registry
     from moebench.registry import RunContext
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     p = Params(num_tokens=20, num_experts=64, top_k=6, padding_ratio=0.25, mask=True, padding_fill="repeat",
                bias=True, dtype="bf16", num_expert_group=8, topk_group=4, scoring="sigmoid")

@@ -18,7 +18,7 @@ def test_tolerant_fp8_comparison_catches_real_errors():
 
 def test_registered_impls_check_and_count_harm():
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     p = Params(num_tokens=24, padding_ratio=0.25, num_experts=16, top_k=4, hidden=512, group_size=32)
     ctx = RunContext(device=torch.device("cpu"))

@@ -115,7 +115,7 @@ def _paths_worker(ctx, policies, bench=None):
 def _bench_worker(ctx, impls, params):
     """Registered impls end to end on this rank (build -> check -> run)."""
     from moebench import registry
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     out = {}
     for impl_name in impls:
@@ -276,7 +276,7 @@ def test_registered_impls_on_one_rank(impl):
     """ep_size 1: no process group, the paths degenerate to local compute and still check out."""
     from moebench import registry
     from moebench.registry import RunContext
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     p = Params(num_tokens=16, hidden=64, num_experts=8, top_k=3, padding_ratio=0.25, num_max_tokens_per_rank=16,
                capacity_policy="max")
@@ -601,7 +601,7 @@ def test_deepep_detection_and_skip_reason():
 
 def test_validate_rejects_simulated_and_oversized_batches():
     from moebench import registry
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     assert "simulated" in registry.get("dispatch.a2a").validate(Params(ep_size=2, ep_mode="simulated"))
     assert "num_max_tokens_per_rank" in registry.get("dispatch.a2a_fixed").validate(
@@ -711,7 +711,7 @@ def _gpu_worker(ctx):
         step()
     # the runner's multi-rank graph timing: every rank captures the step and replays it after a barrier
     from moebench.measure.timing import measure
-    from moebench.sweep import Timing
+    from moebench.params import Timing
     res = measure(step, Timing(mode="cuda_graph", warmup=2, iters=5, max_seconds=60.0), torch.device("cuda"),
                   graph_capturable=True, group=ctx.group, barrier=True)
     out["graph_timing"] = (res.mode, len(res.samples_us), res.ranks["world_size"] if res.ranks else 0)

@@ -1,10 +1,12 @@
 """The module import graph of moebench has no cycle.
 
-The graph is read from the source (AST), not by importing: every `import` / `from ... import` anywhere in a module
-counts, function-level (lazy) imports included, because a lazy import still ties the two modules together; only
-imports under `if TYPE_CHECKING:` are left out (they never run). An edge goes to the module named: `from a.b import
-c` is a.b.c when c is a submodule, else a.b. Parent packages imported implicitly are not edges (a package's
-__init__ importing its own submodules would otherwise look like a cycle with each of them).
+The graph is read from the source (AST), not by importing: every `import` / `from ... import` node anywhere in a
+module counts: module level, function level (lazy) and under `if TYPE_CHECKING:`, because each of them ties the two
+modules together (a lazy import only hides the cycle until the call; a type-only import still means one module's
+meaning depends on the other's). An edge goes to the module named: `from a.b import c` is a.b.c when c is a
+submodule, else a.b. Importing a.b.c from outside the package a.b also runs a.b's `__init__`, so it is an edge to
+a.b too; from inside a.b it is not (a package's __init__ importing its own submodules would otherwise look like a
+cycle with each of them).
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from pathlib import Path
 PACKAGE = "moebench"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-# Cycles still present in other areas of the redesign, each as the sorted tuple of its modules; removed by the
-# core/dispatch branches. Tighten to an empty set once those branches are merged.
-KNOWN_CYCLES: set[tuple[str, ...]] = set()  # none left: the package import graph is acyclic
 
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -31,23 +30,9 @@ def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST):
-    """Import nodes of the tree, skipping the bodies of `if TYPE_CHECKING:` (their else branch still counts)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-            continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
+    """Every import node of the tree, wherever it sits (functions, TYPE_CHECKING blocks, try/except...)."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -77,7 +62,19 @@ def import_graph(files: dict[str, Path] | None = None) -> dict[str, set[str]]:
                     target = target.rpartition(".")[0]
                 if target and target != module:
                     graph[module].add(target)
+                    graph[module].update(_parents_run(module, target, files))
     return graph
+
+
+def _parents_run(module: str, target: str, files: dict[str, Path]) -> set[str]:
+    """The packages whose __init__ importing `target` runs for `module`: its parents that `module` is not in."""
+    out = set()
+    parent = target.rpartition(".")[0]
+    while parent:
+        if parent in files and not (module == parent or module.startswith(parent + ".")):
+            out.add(parent)
+        parent = parent.rpartition(".")[0]
+    return out
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
@@ -115,34 +112,36 @@ def find_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
     return sorted(out)
 
 
-def test_finder_sees_cycles_lazy_imports_and_skips_type_checking():
+def test_finder_sees_cycles():
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}, "p.e": set()}
     assert find_cycles(graph) == [("p.a", "p.b", "p.c")]
     assert find_cycles({"p.a": {"p.b"}, "p.b": set()}) == []
 
 
-def test_graph_reads_lazy_relative_and_type_checking_imports(tmp_path):
+def test_graph_reads_lazy_relative_type_checking_and_package_imports(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("from . import leaf\n")
     (pkg / "sub" / "leaf.py").write_text("def f():\n    from pkg.top import g\n")
-    (pkg / "top.py").write_text("from typing import TYPE_CHECKING\nfrom .sub.leaf import f\n"
+    (pkg / "sub" / "twig.py").write_text("from pkg.sub.leaf import f\n")
+    (pkg / "top.py").write_text("from typing import TYPE_CHECKING\nfrom .sub.twig import f\n"
                                 "if TYPE_CHECKING:\n    from pkg import other\n")
     (pkg / "other.py").write_text("import pkg.top\n")
+    (pkg / "alone.py").write_text("try:\n    import pkg.other\nexcept ImportError:\n    pass\n")
     graph = import_graph(module_files(pkg, "pkg"))
-    assert graph["pkg.sub"] == {"pkg.sub.leaf"}
+    assert graph["pkg.sub"] == {"pkg.sub.leaf"}  # a package's __init__ imports are edges
     assert graph["pkg.sub.leaf"] == {"pkg.top"}  # a function-level import is an edge
-    assert graph["pkg.top"] == {"pkg.sub.leaf"}  # the TYPE_CHECKING import is not
+    assert graph["pkg.sub.twig"] == {"pkg.sub.leaf"}  # its own package's __init__ is not
+    assert graph["pkg.top"] == {"pkg.sub.twig", "pkg.sub", "pkg.other"}  # TYPE_CHECKING counts; pkg.sub's
+    # __init__ runs when pkg.sub.twig is imported from outside pkg.sub
     assert graph["pkg.other"] == {"pkg.top"}
-    assert find_cycles(graph) == [("pkg.sub.leaf", "pkg.top")]
+    assert graph["pkg.alone"] == {"pkg.other"}  # under try
+    assert find_cycles(graph) == [("pkg.other", "pkg.sub", "pkg.sub.leaf", "pkg.sub.twig", "pkg.top")]
 
 
 def test_moebench_import_graph_has_no_cycle():
-    cycles = set(find_cycles(import_graph()))
-    assert cycles - KNOWN_CYCLES == set(), f"import cycles: {sorted(cycles - KNOWN_CYCLES)}"
-    # A cycle that is gone must leave the allow-list, so the list only ever shrinks.
-    assert KNOWN_CYCLES - cycles == set(), f"no longer cycles, drop from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - cycles)}"
+    assert find_cycles(import_graph()) == [], "import cycles (every import counts, lazy and TYPE_CHECKING too)"
 
 
 def test_measurements_sit_below_the_runner_and_the_profiler():
@@ -153,3 +152,32 @@ def test_measurements_sit_below_the_runner_and_the_profiler():
         if module.startswith("moebench.measure"):
             bad = sorted(t for t in targets if t.startswith(above))
             assert not bad, f"{module} imports {bad}"
+
+
+def test_params_imports_nothing_of_moebench():
+    """moebench.params is plain data at the bottom of the graph: every layer may read a point's parameters."""
+    assert import_graph()["moebench.params"] == set()
+
+
+# The layers the sweep loader validates against: they take Params from moebench.params, never moebench.sweep.
+BELOW_THE_SWEEP = ("moebench.params", "moebench.registry", "moebench.families", "moebench.plugins",
+                   "moebench.presets", "moebench.headline", "moebench.check", "moebench.strict_yaml",
+                   "moebench.dispatch", "moebench.inputs", "moebench.kernels", "moebench.measure", "moebench.bench")
+
+
+def test_nothing_the_sweep_loader_builds_on_imports_it():
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith(BELOW_THE_SWEEP) and module != "moebench.sweep":
+            assert "moebench.sweep" not in targets, f"{module} imports moebench.sweep (take Params from moebench.params)"
+
+
+def test_point_data_is_imported_from_params():
+    """Params, Timing and Point have one home: nobody (package, tests, scripts) takes them from moebench.sweep."""
+    moved = {"Params", "Timing", "Point", "_LATER_DEFAULTS"}
+    repo = ROOT.parent
+    for path in sorted([*ROOT.rglob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "scripts").rglob("*.py")]):
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "moebench.sweep":
+                bad = sorted(moved & {a.name for a in node.names})
+                assert not bad, f"{path.relative_to(repo)}:{node.lineno} imports {bad} from moebench.sweep"

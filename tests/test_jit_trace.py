@@ -10,8 +10,8 @@ from moebench import registry
 from moebench.bench import jit_trace
 from moebench.bench.jit_trace import (capacity_problem, check_trace, predicted_cumulative, run_trace,
                                       trace_batch_sizes)
+from moebench.params import Params
 from moebench.registry import RunContext
-from moebench.sweep import Params
 
 CPU = torch.device("cpu")
 # ep_size 1, no padding: every row has a route to the one destination, so a step's max rows == its batch size

@@ -10,7 +10,7 @@ from moebench import dist as mdist
 from moebench.inputs import padding
 from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)
-from moebench.sweep import Params
+from moebench.params import Params
 
 
 def _rows(n, width=3, seed=0):
@@ -226,3 +226,23 @@ def test_make_batch_uses_producer_mask():
     batch = make_batch(p, "cpu")
     assert torch.equal(batch.is_padding, producer_mask(p))
     assert batch.logits.shape == (12, 8) and batch.hidden.shape == (12, 16)
+
+
+def test_point_masks_hand_the_router_what_each_knob_says():
+    """One producer run gives is_padding and the router's mask: the gathered / sliced mask (the fixes), the
+    rank-local or full-batch mask (the bugs), or none."""
+    from moebench.inputs.router_mask import point_masks
+
+    F, T = False, True
+    pcp = dict(num_tokens=5, padding_ratio=0.3, producer_size=2)
+    gathered = [F, F, F, F, T] + [F, F, F, T, T]
+    is_padding, mask = point_masks(_p("pcp", **pcp), "cpu")
+    assert is_padding.tolist() == gathered and mask is is_padding
+    is_padding, mask = point_masks(_p("pcp", pcp_mask="local", **pcp), "cpu")
+    assert is_padding.tolist() == gathered and mask.tolist() == [F, F, F, F, T]  # rank 0's own rows
+    dbo = dict(num_tokens=9, padding_ratio=0.45)
+    is_padding, mask = point_masks(_p("dbo", **dbo), "cpu")
+    assert is_padding.tolist() == [F, T, T, T, T] and mask is is_padding
+    assert point_masks(_p("dbo", dbo_mask="full", **dbo), "cpu")[1].tolist() == [F] * 5 + [T] * 4
+    assert point_masks(_p("dbo", dbo_mask="none", **dbo), "cpu")[1] is None
+    assert point_masks(_p("ratio", mask=False, **dbo), "cpu")[1] is None

@@ -11,10 +11,10 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from moebench import plots, registry  # noqa: E402
+from moebench.params import Params  # noqa: E402
 from moebench.plots import pairing  # noqa: E402
 from moebench.plots.jit import compiles_counted  # noqa: E402
 from moebench.plots.saving import saving_pairs  # noqa: E402
-from moebench.sweep import Params  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

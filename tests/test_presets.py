@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from moebench.cli import main
+from moebench.params import Params, Point
 from moebench.presets import PRESETS, PRESET_KEYS
-from moebench.sweep import Params, Point, SweepError, expand, load_sweep, sweep_from_dict
+from moebench.sweep import SweepError, expand, load_sweep, sweep_from_dict
 
 
 def _sweep(fixed=None, axes=None, impls=("grouped_topk.torch",)):
@@ -67,7 +68,7 @@ def test_point_keys_unchanged_without_a_model():
     import json
 
     p = Params()
-    from moebench.sweep import _LATER_DEFAULTS
+    from moebench.params import _LATER_DEFAULTS
 
     before = {k: v for k, v in p.to_dict().items() if k not in _LATER_DEFAULTS}  # the keys of the first runs
     old_key = hashlib.sha1(json.dumps({"impl": "x.y", **before}, sort_keys=True).encode()).hexdigest()[:16]

@@ -48,7 +48,7 @@ def test_layer_and_dispatch_cases_declare_their_pipelines():
     """The layer's pipeline is its six stages (run() calls exactly them); a dispatch point's is
     dispatch -> experts -> combine and, called in order, writes what run() writes."""
     from moebench import registry
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     registry.load_all()
     p = Params(num_tokens=16, hidden=128, num_experts=8, top_k=2, ep_size=1, padding_ratio=0.25)

@@ -237,7 +237,7 @@ def test_new_mask_knobs_keep_the_point_keys_of_committed_runs():
     """pcp_mask / dbo_mask at their defaults are not part of a point's key: committed runs still compare."""
     import json
 
-    from moebench.sweep import Params, Point
+    from moebench.params import Params, Point
 
     files = sorted(ROOT.glob("results/**/records.jsonl"))
     assert files, "no committed run to compare against"

@@ -1,11 +1,14 @@
 """Sweep files: validation (one line naming file, key and reason; exit 2; nothing written), --set, expansion."""
 
+import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from moebench.cli import main
-from moebench.sweep import Params, SweepError, apply_overrides, expand, load_sweep, parse_set
+from moebench.params import EPLayout, Params, Point
+from moebench.sweep import SweepError, apply_overrides, expand, load_sweep, parse_set
 
 GOOD = """\
 name: t
@@ -31,6 +34,20 @@ def test_good_sweep_expands_cartesian_product_in_file_order(tmp_path):
     assert [(pt.params.num_tokens, pt.params.top_k) for pt in points] == [(8, 2), (8, 6), (16, 2), (16, 6)]
     assert all(pt.params.num_experts == 16 for pt in points)
     assert len({pt.key for pt in points}) == 4
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("run", sorted((REPO / "results" / "h200").glob("kernels_align-*")) +
+                         sorted((REPO / "results" / "h200").glob("layer-*")))
+def test_point_keys_are_those_of_the_committed_reference_runs(run):
+    """Point.key is how runs are resumed and compared: the bundled sweep expands to the keys its reference run
+    recorded, and each record's key is that of its own impl and params."""
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
+    sweep = load_sweep(REPO / "sweeps" / f"{run.name.rsplit('-', 1)[0]}.yaml")
+    assert [pt.key for pt in expand(sweep)] == [r["key"] for r in sorted(records, key=lambda r: r["point"])]
+    assert all(Point(r["point"], r["impl"], Params(**r["params"])).key == r["key"] for r in records)
 
 
 def test_set_overrides_are_yaml_values_and_move_between_fixed_and_axes(tmp_path):
@@ -124,3 +141,15 @@ def test_params_defaults_are_valid():
 
     assert params_problem(Params()) is None
     assert Params(num_tokens=10, padding_ratio=0.25).num_padding == 2  # round(2.5) -> banker's rounding
+
+
+def test_ep_layout_is_derived_from_params_once():
+    p = Params(num_experts=32, ep_size=4)
+    lay = EPLayout.of(p, rank=3)
+    assert (lay.rank, lay.ep_size, lay.num_experts, lay.experts_per_rank, lay.expert_offset) == (3, 4, 32, 8, 24)
+    assert [lay.first_expert(r) for r in range(4)] == [0, 8, 16, 24]
+    assert p.local_experts == 8 and Params(num_experts=32, ep_size=4, num_local_experts=5).local_experts == 5
+    with pytest.raises(ValueError, match="ep_size: 3 does not divide num_experts 32"):
+        EPLayout(0, 3, 32)
+    with pytest.raises(ValueError, match="rank 4 not in"):
+        EPLayout.of(p, rank=4)

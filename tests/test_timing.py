@@ -8,7 +8,7 @@ import torch
 from moebench import dist as mdist
 from moebench.measure import nvtx
 from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
-from moebench.sweep import Timing
+from moebench.params import Timing
 
 
 def test_summarize_hand_computed():
@@ -93,7 +93,7 @@ def test_auto_mode_unrolls_a_short_kernel_and_says_so():
     import torch
 
     from moebench.measure.timing import measure
-    from moebench.sweep import Timing
+    from moebench.params import Timing
 
     x = torch.randn(1024, device="cuda")
     res = measure(lambda: x.mul_(1.0), Timing(mode="auto", warmup=2, iters=5), torch.device("cuda"))

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, RunContext, register_impl
-from moebench.sweep import Params
 
 
 def trace_capacities(p: Params, device: torch.device) -> tuple[list[int], list[int], list[int]]:

@@ -24,8 +24,8 @@ from moebench.dispatch.base import DispatchPath, EPLayout, effective_ids, packag
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, padded_rows_sent,
                                          scaled_expert, scaled_expert_reference)
 from moebench.families import set_path_registrar
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 COMBINE_MAX_REL = 2e-2  # partial sums are rounded to bf16 on each rank before they are added
 COMBINE_RMS_REL = 5e-3
@@ -39,10 +39,10 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
     def build(p: Params, ctx: RunContext) -> Case:
         from moebench import inputs
 
-        R = ctx.world_size
-        if R != p.ep_size:
-            raise ValueError(f"dispatch.{name}: ep_size {p.ep_size} needs {p.ep_size} ranks, this group has {R}")
-        layout = EPLayout(ctx.rank, R, p.num_experts, ctx.group if R > 1 else None)
+        if ctx.world_size != p.ep_size:
+            raise ValueError(f"dispatch.{name}: ep_size {p.ep_size} needs {p.ep_size} ranks, this group has "
+                             f"{ctx.world_size}")
+        layout = EPLayout.of(p, rank=ctx.rank, group=ctx.group if p.ep_size > 1 else None)
         batch = inputs.make_batch(p, ctx.device, seed_offset=ctx.rank)
         topk_weights, topk_ids = inputs.route(p, batch)  # -1 on padded rows when p.mask
         x, mask = batch.hidden, batch.mask
@@ -113,7 +113,7 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
                     bytes_moved=stats.recv_payload_bytes + stats.combine_recv_bytes,
                     bytes_note="payload received by this rank, dispatch (hidden + ids + weights per row) + combine "
                                "(hidden per row); own-rank rows included (own share in info); wire bytes in info",
-                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, R),
+                    routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
                     graph_capturable=path.graph_capturable,
                     stages=[("dispatch", run_dispatch), ("combine", run_combine)],
                     pipeline=[("dispatch", phase_dispatch), ("experts", phase_experts), ("combine", phase_combine)],

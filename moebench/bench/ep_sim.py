@@ -34,8 +34,8 @@ from moebench.kernels._details.jit import interpreting
 from moebench.kernels.fused_experts import expert_work, fused_experts, fused_experts_torch, make_workspace
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure
+from moebench.params import EPLayout, Params, Timing
 from moebench.registry import Case, Routing, RunContext, register_impl
-from moebench.sweep import Params, Timing
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
 REPS_CPU = 1  # on a CPU (the interpreter) one replay: the figures are only a smoke signal there
@@ -49,12 +49,7 @@ class SimulatedEP:
     topk_weights: torch.Tensor  # [R*T, K] fp32
     topk_ids: torch.Tensor  # [R*T, K] global ids, -1 on masked padded rows
     is_padding: torch.Tensor  # [R*T] bool, padding whether or not it was masked
-    num_experts: int
-    ep_size: int
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.ep_size
+    layout: EPLayout  # which simulated rank owns which experts
 
 
 def simulated_batches(p: Params, device: torch.device, *, need_hidden: bool = True) -> SimulatedEP:
@@ -69,8 +64,7 @@ def simulated_batches(p: Params, device: torch.device, *, need_hidden: bool = Tr
         if need_hidden:
             hidden.append(batch.hidden)
     return SimulatedEP(hidden=torch.cat(hidden) if need_hidden else None, topk_weights=torch.cat(weights),
-                       topk_ids=torch.cat(ids), is_padding=torch.cat(pads), num_experts=p.num_experts,
-                       ep_size=p.ep_size)
+                       topk_ids=torch.cat(ids), is_padding=torch.cat(pads), layout=EPLayout.of(p))
 
 
 @dataclass
@@ -89,8 +83,8 @@ class RankWork:
 
 def rank_work(sim: SimulatedEP, rank: int) -> RankWork:
     """Rank `rank`'s share of the routing: every (row, rank) pair once, with the row's slots for this rank."""
-    epr = sim.experts_per_rank
-    lo = rank * epr
+    epr = sim.layout.experts_per_rank
+    lo = sim.layout.first_expert(rank)
     ids = sim.topk_ids.to(torch.int64)
     mine = (ids >= lo) & (ids < lo + epr)
     local = torch.where(mine, ids - lo, torch.full_like(ids, -1)).to(torch.int32)
@@ -155,7 +149,7 @@ def _build(p: Params, ctx: RunContext) -> Case:
     R, E = p.ep_size, p.num_experts
     use_triton = _use_triton(ctx)
     sim = simulated_batches(p, dev)
-    w13, w2 = make_expert_weights(sim.experts_per_rank, p.hidden, p.intermediate, seed=p.seed, device=dev)
+    w13, w2 = make_expert_weights(sim.layout.experts_per_rank, p.hidden, p.intermediate, seed=p.seed, device=dev)
     reps = REPS_CUDA if dev.type == "cuda" else REPS_CPU
 
     works = [rank_work(sim, r) for r in range(R)]
@@ -178,7 +172,7 @@ def _build(p: Params, ctx: RunContext) -> Case:
     info: dict[str, Any] = {
         "simulated": True,
         "ep_size": R,
-        "experts_per_rank": sim.experts_per_rank,
+        "experts_per_rank": sim.layout.experts_per_rank,
         "per_rank_us": [round(t, 3) for t in per_rank_us],
         "slowest_rank": slowest,
         "slowest_us": round(per_rank_us[slowest], 3),
@@ -234,8 +228,9 @@ def _build(p: Params, ctx: RunContext) -> Case:
 def _validate(p: Params) -> str | None:
     if p.ep_mode != "simulated":
         return "ep_mode: ep_sim.experts needs ep_mode: simulated (real EP sizes are measured by dispatch paths)"
-    if p.num_local_experts is not None and p.num_local_experts != p.num_experts // p.ep_size:
-        return (f"num_local_experts: simulated ranks own num_experts / ep_size = {p.num_experts // p.ep_size} "
+    per_rank = EPLayout.of(p).experts_per_rank
+    if p.num_local_experts is not None and p.num_local_experts != per_rank:
+        return (f"num_local_experts: simulated ranks own num_experts / ep_size = {per_rank} "
                 f"experts, got {p.num_local_experts}")
     return None
 

@@ -22,6 +22,7 @@ from moebench.kernels.globalize_recv_topk_idx import (
     globalize_recv_topk_idx_torch,
 )
 from moebench.families import KernelFamily, register_family
+from moebench.params import EPLayout
 from moebench.registry import Case, Routing, RunContext, register_variants
 
 __all__ = ["rows_differing", "make_receive_buffer"]
@@ -125,9 +126,8 @@ def _globalize_build(variant: str, fn=None):
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
         # This rank receives every row with at least one expert it owns, as local ids (-1 for the others).
-        rank = p.ep_size - 1  # a non-zero offset whenever ep_size > 1
-        local_experts = p.num_experts // p.ep_size
-        offset = rank * local_experts
+        layout = EPLayout.of(p, rank=p.ep_size - 1)  # the last rank: a non-zero offset whenever ep_size > 1
+        local_experts, offset = layout.experts_per_rank, layout.expert_offset
         ids = topk_ids.to(torch.int64)
         is_local = (ids >= offset) & (ids < offset + local_experts)
         local_ids = torch.where(is_local, ids - offset, torch.full_like(ids, -1))
@@ -171,7 +171,7 @@ def _globalize_build(variant: str, fn=None):
                     routing=Routing(topk_ids, batch.is_padding, p.num_experts, p.ep_size),
                     info={"corrupted_rows": corrupted, "polluted_routes": polluted,
                           "num_recv": int(local_ids.shape[0]), "capacity": capacity,
-                          "rank": rank},
+                          "rank": layout.rank},
                     nvtx_stage="globalize")
     return build
 

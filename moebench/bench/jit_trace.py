@@ -53,8 +53,8 @@ from moebench.dispatch.pack import (COMBINE_FIXED_KERNEL, PACK_FIXED_KERNEL, cap
                                     combine_fixed_torch, pack_fixed, pack_fixed_torch, send_positions)
 from moebench.kernels._details.jit import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
+from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
 DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch
@@ -139,7 +139,7 @@ def step_inputs(p: Params, step: int, batch: int, device: torch.device) -> dict[
     b = inputs.make_batch(sp, device, seed_offset=step)
     topk_weights, topk_ids = inputs.route(sp, b)  # -1 on padded rows when p.mask
     ids = effective_ids(topk_ids, b.mask)
-    layout = EPLayout(0, p.ep_size, p.num_experts)
+    layout = EPLayout.of(p)
     send_pos, counts = send_positions(token_in_rank(ids, layout))
     max_rows = int(counts.max().item()) if counts.numel() else 0
     # fresh, offset-0 copies: pointer alignment is part of a Triton specialisation and must not vary per step
@@ -191,7 +191,7 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
     (the last step's inputs, buffers, output and kernels) for the timed replay and the check."""
     sizes = trace_batch_sizes(p)
     policy, buffer_rows = p.capacity_policy, p.num_max_tokens_per_rank
-    experts_per_rank = p.num_experts // p.ep_size
+    experts_per_rank = EPLayout.of(p).experts_per_rank
     kernels = (fresh_kernel(PACK_FIXED_KERNEL), fresh_kernel(COMBINE_FIXED_KERNEL)) if use_triton else None
     bufs = _Buffers(p, device)
     steps: list[dict[str, Any]] = []

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from moebench.params import EPLayout, Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.sweep import Params
 
 STALE_SEED_SALT = 31  # the stale rows' contents draw from their own stream
 
@@ -47,8 +47,8 @@ def _received(p: Params, ctx: RunContext):
     dev = ctx.device
     batch = make_batch(p, dev)
     topk_weights, topk_ids = route(p, batch)
-    local_experts = p.num_experts // p.ep_size
-    offset = (p.ep_size - 1) * local_experts
+    layout = EPLayout.of(p, rank=p.ep_size - 1)  # the last rank, as the globalize_recv_topk_idx point
+    local_experts, offset = layout.experts_per_rank, layout.expert_offset
     ids = topk_ids.to(torch.int64)
     is_local = (ids >= offset) & (ids < offset + local_experts)
     rows = is_local.any(dim=1).nonzero(as_tuple=True)[0]  # host sync: build time only
@@ -75,7 +75,7 @@ def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
                                                           globalize_recv_topk_idx_torch)
 
     dev = ctx.device
-    E_loc, H, I, K = p.num_experts // p.ep_size, p.hidden, p.intermediate, p.top_k
+    E_loc, H, I, K = EPLayout.of(p).experts_per_rank, p.hidden, p.intermediate, p.top_k
     source, x, weights, num_recv, routing = _received(p, ctx)
     C = source.shape[0]
     w13, w2 = make_expert_weights(E_loc, H, I, seed=p.seed, device=dev)

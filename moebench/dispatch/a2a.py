@@ -123,7 +123,7 @@ class A2APath(DispatchPath):
         if self.graph and self.device.type != "cuda":
             raise ValueError("a2a: graph=True needs a CUDA device")
         self.rows = RowLayout(hidden, top_k, dtype)
-        R, dev = layout.world_size, self.device
+        R, dev = layout.ep_size, self.device
         cuda = dev.type == "cuda"
         self.counts = torch.zeros(2, R, dtype=torch.int32, device=dev)  # [0]: sent per destination, [1]: received
         self.offsets = torch.zeros(R, dtype=torch.int32, device=dev)
@@ -144,7 +144,7 @@ class A2APath(DispatchPath):
     def _reserve(self, T: int, dev: torch.device) -> None:
         """Grow the send-side buffers to a step of T rows; the dtype views are made once per buffer (each costs
         microseconds of host time, and the host is on this path's critical path before the payload launch)."""
-        R, K = self.layout.world_size, self.top_k
+        R, K = self.layout.ep_size, self.top_k
         send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
         buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
         if send_pos is not self.send_pos:
@@ -177,7 +177,7 @@ class A2APath(DispatchPath):
         pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.experts_per_rank, offsets=self.offsets)
         self._mark("pack")
         with self.side.run():
-            all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=lay.world_size)
+            all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=lay.ep_size)
             if record is not None:
                 self.host_counts.copy_(self.counts, non_blocking=True)
                 record.record()
@@ -212,7 +212,7 @@ class A2APath(DispatchPath):
                 # only after it (measured: the host got the counts ~50 us later). The host needs the counts
                 # first; the pack (~50 us) is done long before the host has launched the payload.
                 all_to_all_single(self.counts[1], self.counts[0], group=self.layout.group,
-                                  world_size=self.layout.world_size)
+                                  world_size=self.layout.ep_size)
                 self.host_counts.copy_(self.counts, non_blocking=True)
                 self.counts_ready_graph.record()
                 send_x, send_meta = self._send_views
@@ -224,7 +224,7 @@ class A2APath(DispatchPath):
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay: EPLayout = self.layout
-        R = lay.world_size
+        R = lay.ep_size
         T, K = topk_ids.shape
         check_mask(is_padding, T)
         dev = x.device
@@ -265,7 +265,7 @@ class A2APath(DispatchPath):
                                                                   device=expert_out.device))
         back = self.back[:S]
         all_to_all_single(back, expert_out.contiguous(), handle.send_splits, handle.recv_splits, group=lay.group,
-                          world_size=lay.world_size)
+                          world_size=lay.ep_size)
         self._mark("payload_a2a")
         if out is None:
             out = torch.empty(handle.num_tokens, H, dtype=expert_out.dtype, device=expert_out.device)
@@ -278,7 +278,7 @@ class A2APath(DispatchPath):
     def received(self, d: Dispatched) -> ReceivedRows:
         h: A2AHandle = d.handle
         dev = d.recv_x.device
-        src_rank = torch.repeat_interleave(torch.arange(self.layout.world_size, device=dev),
+        src_rank = torch.repeat_interleave(torch.arange(self.layout.ep_size, device=dev),
                                            torch.tensor(h.recv_splits, device=dev))
         return ReceivedRows(row_index=torch.arange(d.recv_x.shape[0], device=dev), src_rank=src_rank,
                             src_row=h.recv_src_row.to(torch.int64))

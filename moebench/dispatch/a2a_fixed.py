@@ -39,7 +39,7 @@ def max_rows_per_pair(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, l
     in_rank = token_in_rank(effective_ids(topk_ids, is_padding), layout)
     mx = in_rank.sum(0).max().reshape(1).to(torch.int64) if in_rank.numel() else \
         torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
-    return max_over_ranks(mx, layout.group, layout.world_size)
+    return max_over_ranks(mx, layout.group, layout.ep_size)
 
 
 def neutralise_blocks(recv_ids: torch.Tensor, recv_counts: torch.Tensor, capacity: int, experts_per_rank: int,
@@ -79,7 +79,7 @@ class A2AFixedPath(DispatchPath):
         self.max_rows_per_pair = max_rows_per_pair  # what the capacity was sized for (None: given by hand)
         self.num_tokens = int(num_tokens)
         self.use_triton = triton_default(self.device) if use_triton is None else use_triton
-        R, K, dev = layout.world_size, top_k, self.device
+        R, K, dev = layout.ep_size, top_k, self.device
         rows = R * self.capacity
         self.rows = RowLayout(hidden, top_k, dtype)
         # Allocated once; never cleared: rows past the counts keep whatever memory held (that is the point).
@@ -125,7 +125,7 @@ class A2AFixedPath(DispatchPath):
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay = self.layout
-        R, cap = lay.world_size, self.capacity
+        R, cap = lay.ep_size, self.capacity
         if x.shape[0] != self.num_tokens:
             raise ValueError(f"a2a_fixed was built for {self.num_tokens} rows, got {x.shape[0]}")
         check_mask(is_padding, x.shape[0])
@@ -156,7 +156,7 @@ class A2AFixedPath(DispatchPath):
             out = torch.empty(handle.num_tokens, expert_out.shape[1], dtype=expert_out.dtype,
                               device=expert_out.device)
         back = self.back if self.back.dtype == expert_out.dtype else torch.empty_like(expert_out)
-        all_to_all_single(back, expert_out.contiguous(), group=lay.group, world_size=lay.world_size)
+        all_to_all_single(back, expert_out.contiguous(), group=lay.group, world_size=lay.ep_size)
         self._mark("payload_a2a")
         (combine_fixed if self.use_triton else combine_fixed_torch)(back, handle.send_pos, out, self.capacity)
         self._mark("reduce")
@@ -189,7 +189,7 @@ class A2AFixedPath(DispatchPath):
 
     def valid_rows(self) -> torch.Tensor:
         """bool [R*capacity]: rows below their source block's count."""
-        R, cap = self.layout.world_size, self.capacity
+        R, cap = self.layout.ep_size, self.capacity
         within = torch.arange(cap, device=self.device).unsqueeze(0) < self.recv_counts.to(torch.int64).unsqueeze(1)
         return within.reshape(R * cap)
 
@@ -199,7 +199,7 @@ class A2AFixedPath(DispatchPath):
                             src_row=self.recv_meta[rows, 2 * self.top_k].to(torch.int64))
 
     def wire_recv_rows(self, d: Dispatched) -> int:
-        return self.layout.world_size * self.capacity
+        return self.layout.ep_size * self.capacity
 
     def wire_row_bytes(self) -> int:
         return self.rows.row_bytes

@@ -47,7 +47,7 @@ class AGRSPath(DispatchPath):
     def _buffers(self, T: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
         key = (T, x.dtype, x.device)
         if key != self._bufs_key:
-            R, K, H, dev = self.layout.world_size, self.top_k, x.shape[1], x.device
+            R, K, H, dev = self.layout.ep_size, self.top_k, x.shape[1], x.device
             self._bufs = {"recv_x": torch.empty(R * T, H, dtype=x.dtype, device=dev),
                           "meta": torch.empty(T, 2 * K + 1, dtype=torch.int32, device=dev),
                           "recv_meta": torch.empty(R * T, 2 * K + 1, dtype=torch.int32, device=dev),
@@ -57,7 +57,7 @@ class AGRSPath(DispatchPath):
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay = self.layout
-        R = lay.world_size
+        R = lay.ep_size
         T, K = topk_ids.shape
         check_mask(is_padding, T)
         b = self._buffers(T, x)
@@ -92,7 +92,7 @@ class AGRSPath(DispatchPath):
         if out is None:
             out = torch.empty(handle.num_tokens, expert_out.shape[1], dtype=expert_out.dtype,
                               device=expert_out.device)
-        reduce_scatter_rows(out, expert_out.contiguous(), lay.group, lay.world_size)
+        reduce_scatter_rows(out, expert_out.contiguous(), lay.group, lay.ep_size)
         self._mark("reduce_scatter")
         return out
 
@@ -105,7 +105,7 @@ class AGRSPath(DispatchPath):
 
     def combine_recv_rows(self, d: Dispatched) -> int:
         # reduce-scatter: this rank's T output rows get a partial sum from each of the R ranks
-        return d.handle.num_tokens * self.layout.world_size
+        return d.handle.num_tokens * self.layout.ep_size
 
     def wire_row_bytes(self) -> int:
         elt = torch.empty(0, dtype=self.dtype).element_size()

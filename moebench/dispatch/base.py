@@ -37,10 +37,10 @@ import torch
 
 from moebench.check import CheckResult
 from moebench.kernels._details.args import check_mask
+from moebench.params import EPLayout, Params  # EPLayout: part of this interface (paths are built on one)
 
 if TYPE_CHECKING:  # pragma: no cover
     from moebench.registry import RunContext
-    from moebench.sweep import Params
 
 PACKAGE = "moebench.dispatch"  # every module of it is imported by package_paths()
 
@@ -94,32 +94,8 @@ class StageTimer:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Expert ownership
+# Expert ownership (the layout itself, EPLayout, is moebench.params's)
 # ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class EPLayout:
-    """Where this rank sits: rank r of R owns experts [r*E/R, (r+1)*E/R)."""
-
-    rank: int
-    world_size: int
-    num_experts: int
-    group: Any = None
-
-    def __post_init__(self):
-        if self.num_experts % self.world_size:
-            raise ValueError(f"ep_size {self.world_size} does not divide num_experts {self.num_experts}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} not in [0, {self.world_size})")
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
-
-    @property
-    def expert_offset(self) -> int:
-        return self.rank * self.experts_per_rank
-
 
 def effective_ids(topk_ids: torch.Tensor, is_padding: torch.Tensor | None) -> torch.Tensor:
     """int32 routing with padded rows' slots set to -1 (mask-aware); the ids as given otherwise."""
@@ -133,7 +109,7 @@ def effective_ids(topk_ids: torch.Tensor, is_padding: torch.Tensor | None) -> to
 def token_in_rank(ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     """bool [T, R]: does row t have at least one route to rank r. Ids -1 (or out of range) route nowhere."""
     T = ids.shape[0]
-    R = layout.world_size
+    R = layout.ep_size
     valid = (ids >= 0) & (ids < layout.num_experts)
     dest = torch.where(valid, ids.div(layout.experts_per_rank, rounding_mode="floor"), R).to(torch.int64)
     onehot = torch.zeros(T, R + 1, dtype=torch.bool, device=ids.device)
@@ -266,13 +242,13 @@ class DispatchPath:
 
     def wire_recv_rows(self, d: Dispatched) -> int:
         """Rows physically landing in this rank's receive buffer (default: the valid ones)."""
-        return sum(_as_list(d.recv_counts, self.layout.world_size))
+        return sum(_as_list(d.recv_counts, self.layout.ep_size))
 
     def wire_row_bytes(self) -> int:
         return self.row_payload_bytes()
 
     def stats(self, d: Dispatched) -> DispatchStats:
-        R, rank = self.layout.world_size, self.layout.rank
+        R, rank = self.layout.ep_size, self.layout.rank
         sent = _as_list(d.send_counts, R)
         recv = _as_list(d.recv_counts, R)
         row = self.row_payload_bytes()
@@ -285,7 +261,7 @@ class DispatchPath:
 
     def combine_recv_rows(self, d: Dispatched) -> int:
         """Expert-output rows this rank receives back in combine (default: the rows it sent)."""
-        return sum(_as_list(d.send_counts, self.layout.world_size))
+        return sum(_as_list(d.send_counts, self.layout.ep_size))
 
 
     # -- hooks the benchmark calls ---------------------------------------------------------------------------------

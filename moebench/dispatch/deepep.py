@@ -114,7 +114,7 @@ class DeepEPNormalPath(DispatchPath):
         require("legacy")
         Buffer = deep_ep.Buffer
         Buffer.set_num_sms(num_sms)
-        R = layout.world_size
+        R = layout.ep_size
         hidden_bytes = hidden * max(torch.empty(0, dtype=dtype).element_size(), 2)
         num_nvl_bytes = 0
         for config in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)):
@@ -196,7 +196,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         super().__init__(layout, hidden=hidden, top_k=top_k, dtype=dtype, device=device)
         require("legacy")
         Buffer = deep_ep.Buffer
-        R, E = layout.world_size, layout.num_experts
+        R, E = layout.ep_size, layout.num_experts
         self.max_tokens = int(num_max_dispatch_tokens_per_rank)
         # low_latency_dispatch asserts NVSHMEM's QP depth >= 2 * (max tokens + 1); the default is 1024
         os.environ.setdefault("NVSHMEM_QP_DEPTH", str(max(1024, 2 * (self.max_tokens + 1))))
@@ -239,7 +239,7 @@ class DeepEPLowLatencyPath(DispatchPath):
 
     def combine(self, expert_out, handle: LowLatencyHandle, out=None):
         lay = self.layout
-        y = expert_out.view(lay.experts_per_rank, lay.world_size * self.max_tokens, self.hidden)
+        y = expert_out.view(lay.experts_per_rank, lay.ep_size * self.max_tokens, self.hidden)
         combined_x, _, _ = self.buffer.low_latency_combine(y, handle.topk_idx, handle.topk_weights,
                                                            handle.deepep_handle, async_finish=False,
                                                            return_recv_hook=False)
@@ -251,12 +251,12 @@ class DeepEPLowLatencyPath(DispatchPath):
     def received(self, d: Dispatched) -> ReceivedRows:
         lay = self.layout
         src_info, layout_range = d.handle.deepep_handle[0], d.handle.deepep_handle[1]
-        block = lay.world_size * self.max_tokens
+        block = lay.ep_size * self.max_tokens
         rows, ranks, srcs, experts = [], [], [], []
         lr = layout_range.to(torch.int64).cpu()
         info = src_info.to(torch.int64).cpu()
         for e in range(lay.experts_per_rank):
-            for j in range(lay.world_size):  # rank j's rows for expert e: [begin, begin + count)
+            for j in range(lay.ep_size):  # rank j's rows for expert e: [begin, begin + count)
                 begin, count = int(lr[e, j] >> 32), int(lr[e, j] & 0xFFFFFFFF)
                 r = torch.arange(begin, begin + count)
                 rows.append(e * block + r)
@@ -268,7 +268,7 @@ class DeepEPLowLatencyPath(DispatchPath):
 
     def stats(self, d: Dispatched):
         got = self.received(d)
-        R = self.layout.world_size
+        R = self.layout.ep_size
         d.recv_counts = torch.bincount(got.src_rank, minlength=R)
         # one row per (token, expert) slot: slots this rank sends to each destination
         ids = d.handle.topk_idx.to(torch.int64)
@@ -280,7 +280,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         return self.hidden * torch.empty(0, dtype=self.dtype).element_size()
 
     def wire_recv_rows(self, d: Dispatched) -> int:
-        return self.layout.experts_per_rank * self.layout.world_size * self.max_tokens
+        return self.layout.experts_per_rank * self.layout.ep_size * self.max_tokens
 
     def close(self) -> None:
         if self._explicit and self.buffer is not None:

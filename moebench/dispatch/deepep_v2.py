@@ -116,7 +116,7 @@ class DeepEPV2Path(DispatchPath):
 
     def stats(self, d: Dispatched):
         got = self.received(d)
-        R = self.layout.world_size
+        R = self.layout.ep_size
         d.recv_counts = torch.bincount(got.src_rank, minlength=R)
         if self.do_expand:
             ids = d.handle.ids.to(torch.int64).cpu()

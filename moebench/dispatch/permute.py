@@ -279,7 +279,7 @@ def run_plan(use_triton: bool, topk_ids: torch.Tensor, is_padding: torch.Tensor 
              overflow: torch.Tensor | None = None, block_counts: torch.Tensor | None = None) -> None:
     """The send plan into the path's buffers: the Triton kernels (`block_counts`: their scratch, see plan_sends),
     or the torch reference (copied in)."""
-    args = (topk_ids, is_padding, layout.experts_per_rank, layout.world_size, layout.num_experts)
+    args = (topk_ids, is_padding, layout.experts_per_rank, layout.ep_size, layout.num_experts)
     if use_triton:
         plan_sends(*args, capacity=capacity, send_pos=send_pos, counts=counts, offsets=offsets, overflow=overflow,
                    block_counts=block_counts)

@@ -57,7 +57,7 @@ class GatheredInputs:
 
 def gather_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   is_padding: torch.Tensor, mask_aware: bool, layout: EPLayout) -> GatheredInputs:
-    R = layout.world_size
+    R = layout.ep_size
     T, K = topk_ids.shape
 
     def gather(t: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ def padded_rows_sent(path: DispatchPath, ids: torch.Tensor, is_padding: torch.Te
     (base.effective_ids)."""
     lay = path.layout
     if path.receives == "all":
-        return int(is_padding.sum()) * lay.world_size
+        return int(is_padding.sum()) * lay.ep_size
     if path.receives == "slot":
         return int(((ids >= 0) & is_padding.unsqueeze(1)).sum())
     return int((token_in_rank(ids, lay) & is_padding.unsqueeze(1)).sum())

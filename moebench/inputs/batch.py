@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.inputs.padding import fill_rows, ratio_mask
+from moebench.inputs.padding import fill_rows
+from moebench.inputs.router_mask import point_masks
 from moebench.inputs.routing import DTYPES, expert_prior, real_logits
 from moebench.kernels.grouped_topk import grouped_topk_torch
 from moebench.kernels.topk_softmax import topk_softmax_torch
-from moebench.sweep import Params
+from moebench.params import Params
 
 
 @dataclass
@@ -32,15 +33,6 @@ def generator(seed: int, device: torch.device | str) -> torch.Generator:
     return g
 
 
-def padding_mask(p: Params, device: torch.device | str) -> torch.Tensor:
-    """The mask of this point's producer, for one rank (padding.producer_mask documents which rank)."""
-    if p.padding_producer == "ratio":
-        return ratio_mask(p.num_tokens, p.padding_ratio, device)
-    from moebench.inputs import padding
-
-    return padding.producer_mask(p, device)
-
-
 def make_batch(p: Params, device: torch.device | str, *, need_hidden: bool = True, seed_offset: int = 0) -> Batch:
     device = torch.device(device)
     seed = p.seed * 1_000_003 + seed_offset
@@ -48,7 +40,7 @@ def make_batch(p: Params, device: torch.device | str, *, need_hidden: bool = Tru
     g_stale = generator(seed + 7919, device)  # "previous batch" for the stale fill
     prior = expert_prior(p.routing, p.num_experts, zipf_exponent=p.zipf_exponent, hot_experts=p.hot_experts,
                          hot_ratio=p.hot_ratio, generator=generator(p.seed, "cpu"))
-    is_padding = padding_mask(p, device)
+    is_padding, mask = point_masks(p, device)  # padding.run_producer documents which rank's mask
     T = is_padding.shape[0]
     dtype = DTYPES[p.dtype]
 
@@ -69,9 +61,7 @@ def make_batch(p: Params, device: torch.device | str, *, need_hidden: bool = Tru
     bias = None
     if p.bias:
         bias = (torch.rand(p.num_experts, generator=g, device=device, dtype=torch.float32) - 0.5) * 0.1
-    from moebench.inputs.router_mask import router_mask
-
-    return Batch(is_padding=is_padding, logits=logits, hidden=hidden, bias=bias, mask=router_mask(p, is_padding))
+    return Batch(is_padding=is_padding, logits=logits, hidden=hidden, bias=bias, mask=mask)
 
 
 def route(p: Params, batch: Batch, *, use_mask: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +70,8 @@ def route(p: Params, batch: Batch, *, use_mask: bool | None = None) -> tuple[tor
     Uses grouped_topk when p.num_expert_group > 1, else topk_softmax; given batch.mask (or, with `use_mask`,
     is_padding / nothing).
     """
-    # batch.mask is what the point hands the router (router_mask: the PCP / DBO variants); use_mask overrides
+    # batch.mask is what the point hands the router (router_mask.point_masks: the PCP / DBO variants); use_mask
+    # overrides
     mask = batch.mask if use_mask is None else batch.is_padding if use_mask else None
     if p.num_expert_group > 1 or p.scoring == "sigmoid":
         return grouped_topk_torch(batch.logits, p.top_k, p.num_expert_group, p.topk_group, scoring=p.scoring,

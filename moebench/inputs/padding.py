@@ -14,21 +14,19 @@ Rows a producer adds are zeros; what padded rows contain is chosen separately wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from moebench.sweep import Params
-
-from moebench.kernels._details.args import check_mask  # noqa: E402  (re-exported)
+from moebench.kernels._details.args import check_mask  # noqa: F401  (re-exported)
+from moebench.params import Params, padding_rows
 
 FILLS = ("zeros", "repeat", "stale", "random")
 
 
 def ratio_mask(num_tokens: int, padding_ratio: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """The `ratio` producer: the trailing round(T * ratio) rows are padding."""
-    num_padding = int(round(num_tokens * padding_ratio))
+    num_padding = padding_rows(num_tokens, padding_ratio)
     mask = torch.zeros(num_tokens, dtype=torch.bool, device=device)
     if num_padding:
         mask[num_tokens - num_padding:] = True
@@ -248,7 +246,7 @@ def pcp_rank_masks(rows_per_rank: int, num_ranks: int, padding_ratio: float,
     """Per-rank masks of a context-parallel batch: round(P*N*ratio) padded rows overall, the real rows spread as
     evenly as possible (lower ranks take the remainder), each rank's padding at its own tail."""
     total = rows_per_rank * num_ranks
-    num_real = total - int(round(total * padding_ratio))
+    num_real = total - padding_rows(total, padding_ratio)
     masks = []
     for rank in range(num_ranks):
         real_r = num_real // num_ranks + (1 if rank < num_real % num_ranks else 0)
@@ -258,8 +256,16 @@ def pcp_rank_masks(rows_per_rank: int, num_ranks: int, padding_ratio: float,
     return masks
 
 
-def producer_mask(p: "Params", device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bool mask one rank sees at a sweep point, made by running the point's producer (ranks simulated).
+def producer_mask(p: Params, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The bool mask one rank sees at a sweep point, made by running the point's producer (ranks simulated)."""
+    return run_producer(p, device)[0]
+
+
+def run_producer(p: Params, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(is_padding, before) at a sweep point: the mask one rank sees after running the point's producer (ranks
+    simulated), and the mask that rank held before the producer's gather or split: pcp: this rank's own N-entry
+    mask; dbo: the full batch's mask. For the other producers `before` is is_padding. moebench.inputs.router_mask
+    picks from the two what the router is handed.
 
     Its length is the rows the routed kernels then process; padding_ratio and producer_size mean:
     - ratio:     num_tokens rows, the trailing round(num_tokens * padding_ratio) are padding.
@@ -290,24 +296,27 @@ def producer_mask(p: "Params", device: torch.device | str = "cpu") -> torch.Tens
         return torch.empty((count, 0), device=device)
 
     if producer == "ratio":
-        return ratio_mask(n, p.padding_ratio, device)
+        mask = ratio_mask(n, p.padding_ratio, device)
+        return mask, mask
     if producer == "cudagraph":
         _, mask = cudagraph_pad(rows(n), p.capture_sizes)
-        return mask
+        return mask, mask
     if producer == "dp":
         num_real = n - p.num_padding
         _, mask = dp_pad(rows(num_real), [num_real] + [n] * (p.producer_size - 1))
-        return mask
+        return mask, mask
     if producer == "sp":
         upstream = ratio_mask(n, p.padding_ratio, device)
         _, mask = sp_pad_and_chunk(rows(n), upstream, p.producer_size, p.producer_size - 1)
-        return mask.clone()
+        mask = mask.clone()
+        return mask, mask
     if producer == "pcp":
         masks = pcp_rank_masks(n, p.producer_size, p.padding_ratio, device)
         peers = [(rows(n), m) for m in masks]
         _, mask = pcp_gather(peers[0][0], peers[0][1], peers=peers)
-        return mask
+        return mask, masks[0]
     if producer == "dbo":
-        _, (_, mask_second) = dbo_split(rows(n), ratio_mask(n, p.padding_ratio, device))
-        return mask_second.clone()
+        full = ratio_mask(n, p.padding_ratio, device)
+        _, (_, mask_second) = dbo_split(rows(n), full)
+        return mask_second.clone(), full
     raise ValueError(f"unknown padding producer {producer!r}")

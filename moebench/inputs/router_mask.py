@@ -10,33 +10,33 @@ engine got it wrong (the seed-001 PCP gather and the seed-002 dual-batch-overlap
             full      the full-batch mask handed to one micro-batch: the size check raises.
             none      the micro-batch context is built without a mask (the bug the review found): the padded
                       rows of the micro-batch are routed like real tokens.
-With `mask: false` nothing is handed to the router whatever these say.
+With `mask: false` nothing is handed to the router whatever these say. moebench.sweep.params_problem refuses either
+knob away from its producer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moebench.inputs.padding import pcp_rank_masks, ratio_mask
+from moebench.inputs.padding import run_producer
+from moebench.params import Params
 
 
-def router_mask(p, is_padding: torch.Tensor) -> torch.Tensor | None:
-    """What the mask-aware impls receive for point `p`, whose routed rows have the mask `is_padding`."""
+def point_masks(p: Params, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(is_padding, router_mask) of point `p`, from one run of its producer: which routed rows are padding, and
+    what the mask-aware impls receive."""
+    is_padding, before = run_producer(p, device)
+    return is_padding, _handed(p, is_padding, before)
+
+
+def _handed(p: Params, is_padding: torch.Tensor, before: torch.Tensor) -> torch.Tensor | None:
+    """`before` is the mask the rank held before the producer's gather (pcp) or split (dbo)."""
     if not p.mask:
         return None
     if p.padding_producer == "pcp" and p.pcp_mask == "local":
-        return pcp_rank_masks(p.num_tokens, p.producer_size, p.padding_ratio, is_padding.device)[0]
+        return before
     if p.padding_producer == "dbo" and p.dbo_mask == "none":
         return None
     if p.padding_producer == "dbo" and p.dbo_mask == "full":
-        return ratio_mask(p.num_tokens, p.padding_ratio, is_padding.device)
+        return before
     return is_padding
-
-
-def mask_knob_problem(p) -> str | None:
-    """pcp_mask / dbo_mask only mean something with their producer."""
-    if p.pcp_mask != "gathered" and p.padding_producer != "pcp":
-        return f"pcp_mask: {p.pcp_mask!r} needs padding_producer pcp, got {p.padding_producer!r}"
-    if p.dbo_mask != "sliced" and p.padding_producer != "dbo":
-        return f"dbo_mask: {p.dbo_mask!r} needs padding_producer dbo, got {p.padding_producer!r}"
-    return None

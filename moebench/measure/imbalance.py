@@ -26,14 +26,12 @@ from typing import Any
 import torch
 
 from moebench.kernels._details.args import check_mask
+from moebench.params import EPLayout
 
 
-def _check_routing(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
+def _check_routing(topk_ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     """Validate and return the ids as int64 [T, K]."""
-    if num_experts < 1 or ep_size < 1:
-        raise ValueError(f"num_experts and ep_size must be >= 1, got {num_experts}, {ep_size}")
-    if num_experts % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts}")
+    num_experts = layout.num_experts
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
     if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
@@ -55,20 +53,20 @@ def per_rank_loads(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> to
 
     For simulated EP: rank r's expert work is loads[r], whatever devices actually ran the layer.
     """
-    ids = _check_routing(topk_ids, num_experts, ep_size)
+    layout = EPLayout(0, ep_size, num_experts)
+    ids = _check_routing(topk_ids, layout)
     counts = _expert_counts(ids, ids >= 0, num_experts)
-    return counts.view(ep_size, num_experts // ep_size).sum(dim=1)
+    return counts.view(ep_size, layout.experts_per_rank).sum(dim=1)
 
 
-def _rank_tokens(ids: torch.Tensor, rows: torch.Tensor, num_experts: int, ep_size: int) -> list[int]:
+def _rank_tokens(ids: torch.Tensor, rows: torch.Tensor, layout: EPLayout) -> list[int]:
     """Distinct (token, rank) pairs among the selected rows: the rows a dispatch sends to each rank."""
-    num_tokens = ids.shape[0]
+    num_tokens, ep_size = ids.shape[0], layout.ep_size
     if num_tokens == 0 or ids.shape[1] == 0:
         return [0] * ep_size
-    experts_per_rank = num_experts // ep_size
     valid = (ids >= 0) & rows.unsqueeze(1)
-    # -1 slots go to a spare column R that is dropped afterwards.
-    rank_of = torch.where(valid, ids.clamp(min=0) // experts_per_rank, torch.full_like(ids, ep_size))
+    # -1 slots go to a spare column ep_size that is dropped afterwards.
+    rank_of = torch.where(valid, ids.clamp(min=0) // layout.experts_per_rank, torch.full_like(ids, ep_size))
     hits = torch.zeros(num_tokens, ep_size + 1, dtype=torch.bool, device=ids.device)
     hits.scatter_(1, rank_of, True)
     return [int(v) for v in hits[:, :ep_size].sum(dim=0).tolist()]
@@ -109,7 +107,8 @@ def imbalance(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, num_exper
     topk_ids [T, K] global expert ids (-1 = none); is_padding [T] bool or None (no padding rows). Works on CPU or
     CUDA tensors and returns plain Python numbers (JSON-able). See the module docstring for the definitions.
     """
-    ids = _check_routing(topk_ids, num_experts, ep_size)
+    layout = EPLayout(0, ep_size, num_experts)
+    ids = _check_routing(topk_ids, layout)
     num_tokens = ids.shape[0]
     check_mask(is_padding, num_tokens)
     pad_rows = is_padding.to(device=ids.device, dtype=torch.bool) if is_padding is not None else \
@@ -121,10 +120,9 @@ def imbalance(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, num_exper
     per_expert_padding = [int(v) for v in _expert_counts(ids, pad_routes, num_experts).tolist()]
     per_expert_all = [a + b for a, b in zip(per_expert_real, per_expert_padding)]
 
-    epr = num_experts // ep_size
-
     def by_rank(per_expert: list[int]) -> list[int]:
-        return [sum(per_expert[r * epr:(r + 1) * epr]) for r in range(ep_size)]
+        first = layout.first_expert
+        return [sum(per_expert[first(r):first(r + 1)]) for r in range(ep_size)]
 
     per_rank_real = by_rank(per_expert_real)
     per_rank_padding = by_rank(per_expert_padding)
@@ -138,8 +136,8 @@ def imbalance(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, num_exper
         "per_expert_padding": per_expert_padding,
         "per_rank_real": per_rank_real,
         "per_rank_padding": per_rank_padding,
-        "per_rank_tokens_real": _rank_tokens(ids, ~pad_rows, num_experts, ep_size),
-        "per_rank_tokens_padding": _rank_tokens(ids, pad_rows, num_experts, ep_size),
+        "per_rank_tokens_real": _rank_tokens(ids, ~pad_rows, layout),
+        "per_rank_tokens_padding": _rank_tokens(ids, pad_rows, layout),
         "num_routes": sum(per_expert_all),
         "num_padding_routes": sum(per_expert_padding),
         "expert": expert_figures(per_expert_all),

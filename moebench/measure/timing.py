@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from moebench.measure.nvtx import nvtx_range
-from moebench.sweep import Timing
+from moebench.params import Timing
 
 
 @dataclass

@@ -274,7 +274,7 @@ def test_peer_plumbing_with_emulated_scaled_grouped_mm(monkeypatch):
 
 def test_registered_fp8_impls_check(device):
     from moebench.registry import RunContext, get
-    from moebench.sweep import Params
+    from moebench.params import Params
 
     ctx = RunContext(device=device)
     p = Params(num_tokens=16, num_experts=8, num_local_experts=4, top_k=3, hidden=256, intermediate=128,
