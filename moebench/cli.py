@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 
 from moebench import __version__
-from moebench.paths import bundled_sweeps, check_output_dir, resolve_sweep_path
-from moebench.results import DEFAULT_RUNS_DIR
-from moebench.sweep import DEFAULT_MAX_POINTS, SweepError
+from moebench.run.paths import bundled_sweeps, check_output_dir, resolve_sweep_path
+from moebench.run.results import DEFAULT_RUNS_DIR
+from moebench.run.sweep import DEFAULT_MAX_POINTS, SweepError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,8 +91,8 @@ def _positive_int(text: str) -> int:
 
 def _load_for_run(args):
     """The sweep to run: SWEEP with --set, or with --resume the run's stored one (SWEEP, if given, must match)."""
-    from moebench.resume import check_same_sweep, stored_sweep
-    from moebench.sweep import load_sweep
+    from moebench.run.resume import check_same_sweep, stored_sweep
+    from moebench.run.sweep import load_sweep
 
     given = None
     if args.sweep is not None:
@@ -109,7 +109,7 @@ def _load_for_run(args):
 
 
 def cmd_run(args) -> int:
-    from moebench.runner import dry_run, pick_device, run_sweep
+    from moebench.run.runner import dry_run, pick_device, run_sweep
 
     sweep = _load_for_run(args)
     if args.dry_run:
@@ -148,12 +148,12 @@ def cmd_plot(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from moebench.compare import compare_runs
+    from moebench.report.compare import compare_runs
 
-    if args.run_b is None or args.impls:  # within one run (moebench.peers)
+    if args.run_b is None or args.impls:  # within one run (moebench.report.peers)
         if args.run_b is not None:
             raise SweepError("compare --impls compares impls within one run: give one run directory")
-        from moebench.peers import compare_within_run
+        from moebench.report.peers import compare_within_run
 
         return compare_within_run(Path(args.run_a), args.impls)
     return compare_runs(Path(args.run_a), Path(args.run_b))
@@ -193,9 +193,9 @@ def cmd_list(args) -> int:
 
 def cmd_profile(args) -> int:
     from moebench.profile import profile_inner, profile_point
-    from moebench.results import utc_stamp
-    from moebench.runner import check_point_index, pick_device
-    from moebench.sweep import load_sweep
+    from moebench.run.results import utc_stamp
+    from moebench.run.runner import check_point_index, pick_device
+    from moebench.run.sweep import load_sweep
 
     path = resolve_sweep_path(args.sweep)
     sweep = load_sweep(path, args.set or [])  # validate first: one clear line on bad input
@@ -213,7 +213,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from moebench.report_page import write_report
+    from moebench.report.page import write_report
 
     print(write_report(args.run_dirs, args.out, title=args.title))
     return 0

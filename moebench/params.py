@@ -5,8 +5,8 @@ experts), `padding_rows` (how many rows a padding ratio pads).
 
 Plain frozen data, importing nothing of moebench, so that everything else can sit above it: the inputs, the
 registry, the dispatch paths, the bench modules and the measurements read a point's parameters from here, while
-loading and validating a sweep file (which needs the registry, the plugins and the presets) is moebench.sweep's job.
-The values each field accepts are checked there (moebench.sweep.CHOICES, params_problem).
+loading and validating a sweep file (which needs the registry, the plugins and the presets) is moebench.run.sweep's job.
+The values each field accepts are checked there (moebench.run.sweep.CHOICES, params_problem).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Timing:
     unroll: int = 1  # cuda_graph: calls captured per replay; a sample is replay time / unroll
     max_seconds: float = 30.0  # stop sampling a point after this long (a CPU run of a big point)
     # A point still running after this long is killed and recorded failed (None: the device's default, see
-    # moebench.point_worker.DEFAULT_POINT_TIMEOUT_S).
+    # moebench.run.point_worker.DEFAULT_POINT_TIMEOUT_S).
     point_timeout_s: float | None = None
 
 

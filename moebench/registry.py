@@ -104,7 +104,7 @@ class Impl:
     twin_of: str | None = None
     baseline: bool = False  # the family's reference (plain torch, the judge of every other impl)
     # An outside implementation (a peer): "torch.compile", "vllm", "sglang", "flashinfer", "plugin". None for
-    # moebench's own impls. Tables and plots give every impl its ratio to the best peer (moebench.peers).
+    # moebench's own impls. Tables and plots give every impl its ratio to the best peer (moebench.report.peers).
     library: str | None = None
 
     @property

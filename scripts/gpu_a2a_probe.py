@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import torch  # noqa: E402
 
-from moebench import dist as mdist  # noqa: E402
-from moebench.report import print_rows  # noqa: E402
-from moebench.results import environment  # noqa: E402
+from moebench.run import dist as mdist  # noqa: E402
+from moebench.report.table import print_rows  # noqa: E402
+from moebench.run.results import environment  # noqa: E402
 
 
 def worker(ctx) -> dict:

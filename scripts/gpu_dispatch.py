@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 import torch  # noqa: E402
 
-from moebench import dist as mdist  # noqa: E402
+from moebench.run import dist as mdist  # noqa: E402
 from moebench.check import CheckResult, compare_close  # noqa: E402
 from moebench.dispatch.a2a import destination_order  # noqa: E402
 from moebench.dispatch.a2a_fixed import max_rows_per_pair  # noqa: E402
@@ -58,8 +58,8 @@ from moebench.dispatch.reference import (check_received, count_padding_received,
 from moebench.measure.kernel_time import kernel_time, top_kernels  # noqa: E402
 from moebench.measure.timing import marked_calls, measure  # noqa: E402
 from moebench.params import Params, Timing  # noqa: E402
-from moebench.report import print_rows  # noqa: E402
-from moebench.results import environment  # noqa: E402
+from moebench.report.table import print_rows  # noqa: E402
+from moebench.run.results import environment  # noqa: E402
 
 CONFIGS = {"pad0": (0.0, True), "pad50_masked": (0.5, True), "pad50_unmasked": (0.5, False)}
 COMBINE_MAX_REL, COMBINE_RMS_REL = 2e-2, 5e-3  # as moebench.bench.dispatch checks the combined output

@@ -125,9 +125,9 @@ def test_validate_and_targets():
 
 
 def test_runner_ep_scaling_records(tmp_path):
-    from moebench.results import load_records
-    from moebench.runner import run_sweep
-    from moebench.sweep import sweep_from_dict
+    from moebench.run.results import load_records
+    from moebench.run.runner import run_sweep
+    from moebench.run.sweep import sweep_from_dict
 
     sweep = sweep_from_dict({
         "name": "eps", "target": "layer", "impls": ["ep_sim.experts"],

@@ -12,9 +12,9 @@ from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expe
 from moebench.kernels.fused_experts import fused_experts_torch
 from moebench.params import Params
 from moebench.registry import RunContext, get
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import sweep_from_dict
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import sweep_from_dict
 
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=32, group_size=32, dtype="fp32")
 

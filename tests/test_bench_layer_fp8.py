@@ -18,9 +18,9 @@ from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs_torch
 from moebench.measure.roofline import roofline_us
 from moebench.params import Params
 from moebench.registry import RunContext, get
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import expand, sweep_from_dict
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import expand, sweep_from_dict
 
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=128, group_size=32, dtype="fp32")
 

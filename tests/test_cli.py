@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from moebench.cli import main
-from moebench.compare import compare_records, compare_runs
+from moebench.report.compare import compare_records, compare_runs
 
 
 def _rec(key, impl, p50, status="ok", **params):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from moebench import dist as mdist
+from moebench.run import dist as mdist
 from moebench.check import compare_close, compare_exact, poison
 from moebench.dispatch.a2a import A2APath, destination_order
 from moebench.dispatch.a2a_fixed import A2AFixedPath, max_rows_per_pair

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebench import dist as mdist
+from moebench.run import dist as mdist
 from moebench import registry
 from moebench.bench import dispatch as bench_dispatch
 from moebench.check import CheckResult, compare_close

@@ -1,4 +1,4 @@
-"""moebench.dist: self-spawned gloo ranks, failure propagation (no hangs), per-iteration max over ranks."""
+"""moebench.run.dist: self-spawned gloo ranks, failure propagation (no hangs), per-iteration max over ranks."""
 
 import os
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from moebench import dist as mdist
-from moebench.dist import SpawnError
+from moebench.run import dist as mdist
+from moebench.run.dist import SpawnError
 
 
 # Workers are module-level so the spawn start method can pickle them.

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from moebench.cli import main
-from moebench.results import load_manifest, load_records
-from moebench.run_lock import LOCK, RunLock
+from moebench.run.results import load_manifest, load_records
+from moebench.run.lock import LOCK, RunLock
 
 MULTI_RANK = textwrap.dedent("""\
     name: mrfault
@@ -229,12 +229,12 @@ def test_sigint_while_plotting_exits_130_naming_the_run(tmp_path, capsys, monkey
 
 def test_sigint_while_writing_the_summary_and_again_during_the_clean_up_names_the_run(tmp_path, capsys,
                                                                                          monkeypatch):
-    import moebench.runner
+    import moebench.run.runner
 
     for times in (1, 2):  # the second: Ctrl-C again while the interrupted run writes its summary
         sub = tmp_path / f"t{times}"
         sub.mkdir()
-        code, line, run_dir = _interrupt_during(sub, capsys, monkeypatch, moebench.runner, "write_summary", times)
+        code, line, run_dir = _interrupt_during(sub, capsys, monkeypatch, moebench.run.runner, "write_summary", times)
         assert code == 130 and line == f"moebench: interrupted; resume with: moebench run --resume {run_dir}"
         assert not (run_dir / LOCK).exists()
         monkeypatch.undo()
@@ -318,7 +318,7 @@ def test_resume_with_a_different_sweep_is_refused_naming_the_difference(tmp_path
 def test_resume_under_other_tuning_variables_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch):
     """MOEBENCH_ROUTER_CONFIG and the like pick the launch config of the points without being sweep parameters:
     the manifest records them, and a resume that would mix two configs in one run is refused like a sweep change."""
-    from moebench.results import TUNING_ENV
+    from moebench.run.results import TUNING_ENV
 
     for name in TUNING_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -353,7 +353,7 @@ def test_tuning_variables_are_the_kernels_own():
     from moebench.kernels._details.align_config import ALIGN_CONFIG_ENV
     from moebench.kernels._details.router_common import ROUTER_CONFIG_ENV
     from moebench.kernels.fused_experts_fp8 import CONFIG_ENV as FP8_CONFIG_ENV
-    from moebench.results import TUNING_ENV
+    from moebench.run.results import TUNING_ENV
 
     assert TUNING_ENV == (ROUTER_CONFIG_ENV, ALIGN_CONFIG_ENV, FP8_CONFIG_ENV)
 
@@ -395,7 +395,7 @@ def test_default_location_and_plots_inside_the_run(tmp_path, capsys, monkeypatch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_watchdog_ends_a_rank_whose_parent_died_without_the_signal(tmp_path):
     """The fallback when no parent-death signal is armed: the watchdog sees the parent pid change."""
-    child_code = ("import sys, time, moebench.dist as d; d.PR_SET_PDEATHSIG = 0; "  # option 0: prctl refuses
+    child_code = ("import sys, time, moebench.run.dist as d; d.PR_SET_PDEATHSIG = 0; "  # option 0: prctl refuses
                   "d.die_with_parent(int(sys.argv[1])); print('armed', flush=True); time.sleep(120)")
     parent_code = ("import os, subprocess, sys, time; "
                    f"c = subprocess.Popen([sys.executable, '-c', {child_code!r}, str(os.getpid())], "

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from moebench.cli import main
-from moebench.sweep import DEFAULT_MAX_POINTS, load_sweep
+from moebench.run.sweep import DEFAULT_MAX_POINTS, load_sweep
 
 GOOD = """\
 name: t
@@ -226,8 +226,8 @@ def test_resume_of_something_that_is_no_run(tmp_path, capsys, monkeypatch):
 
 
 def test_cuda_graph_on_a_cpu_says_what_was_used(tmp_path):
-    from moebench.results import load_manifest, load_records
-    from moebench.runner import run_sweep
+    from moebench.run.results import load_manifest, load_records
+    from moebench.run.runner import run_sweep
 
     path = _write(tmp_path, GOOD.replace("timing: {warmup: 0, iters: 2}",
                                          "timing: {mode: cuda_graph, warmup: 0, iters: 2}"))
@@ -276,7 +276,7 @@ def test_refusal_in_a_fresh_process_is_one_line_and_fast(tmp_path):
 
 def test_dry_run_of_bundled_sweeps_still_validates():
     """The strict loader accepts every bundled sweep (no aliases, no duplicate keys in them)."""
-    from moebench.paths import bundled_sweeps
+    from moebench.run.paths import bundled_sweeps
 
     sweeps = bundled_sweeps()
     assert any(p.stem == "quickstart" for p in sweeps)

@@ -147,7 +147,7 @@ def test_moebench_import_graph_has_no_cycle():
 def test_measurements_sit_below_the_runner_and_the_profiler():
     """measure/* is what the runner and the profiler build on: it imports neither."""
     graph = import_graph()
-    above = ("moebench.runner", "moebench.profile")
+    above = ("moebench.run.runner", "moebench.profile")
     for module, targets in graph.items():
         if module.startswith("moebench.measure"):
             bad = sorted(t for t in targets if t.startswith(above))
@@ -159,25 +159,25 @@ def test_params_imports_nothing_of_moebench():
     assert import_graph()["moebench.params"] == set()
 
 
-# The layers the sweep loader validates against: they take Params from moebench.params, never moebench.sweep.
+# The layers the sweep loader validates against: they take Params from moebench.params, never moebench.run.sweep.
 BELOW_THE_SWEEP = ("moebench.params", "moebench.registry", "moebench.families", "moebench.plugins",
-                   "moebench.presets", "moebench.headline", "moebench.check", "moebench.strict_yaml",
+                   "moebench.presets", "moebench.report.headline", "moebench.check", "moebench.run.strict_yaml",
                    "moebench.dispatch", "moebench.inputs", "moebench.kernels", "moebench.measure", "moebench.bench")
 
 
 def test_nothing_the_sweep_loader_builds_on_imports_it():
     graph = import_graph()
     for module, targets in graph.items():
-        if module.startswith(BELOW_THE_SWEEP) and module != "moebench.sweep":
-            assert "moebench.sweep" not in targets, f"{module} imports moebench.sweep (take Params from moebench.params)"
+        if module.startswith(BELOW_THE_SWEEP) and module != "moebench.run.sweep":
+            assert "moebench.run.sweep" not in targets, f"{module} imports moebench.run.sweep (take Params from moebench.params)"
 
 
 def test_point_data_is_imported_from_params():
-    """Params, Timing and Point have one home: nobody (package, tests, scripts) takes them from moebench.sweep."""
+    """Params, Timing and Point have one home: nobody (package, tests, scripts) takes them from moebench.run.sweep."""
     moved = {"Params", "Timing", "Point", "_LATER_DEFAULTS"}
     repo = ROOT.parent
     for path in sorted([*ROOT.rglob("*.py"), *(repo / "tests").rglob("*.py"), *(repo / "scripts").rglob("*.py")]):
         for node in _imports(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module == "moebench.sweep":
+            if isinstance(node, ast.ImportFrom) and node.module == "moebench.run.sweep":
                 bad = sorted(moved & {a.name for a in node.names})
-                assert not bad, f"{path.relative_to(repo)}:{node.lineno} imports {bad} from moebench.sweep"
+                assert not bad, f"{path.relative_to(repo)}:{node.lineno} imports {bad} from moebench.run.sweep"

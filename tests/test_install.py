@@ -50,7 +50,7 @@ def test_pip_install_runs_bundled_quickstart(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
-    where = subprocess.run([str(python), "-c", "import moebench, moebench.paths as p; print(moebench.__file__); "
+    where = subprocess.run([str(python), "-c", "import moebench, moebench.run.paths as p; print(moebench.__file__); "
                             "print(p.bundled_sweep_dir()); print(p.resolve_sweep_path('sp_padding_straggler'))"],
                            capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
     module_file, sweep_dir, scenario = where.stdout.split()
@@ -76,7 +76,7 @@ def test_default_run_location_is_ignored_by_git():
     if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO), "rev-parse"], capture_output=True,
                                                       timeout=30).returncode != 0:
         pytest.skip("not a git checkout")
-    from moebench.results import DEFAULT_RUNS_DIR
+    from moebench.run.results import DEFAULT_RUNS_DIR
 
     probe = DEFAULT_RUNS_DIR / "quickstart-20260101T000000Z" / "records.jsonl"
     proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(probe)], timeout=30)

@@ -176,9 +176,9 @@ def test_registered_case_with_triton_kernels(device):
 
 
 def test_runner_records_and_jit_plot(tmp_path):
-    from moebench.results import load_records
-    from moebench.runner import run_sweep
-    from moebench.sweep import sweep_from_dict
+    from moebench.run.results import load_records
+    from moebench.run.runner import run_sweep
+    from moebench.run.sweep import sweep_from_dict
 
     sweep = sweep_from_dict({
         "name": "jt", "target": "jit_trace", "impls": ["jit_trace.a2a_fixed"],

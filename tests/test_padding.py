@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from moebench import dist as mdist
+from moebench.run import dist as mdist
 from moebench.inputs import padding
 from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)

@@ -12,7 +12,7 @@ from moebench import registry
 from moebench.bench import peers_flashinfer, peers_sglang, peers_vllm
 from moebench.bench.compile_peers import compile_available
 from moebench.params import Params
-from moebench.peers import compare_within, peer_footer_lines, peer_ratios
+from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
 from moebench.registry import RunContext
 from tests.standins import flashinfer_standin, sgl_kernel_standin, vllm_ops
 

@@ -19,9 +19,9 @@ from moebench.cli import main
 from moebench.params import Params
 from moebench.plugins import register_dispatch_path
 from moebench.registry import RunContext
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import SweepError, load_sweep
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import SweepError, load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from moebench import point_worker
+from moebench.run import point_worker
 from moebench.cli import main
-from moebench.results import load_records
+from moebench.run.results import load_records
 
 # A router plugin that misbehaves at one batch size (16 tokens) and is a correct router everywhere else.
 PLUGIN = '''
@@ -269,8 +269,8 @@ def test_in_process_runs_the_points_in_the_runner(tmp_path, monkeypatch):
 def test_an_impl_registered_in_the_runner_alone_runs_there_and_says_so(tmp_path):
     from moebench import registry
     from moebench.registry import Case, CheckResult, Impl
-    from moebench.runner import run_sweep
-    from moebench.sweep import sweep_from_dict
+    from moebench.run.runner import run_sweep
+    from moebench.run.sweep import sweep_from_dict
 
     if "testonly.runner_only" not in registry.all_impls():
         x = torch.ones(8)

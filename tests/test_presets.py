@@ -8,7 +8,7 @@ import pytest
 from moebench.cli import main
 from moebench.params import Params, Point
 from moebench.presets import PRESETS, PRESET_KEYS
-from moebench.sweep import SweepError, expand, load_sweep, sweep_from_dict
+from moebench.run.sweep import SweepError, expand, load_sweep, sweep_from_dict
 
 
 def _sweep(fixed=None, axes=None, impls=("grouped_topk.torch",)):

@@ -271,7 +271,7 @@ def test_nsys_driver_with_a_fake_nsys(tmp_path, monkeypatch):
 
 
 def _fake_runner(monkeypatch, reach_timing: bool = True):
-    """Stand-in for moebench.runner.run_single_point with the agreed signature."""
+    """Stand-in for moebench.run.runner.run_single_point with the agreed signature."""
     seen = {}
 
     def run_single_point(sweep, point_index, device, iters, inner_hook):
@@ -288,9 +288,9 @@ def _fake_runner(monkeypatch, reach_timing: bool = True):
         inner_hook("stop")
         return {"status": "ok"}
 
-    runner = types.ModuleType("moebench.runner")
+    runner = types.ModuleType("moebench.run.runner")
     runner.run_single_point = run_single_point
-    monkeypatch.setitem(sys.modules, "moebench.runner", runner)
+    monkeypatch.setitem(sys.modules, "moebench.run.runner", runner)
     point = types.SimpleNamespace(impl="topk_softmax.torch")
     monkeypatch.setattr(driver, "_load_point", lambda path, index, overrides: ("SWEEP", point))
     return seen

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import load_sweep
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import load_sweep
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "sweeps" / "quickstart.yaml"
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from moebench.report_page import ReportError, find_plots, load_run, write_report
-from moebench.runner import run_sweep
-from moebench.sweep import sweep_from_dict
+from moebench.report.page import ReportError, find_plots, load_run, write_report
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import sweep_from_dict
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
 HEADLINE = {"label": "padding routes", "metric": "imbalance.num_padding_routes", "reduce": "sum",

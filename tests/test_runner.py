@@ -13,9 +13,9 @@ import torch
 from moebench import registry
 from moebench.cli import main
 from moebench.registry import Case, CheckResult, Impl, Routing
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import sweep_from_dict
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import sweep_from_dict
 
 SWEEP = """\
 name: rt

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from moebench.cli import main
-from moebench.results import load_records
+from moebench.run.results import load_records
 
 SWEEP = textwrap.dedent("""\
     name: mr

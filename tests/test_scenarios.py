@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from moebench import headline
+from moebench.report.table import headline
 from moebench.cli import main
-from moebench.results import load_records
-from moebench.runner import run_sweep
-from moebench.sweep import SweepError, load_sweep, sweep_from_dict
+from moebench.run.results import load_records
+from moebench.run.runner import run_sweep
+from moebench.run.sweep import SweepError, load_sweep, sweep_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "sweeps" / "scenarios"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.report import print_rows
+from moebench.report.table import print_rows
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((REPO / "scripts").glob("*.py"))

@@ -8,7 +8,7 @@ import pytest
 
 from moebench.cli import main
 from moebench.params import EPLayout, Params, Point
-from moebench.sweep import SweepError, apply_overrides, expand, load_sweep, parse_set
+from moebench.run.sweep import SweepError, apply_overrides, expand, load_sweep, parse_set
 
 GOOD = """\
 name: t
@@ -137,7 +137,7 @@ def test_dry_run_lists_points_and_writes_nothing(tmp_path, capsys):
 
 
 def test_params_defaults_are_valid():
-    from moebench.sweep import params_problem
+    from moebench.run.sweep import params_problem
 
     assert params_problem(Params()) is None
     assert Params(num_tokens=10, padding_ratio=0.25).num_padding == 2  # round(2.5) -> banker's rounding

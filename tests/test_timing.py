@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moebench import dist as mdist
+from moebench.run import dist as mdist
 from moebench.measure import nvtx
 from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
 from moebench.params import Timing

@@ -10,7 +10,7 @@ engine got it wrong (the seed-001 PCP gather and the seed-002 dual-batch-overlap
             full      the full-batch mask handed to one micro-batch: the size check raises.
             none      the micro-batch context is built without a mask (the bug the review found): the padded
                       rows of the micro-batch are routed like real tokens.
-With `mask: false` nothing is handed to the router whatever these say. moebench.sweep.params_problem refuses either
+With `mask: false` nothing is handed to the router whatever these say. moebench.run.sweep.params_problem refuses either
 knob away from its producer.
 """
 

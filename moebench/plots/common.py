@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from moebench.results import RECORDS, load_manifest, load_records
+from moebench.run.results import RECORDS, load_manifest, load_records
 
 FOLDED = ("seed", "repeat")  # repeated measurements of one point: aggregated (median), never split on
 MAX_FIGURES_PER_KIND = 24  # a sweep with many extra axes still gets a bounded number of files

@@ -1,11 +1,11 @@
-"""Each impl's p50 over the best other peer's p50 at the same point (moebench.peers), vs num_tokens: one panel
+"""Each impl's p50 over the best other peer's p50 at the same point (moebench.report.peers), vs num_tokens: one panel
 per kernel family, one line per impl; below the line at 1 an impl is faster than every peer there."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.peers import peer_ratios, point_of
+from moebench.report.peers import peer_ratios, point_of
 from moebench.plots.common import Run, param, split
 from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
 

@@ -65,7 +65,7 @@ def find_nsys() -> str | None:
 
 def _load_point(sweep_path: str | os.PathLike, point_index: int, overrides: list[str] | None):
     """(sweep, point) with the same validation as `moebench run`."""
-    from moebench.sweep import expand, load_sweep
+    from moebench.run.sweep import expand, load_sweep
 
     sweep = load_sweep(sweep_path, overrides or [])
     points = expand(sweep)
@@ -76,7 +76,7 @@ def _load_point(sweep_path: str | os.PathLike, point_index: int, overrides: list
 
 
 def _run_point(sweep: Any, point_index: int, device: str, iters: int, hook: Callable[[str], None]) -> Any:
-    from moebench.runner import run_single_point
+    from moebench.run.runner import run_single_point
 
     return run_single_point(sweep, point_index, device, iters, hook)
 

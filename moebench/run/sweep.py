@@ -24,8 +24,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from moebench import registry, strict_yaml
-from moebench.headline import spec_problem
+from moebench import registry
+
+from moebench.run import strict_yaml
+from moebench.report.headline import spec_problem
 from moebench.params import Params, Point, Timing, ep_split_problem
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
@@ -161,7 +163,7 @@ class Sweep:
     timing: Timing = field(default_factory=Timing)
     description: str = ""
     source: str = "<memory>"
-    headlines: tuple = ()  # moebench.headline specs (dicts), checked by _check_headlines
+    headlines: tuple = ()  # moebench.report.headline specs (dicts), checked by _check_headlines
     plugins: tuple = ()  # modules imported before the impls are looked up (moebench.plugins)
 
     def to_dict(self) -> dict[str, Any]:
@@ -347,7 +349,7 @@ def _model_problem(name) -> str | None:
 
 
 def _check_headlines(specs: list, src: str, impls: list) -> tuple:
-    """The `headlines:` list (moebench.headline documents a spec): one line naming the bad entry and key."""
+    """The `headlines:` list (moebench.report.headline documents a spec): one line naming the bad entry and key."""
     for i, spec in enumerate(specs):
         why = spec_problem(spec, PARAM_NAMES, impls)
         if why:

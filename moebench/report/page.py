@@ -1,7 +1,7 @@
 """`moebench report RUN_DIR... -o FILE.html|FILE.md`: one page of one or more runs, made from what they stored.
 
 For every run: the manifest (GPU, driver, CUDA, torch, Triton, DeepEP, commit, command, when), the headline numbers
-its sweep declares (moebench.headline, computed from the records), its table (one row per point) and its plots.
+its sweep declares (moebench.report.headline, computed from the records), its table (one row per point) and its plots.
 HTML is one self-contained file: the PNGs are embedded as data URIs, the style is inline, nothing is fetched.
 Markdown (for a pull request) links the PNGs by their path relative to the output file instead.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebench.headline import HeadlineRow, evaluate, format_value
+from moebench.report.headline import HeadlineRow, evaluate, format_value
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"

@@ -14,7 +14,7 @@ from moebench import registry
 from moebench.measure.roofline import roofline_us
 from moebench.params import Point, Timing
 from moebench.registry import Case, CheckResult, RunContext
-from moebench.sweep import Sweep
+from moebench.run.sweep import Sweep
 
 
 def bare_record(point: Point, sweep: Sweep, status: str, reason: str, **extra) -> dict:

@@ -19,7 +19,7 @@ from moebench.measure.roofline import current_roofs
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
 # The environment variables that pick a Triton kernel's launch config when a point names none (the kernels' own
-# *_CONFIG_ENV constants): recorded in the manifest, so that a resume under other values is refused (moebench.resume).
+# *_CONFIG_ENV constants): recorded in the manifest, so that a resume under other values is refused (moebench.run.resume).
 TUNING_ENV = ("MOEBENCH_ROUTER_CONFIG", "MOEBENCH_ALIGN_CONFIG", "MOEBENCH_FP8_CONFIG")
 SUMMARY = "summary.csv"
 

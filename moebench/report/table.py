@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from moebench.results import timing_label
+from moebench.run.results import timing_label
 
 # Short column titles for the sweep parameters that commonly vary.
 _PARAM_TITLES = {"num_tokens": "tokens", "padding_ratio": "pad", "top_k": "topk", "num_experts": "experts",

@@ -2,7 +2,7 @@
 extension that aborts), loses the CUDA context (an illegal address, a device-side assert, an OOM that leaves the
 context unusable) or never returns costs that point, not the run.
 
-The worker is `python -m moebench.point_worker`, started with a socket to the runner: a fresh interpreter (CUDA
+The worker is `python -m moebench.run.point_worker`, started with a socket to the runner: a fresh interpreter (CUDA
 cannot be forked once the parent has touched it, a forked CPU process hangs in its first OpenMP region, and unlike
 multiprocessing's spawn it never re-runs the caller's `__main__`). It is kept for the life of the runner process,
 keyed by device and TRITON_INTERPRET, so JIT and allocator caches stay warm across points and across runs in one
@@ -22,7 +22,7 @@ run in the runner's process, unprotected, and their records say so (`isolation`)
 that registered plugins in the runner (their import-time side effects happen there too).
 
 The worker ignores SIGINT and SIGTERM (the runner's Ctrl-C / SIGTERM handling decides, and kills it) and dies with
-its parent (moebench.dist.die_with_parent), so a killed run leaves no worker behind.
+its parent (moebench.run.dist.die_with_parent), so a killed run leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DEFAULT_POINT_TIMEOUT_S = {"cuda": 600.0, "cpu": 3600.0}
 START_TIMEOUT_S = 300.0  # a fresh interpreter importing torch, triton and moebench, then a run's plugins
 _ENV_PREFIXES = ("MOEBENCH_", "TRITON_")
 _WORKER_KEY_ENV = "TRITON_INTERPRET"  # read when triton is imported: a change needs a new worker
-WORKER_COMMAND = [sys.executable, "-m", "moebench.point_worker"]  # + fd, device, parent pid
+WORKER_COMMAND = [sys.executable, "-m", "moebench.run.point_worker"]  # + fd, device, parent pid
 
 
 def point_timeout_s(timing, device: torch.device) -> float:
@@ -82,7 +82,7 @@ def _exit_reason(returncode: int | None) -> str:
 
 def lost_record(point, sweep, reason: str) -> dict:
     """The record of a point whose worker did not return one."""
-    from moebench.point import bare_record
+    from moebench.run.point import bare_record
 
     return bare_record(point, sweep, "failed", reason, worker_restarted=True)
 
@@ -99,7 +99,7 @@ def context_error(device: torch.device) -> str | None:
             return "a probe kernel returned a wrong value"
         return None
     except Exception as e:  # noqa: BLE001 - any failure here means the context is gone
-        from moebench.point import error_line
+        from moebench.run.point import error_line
 
         return error_line(e)
 
@@ -143,7 +143,7 @@ def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str]) 
 
 
 def worker_main(fd: int, device: str, parent_pid: int) -> None:
-    from moebench.dist import die_with_parent
+    from moebench.run.dist import die_with_parent
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -155,9 +155,9 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         if dev.type == "cuda" and dev.index is not None:  # plain "cuda" is the current device, as in the runner
             torch.cuda.set_device(dev)
         from moebench import registry
-        from moebench.point import error_line, execute_point
+        from moebench.run.point import error_line, execute_point
         from moebench.registry import RunContext
-        from moebench.results import json_ready
+        from moebench.run.results import json_ready
 
         ctx = RunContext(device=dev)
         conn.send(("ready", os.getpid()))
@@ -187,7 +187,7 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         try:
             rec = execute_point(point, sweep, ctx)
         except BaseException as e:  # noqa: BLE001 - execute_point catches what a case raises; this is the rest
-            from moebench.point import bare_record
+            from moebench.run.point import bare_record
 
             rec = bare_record(point, sweep, "failed", error_line(e))
         lost = context_error(dev)

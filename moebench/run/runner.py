@@ -15,16 +15,18 @@ from typing import Callable
 
 import torch
 
-from moebench import point_worker, registry
+from moebench import registry
+
+from moebench.run import point_worker
 from moebench.params import Point
 from moebench.registry import RunContext
-from moebench.point import error_line, execute_point, interpreting
-from moebench.report import Table
-from moebench.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
+from moebench.run.point import error_line, execute_point, interpreting
+from moebench.report.table import Table
+from moebench.run.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
                               unique_records, write_manifest, write_summary)
-from moebench.resume import check_same_sweep, stored_sweep
-from moebench.run_lock import RunLock
-from moebench.sweep import Sweep, expand
+from moebench.run.resume import check_same_sweep, stored_sweep
+from moebench.run.lock import RunLock
+from moebench.run.sweep import Sweep, expand
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -112,7 +114,7 @@ def dry_run(sweep: Sweep, out=None) -> int:
 
 def _torchrun_context(dev: torch.device) -> RunContext | None:
     """Under torchrun: join its process group (every rank runs `moebench run`); else None."""
-    from moebench import dist as mdist
+    from moebench.run import dist as mdist
 
     if not mdist.launched_by_torchrun():
         return None
@@ -166,7 +168,7 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
               out=None, isolate: bool = True) -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
 
-    Single-rank points run in a worker process (moebench.point_worker; `isolate=False`: in this process, for a
+    Single-rank points run in a worker process (moebench.run.point_worker; `isolate=False`: in this process, for a
     debugger), so a point that crashes, hangs or loses the CUDA context is recorded failed and the run goes on.
 
     The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal), its plots
@@ -249,7 +251,7 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     rows = _Rows(table, len(todo))
 
     # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
-    from moebench.multirank import run_multi_rank, skip_all
+    from moebench.run.multirank import run_multi_rank, skip_all
 
     restarts = 0
     for world, pts in sorted(multi.items()):
@@ -276,11 +278,11 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
     table.footer(records, restarts=restarts)
-    from moebench.headline import footer_lines  # the sweep's declared headline numbers, under the table
+    from moebench.report.headline import footer_lines  # the sweep's declared headline numbers, under the table
 
     for text in footer_lines(records, list(sweep.headlines)):
         table.comment(text)
-    from moebench.peers import peer_footer_lines  # each impl's p50 against the best peer at the same point
+    from moebench.report.peers import peer_footer_lines  # each impl's p50 against the best peer at the same point
 
     for text in peer_footer_lines(records):
         table.comment(text)

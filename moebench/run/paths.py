@@ -8,9 +8,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from moebench.sweep import SweepError
+from moebench.run.sweep import SweepError
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # moebench/, above run/
 
 
 def bundled_sweep_dir() -> Path | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moebench.results import load_manifest, load_records, unique_records
+from moebench.run.results import load_manifest, load_records, unique_records
 
 
 def compare_records(records_a: list[dict], records_b: list[dict]) -> list[dict]:

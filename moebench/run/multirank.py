@@ -17,8 +17,8 @@ import torch
 
 from moebench.params import Point
 from moebench.registry import RunContext
-from moebench.results import RECORDS, RecordWriter, load_records
-from moebench.sweep import Sweep
+from moebench.run.results import RECORDS, RecordWriter, load_records
+from moebench.run.sweep import Sweep
 
 
 class RecordTail:
@@ -50,7 +50,7 @@ class RecordTail:
 
 def skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: str,
              status: str = "skipped", **extra) -> list[dict]:
-    from moebench.point import bare_record
+    from moebench.run.point import bare_record
 
     recs = []
     for pt in points:
@@ -63,7 +63,7 @@ def skip_all(sweep: Sweep, points: list[Point], writer: RecordWriter, reason: st
 def _in_process_group() -> bool:
     import torch.distributed as dist
 
-    from moebench import dist as mdist
+    from moebench.run import dist as mdist
 
     return (dist.is_available() and dist.is_initialized()) or mdist.launched_by_torchrun()
 
@@ -103,8 +103,8 @@ def run_multi_rank(sweep: Sweep, points: list[Point], world: int, dev: torch.dev
         for rec in recs:
             show(rec)
         return recs
-    from moebench import dist as mdist
-    from moebench.point_worker import START_TIMEOUT_S, point_timeout_s
+    from moebench.run import dist as mdist
+    from moebench.run.point_worker import START_TIMEOUT_S, point_timeout_s
 
     keys = {pt.key for pt in points}
     tail = RecordTail(Path(run_dir) / RECORDS)
@@ -175,10 +175,10 @@ def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[
                   show: Callable[[dict], None] | None = None) -> None:
     """Body of every rank of a multi-rank group: run the points; rank 0 announces each point (spawned groups)
     and appends the records."""
-    from moebench import dist as mdist
-    from moebench.point import execute_point
-    from moebench.point_worker import context_error, with_lost_context
-    from moebench.sweep import expand, sweep_from_dict
+    from moebench.run import dist as mdist
+    from moebench.run.point import execute_point
+    from moebench.run.point_worker import context_error, with_lost_context
+    from moebench.run.sweep import expand, sweep_from_dict
 
     sweep = sweep_from_dict(sweep_dict, source, max_points=None)  # the runner already applied the limit
     points = expand(sweep)

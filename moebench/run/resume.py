@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebench.results import MANIFEST, RECORDS, load_manifest, tuning_env
-from moebench.sweep import Sweep, SweepError, sweep_from_dict
+from moebench.run.results import MANIFEST, RECORDS, load_manifest, tuning_env
+from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
 
 def _plain(obj: Any) -> Any:
