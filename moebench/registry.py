@@ -32,6 +32,7 @@ __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "r
 TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace")
 
 BENCH_PACKAGE = "moebench.bench"  # every module of it registers impls at import
+PEERS_PACKAGE = "moebench.peers"  # likewise: library adapters and torch.compile peers
 
 
 @dataclass
@@ -167,9 +168,13 @@ def register_variants(family: str, descriptions: dict[str, str], make_build: Cal
 
 
 def bench_modules() -> list[str]:
-    """The modules of `moebench.bench`, sorted (their order is the order of `moebench list`)."""
-    pkg = importlib.import_module(BENCH_PACKAGE)
-    return sorted(f"{BENCH_PACKAGE}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    """The modules of `moebench.bench`, then of `moebench.peers` (the outside implementations, whose adapters build
+    on the bench families), each sorted: their order is the order of `moebench list`."""
+    mods = []
+    for package in (BENCH_PACKAGE, PEERS_PACKAGE):
+        pkg = importlib.import_module(package)
+        mods += sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    return mods
 
 
 def load_all() -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moebench import registry
-from moebench.bench import peers_flashinfer, peers_sglang, peers_vllm
-from moebench.bench.compile_peers import compile_available
+from moebench.peers import flashinfer as peers_flashinfer, sglang as peers_sglang, vllm as peers_vllm
+from moebench.peers.compile import compile_available
 from moebench.params import Params
 from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
 from moebench.registry import RunContext

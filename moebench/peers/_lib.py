@@ -1,4 +1,4 @@
-"""What the library adapters (peers_vllm, peers_sglang, peers_flashinfer) share: finding the library at import
+"""What the library adapters (vllm, sglang, flashinfer) share: finding the library at import
 without importing it (find_spec, like deep_ep), importing it on first use, binding a stand-in module in tests,
 and registering an adapter as a peer impl through its kernel family.
 

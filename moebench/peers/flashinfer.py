@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from moebench.bench._peer_lib import Library, register_adapter, router_after, router_out
+from moebench.peers._lib import Library, register_adapter, router_after, router_out
 
 
 def _load():
