@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.report.table import headline
+from moebench.report import headline
 from moebench.cli import main
 from moebench.run.results import load_records
 from moebench.run.runner import run_sweep
