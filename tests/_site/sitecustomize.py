@@ -37,6 +37,39 @@ def _patch(mod) -> None:
     ReduceOps.apply_impl = apply_impl
     ReduceOps._moebench_xor_fastpath = True
 
+    # _patch_builtin runs inspect.getmembers (dir, a getattr and is_builtin per member, a sort) over tl, tl.core,
+    # tl.tensor, tl.math... on every launch and on every @jit device-function call: in the routers' kernels that
+    # is half the interpreter's time. The names it can patch are fixed (the builtins of each package), so they
+    # are listed once per package and the same check (is_builtin of the current member) is made on those alone,
+    # in the same (sorted) order. A name already patched (a nested call) holds _patch_attr's lambda, whose
+    # keyword default `member` is the builtin: it is listed too, and skipped as before (not a builtin now).
+    patch_builtin, patch_attr, inspect = getattr(mod, "_patch_builtin", None), getattr(mod, "_patch_attr", None), \
+        getattr(mod, "inspect", None)
+    if patch_builtin is None or patch_attr is None or inspect is None:
+        return
+    names_of: dict[int, tuple] = {}
+
+    def _builtin_names(pkg):
+        is_builtin = tl.core.is_builtin
+        names = []
+        for name, member in inspect.getmembers(pkg):
+            original = (getattr(member, "__kwdefaults__", None) or {}).get("member", member)
+            if is_builtin(member) or is_builtin(original):
+                names.append(name)
+        return (pkg, tuple(names))
+
+    def _patch_builtin(pkg, builder, scope):
+        entry = names_of.get(id(pkg))
+        if entry is None or entry[0] is not pkg:
+            entry = names_of[id(pkg)] = _builtin_names(pkg)
+        is_builtin = tl.core.is_builtin
+        for name in entry[1]:
+            member = getattr(pkg, name, None)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    mod._patch_builtin = _patch_builtin
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
