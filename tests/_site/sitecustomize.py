@@ -1,5 +1,5 @@
 """Test-suite only (tests/conftest.py puts this folder on PYTHONPATH, so the pytest process, the point worker and
-spawned gloo ranks all load it): a numpy path for xor reductions in Triton's CPU interpreter.
+spawned gloo ranks all load it): two cheaper evaluations inside Triton's CPU interpreter, same results.
 
 Triton 3.x's interpreter evaluates `tl.reduce` in numpy for sum/min/max/argmin/argmax but falls back to a Python
 loop over every element (`ReduceOps.generic_reduce`, one combine_fn call per element) for any other combine. The
@@ -7,7 +7,9 @@ bitonic `tl.sort` (moe_align_block_size's scatter, the routers' sorts) calls `xo
 stage, so that loop is most of an interpreted sort. xor is associative and commutative on integers, so
 `np.bitwise_xor.reduce` gives the same bits; kernel source, launch and compiled (GPU) behaviour are untouched,
 and nothing is imported early: the patch is applied when triton.runtime.interpreter itself is first imported.
-MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns it off (to compare, or to rule it out)."""
+Second, the interpreter's _patch_builtin lists each package's builtins once instead of per call (see _patch).
+MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns both off (to compare, or to rule them out). A subprocess started with
+its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same."""
 
 import importlib.abc
 import importlib.util
