@@ -13,6 +13,22 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_fastpath():
+    """tests/_site/sitecustomize.py (a numpy xor reduction for Triton's interpreter, see there): loaded here for
+    this process, and put on PYTHONPATH for every process the tests start (point worker, gloo ranks, CLI runs)."""
+    import importlib.util
+
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([site] + [p for p in paths if p])
+    spec = importlib.util.spec_from_file_location("_moebench_test_sitecustomize", os.path.join(site, "sitecustomize.py"))
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_interpreter_fastpath()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -2,11 +2,10 @@
 
 import base64
 import json
-import subprocess
-import sys
 
 import pytest
 
+from moebench.cli import main
 from moebench.report.page import ReportError, find_plots, load_run, write_report
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import sweep_from_dict
@@ -84,7 +83,7 @@ def test_several_runs_on_one_page(tmp_path):
     ("suffix", "the output must end in .html or .md"),
     ("no_dir", "no such directory"),
 ])
-def test_bad_input_is_exit_2_one_line_and_nothing_written(tmp_path, case, why):
+def test_bad_input_is_exit_2_one_line_and_nothing_written(tmp_path, capsys, case, why):
     run = _fake_run(tmp_path)
     out = tmp_path / "out.html"
     if case == "missing":
@@ -102,9 +101,10 @@ def test_bad_input_is_exit_2_one_line_and_nothing_written(tmp_path, case, why):
     with pytest.raises(ReportError) as e:
         write_report(args, out)
     assert why in str(e.value) and "\n" not in str(e.value)
-    proc = subprocess.run([sys.executable, "-m", "moebench", "report", *args, "-o", str(out)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and why in proc.stderr
+    capsys.readouterr()
+    code = main(["report", *args, "-o", str(out)])  # the CLI in this process (`python -m moebench` is main())
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and why in err
     assert not out.exists()
     if out.parent.exists():
         assert not list(out.parent.glob(".*.tmp"))
