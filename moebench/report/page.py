@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from moebench.report.headline import HeadlineRow, evaluate, format_value
+from moebench.run.results import MANIFEST, RECORDS, load_records
 
-RECORDS = "records.jsonl"
-MANIFEST = "manifest.json"
 PROFILE = "profile.json"  # what moebench profile writes in its folder (moebench.profile.driver.profile_point)
 TOP_KERNELS = 3
 FORMATS = (".html", ".md")
@@ -55,19 +54,6 @@ class RunView:
     @property
     def sweep(self) -> dict:
         return self.manifest.get("sweep") or {}
-
-
-def _read_records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-    return out
 
 
 def _plot_dirs(run_dir: Path) -> list[Path]:
@@ -107,7 +93,7 @@ def load_run(run_dir: str | Path) -> RunView:
         return RunView(run_dir, {}, [], [], find_plots(run_dir), profiles)  # a profile's own folder
     if not (run_dir / RECORDS).exists():
         raise ReportError(f"{run_dir}: not a run directory (no {RECORDS})")
-    records = sorted(_read_records(run_dir / RECORDS), key=lambda r: r.get("point", 0))
+    records = sorted(load_records(run_dir), key=lambda r: r.get("point", 0))
     if not records:
         raise ReportError(f"{run_dir}: empty run (no records in {RECORDS})")
     manifest: dict = {}
