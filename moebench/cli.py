@@ -110,7 +110,8 @@ def _load_for_run(args):
 
 def _prestart_worker(args) -> None:
     """Start the point worker before the sweep is loaded, so its interpreter start-up overlaps this one's loading
-    (an invalid device or sweep is reported as before; the idle worker is stopped at exit)."""
+    (an invalid device or sweep is reported as before; the idle worker is stopped at exit). With multi-rank points
+    first, its start-up (seconds, no CUDA context) falls in the rank group's own start-up, before any timing."""
     import os
 
     from moebench.run import point_worker

@@ -128,11 +128,11 @@ def test_point_timeout_must_be_positive(tmp_path, capsys):
 
 
 OOB_PLUGIN = textwrap.dedent('''
-    import torch
     import triton
     import triton.language as tl
 
     from moebench.plugins import register_kernel
+    from moebench_test_isolation_plugin import _route
 
 
     @triton.jit
@@ -143,17 +143,7 @@ OOB_PLUGIN = textwrap.dedent('''
     def route(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
         if logits.shape[0] == 16:  # an illegal address: the CUDA context is lost for good
             _store_far_out_of_bounds[(1,)](out[0], 1 << 40)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        ids = ids.to(torch.int32)
-        if is_padding is not None:
-            weights = weights.masked_fill(is_padding[:, None], 0.0)
-            ids = ids.masked_fill(is_padding[:, None], -1)
-        out[0].copy_(weights)
-        out[1].copy_(ids)
-        return out
+        return _route(logits, top_k, renormalize, is_padding, bias, out=out)
 
 
     register_kernel("topk_softmax", "isolation_oob", route)
@@ -162,6 +152,7 @@ OOB_PLUGIN = textwrap.dedent('''
 
 @pytest.mark.gpu
 def test_an_out_of_bounds_triton_store_costs_one_point_on_the_gpu(tmp_path, capsys):
+    (tmp_path / "moebench_test_isolation_plugin.py").write_text(PLUGIN)  # its correct router, reused
     (tmp_path / "moebench_test_isolation_oob.py").write_text(OOB_PLUGIN)
     sweep = tmp_path / "oob.yaml"
     sweep.write_text(SWEEP.format(what="oob", timeout=300).replace("moebench_test_isolation_plugin",
@@ -251,6 +242,20 @@ def test_a_worker_that_cannot_start_leaves_the_points_to_the_runner_and_says_so(
     assert all("the point worker did not start: worker died: exit code 7" in r["isolation"] for r in recs.values())
     assert recs[(16, "isolation_raise")]["status"] == "failed"
     assert "the points run in this process" in capsys.readouterr().err
+
+
+def test_a_worker_found_dead_between_points_is_replaced_without_losing_a_point(tmp_path, capsys, monkeypatch):
+    dead = point_worker.get_worker(torch.device("cpu"))
+    dead._wait_ready()  # it came up, then died idle (an OOM kill between points, say)
+    dead.proc.kill()
+    dead.proc.wait(10)
+    monkeypatch.setattr(dead, "alive", lambda: True)  # as if it died after the check: the hand-over finds it gone
+    code, recs = _run(tmp_path, "raise")
+    assert code == 1 and len(recs) == 6
+    assert [k for k, r in recs.items() if r["status"] != "ok"] == [(16, "isolation_raise")]
+    assert not any("isolation" in r for r in recs.values())  # still in a worker, not left to the runner
+    assert "worker restarts" not in capsys.readouterr().out  # the point never ran in the dead worker
+    assert point_worker.get_worker(torch.device("cpu")) is not dead
 
 
 def test_in_process_runs_the_points_in_the_runner(tmp_path, monkeypatch):
