@@ -108,27 +108,9 @@ def _load_for_run(args):
     return stored
 
 
-def _prestart_worker(args) -> None:
-    """Start the point worker before the sweep is loaded, so its interpreter start-up overlaps this one's loading
-    (an invalid device or sweep is reported as before; the idle worker is stopped at exit). With multi-rank points
-    first, its start-up (seconds, no CUDA context) falls in the rank group's own start-up, before any timing."""
-    import os
-
-    from moebench.run import point_worker
-    from moebench.run.runner import pick_device
-
-    if args.dry_run or args.in_process or os.environ.get("RANK", "0") != "0":
-        return
-    try:
-        point_worker.prestart(pick_device(args.device))
-    except ValueError:
-        pass
-
-
 def cmd_run(args) -> int:
     from moebench.run.runner import dry_run, pick_device, run_sweep
 
-    _prestart_worker(args)
     sweep = _load_for_run(args)
     if args.dry_run:
         return dry_run(sweep)
