@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from moebench.registry import Case, RunContext
     from moebench.params import Params
+    from moebench.registry import Case, RunContext
 
 __all__ = ["KernelFamily", "register_family", "get_family", "all_families", "set_path_registrar", "path_registrar"]
 

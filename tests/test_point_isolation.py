@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from moebench.run import point_worker
 from moebench.cli import main
+from moebench.run import point_worker
 from moebench.run.results import load_records
 
 # A router plugin that misbehaves at one batch size (16 tokens) and is a correct router everywhere else.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moebench.check import CheckResult, compare_exact, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, route
 from moebench.kernels.apply_expert_map import build_expert_map
 from moebench.kernels.moe_align_block_size import (
@@ -23,7 +24,6 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size,
     moe_align_block_size_torch,
 )
-from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl, register_variants
 
 __all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_build_for"]

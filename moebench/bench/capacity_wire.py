@@ -24,8 +24,8 @@ from moebench.registry import Case, CheckResult, RunContext, register_impl
 
 def trace_capacities(p: Params, device: torch.device) -> tuple[list[int], list[int], list[int]]:
     """(batch sizes, capacities, rows sent) per step of the point's trace, as jit_trace.a2a_fixed computes them."""
-    from moebench.dispatch.pack import capacity_for
     from moebench.bench.jit_trace import step_inputs, trace_batch_sizes
+    from moebench.dispatch.pack import capacity_for
 
     sizes = trace_batch_sizes(p)
     capacities, sent = [], []

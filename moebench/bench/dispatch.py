@@ -21,8 +21,14 @@ import torch
 
 from moebench.check import compare_close, poison
 from moebench.dispatch.base import DispatchPath, EPLayout, effective_ids, package_paths
-from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, padded_rows_sent,
-                                         scaled_expert, scaled_expert_reference)
+from moebench.dispatch.reference import (
+    check_received,
+    count_padding_received,
+    gather_inputs,
+    padded_rows_sent,
+    scaled_expert,
+    scaled_expert_reference,
+)
 from moebench.families import set_path_registrar
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl

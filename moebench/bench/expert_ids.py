@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from moebench.check import CheckResult, compare_exact, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.apply_expert_map import (
     apply_expert_map,
@@ -21,7 +22,6 @@ from moebench.kernels.globalize_recv_topk_idx import (
     globalize_recv_topk_idx_oblivious,
     globalize_recv_topk_idx_torch,
 )
-from moebench.families import KernelFamily, register_family
 from moebench.params import EPLayout
 from moebench.registry import Case, Routing, RunContext, register_variants
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moebench.check import CheckResult, compare_close, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, make_expert_weights, route
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
@@ -31,7 +32,6 @@ from moebench.kernels.fused_experts import (
     grouped_mm_available,
     make_workspace,
 )
-from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, RunContext, register_impl
 
 __all__ = ["reference_rows", "check_experts_out", "experts_info", "triton_available"]

@@ -20,10 +20,10 @@ import torch
 
 from moebench.bench.experts import wrap_minus_one
 from moebench.check import CheckResult, compare_close, poison
-from moebench.kernels._details.jit import interpreting
-from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
 from moebench.inputs.weights import make_expert_weights
+from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
+from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
 from moebench.kernels.fused_experts_fp8 import (
     FP8_CANDIDATES,
     choose_fp8_config,

@@ -49,8 +49,16 @@ import torch
 
 from moebench.check import compare_close, compare_exact, poison
 from moebench.dispatch.base import EPLayout, effective_ids, token_in_rank
-from moebench.dispatch.pack import (COMBINE_FIXED_KERNEL, PACK_FIXED_KERNEL, capacity_for, combine_fixed,
-                                    combine_fixed_torch, pack_fixed, pack_fixed_torch, send_positions)
+from moebench.dispatch.pack import (
+    COMBINE_FIXED_KERNEL,
+    PACK_FIXED_KERNEL,
+    capacity_for,
+    combine_fixed,
+    combine_fixed_torch,
+    pack_fixed,
+    pack_fixed_torch,
+    send_positions,
+)
 from moebench.kernels._details.jit import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params

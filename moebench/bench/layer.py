@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 
 from moebench.bench._layer_fp8 import Fp8LayerExperts, fp8_experts_work, fp8_layout_problem
-from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.bench.experts import triton_available
+from moebench.bench.routers import RouterReference, compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.bench.staging import compare_staging
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.inputs import cached_expert_weights, make_batch

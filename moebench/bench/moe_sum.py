@@ -8,9 +8,9 @@ import functools
 import torch
 
 from moebench.check import CheckResult, compare_close, compare_exact, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
-from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl, register_variants
 
 __all__ = ["compare_nan_aware", "compare_within_bf16_ulps", "input_dtype_sum_ulps", "oblivious_build_for"]

@@ -41,8 +41,8 @@ def _available(ctx: RunContext) -> str | None:
 def _received(p: Params, ctx: RunContext):
     """This rank's receive buffer as dispatch leaves it: (ids [C, K] int64, x [C, H] bf16, weights [C, K] fp32,
     num_recv int32 [1], the point's routing and mask for the imbalance figures)."""
-    from moebench.inputs import generator, make_batch, route
     from moebench.bench.expert_ids import make_receive_buffer
+    from moebench.inputs import generator, make_batch, route
 
     dev = ctx.device
     batch = make_batch(p, dev)
@@ -66,13 +66,16 @@ def _received(p: Params, ctx: RunContext):
 
 
 def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
-    from moebench.check import poison
     from moebench.bench.experts import check_experts_out
+    from moebench.check import poison
     from moebench.inputs.weights import make_expert_weights
     from moebench.kernels.fused_experts import fused_experts, make_workspace
-    from moebench.kernels.globalize_recv_topk_idx import (globalize_oblivious_reference, globalize_recv_topk_idx,
-                                                          globalize_recv_topk_idx_oblivious,
-                                                          globalize_recv_topk_idx_torch)
+    from moebench.kernels.globalize_recv_topk_idx import (
+        globalize_oblivious_reference,
+        globalize_recv_topk_idx,
+        globalize_recv_topk_idx_oblivious,
+        globalize_recv_topk_idx_torch,
+    )
 
     dev = ctx.device
     E_loc, H, I, K = EPLayout.of(p).experts_per_rank, p.hidden, p.intermediate, p.top_k

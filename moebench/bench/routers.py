@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.check import CheckResult, compare_close, compare_exact, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch
 from moebench.kernels._details.router_common import (
     renormalize_torch,
@@ -33,7 +34,6 @@ from moebench.kernels.topk_softmax import (
     topk_softmax_scores_torch,
     topk_softmax_torch,
 )
-from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, register_impl
 
 __all__ = ["RouterReference", "topk_softmax_reference", "grouped_topk_reference", "compare_routing",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from moebench.check import CheckResult, compare_exact, poison
+from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, route
 from moebench.kernels.prepare_moe_inputs import (
     alloc_outputs,
@@ -16,7 +17,6 @@ from moebench.kernels.prepare_moe_inputs import (
     prepare_moe_inputs_torch,
     stage_routing_torch,
 )
-from moebench.families import KernelFamily, register_family
 from moebench.registry import Case, Routing, RunContext, register_variants
 
 __all__ = ["fp8_interpreter_tolerant_mismatches", "compare_staging", "rows_differing", "staging_problem"]

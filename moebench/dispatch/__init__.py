@@ -7,8 +7,16 @@ reference (the benchmark's expert and the single-process references). moebench.b
 impl `dispatch.<name>` per path `base.package_paths()` finds.
 """
 
-from moebench.dispatch.base import (DispatchPath, Dispatched, DispatchStats, EPLayout, ReceivedRows, dispatch_path,
-                                    package_paths, path_class)
+from moebench.dispatch.base import (
+                                    Dispatched,
+                                    DispatchPath,
+                                    DispatchStats,
+                                    EPLayout,
+                                    ReceivedRows,
+                                    dispatch_path,
+                                    package_paths,
+                                    path_class,
+)
 
 __all__ = ["DispatchPath", "Dispatched", "DispatchStats", "EPLayout", "ReceivedRows", "dispatch_path",
            "package_paths", "path_class"]

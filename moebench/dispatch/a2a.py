@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path
+from moebench.dispatch.base import Dispatched, DispatchPath, EPLayout, ReceivedRows, dispatch_path
 from moebench.dispatch.comm import SideStream, all_to_all_single, grow_rows, triton_default
 from moebench.dispatch.pack import combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan

@@ -26,8 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from moebench.check import CheckResult
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path, effective_ids,
-                                    token_in_rank)
+from moebench.dispatch.base import (
+    Dispatched,
+    DispatchPath,
+    EPLayout,
+    ReceivedRows,
+    dispatch_path,
+    effective_ids,
+    token_in_rank,
+)
 from moebench.dispatch.comm import SideStream, all_to_all_single, max_over_ranks, triton_default
 from moebench.dispatch.pack import capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan

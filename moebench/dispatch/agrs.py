@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.dispatch.base import DispatchPath, Dispatched, ReceivedRows, dispatch_path, local_ids
+from moebench.dispatch.base import Dispatched, DispatchPath, ReceivedRows, dispatch_path, local_ids
 from moebench.dispatch.comm import all_gather_rows, reduce_scatter_rows, triton_default
 from moebench.dispatch.permute import localize_ids
 from moebench.kernels._details.args import check_mask

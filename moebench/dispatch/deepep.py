@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path, effective_ids
+from moebench.dispatch.base import Dispatched, DispatchPath, EPLayout, ReceivedRows, dispatch_path, effective_ids
 
 try:  # detected once, at import
     import deep_ep  # type: ignore[import-not-found]

@@ -16,8 +16,15 @@ from typing import Any
 
 import torch
 
-from moebench.dispatch.base import (DispatchPath, Dispatched, EPLayout, ReceivedRows, dispatch_path, effective_ids,
-                                    token_in_rank)
+from moebench.dispatch.base import (
+    Dispatched,
+    DispatchPath,
+    EPLayout,
+    ReceivedRows,
+    dispatch_path,
+    effective_ids,
+    token_in_rank,
+)
 from moebench.dispatch.deepep import available_here, deep_ep, process_group, require, topk_idx_dtype
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.check import CheckResult, compare_exact
-from moebench.dispatch.base import DispatchPath, Dispatched, EPLayout, ReceivedRows, local_ids, token_in_rank
+from moebench.dispatch.base import Dispatched, DispatchPath, EPLayout, ReceivedRows, local_ids, token_in_rank
 from moebench.dispatch.comm import all_gather_rows
 
 

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 from moebench.kernels.fused_experts import alignment_buffers, check_routes, checked_workspace, routes_alignment
 from moebench.kernels.grouped_gemm import (
     max_blocks,
@@ -49,7 +50,6 @@ from moebench.kernels.grouped_gemm import (
     swizzle,
     weight_operand,
 )
-from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "Fp8ExpertsWorkspace",
            "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms", "check_fp8_args", "x_scale_mode",

@@ -31,20 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import next_pow2
-from moebench.kernels._details.router_common import (
-    check_router_args,
-    mask_padded_rows_torch,
-    renormalize_torch,
-    router_config,
-    router_launch_config,
-    router_outputs,
-    select_desc_torch,
-    triton_router_operands,
-    write_out,
-    zero_non_finite_torch,
-)
 from moebench.kernels._details import router_cand
+from moebench.kernels._details.jit import next_pow2
 from moebench.kernels._details.router_cand import (
     add_bias,
     cand_geometry,
@@ -59,11 +47,23 @@ from moebench.kernels._details.router_cand import (
     sort8_desc,
     store_rows_2d,
 )
+from moebench.kernels._details.router_common import (
+    check_router_args,
+    mask_padded_rows_torch,
+    renormalize_torch,
+    router_config,
+    router_launch_config,
+    router_outputs,
+    select_desc_torch,
+    triton_router_operands,
+    write_out,
+    zero_non_finite_torch,
+)
 from moebench.kernels._details.router_tiles import (
     INT32_MIN,
+    INT64_MIN,
     Q_AXIS,
     orderable_key,
-    INT64_MIN,
     pack_keys,
     pick_topk,
     row_reduce_max,

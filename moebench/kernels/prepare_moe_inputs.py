@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device
 from moebench.kernels._details.args import check_mask
+from moebench.kernels._details.jit import check_triton_device
 
 SCALE_FORMATS = ("ue8m0_packed", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

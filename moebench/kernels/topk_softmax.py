@@ -66,7 +66,20 @@ import torch
 import triton
 import triton.language as tl
 
+from moebench.kernels._details import router_cand
 from moebench.kernels._details.jit import next_pow2
+from moebench.kernels._details.router_cand import (
+    add_bias,
+    cand_geometry,
+    cand_level,
+    coarse_key,
+    exact_pick_2d,
+    pick_candidates,
+    row_max_8,
+    row_sum_8,
+    sort8_desc,
+    store_rows_2d,
+)
 from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERTS, MAX_TOP_K: part of the API)
     MAX_EXPERTS,
     MAX_TOP_K,
@@ -81,19 +94,6 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     triton_router_operands,
     write_out,
     zero_non_finite_torch,
-)
-from moebench.kernels._details import router_cand
-from moebench.kernels._details.router_cand import (
-    add_bias,
-    cand_geometry,
-    cand_level,
-    coarse_key,
-    exact_pick_2d,
-    pick_candidates,
-    row_max_8,
-    row_sum_8,
-    sort8_desc,
-    store_rows_2d,
 )
 from moebench.kernels._details.router_tiles import (
     INT32_MIN,

@@ -54,10 +54,10 @@ from types import SimpleNamespace
 
 import torch
 
-from moebench.peers._lib import Library, accepts, register_adapter, router_after, router_out, scratch_like
 from moebench.bench.align import align_build_for
 from moebench.bench.moe_sum import oblivious_build_for
 from moebench.kernels.apply_expert_map import apply_expert_map_torch
+from moebench.peers._lib import Library, accepts, register_adapter, router_after, router_out, scratch_like
 
 
 def _load():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.report.peers import peer_ratios, point_of
 from moebench.plots.common import Run, param, split
 from moebench.plots.draw import Plot, log2_ticks, palette, panel_figure, save_panels
+from moebench.report.peers import peer_ratios, point_of
 
 
 def peer_ratio(run: Run, out: Path) -> list[Plot]:

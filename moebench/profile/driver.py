@@ -21,7 +21,6 @@ from moebench.measure.nvtx import EAGER_LAUNCHES
 from moebench.profile.nsys_reports import summarize_nsys_csv, summarize_nsys_traces
 from moebench.profile.summary import add_breakdown, format_summary, summarize_trace, write_summary_csv
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Finding nsys
 # ---------------------------------------------------------------------------------------------------------------

@@ -155,8 +155,8 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         if dev.type == "cuda" and dev.index is not None:  # plain "cuda" is the current device, as in the runner
             torch.cuda.set_device(dev)
         from moebench import registry
-        from moebench.run.point import error_line, execute_point
         from moebench.registry import RunContext
+        from moebench.run.point import error_line, execute_point
         from moebench.run.results import json_ready
 
         ctx = RunContext(device=dev)

@@ -16,16 +16,24 @@ from typing import Callable
 import torch
 
 from moebench import registry
-
-from moebench.run import point_worker
 from moebench.params import Point
 from moebench.registry import RunContext
-from moebench.run.point import error_line, execute_point, interpreting
 from moebench.report.table import Table
-from moebench.run.results import (DEFAULT_RUNS_DIR, RECORDS, RecordWriter, load_records, new_run_dir, record_resume,
-                              unique_records, write_manifest, write_summary)
-from moebench.run.resume import check_same_sweep, stored_sweep
+from moebench.run import point_worker
 from moebench.run.lock import RunLock
+from moebench.run.point import error_line, execute_point, interpreting
+from moebench.run.results import (
+    DEFAULT_RUNS_DIR,
+    RECORDS,
+    RecordWriter,
+    load_records,
+    new_run_dir,
+    record_resume,
+    unique_records,
+    write_manifest,
+    write_summary,
+)
+from moebench.run.resume import check_same_sweep, stored_sweep
 from moebench.run.sweep import Sweep, expand
 
 

@@ -25,12 +25,11 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from moebench import registry
-
-from moebench.run import strict_yaml
-from moebench.report.headline import spec_problem
 from moebench.params import Params, Point, Timing, ep_split_problem
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
+from moebench.report.headline import spec_problem
+from moebench.run import strict_yaml
 
 
 class SweepError(ValueError):

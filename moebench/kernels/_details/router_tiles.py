@@ -6,7 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 INT32_MIN = tl.constexpr(-2147483648)  # the "already picked" key (a jit-visible global must be constexpr)
 INT64_MIN = tl.constexpr(-9223372036854775808)  # the "already picked" packed key
 
