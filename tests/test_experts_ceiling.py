@@ -25,8 +25,8 @@ CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, num_local_experts=4, top_k=3, hidden=64, intermediate=32,
              padding_ratio=0.25, padding_fill="repeat")
 SMALL_FP8 = dict(SMALL, hidden=256, intermediate=128, group_size=32, scale_format="ue8m0_packed")
-NAMES = ("fused_experts.ceiling_grouped_mm", "fused_experts.ceiling_grouped_mm_equal",
-         "fused_experts.fp8_ceiling_scaled_grouped_mm", "fused_experts.fp8_ceiling_scaled_grouped_mm_equal")
+NAMES = ("fused_experts.ceiling", "fused_experts.ceiling_equal",
+         "fused_experts.fp8_ceiling", "fused_experts.fp8_ceiling_equal")
 
 
 def test_group_sizes_are_the_valid_routes_and_equal_groups_keep_their_total():
@@ -76,8 +76,8 @@ def _rec(point, impl, p50, dtype, ceiling=False, groups=None, **params):
 
 RECORDS = [_rec(0, "fused_experts.triton", 6580.0, "bf16"), _rec(1, "fused_experts.grouped_mm", 7832.0, "bf16"),
            _rec(2, "fused_experts.fp8", 5130.0, "fp8"),
-           _rec(3, "fused_experts.ceiling_grouped_mm", 6575.0, "bf16", True, "routed"),
-           _rec(4, "fused_experts.ceiling_grouped_mm_equal", 4758.0, "bf16", True, "equal"),
+           _rec(3, "fused_experts.ceiling", 6575.0, "bf16", True, "routed"),
+           _rec(4, "fused_experts.ceiling_equal", 4758.0, "bf16", True, "equal"),
            _rec(5, "fused_experts.triton", 11000.0, "bf16", num_tokens=8192)]  # no ceiling at that point
 
 

@@ -1,12 +1,10 @@
 """The GEMM ceiling beside fused_experts: the two expert GEMMs alone through torch's grouped GEMMs, rows already
 sorted by expert, nothing else (no sort, no SwiGLU, no combine), on the point's own routing and on equal groups:
 
-  fused_experts.ceiling_grouped_mm                   bf16 torch._grouped_mm, gate/up then down, the point's groups
-  fused_experts.ceiling_grouped_mm_equal             the same rows in equal groups (the total split as evenly as
-                                                     the experts allow)
-  fused_experts.fp8_ceiling_scaled_grouped_mm        fp8 torch._scaled_grouped_mm (row-wise scales), the point's
-                                                     groups
-  fused_experts.fp8_ceiling_scaled_grouped_mm_equal  the same in equal groups
+  fused_experts.ceiling            bf16 torch._grouped_mm, gate/up then down, on the point's own group sizes
+  fused_experts.ceiling_equal      the same rows in equal groups (their total split as evenly as E allows)
+  fused_experts.fp8_ceiling        fp8 torch._scaled_grouped_mm (row-wise scales), the point's own group sizes
+  fused_experts.fp8_ceiling_equal  the same in equal groups
 
 They are registered with ceiling=True: no peer (report.peers leaves them out), and report.ceiling gives every
 record at the same point (kernel family and parameters) of the same expert dtype (info["expert_dtype"]) its
@@ -184,11 +182,11 @@ _TEXT = {"routed": "the point's own group sizes", "equal": "the same rows in equ
 
 for _groups in GROUPS:
     _tail = "" if _groups == "routed" else "_equal"
-    register_impl(f"fused_experts.ceiling_grouped_mm{_tail}", targets=("kernel",), ceiling=True,
+    register_impl(f"fused_experts.ceiling{_tail}", targets=("kernel",), ceiling=True,
                   available=lambda ctx: grouped_mm_unavailable(ctx.device), validate=grouped_mm_problem,
                   description=f"ceiling: torch._grouped_mm gate/up + down alone on rows sorted by expert, "
                               f"{_TEXT[_groups]}")(build_ceiling("bf16", _groups))
-    register_impl(f"fused_experts.fp8_ceiling_scaled_grouped_mm{_tail}", targets=("kernel",), ceiling=True,
+    register_impl(f"fused_experts.fp8_ceiling{_tail}", targets=("kernel",), ceiling=True,
                   available=lambda ctx: scaled_grouped_mm_unavailable(ctx.device), validate=fp8_layout_problem,
                   description=f"ceiling: torch._scaled_grouped_mm (row-wise fp8) gate/up + down alone, "
                               f"{_TEXT[_groups]}")(build_ceiling("fp8", _groups))
