@@ -169,3 +169,26 @@ def test_gpu_peers_sync_free_graph_captured_and_right_on_new_routing():
         torch.cuda.synchronize()
         res = check(name)
         assert res.ok, (name, res.detail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fused_experts.grouped_mm", "fused_experts.fp8_scaled_grouped_mm",
+                                  "fused_experts.ceiling", "fused_experts.ceiling_equal",
+                                  "fused_experts.fp8_ceiling", "fused_experts.fp8_ceiling_equal"])
+def test_gpu_registered_peers_and_ceilings_check_and_time_as_graph_replays(name):
+    """Through the registry as a sweep runs them (128 experts, T=1024, top-8, H=2048, I=1024, a quarter padded):
+    checked, then timed by measure() as CUDA-graph replays (no fallback to events)."""
+    from moebench.measure.timing import measure
+    from moebench.params import Timing
+
+    ctx = RunContext(device=torch.device("cuda"))
+    p = dataclasses.replace(Params(), num_tokens=1024, num_experts=128, top_k=8, hidden=2048, intermediate=1024,
+                            padding_ratio=0.25, padding_fill="repeat", group_size=128, scale_format="fp32")
+    impl = registry.get(name)
+    assert impl.available(ctx) is None and impl.validate(p) is None
+    case = impl.build(p, ctx)
+    res = case.check()
+    assert res.ok, res.detail
+    timed = measure(case.run, Timing(mode="cuda_graph", warmup=2, iters=5), ctx.device,
+                    graph_capturable=case.graph_capturable)
+    assert timed.mode == "cuda_graph" and timed.stats["p50"] > 0, timed.note
