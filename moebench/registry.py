@@ -104,8 +104,9 @@ class Impl:
     # tables pair the two by this declaration.
     twin_of: str | None = None
     baseline: bool = False  # the family's reference (plain torch, the judge of every other impl)
-    # An outside implementation (a peer): "torch.compile", "vllm", "sglang", "flashinfer", "plugin". None for
-    # moebench's own impls. Tables and plots give every impl its ratio to the best peer (moebench.report.peers).
+    # An outside implementation (a peer): "torch.compile", "torch", "vllm", "sglang", "flashinfer", "deep_gemm",
+    # "plugin". None for moebench's own impls. Tables and plots give every impl its ratio to the best peer
+    # (moebench.report.peers).
     library: str | None = None
     # A measured ceiling, not an implementation of the op (torch's expert GEMMs alone beside fused_experts): no
     # peer; records at the same point are given their fraction of it (moebench.report.ceiling).

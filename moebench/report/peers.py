@@ -1,12 +1,12 @@
 """Each impl against the best available peer at the same point, from a run's records (nothing is re-run).
 
-A peer is an outside implementation: an impl registered with `library` set (torch.compile, vllm, sglang,
-flashinfer, a user's plugin); the runner writes it into every record. Two records are at the same point when their
-kernel family and every parameter agree (only the impl differs). For every ok record at a point with at least one
-other ok peer record, `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below 1 it is
-faster than every peer there. Ceiling records (`ceiling` set: torch's GEMMs alone) are neither peers nor
-compared; report.ceiling pairs records with them. Used by the table's "vs best peer" footer, `moebench compare RUN` (within one run)
-and the peer_ratio plot.
+A peer is an outside implementation: an impl registered with `library` set (torch.compile, torch, vllm, sglang,
+flashinfer, deep_gemm, a user's plugin); the runner writes it into every record. Two records are at the same point
+when their kernel family and every parameter agree (only the impl differs). For every ok record at a point with at
+least one other ok peer record, `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below
+1 it is faster than every peer there. Ceiling records (`ceiling` set: torch's GEMMs alone) are neither peers nor
+compared; report.ceiling pairs records with them. Used by the table's "vs best peer" footer, `moebench compare RUN`
+(within one run) and the peer_ratio plot.
 """
 
 from __future__ import annotations
