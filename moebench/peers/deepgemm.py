@@ -94,9 +94,9 @@ class DeepGemmExperts:
     def __init__(self, lib, inp: Fp8Inputs):
         torch._dynamo.reset()  # a fresh compile per build (peers.torch_grouped)
         self.lib = lib
-        self.layout = torch.compile(contiguous_layout, dynamic=False)
-        self.swiglu = torch.compile(swiglu_block_fp8, dynamic=False)
-        self.combine = torch.compile(torch_grouped.combine, dynamic=False)
+        self.layout = torch_grouped.compiled(contiguous_layout)
+        self.swiglu = torch_grouped.compiled(swiglu_block_fp8)
+        self.combine = torch_grouped.compiled(torch_grouped.combine)
         self.inp = inp
         E, two_i, H = inp.w13_q.shape
         M, K = inp.ids.shape

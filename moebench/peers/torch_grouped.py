@@ -59,7 +59,7 @@ from moebench.peers.compile import compile_available
 from moebench.registry import register_impl
 
 __all__ = ["LIBRARY", "sort_routes", "swiglu", "swiglu_rowwise_fp8", "combine", "GroupedMmExperts",
-           "ScaledGroupedMmExperts", "build_grouped_mm", "build_scaled_grouped_mm", "warm"]
+           "ScaledGroupedMmExperts", "build_grouped_mm", "build_scaled_grouped_mm", "warm", "compiled"]
 
 LIBRARY = "torch"
 
@@ -107,20 +107,19 @@ def combine(y: torch.Tensor, inv: torch.Tensor, topk_ids: torch.Tensor, topk_wei
     return out
 
 
-class _CompiledGlue:
-    def __init__(self, gemms: GroupedGemms, names: tuple[str, ...]):
-        torch._dynamo.reset()  # a fresh compile per build: no recompile limit, no cache from another point
-        self.gemms = gemms
-        for name in names:
-            setattr(self, name, torch.compile(globals()[name], dynamic=False))
-        self.info = {"gemms": gemms.name}
+def compiled(fn):
+    """fn through torch.compile with static shapes (each point's shapes are fixed)."""
+    return torch.compile(fn, dynamic=False)
 
 
-class GroupedMmExperts(_CompiledGlue):
+class GroupedMmExperts:
     """bf16: fn(x, w13, w2, topk_weights, topk_ids, *, out) -> out, the fused_experts family's call."""
 
     def __init__(self, gemms: GroupedGemms = TORCH_GEMMS):
-        super().__init__(gemms, ("sort_routes", "swiglu", "combine"))
+        torch._dynamo.reset()  # a fresh compile per build: no recompile limit, no cache from another point
+        self.gemms = gemms
+        self.sort_routes, self.swiglu, self.combine = compiled(sort_routes), compiled(swiglu), compiled(combine)
+        self.info = {"gemms": gemms.name}
 
     def __call__(self, x, w13, w2, topk_weights, topk_ids, *, out):
         E, two_i, _ = w13.shape
@@ -131,11 +130,15 @@ class GroupedMmExperts(_CompiledGlue):
         return self.combine(y, inv, topk_ids, topk_weights, E, out)
 
 
-class ScaledGroupedMmExperts(_CompiledGlue):
+class ScaledGroupedMmExperts:
     """fp8, row-wise: fn(topk_ids, topk_weights, *, out) -> out on the rows and weights it holds."""
 
     def __init__(self, x_q, x_scales, w13_q, w13_scales, w2_q, w2_scales, gemms: GroupedGemms = TORCH_GEMMS):
-        super().__init__(gemms, ("sort_routes", "swiglu_rowwise_fp8", "combine"))
+        torch._dynamo.reset()  # as GroupedMmExperts
+        self.gemms = gemms
+        self.sort_routes, self.swiglu_rowwise_fp8, self.combine = (compiled(sort_routes),
+                                                                   compiled(swiglu_rowwise_fp8), compiled(combine))
+        self.info = {"gemms": gemms.name}
         self.x_q, self.x_scales = x_q, x_scales  # e4m3 [M, H], fp32 [M]
         self.w13_q, self.w13_scales = w13_q, w13_scales  # e4m3 [E, 2I, H], fp32 [E, 2I]
         self.w2_q, self.w2_scales = w2_q, w2_scales  # e4m3 [E, H, I], fp32 [E, H]
