@@ -102,3 +102,17 @@ def test_table_footer_and_report_page_show_the_fraction(tmp_path):
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     page = write_report([run], tmp_path / "r.md").read_text()
     assert "### The GEMM ceiling" in page and "| of ceiling |" in page and "| 0.840 |" in page
+
+
+def test_layer_ceiling_follows_the_points_expert_dtype_and_pairs_with_the_layer_records():
+    impl = registry.get("layer.ceiling")
+    assert impl.ceiling and impl.targets == ("layer",) and "CUDA" in impl.available(CPU)  # it needs both GEMMs
+    p = dataclasses.replace(Params(), **SMALL, expert_dtype="bf16")
+    case = impl.build(p, CPU)  # the bf16 GEMM runs on the CPU
+    assert case.check().ok and case.info["expert_dtype"] == "bf16"
+    assert "128" in impl.validate(dataclasses.replace(p, expert_dtype="fp8"))
+    recs = [dict(_rec(0, "layer.masked", 7000.0, "fp8"), kernel="layer", stages={"experts": {"p50": 5600.0}}),
+            dict(_rec(1, "layer.ceiling", 5000.0, "fp8", True, "routed"), kernel="layer")]
+    (row,) = ceiling_rows(recs)
+    assert row["impl"] == "layer.masked" and abs(row["experts_stage_fraction"] - 5000 / 5600) < 1e-12
+    assert row["ceiling_equal_us"] is None and row["uneven_cost"] is None

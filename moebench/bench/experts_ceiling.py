@@ -6,6 +6,9 @@ sorted by expert, nothing else (no sort, no SwiGLU, no combine), on the point's 
   fused_experts.fp8_ceiling        fp8 torch._scaled_grouped_mm (row-wise scales), the point's own group sizes
   fused_experts.fp8_ceiling_equal  the same in equal groups
 
+  layer.ceiling / layer.ceiling_equal  the same beside the single-GPU layer (target layer), bf16 or fp8 by the
+                                       point's expert_dtype, on the masked layer's routing
+
 They are registered with ceiling=True: no peer (report.peers leaves them out), and report.ceiling gives every
 record at the same point (kernel family and parameters) of the same expert dtype (info["expert_dtype"]) its
 fraction_of_ceiling = ceiling p50 / its p50, and the point its uneven_cost = own-routing / equal-group ceiling:
@@ -180,6 +183,18 @@ def build_ceiling(expert_dtype: str, groups: str, gemms: GroupedGemms = TORCH_GE
 
 _TEXT = {"routed": "the point's own group sizes", "equal": "the same rows in equal groups"}
 
+def _layer_available(ctx: RunContext) -> str | None:
+    return grouped_mm_unavailable(ctx.device) or scaled_grouped_mm_unavailable(ctx.device)
+
+
+def _layer_problem(p) -> str | None:
+    return fp8_layout_problem(p) if p.expert_dtype == "fp8" else grouped_mm_problem(p)
+
+
+def _layer_build(groups: str):
+    return lambda p, ctx: build_ceiling(p.expert_dtype, groups)(p, ctx)
+
+
 for _groups in GROUPS:
     _tail = "" if _groups == "routed" else "_equal"
     register_impl(f"fused_experts.ceiling{_tail}", targets=("kernel",), ceiling=True,
@@ -190,3 +205,8 @@ for _groups in GROUPS:
                   available=lambda ctx: scaled_grouped_mm_unavailable(ctx.device), validate=fp8_layout_problem,
                   description=f"ceiling: torch._scaled_grouped_mm (row-wise fp8) gate/up + down alone, "
                               f"{_TEXT[_groups]}")(build_ceiling("fp8", _groups))
+    # the layer's: its expert_dtype picks the GEMMs, so both must run here (a sweep mixes the dtypes)
+    register_impl(f"layer.ceiling{_tail}", targets=("layer",), ceiling=True, available=_layer_available,
+                  validate=_layer_problem,
+                  description=f"ceiling beside the layer: torch's grouped GEMMs (the point's expert_dtype) alone, "
+                              f"{_TEXT[_groups]}")(_layer_build(_groups))

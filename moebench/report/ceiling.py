@@ -8,6 +8,7 @@ at the same point (report.peers.point_of: kernel family + every parameter), gets
   ceiling_equal_us     the equal-group ceiling's p50 (None when the run has none)
   uneven_cost          ceiling_us / ceiling_equal_us: what uneven expert sizes cost the GEMMs alone
   fraction_of_ceiling  ceiling_us / the record's p50 (1: as fast as the two GEMMs alone; above 1: faster)
+  experts_stage_fraction  ceiling_us / the p50 of the record's experts stage, where it has one (the layer)
 Used by the table's "vs the GEMM ceiling" footer and the report page.
 """
 
@@ -24,7 +25,7 @@ def _dtype(rec: dict) -> str | None:
 
 def ceiling_rows(records: list[dict]) -> list[dict]:
     """One row per ok non-ceiling record with an own-routing ceiling at its point: point, impl, params, p50,
-    ceiling_us, ceiling_equal_us, uneven_cost, fraction_of_ceiling. In record order."""
+    ceiling_us, ceiling_equal_us, uneven_cost, fraction_of_ceiling, experts_stage_fraction. In record order."""
     ceilings: dict[tuple, float] = {}
     for r in records:
         p50 = p50_of(r)
@@ -40,9 +41,12 @@ def ceiling_rows(records: list[dict]) -> list[dict]:
         if ceiling is None:
             continue
         equal = ceilings.get((*at, "equal"))
+        stage = ((r.get("stages") or {}).get("experts") or {}).get("p50")  # the layer times its experts alone too
         rows.append({"point": r.get("point"), "impl": r.get("impl"), "params": r.get("params") or {}, "p50": p50,
                      "expert_dtype": _dtype(r), "ceiling_us": ceiling, "ceiling_equal_us": equal,
-                     "uneven_cost": ceiling / equal if equal else None, "fraction_of_ceiling": ceiling / p50})
+                     "uneven_cost": ceiling / equal if equal else None, "fraction_of_ceiling": ceiling / p50,
+                     "experts_stage_fraction": ceiling / stage if isinstance(stage, (int, float)) and stage > 0
+                     else None})
     return rows
 
 

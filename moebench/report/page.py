@@ -180,11 +180,11 @@ def table(run: RunView) -> tuple[list[str], list[list[str]]]:
 
 def ceiling_table(run: RunView) -> tuple[list[str], list[list[str]]]:
     """(header, rows): each record beside the GEMM ceiling timed at its point (moebench.report.ceiling)."""
-    head = ["point", "impl", "expert dtype", "p50 us", "ceiling us", "of ceiling", "equal-group ceiling us",
-            "uneven cost"]
+    head = ["point", "impl", "expert dtype", "p50 us", "ceiling us", "of ceiling", "experts stage of ceiling",
+            "equal-group ceiling us", "uneven cost"]
     rows = [[_num(r["point"]), str(r["impl"]), str(r["expert_dtype"]), _num(r["p50"]), _num(r["ceiling_us"]),
-             _num(r["fraction_of_ceiling"], ".3f"), _num(r["ceiling_equal_us"]), _num(r["uneven_cost"], ".3f")]
-            for r in ceiling_rows(run.records)]
+             _num(r["fraction_of_ceiling"], ".3f"), _num(r["experts_stage_fraction"], ".3f"),
+             _num(r["ceiling_equal_us"]), _num(r["uneven_cost"], ".3f")] for r in ceiling_rows(run.records)]
     return head, rows
 
 
