@@ -104,9 +104,13 @@ class Impl:
     # tables pair the two by this declaration.
     twin_of: str | None = None
     baseline: bool = False  # the family's reference (plain torch, the judge of every other impl)
-    # An outside implementation (a peer): "torch.compile", "vllm", "sglang", "flashinfer", "plugin". None for
-    # moebench's own impls. Tables and plots give every impl its ratio to the best peer (moebench.report.peers).
+    # An outside implementation (a peer): "torch.compile", "torch", "vllm", "sglang", "flashinfer", "deep_gemm",
+    # "plugin". None for moebench's own impls. Tables and plots give every impl its ratio to the best peer
+    # (moebench.report.peers).
     library: str | None = None
+    # A measured ceiling, not an implementation of the op (torch's expert GEMMs alone beside fused_experts): no
+    # peer; records at the same point are given their fraction of it (moebench.report.ceiling).
+    ceiling: bool = False
 
     @property
     def kernel(self) -> str:
@@ -130,6 +134,8 @@ def register(impl: Impl) -> Impl:
     bad = [t for t in impl.targets if t not in TARGETS]
     if bad:
         raise ValueError(f"impl {impl.name!r}: unknown targets {bad}")
+    if impl.ceiling and (impl.library is not None or impl.baseline):
+        raise ValueError(f"impl {impl.name!r}: a ceiling is neither a peer nor the family's reference")
     if impl.twin_of is not None and impl.mask_aware:
         raise ValueError(f"impl {impl.name!r}: twin_of is for mask-oblivious twins (mask_aware=False)")
     _IMPLS[impl.name] = impl
@@ -139,10 +145,11 @@ def register(impl: Impl) -> Impl:
 def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
                   available: Callable[[RunContext], str | None] | None = None,
                   validate: Callable[["Params"], str | None] | None = None, multi_rank: bool = False,
-                  twin_of: str | None = None, baseline: bool = False, library: str | None = None
-                  ) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
+                  twin_of: str | None = None, baseline: bool = False, library: str | None = None,
+                  ceiling: bool = False) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
     """Decorator: register `build(p, ctx) -> Case` as the impl `name`. `twin_of` marks a mask-oblivious twin
-    (and implies mask_aware=False); `library` marks an outside implementation (a peer)."""
+    (and implies mask_aware=False); `library` marks an outside implementation (a peer); `ceiling` a measured
+    ceiling beside the op's impls."""
     def deco(build: Callable[["Params", RunContext], Case]) -> Callable[["Params", RunContext], Case]:
         kw: dict[str, Any] = {}
         if available is not None:
@@ -151,7 +158,7 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
             kw["validate"] = validate
         register(Impl(name, targets=tuple(targets), build=build, description=description, multi_rank=multi_rank,
                       mask_aware=twin_of is None, twin_of=twin_of, baseline=baseline, library=library,
-                      **kw))
+                      ceiling=ceiling, **kw))
         return build
     return deco
 

@@ -1,9 +1,10 @@
 """The expert-computation bench family (target "kernel", NVTX stage "experts"):
   fused_experts.triton      the Triton path
   fused_experts.torch       eager loop over experts (bf16 matmuls, fp32 accumulate)
-  fused_experts.grouped_mm  torch._grouped_mm on rows sorted by expert (CUDA sm90+ only)
   fused_experts.oblivious   the pre-fix twin: -1 read as the last local expert (python's expert_map[-1]), so
                             padded and non-local routes do GEMM work on that expert; info["corrupted_rows"]
+The torch._grouped_mm peer lives in moebench.peers.torch_grouped, the GEMM ceiling in bench.experts_ceiling; both
+take this family's inputs (`experts_inputs`).
 Inputs of a point: p.num_tokens rows of make_batch's hidden states, routed by inputs.route (masked when p.mask);
 global ids become rank 0's local ids through its expert map: g -> g if g < p.local_experts else -1 (non-local
 routes are skipped, as on an EP rank of the all-gather path). With num_experts == local_experts every real route
@@ -16,25 +17,27 @@ too costly) is shared with ep_sim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moebench.check import CheckResult, compare_close, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, make_expert_weights, route
+from moebench.inputs.batch import Batch
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fused_experts import (
     expert_shapes,
     expert_work,
     fused_experts,
-    fused_experts_grouped_mm,
     fused_experts_torch,
-    grouped_mm_available,
     make_workspace,
 )
 from moebench.registry import Case, Routing, RunContext, register_impl
 
-__all__ = ["reference_rows", "check_experts_out", "experts_info", "triton_available"]
+__all__ = ["reference_rows", "check_experts_out", "experts_info", "triton_available", "ExpertsInputs",
+           "experts_inputs"]
 
 
 def reference_rows(num_rows: int, routes_flops: float, device: torch.device, seed: int) -> torch.Tensor | None:
@@ -93,19 +96,40 @@ def wrap_minus_one(ids: torch.Tensor, num_local_experts: int):
     return wrapped, remap
 
 
-def _build(p, ctx: RunContext, variant: str, fn=None) -> Case:
+@dataclass
+class ExpertsInputs:
+    """A bf16 point's inputs: the batch, its rows, the expert weights, the routes (rank 0's local ids)."""
+
+    batch: Batch
+    x: torch.Tensor  # bf16 [M, H]
+    w13: torch.Tensor  # bf16 [E, 2I, H]
+    w2: torch.Tensor  # bf16 [E, H, I]
+    topk_weights: torch.Tensor  # fp32 [M, K]
+    ids: torch.Tensor  # int32 [M, K] local, -1 skipped
+    global_ids: torch.Tensor  # [M, K] the router's global ids
+
+
+def experts_inputs(p, ctx: RunContext) -> ExpertsInputs:
     dev = ctx.device
     batch = make_batch(p, dev)
     topk_weights, global_ids = route(p, batch)
-    topk_weights = topk_weights.float().contiguous()
     E, H, I = p.local_experts, p.hidden, p.intermediate
     # rank 0's expert map: g -> g if g < E (its local experts) else -1
     expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=global_ids.device)
     ids = apply_expert_map_torch(global_ids, expert_map).to(torch.int32)
-    x = batch.hidden
-    M, K = ids.shape
     w13, w2 = make_expert_weights(E, H, I, seed=p.seed, device=dev)
+    return ExpertsInputs(batch, batch.hidden, w13, w2, topk_weights.float().contiguous(), ids, global_ids)
+
+
+def _build(p, ctx: RunContext, variant: str, fn=None) -> Case:
+    dev = ctx.device
+    inp = experts_inputs(p, ctx)
+    batch, x, w13, w2, topk_weights, ids, global_ids = (inp.batch, inp.x, inp.w13, inp.w2, inp.topk_weights,
+                                                         inp.ids, inp.global_ids)
+    E, H, I = p.local_experts, p.hidden, p.intermediate
+    M, K = ids.shape
     info = experts_info(ids, E)
+    info["expert_dtype"] = "bf16"  # the GEMM ceiling a record is paired with (report.ceiling)
     # declared work is the useful work (valid routes) for every variant, so their roofline fractions compare
     valid = (ids >= 0) & (ids < E)
     tokens_read = int(valid.any(dim=1).sum())
@@ -138,11 +162,6 @@ def _build(p, ctx: RunContext, variant: str, fn=None) -> Case:
 
         def run():
             out.copy_(fused_experts_torch(x, w13, w2, topk_weights, ids, compute_dtype=torch.bfloat16))
-    elif variant == "grouped_mm":
-        graph_ok = False
-
-        def run():
-            return fused_experts_grouped_mm(x, w13, w2, topk_weights, ids, out=out)
     elif variant == "fn":
         def run():
             return fn(x, w13, w2, topk_weights, ids, out=out)
@@ -184,12 +203,6 @@ def triton_available(ctx: RunContext) -> str | None:
     return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
 
 
-def _grouped_mm_validate(p) -> str | None:
-    if p.hidden % 8 or p.intermediate % 8:
-        return "hidden/intermediate: torch._grouped_mm needs multiples of 8 (16-byte rows)"
-    return None
-
-
 @register_impl("fused_experts.triton", targets=("kernel",), available=triton_available,
                description="Triton grouped GEMM: align, gate/up + SwiGLU, down + top-k weight, slot sum")
 def _build_triton(p, ctx: RunContext) -> Case:
@@ -200,13 +213,6 @@ def _build_triton(p, ctx: RunContext) -> Case:
                description="eager reference: loop over experts, index_select rows, bf16 matmuls")
 def _build_torch(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "torch")
-
-
-@register_impl("fused_experts.grouped_mm", targets=("kernel",), available=lambda ctx: grouped_mm_available(ctx.device),
-               validate=_grouped_mm_validate,
-               description="torch._grouped_mm on rows sorted by expert (+ eager SwiGLU and slot sum)")
-def _build_grouped_mm(p, ctx: RunContext) -> Case:
-    return _build(p, ctx, "grouped_mm")
 
 
 @register_impl("fused_experts.oblivious", targets=("kernel",), available=triton_available,

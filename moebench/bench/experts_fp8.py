@@ -4,7 +4,6 @@
                                        group_size / scale_format), weights in 128x128 fp8 blocks
   fused_experts.fp8_<candidate>        the same with one of FP8_CANDIDATES forced (tuning on the GPU)
   fused_experts.fp8_oblivious          the pre-fix twin: -1 read as the last local expert
-  fused_experts.fp8_scaled_grouped_mm  the torch._scaled_grouped_mm peer (row-wise scales; CUDA sm90+)
 
 Inputs mirror fused_experts' cases: make_batch's hidden states routed by inputs.route, the router unmasked and the
 padding mask applied by the staging (as the MegaMoE path does: padded rows leave it with -1 / 0.0), then rank 0's
@@ -12,9 +11,17 @@ expert map (non-local -> -1). Weights: make_expert_weights (the bf16 cases' seed
 cached. Every check runs the dequantised reference with the elementwise bound derived in fused_experts_fp8_ref.
 Declared work is the useful work (valid routes), bytes at fp8 sizes, so roofline fractions compare with the bf16
 cases'; the roofline is the fp8 one.
+
+Outside fp8 implementations (the torch._scaled_grouped_mm peer in moebench.peers.torch_grouped) get this case
+through `build_fp8_outside(make)`: the same inputs, bytes and routing, and the same reference and derived bound run
+on the operands they declare they multiply (`Fp8Operands`), so a peer that re-quantises its inputs (row-wise
+scales) is judged on its own inputs under the same bound, not a loosened one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -23,7 +30,7 @@ from moebench.check import CheckResult, compare_close, poison
 from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
-from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
+from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block, rowwise_weights
 from moebench.kernels.fused_experts_fp8 import (
     FP8_CANDIDATES,
     choose_fp8_config,
@@ -31,13 +38,7 @@ from moebench.kernels.fused_experts_fp8 import (
     make_fp8_workspace,
     x_scale_mode,
 )
-from moebench.kernels.fused_experts_fp8_peer import (
-    fused_experts_fp8_scaled_grouped_mm,
-    rowwise_inputs,
-    scaled_grouped_mm_unavailable,
-)
 from moebench.kernels.fused_experts_fp8_ref import (
-    BF16_REL,
     error_model,
     fp8_reference_with_bound,
     reference_from_dequantised,
@@ -85,6 +86,23 @@ def quantized_expert_weights(num_experts: int, hidden: int, intermediate: int, *
     return _WEIGHTS[key]
 
 
+_ROWWISE: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the last row-wise re-quantisation of those weights
+
+
+def rowwise_expert_weights(num_experts: int, hidden: int, intermediate: int, *, seed: int,
+                           device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(w13_q, w13_scales [E, 2I], w2_q, w2_scales [E, H]): quantized_expert_weights' blocks re-quantised with one
+    scale per output channel (torch._scaled_grouped_mm's layout), cached for the next point (the peer and the
+    ceiling share it)."""
+    key = (num_experts, hidden, intermediate, seed, str(device))
+    if key not in _ROWWISE:
+        _ROWWISE.clear()
+        w13_q, w13_s, w2_q, w2_s = quantized_expert_weights(num_experts, hidden, intermediate, seed=seed,
+                                                            device=device)
+        _ROWWISE[key] = (*rowwise_weights(w13_q, w13_s), *rowwise_weights(w2_q, w2_s))
+    return _ROWWISE[key]
+
+
 def _sample_rows(num_rows: int, work: float, device: torch.device, seed: int) -> torch.Tensor | None:
     """Rows the reference and its bound are computed on: all (None) when affordable, else a seeded sample (each
     output row depends only on its own staged row and routes)."""
@@ -116,7 +134,26 @@ def _triton_available(ctx: RunContext) -> str | None:
     return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
 
 
-def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Case:
+@dataclass
+class Fp8Inputs:
+    """An fp8 point's inputs: the staged rows (the point's group_size / scale_format), the routes (rank 0's local
+    ids, padded rows -1 when masked) and the block-quantised weights (cached: one set)."""
+
+    batch: object  # moebench.inputs.batch.Batch
+    x_q: torch.Tensor  # e4m3 [M, H]
+    x_sf: torch.Tensor  # the staged scales
+    group_size: int
+    scale_format: str
+    staged_ids: torch.Tensor  # [M, K] global ids after the staging
+    ids: torch.Tensor  # int32 [M, K] local, -1 skipped
+    topk_weights: torch.Tensor  # fp32 [M, K]
+    w13_q: torch.Tensor
+    w13_s: torch.Tensor
+    w2_q: torch.Tensor
+    w2_s: torch.Tensor
+
+
+def fp8_inputs(p, ctx: RunContext) -> Fp8Inputs:
     from moebench.inputs import make_batch, route
 
     dev = ctx.device
@@ -129,8 +166,40 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Ca
     # rank 0 of an EP layout holding experts [0, E): non-local ids -> -1
     expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=staged_ids.device)
     ids = apply_expert_map_torch(staged_ids, expert_map).to(torch.int32)
-    M, K = ids.shape
     w13_q, w13_s, w2_q, w2_s = quantized_expert_weights(E, H, I, seed=p.seed, device=dev)
+    return Fp8Inputs(batch, x_q, x_sf, G, fmt, staged_ids, ids, topk_weights, w13_q, w13_s, w2_q, w2_s)
+
+
+@dataclass(frozen=True)
+class Fp8Operands:
+    """What an outside fp8 implementation multiplies, dequantised to fp32, for the reference and its bound."""
+
+    x: torch.Tensor  # fp32 [M, H]: its rows as it reads them
+    w13_of: Callable[[int], torch.Tensor]  # expert e -> fp32 [2I, H]
+    w2_of: Callable[[int], torch.Tensor]  # expert e -> fp32 [H, I]
+    act_group: int  # columns per scale of its re-quantised SwiGLU output
+    h_store_rel: float = 0.0  # rounding of its gate/up output before the SwiGLU (bf16: 2^-8)
+
+
+# make(p, inputs) -> (fn(topk_ids, topk_weights, *, out) -> bf16 [M, H], the operands it multiplies)
+OutsideFp8 = Callable[[object, Fp8Inputs], tuple[Callable[..., torch.Tensor], Fp8Operands]]
+
+
+def build_fp8_outside(make: OutsideFp8):
+    """The build of an outside fp8 experts implementation: this module's case around `make`'s function."""
+    return lambda p, ctx: _build(p, ctx, "outside", outside=make)
+
+
+def _build(p, ctx: RunContext, variant: str, candidate: str | None = None, outside: OutsideFp8 | None = None
+           ) -> Case:
+    dev = ctx.device
+    inp = fp8_inputs(p, ctx)
+    batch, x_q, x_sf, staged_ids, ids, topk_weights = (inp.batch, inp.x_q, inp.x_sf, inp.staged_ids, inp.ids,
+                                                       inp.topk_weights)
+    w13_q, w13_s, w2_q, w2_s = inp.w13_q, inp.w13_s, inp.w2_q, inp.w2_s
+    G, fmt = inp.group_size, inp.scale_format
+    E, H, I = p.local_experts, p.hidden, p.intermediate
+    M, K = ids.shape
     valid = (ids >= 0) & (ids < E)
     n_valid = int(valid.sum())
     experts_used = int(torch.unique(ids[valid]).numel())
@@ -171,22 +240,20 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None) -> Ca
             sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
             return fp8_reference_with_bound(sel(x_q), sel(x_sf), sel(check_ids), sel(topk_weights), w13_q, w13_s,
                                             w2_q, w2_s, group_size=G, scale_format=fmt, model=model)
-    elif variant == "scaled_grouped_mm":
-        graph_ok = False
-        rw = rowwise_inputs(x_q, x_sf, G, fmt, w13_q, w13_s, w2_q, w2_s)
+    elif variant == "outside":
+        fn, operands = outside(p, inp)
+        info.update(getattr(fn, "info", None) or {})
         run_ids = ids
-        peer_model = error_model(dev, H, I, h_store_rel=BF16_REL)
+        outside_model = error_model(dev, H, I, h_store_rel=operands.h_store_rel)
 
         def run():
-            return fused_experts_fp8_scaled_grouped_mm(rw, ids, topk_weights, out=out)
+            return fn(ids, topk_weights, out=out)
 
         def reference(check_ids, rows):
             sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-            x = sel(rw.x_q).float() * sel(rw.x_scales)[:, None]
-            return reference_from_dequantised(
-                x, lambda e: rw.w13_q[e].float() * rw.w13_scales[e][:, None],
-                lambda e: rw.w2_q[e].float() * rw.w2_scales[e][:, None], sel(check_ids), sel(topk_weights), E,
-                act_group=I, model=peer_model)
+            return reference_from_dequantised(sel(operands.x), operands.w13_of, operands.w2_of, sel(check_ids),
+                                              sel(topk_weights), E, act_group=operands.act_group,
+                                              model=outside_model)
     else:  # pragma: no cover
         raise ValueError(variant)
 
@@ -238,13 +305,6 @@ def build_fp8(p, ctx: RunContext) -> Case:
                twin_of="fused_experts.fp8", description="pre-fix twin: -1 routes computed on the last local expert")
 def build_fp8_oblivious(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "oblivious")
-
-
-@register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), validate=fp8_layout_problem,
-               available=lambda ctx: scaled_grouped_mm_unavailable(ctx.device),
-               description="torch._scaled_grouped_mm peer (row-wise fp8 scales, eager SwiGLU + requant + slot sum)")
-def build_fp8_peer(p, ctx: RunContext) -> Case:
-    return _build(p, ctx, "scaled_grouped_mm")
 
 
 def _register_candidate(name: str) -> None:

@@ -416,7 +416,7 @@ def _build(variant: str):
                        for name, (nbytes, flops) in work.items()}
         bytes_moved = sum(nbytes for nbytes, _ in work.values())
         flops = sum(f for _, f in work.values())
-        info = {**stats, "stage_roofline_us": stage_roofs, "stage_bytes": {k: v[0] for k, v in work.items()},
+        info = {**stats, "expert_dtype": p.expert_dtype, "stage_roofline_us": stage_roofs, "stage_bytes": {k: v[0] for k, v in work.items()},
                 "block_m": pipe.block_m, "config": pipe.config.short(),
                 "router": "grouped_topk" if pipe.grouped else "topk_softmax",
                 "reduce": "moe_sum_oblivious" if pipe.plain_sum else "masked_moe_sum",

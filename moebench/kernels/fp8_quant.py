@@ -26,7 +26,8 @@ ACT_GROUP = 128  # the re-quantised SwiGLU output: one fp32 scale per row per 12
 
 __all__ = ["E4M3", "WEIGHT_BLOCK", "ACT_GROUP", "to_e4m3", "quantize_rows_tile", "quantize_weights_fp8_block",
            "quantize_weights_fp8_block_torch", "requantize_rows_fp8", "requantize_rows_fp8_torch",
-           "staged_scales", "dequantize_staged", "dequantize_weights", "soft_fp8"]
+           "staged_scales", "dequantize_staged", "dequantize_weights", "soft_fp8", "requantize_per_row",
+           "rowwise_rows", "rowwise_weights"]
 
 
 def soft_fp8() -> bool:
@@ -186,3 +187,29 @@ def dequantize_staged(x_q: torch.Tensor, x_sf: torch.Tensor, group_size: int, sc
     M, H = x_q.shape
     s = staged_scales(x_sf, group_size, scale_format, H)
     return (x_q.float().reshape(M, H // group_size, group_size) * s[:, :, None]).reshape(M, H)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row-wise scales (torch._scaled_grouped_mm's layout), re-quantised from the staged rows and the weight blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+def requantize_per_row(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [R, N] -> (q e4m3 [R, N], scales fp32 [R]): one scale per whole row, the staging's recipe."""
+    q, s = requantize_rows_fp8_torch(v, v.shape[1])
+    return q, s[:, 0].contiguous()
+
+
+def rowwise_rows(x_q: torch.Tensor, x_sf: torch.Tensor, group_size: int,
+                 scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The staged rows (any staged layout) dequantised and re-quantised with one scale per row: (e4m3 [M, H],
+    fp32 [M]), as a row-wise serving path would stage them."""
+    return requantize_per_row(dequantize_staged(x_q, x_sf, group_size, scale_format))
+
+
+def rowwise_weights(w_q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantised weights [E, N, K] (+ [E, N/128, K/128] scales) dequantised and re-quantised with one scale
+    per output channel: (e4m3 [E, N, K], fp32 [E, N]). One expert at a time (small fp32 temporaries)."""
+    per_expert = [requantize_per_row(dequantize_weights(w_q[e], scales[e])) for e in range(w_q.shape[0])]
+    if not per_expert:
+        return w_q.clone(), torch.empty(0, w_q.shape[1], dtype=torch.float32, device=w_q.device)
+    return torch.stack([q for q, _ in per_expert]), torch.stack([s for _, s in per_expert])

@@ -5,9 +5,9 @@ no GEMM cost.
 
 `fused_experts` is the Triton path (align (moe_align_block_size's kernels) -> gate/up + SwiGLU grouped GEMM -> down
 grouped GEMM with the top-k weight -> deterministic slot sum (masked_moe_sum's kernel); see `grouped_gemm`).
-`fused_experts_torch` is the literal reference (fp32 by default; bf16 compute for the eager peer),
-`fused_experts_grouped_mm` the torch._grouped_mm baseline. `expert_work` is the work (FLOPs, bytes) the op must do,
-the one formula every benchmark of expert computation declares.
+`fused_experts_torch` is the literal reference (fp32 by default; bf16 compute for the eager peer); the
+torch._grouped_mm peer is not a kernel of this library (moebench.peers.torch_grouped). `expert_work` is the work
+(FLOPs, bytes) the op must do, the one formula every benchmark of expert computation declares.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from moebench.kernels.grouped_gemm import (
 )
 from moebench.kernels.moe_align_block_size import align_capacity
 
-__all__ = ["fused_experts", "fused_experts_torch", "fused_experts_grouped_mm", "grouped_mm_available",
+__all__ = ["fused_experts", "fused_experts_torch",
            "ExpertsWorkspace", "make_workspace", "choose_config", "expert_shapes", "check_routes", "expert_work",
            "alignment_buffers", "checked_workspace", "routes_alignment"]
 
@@ -167,7 +167,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# References and baselines
+# The reference
 # ---------------------------------------------------------------------------------------------------------------
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -193,42 +193,6 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     for k in range(K):
         out += torch.where(valid[:, k, None], per_slot[:, k], 0.0)
     return out.to(out_dtype or x.dtype)
-
-
-def grouped_mm_available(device: torch.device) -> str | None:
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if device.type != "cuda":
-        return "torch._grouped_mm baseline runs on CUDA only"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "torch._grouped_mm needs sm90+"
-    return None
-
-
-def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                             topk_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Baseline: valid routes sorted by expert (stable), torch._grouped_mm for both GEMMs, eager SwiGLU and
-    weighted slot sum. Synchronises once with the host for the number of valid routes (not graph-capturable)."""
-    M, K, E, H, I = expert_shapes(x, w13, w2, topk_weights, topk_ids)
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < E)
-    key = torch.where(valid, flat, E)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    num_valid = int(counts.sum())
-    order = order[:num_valid]
-    offs = counts.cumsum(0).to(torch.int32)
-    rows = x.index_select(0, order // K)
-    h = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)
-    act = (torch.nn.functional.silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype)
-    y = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-    per_slot = torch.zeros(M * K, H, dtype=torch.float32, device=x.device)
-    per_slot[order] = y.float() * topk_weights.reshape(-1)[order].float()[:, None]
-    res = per_slot.view(M, K, H).sum(1)
-    if out is None:
-        return res.to(x.dtype)
-    out.copy_(res)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

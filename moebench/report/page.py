@@ -1,7 +1,8 @@
 """`moebench report RUN_DIR... -o FILE.html|FILE.md`: one page of one or more runs, made from what they stored.
 
 For every run: the manifest (GPU, driver, CUDA, torch, Triton, DeepEP, commit, command, when), the headline numbers
-its sweep declares (moebench.report.headline, computed from the records), its table (one row per point) and its plots.
+its sweep declares (moebench.report.headline, computed from the records), its table (one row per point, with its
+fraction of the GEMM ceiling where the run timed one: moebench.report.ceiling) and its plots.
 HTML is one self-contained file: the PNGs are embedded as data URIs, the style is inline, nothing is fetched.
 Markdown (for a pull request) links the PNGs by their path relative to the output file instead.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebench.report.ceiling import ceiling_rows
 from moebench.report.headline import HeadlineRow, evaluate, format_value
 from moebench.run.results import MANIFEST, RECORDS, load_records
 
@@ -32,6 +34,9 @@ PROFILE = "profile.json"  # what moebench profile writes in its folder (moebench
 TOP_KERNELS = 3
 FORMATS = (".html", ".md")
 MAX_REASON = 90  # characters of a failure reason in a table cell
+CEILING_CAPTION = ("torch's two expert GEMMs alone (rows sorted by expert, no glue) at each point, on its own "
+                   "routing and on equal groups: 'of ceiling' = ceiling / p50 (1: as fast as the GEMMs alone), "
+                   "uneven cost = own-routing / equal-group ceiling.")
 
 
 class ReportError(ValueError):
@@ -157,7 +162,8 @@ def _num(v: Any, digits: str = ".4g") -> str:
 def table(run: RunView) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the run's points: impl, the axes, status, latency, bandwidth, imbalance, reason."""
     axes = _axis_names(run)
-    head = ["point", "impl", *axes, "status", "p50 us", "p10 us", "p90 us", "GB/s", "expert max/mean",
+    fraction = {row["point"]: row["fraction_of_ceiling"] for row in ceiling_rows(run.records)}
+    head = ["point", "impl", *axes, "status", "p50 us", "p10 us", "p90 us", "GB/s", "of ceiling", "expert max/mean",
             "rank max/mean", "reason"]
     rows = []
     for r in run.records:
@@ -165,9 +171,20 @@ def table(run: RunView) -> tuple[list[str], list[list[str]]]:
         reason = str(r.get("reason") or "")
         rows.append([_num(r.get("point")), str(r.get("impl", "")), *(_num(params.get(k)) for k in axes),
                      str(r.get("status", "")), _num(st.get("p50")), _num(st.get("p10")), _num(st.get("p90")),
-                     _num(r.get("gbps")), _num((imb.get("expert") or {}).get("max_over_mean")),
+                     _num(r.get("gbps")), _num(fraction.get(r.get("point")), ".3f"),
+                     _num((imb.get("expert") or {}).get("max_over_mean")),
                      _num((imb.get("rank") or {}).get("max_over_mean") if (imb.get("ep_size") or 1) > 1 else None),
                      reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 3] + "..."])
+    return head, rows
+
+
+def ceiling_table(run: RunView) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): each record beside the GEMM ceiling timed at its point (moebench.report.ceiling)."""
+    head = ["point", "impl", "expert dtype", "p50 us", "ceiling us", "of ceiling", "experts stage of ceiling",
+            "equal-group ceiling us", "uneven cost"]
+    rows = [[_num(r["point"]), str(r["impl"]), str(r["expert_dtype"]), _num(r["p50"]), _num(r["ceiling_us"]),
+             _num(r["fraction_of_ceiling"], ".3f"), _num(r["experts_stage_fraction"], ".3f"),
+             _num(r["ceiling_equal_us"]), _num(r["uneven_cost"], ".3f")] for r in ceiling_rows(run.records)]
     return head, rows
 
 
@@ -269,6 +286,9 @@ def render_html(runs: list[RunView], title: str) -> str:
         if run.records:
             parts.append("<h3>Points</h3>")
             parts.append(_html_table(*table(run)))
+        if ceiling_rows(run.records):
+            parts.append(f"<h3>The GEMM ceiling</h3><p>{html.escape(CEILING_CAPTION)}</p>")
+            parts.append(_html_table(*ceiling_table(run)))
         for prof in run.profiles:
             parts.append("<h3>Profile: where the device time goes</h3>")
             parts.append(f"<p>{e(profile_caption(prof))}</p>")
@@ -311,6 +331,8 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
             parts += ["### Headline numbers", "", _md_table(*headline_table(run)), ""]
         if run.records:
             parts += ["### Points", "", _md_table(*table(run)), ""]
+        if ceiling_rows(run.records):
+            parts += ["### The GEMM ceiling", "", CEILING_CAPTION, "", _md_table(*ceiling_table(run)), ""]
         for prof in run.profiles:
             parts += ["### Profile: where the device time goes", "", profile_caption(prof), "",
                       _md_table(*profile_table(prof)), ""]

@@ -1,11 +1,12 @@
 """Each impl against the best available peer at the same point, from a run's records (nothing is re-run).
 
-A peer is an outside implementation: an impl registered with `library` set (torch.compile, vllm, sglang,
-flashinfer, a user's plugin); the runner writes it into every record. Two records are at the same point when their
-kernel family and every parameter agree (only the impl differs). For every ok record at a point with at least one
-other ok peer record, `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below 1 it is
-faster than every peer there. Used by the table's "vs best peer" footer, `moebench compare RUN` (within one run)
-and the peer_ratio plot.
+A peer is an outside implementation: an impl registered with `library` set (torch.compile, torch, vllm, sglang,
+flashinfer, deep_gemm, a user's plugin); the runner writes it into every record. Two records are at the same point
+when their kernel family and every parameter agree (only the impl differs). For every ok record at a point with at
+least one other ok peer record, `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below
+1 it is faster than every peer there. Ceiling records (`ceiling` set: torch's GEMMs alone) are neither peers nor
+compared; report.ceiling pairs records with them. Used by the table's "vs best peer" footer, `moebench compare RUN`
+(within one run) and the peer_ratio plot.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["point_of", "peer_ratios", "peer_footer_lines", "compare_within", "compare_within_run"]
+__all__ = ["point_of", "p50_of", "peer_ratios", "peer_footer_lines", "compare_within", "compare_within_run"]
 
 
 def point_of(rec: dict) -> str:
@@ -23,7 +24,8 @@ def point_of(rec: dict) -> str:
     return json.dumps({"kernel": kernel, "params": rec.get("params") or {}}, sort_keys=True, default=str)
 
 
-def _p50(rec: dict) -> float | None:
+def p50_of(rec: dict) -> float | None:
+    """An ok record's p50 (us), or None."""
     if rec.get("status") != "ok":
         return None
     v = (rec.get("stats") or {}).get("p50")
@@ -33,7 +35,7 @@ def _p50(rec: dict) -> float | None:
 def _by_point(records: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in records:
-        if _p50(r) is not None:
+        if p50_of(r) is not None:
             groups.setdefault(point_of(r), []).append(r)
     return groups
 
@@ -44,16 +46,16 @@ def peer_ratios(records: list[dict]) -> list[dict]:
     rows = []
     groups = _by_point(records)
     for r in records:
-        p50 = _p50(r)
-        if p50 is None:
+        p50 = p50_of(r)
+        if p50 is None or r.get("ceiling"):  # a measured ceiling is no implementation (report.ceiling)
             continue
         peers = [o for o in groups[point_of(r)] if o.get("library") and o.get("impl") != r.get("impl")]
         if not peers:
             continue
-        best = min(peers, key=_p50)
+        best = min(peers, key=p50_of)
         rows.append({"point": r.get("point"), "impl": r.get("impl"), "library": r.get("library"),
                      "params": r.get("params") or {}, "p50": p50, "best_peer": best.get("impl"),
-                     "best_peer_p50": _p50(best), "ratio": p50 / _p50(best)})
+                     "best_peer_p50": p50_of(best), "ratio": p50 / p50_of(best)})
     return rows
 
 
@@ -88,7 +90,7 @@ def compare_within(records: list[dict], impl_a: str, impl_b: str) -> list[dict]:
     """B / A per point where both impls have an ok record: rows of params, a_p50_us, b_p50_us, ratio."""
     at: dict[tuple[str, str], dict] = {}
     for r in records:
-        if _p50(r) is not None:
+        if p50_of(r) is not None:
             params = json.dumps(r.get("params") or {}, sort_keys=True, default=str)
             at[(str(r.get("impl")), params)] = r
     rows = []
@@ -98,8 +100,8 @@ def compare_within(records: list[dict], impl_a: str, impl_b: str) -> list[dict]:
         rb = at.get((impl_b, params))
         if rb is None:
             continue
-        rows.append({"params": ra.get("params") or {}, "a_p50_us": _p50(ra), "b_p50_us": _p50(rb),
-                     "ratio": _p50(rb) / _p50(ra)})
+        rows.append({"params": ra.get("params") or {}, "a_p50_us": p50_of(ra), "b_p50_us": p50_of(rb),
+                     "ratio": p50_of(rb) / p50_of(ra)})
     return rows
 
 

@@ -1,5 +1,6 @@
 """The nccl-tests style table: `#` comment lines, a header and a units row, one fixed-width row per point,
-and a footer with the failures. The `mode` column says how a point was timed (graph, events, wall, or interp:
+and a footer with the failures (and, where the run timed the GEMM ceiling, each record's fraction of it:
+moebench.report.ceiling). The `mode` column says how a point was timed (graph, events, wall, or interp:
 wall clock with the Triton kernels in the interpreter), so a CPU figure is never read as a GPU one."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from moebench.report.ceiling import ceiling_footer_lines
 from moebench.run.results import timing_label
 
 # Short column titles for the sweep parameters that commonly vary.
@@ -108,6 +110,8 @@ class Table:
                 skipped[r.get("reason", "")] = skipped.get(r.get("reason", ""), 0) + 1
         for reason, n in skipped.items():
             self.comment(f"skipped {n}: {reason}")
+        for text in ceiling_footer_lines(records):  # each record's fraction of the GEMM ceiling
+            self.comment(text)
 
 
 def print_rows(header: list[str], rows: list[list[Any]], out: TextIO | None = None) -> None:

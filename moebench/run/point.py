@@ -79,7 +79,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
     timing = timing or sweep.timing
     rec: dict[str, Any] = {"point": point.index, "key": point.key, "impl": impl.name, "kernel": impl.kernel,
                            "variant": impl.variant, "target": sweep.target, "mask_aware": impl.mask_aware,
-                           "twin_of": impl.twin_of, "library": impl.library,
+                           "twin_of": impl.twin_of, "library": impl.library, "ceiling": impl.ceiling,
                            "params": p.to_dict(), "status": "ok", "reason": "", "device": str(ctx.device),
                            "triton_interpret": interpreting()}
     reason = impl.available(ctx)

@@ -22,7 +22,6 @@ from moebench.kernels.grouped_gemm import (
 )
 from moebench.kernels.fused_experts import (
     fused_experts,
-    fused_experts_grouped_mm,
     fused_experts_torch,
     make_workspace,
 )
@@ -252,18 +251,6 @@ def test_oblivious_twin_differs(device):
     assert _frob(oblivious[:-3], ref) < 1e-2
 
 
-def test_grouped_mm_baseline_on_cpu():
-    if not hasattr(torch, "_grouped_mm"):
-        pytest.skip("torch has no _grouped_mm")
-    x, w13, w2, w, ids = _problem("cpu", 3, seed=9)
-    try:
-        out = fused_experts_grouped_mm(x, w13, w2, w, ids)
-    except (RuntimeError, NotImplementedError) as e:  # CPU kernel missing in this torch build
-        pytest.skip(f"torch._grouped_mm on CPU: {e}")
-    ref = fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)
-    assert _frob(out, ref) < 1e-2
-
-
 def test_shape_errors(device):
     x, w13, w2, w, ids = _problem(device, 2, seed=1)
     with pytest.raises(ValueError, match="w2"):
@@ -290,8 +277,6 @@ def test_target_shape_gpu(skip_frac):
     rows = torch.randperm(m, generator=torch.Generator().manual_seed(1))[:256].sort().values.to(dev)
     ref = fused_experts_torch(x[rows], w13, w2, w[rows], ids[rows], out_dtype=torch.float32)
     assert _frob(out[rows], ref) < 1e-2
-    if hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability() >= (9, 0):
-        assert _frob(fused_experts_grouped_mm(x, w13, w2, w, ids)[rows], ref) < 1e-2
 
 
 def test_alignment_scratch_follows_the_align_config(monkeypatch):

@@ -244,34 +244,6 @@ def test_choose_fp8_config_candidates(monkeypatch):
         choose_fp8_config(32768, 128, 7168, 2048)
 
 
-def test_peer_plumbing_with_emulated_scaled_grouped_mm(monkeypatch):
-    """The peer's sorting, offs and scale layouts, with torch._scaled_grouped_mm replaced by its definition
-    (the real op needs CUDA sm90; the @gpu test runs it)."""
-    from moebench.kernels import fused_experts_fp8_peer as peer
-    from moebench.kernels.fused_experts_fp8_ref import BF16_REL, reference_from_dequantised
-
-    def emulated(a, b, scale_a, scale_b, offs=None, out_dtype=None):
-        out, start = [], 0
-        for g, end in enumerate(offs.tolist()):
-            out.append((a[start:end].float() * scale_a[start:end, None]) @ (b[g].float() * scale_b[g][None, :]))
-            start = end
-        return torch.cat(out).to(out_dtype)
-
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated, raising=False)
-    args = _problem("cpu", 32, 2, 32, "ue8m0_packed", seed=4)
-    x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
-    rw = peer.rowwise_inputs(x_q, x_sf, 32, "ue8m0_packed", w13_q, w13_s, w2_q, w2_s)
-    assert rw.x_scales.shape == (32,) and rw.w13_scales.shape == (E, 2 * I) and rw.w2_scales.shape == (E, H)
-    out = peer.fused_experts_fp8_scaled_grouped_mm(rw, ids, w)
-    ref, bound = reference_from_dequantised(
-        rw.x_q.float() * rw.x_scales[:, None], lambda e: rw.w13_q[e].float() * rw.w13_scales[e][:, None],
-        lambda e: rw.w2_q[e].float() * rw.w2_scales[e][:, None], ids, w, E, act_group=I,
-        model=error_model(torch.device("cpu"), H, I, h_store_rel=BF16_REL))
-    res = check_within_bound("peer", out.float(), ref, bound)
-    assert res.ok, res.detail
-    assert "CUDA" in peer.scaled_grouped_mm_unavailable(torch.device("cpu"))
-
-
 def test_registered_fp8_impls_check(device):
     from moebench.registry import RunContext, get
     from moebench.params import Params
