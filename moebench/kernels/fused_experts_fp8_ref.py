@@ -45,7 +45,7 @@ from moebench.kernels.fused_experts_fp8 import BLOCK_K, check_fp8_args
 from moebench.kernels.prepare_moe_inputs import AMAX_FLOOR, FP8_MAX
 
 __all__ = ["ErrorModel", "error_model", "FP8_MMA_REL", "fused_experts_fp8_torch", "fp8_reference_with_bound",
-           "reference_from_dequantised", "kernel_view_of_x", "requant_deviation", "check_within_bound"]
+           "reference_from_dequantised", "kernel_view_of_x", "requant_deviation"]
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 BF16_REL = 2.0 ** -8  # bf16 unit roundoff (8 significant bits)
