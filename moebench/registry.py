@@ -142,7 +142,8 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
                   available: Callable[[RunContext], str | None] | None = None,
                   validate: Callable[["Params"], str | None] | None = None, multi_rank: bool = False,
                   twin_of: str | None = None, baseline: bool = False, library: str | None = None,
-                  tuned_kernel: str | None = None) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
+                  tuned_kernel: str | None = None
+                  ) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
     """Decorator: register `build(p, ctx) -> Case` as the impl `name`. `twin_of` marks a mask-oblivious twin
     (and implies mask_aware=False); `library` marks an outside implementation (a peer); `tuned_kernel` names the
     library kernel whose candidate launch configs the point's `config` selects (`moebench tune` times them)."""

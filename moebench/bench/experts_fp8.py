@@ -23,11 +23,7 @@ from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block
-from moebench.kernels.fused_experts_fp8 import (
-    fused_experts_fp8,
-    make_fp8_workspace,
-    x_scale_mode,
-)
+from moebench.kernels.fused_experts_fp8 import fused_experts_fp8, make_fp8_workspace, x_scale_mode
 from moebench.kernels.fused_experts_fp8_peer import (
     fused_experts_fp8_scaled_grouped_mm,
     rowwise_inputs,

@@ -32,8 +32,8 @@ from moebench.kernels.grouped_gemm import (
 from moebench.kernels.moe_align_block_size import align_capacity
 
 __all__ = ["fused_experts", "fused_experts_torch", "fused_experts_grouped_mm", "grouped_mm_available",
-           "ExpertsWorkspace", "make_workspace", "choose_config", "experts_choice", "expert_shapes", "check_routes", "expert_work",
-           "alignment_buffers", "checked_workspace", "routes_alignment"]
+           "ExpertsWorkspace", "make_workspace", "choose_config", "experts_choice", "expert_shapes", "check_routes",
+           "expert_work", "alignment_buffers", "checked_workspace", "routes_alignment"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

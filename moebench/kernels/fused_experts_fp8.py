@@ -41,13 +41,7 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels._details.tuning import (
-    Choice,
-    Tunable,
-    choose,
-    pow2_bucket,
-    register_tunable,
-)
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 from moebench.kernels.fused_experts import alignment_buffers, check_routes, checked_workspace, routes_alignment
 from moebench.kernels.grouped_gemm import (

@@ -30,13 +30,7 @@ import triton.language as tl
 from moebench.kernels._details.align_config import align_workspace_size
 from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels._details.tuning import (
-    Choice,
-    Tunable,
-    choose,
-    pow2_bucket,
-    register_tunable,
-)
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 from moebench.kernels.masked_moe_sum import launch_masked_sum, sum_launch_config
 from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
 

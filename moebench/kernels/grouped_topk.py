@@ -399,9 +399,10 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
-    config: as topk_softmax's (router_common.RouterConfig; None: grouped_choice); outputs do not depend on it. A cand selection applies
-    to 2..8 groups (its levels are the groups); other group counts run the two-pass kernel. fallback_flags: as
-    topk_softmax's (grouped_cand_programs entries; left as they are when the two-pass kernel runs)."""
+    config: as topk_softmax's (router_common.RouterConfig; None: grouped_choice); outputs do not depend on it. A
+    cand selection applies to 2..8 groups (its levels are the groups); other group counts run the two-pass kernel.
+    fallback_flags: as topk_softmax's (grouped_cand_programs entries; left as they are when the two-pass kernel
+    runs)."""
     num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)

@@ -24,13 +24,7 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels._details.tuning import (
-    Choice,
-    Tunable,
-    choose,
-    pow2_bucket,
-    register_tunable,
-)
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,

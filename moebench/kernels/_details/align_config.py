@@ -14,13 +14,7 @@ from dataclasses import dataclass
 import triton
 
 from moebench.kernels._details.jit import next_pow2
-from moebench.kernels._details.tuning import (
-    Choice,
-    Tunable,
-    choose,
-    pow2_bucket,
-    register_tunable,
-)
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
 __all__ = ["AlignConfig", "ALIGN_CANDIDATES", "DEFAULT_ALIGN_CONFIG", "align_choice", "resolve_align_config",
            "default_block_routes", "align_workspace_size", "align_launch_shapes", "align_capacity"]

@@ -153,9 +153,10 @@ class RouterConfig:
 
 
 # The candidate table of both routers (`config:` of a sweep, `moebench tune sweeps/tune_router.yaml`; a launcher's
-# `config=` also takes "<selection>:<elements per program>:<elements per thread>"). Measured on the H200 (results/h200/router-configs/ in commit 6acc04c,
-# E=256, K=8, p50 us at T=8192 / 65536): topk_softmax twopass 10.3 / 62.0, packed64 14.7 / 113, cand2 11.5 / 46.0,
-# cand4 7.9 / 43.8, cand8 9.0 / 51.1; grouped_topk twopass 13.8 / 93.4, cand2 9.7 / 57.9, cand4 10.0 / 60.4.
+# `config=` also takes "<selection>:<elements per program>:<elements per thread>"). Measured on the H200
+# (results/h200/router-configs/ in commit 6acc04c, E=256, K=8, p50 us at T=8192 / 65536): topk_softmax twopass
+# 10.3 / 62.0, packed64 14.7 / 113, cand2 11.5 / 46.0, cand4 7.9 / 43.8, cand8 9.0 / 51.1; grouped_topk twopass
+# 13.8 / 93.4, cand2 9.7 / 57.9, cand4 10.0 / 60.4.
 # cand4 is the rule for both (each router has its own tuned table entries).
 ROUTER_CONFIGS = {
     "twopass": RouterConfig("twopass", 4096, 32),  # 16 rows of 256 experts, 4 warps, 32 values per thread

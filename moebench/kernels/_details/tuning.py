@@ -39,8 +39,8 @@ import torch
 from moebench.kernels._details.jit import interpreting, next_pow2
 
 __all__ = ["Tunable", "Choice", "register_tunable", "tunable", "candidates", "choose", "lookup", "gpu_name",
-           "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "pow2_bucket", "TUNABLE_KERNELS", "TABLES_DIR",
-           "TABLE_FORMAT", "SOURCES"]
+           "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "pow2_bucket",
+           "TUNABLE_KERNELS", "TABLES_DIR", "TABLE_FORMAT", "SOURCES"]
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tuned"  # shipped with the package
 TABLE_FORMAT = 1
