@@ -177,6 +177,14 @@ def cmd_compare(args) -> int:
 def cmd_list(args) -> int:
     from moebench import registry
 
+    if getattr(args, "configs", False):  # the launch configs a sweep's `config` can name (kernels._details.tuning)
+        from moebench.kernels._details import tuning
+
+        for kernel in tuning.TUNABLE_KERNELS:
+            t = tuning.tunable(kernel)
+            print(f"# {kernel}: rule {t.rule_doc}")
+            print("  " + " ".join(t.candidates))
+        return 0
     if getattr(args, "models", False):  # the model presets a sweep can name with `model:` (moebench.presets)
         from moebench.presets import describe
 
@@ -288,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")
     ls.add_argument("--models", action="store_true", help="list the model presets (`model:` under fixed)")
+    ls.add_argument("--configs", action="store_true",
+                    help="list each tuned kernel's launch configs (`config:`) and its rule")
     ls.set_defaults(func=cmd_list)
 
     rp = sub.add_parser("report", help="one self-contained HTML (or Markdown) page of runs: manifest, headline "

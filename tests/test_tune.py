@@ -104,6 +104,13 @@ def test_tune_writes_a_table_the_kernels_then_use(tmp_path, tables, capsys):
     assert load_manifest(plain_dir)["tuned_tables"]["files"] == ["cpu.json"]
 
 
+def test_list_configs_names_every_candidate(capsys):
+    assert main(["list", "--configs"]) == 0
+    out = capsys.readouterr().out
+    for kernel in tuning.TUNABLE_KERNELS:
+        assert f"# {kernel}: rule " in out and " ".join(tuning.candidates(kernel)) in out
+
+
 def test_tune_refusals_are_one_line_exit_2_nothing_written(tmp_path, tables, capsys):
     sweep = tmp_path / "tiny.yaml"
     sweep.write_text(SWEEP.replace("r2_h1024_w4_evict_first", "r3_nope"))
