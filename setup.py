@@ -7,5 +7,5 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["moebench", "moebench.*"]) + ["moebench._sweeps"],
     package_dir={"moebench._sweeps": "sweeps"},
-    package_data={"moebench._sweeps": ["*.yaml", "scenarios/*.yaml"]},
+    package_data={"moebench._sweeps": ["*.yaml", "scenarios/*.yaml"], "moebench.kernels": ["tuned/*.json"]},
 )

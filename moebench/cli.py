@@ -1,4 +1,4 @@
-"""`moebench` command line: run, plot, compare, list, profile.
+"""`moebench` command line: run, tune, plot, compare, list, profile.
 
 Exit codes: 0 every point ok (or skipped); 1 some point wrong or failed; 2 refused (bad sweep or arguments: one
 line on stderr naming the file or option, the key and the reason; nothing written); 130 interrupted (SIGINT),
@@ -132,6 +132,21 @@ def cmd_run(args) -> int:
     return code
 
 
+def cmd_tune(args) -> int:
+    from moebench.run.runner import pick_device
+    from moebench.run.sweep import load_sweep
+    from moebench.run.tune import run_tune, tune_sweeps
+
+    sweep = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points)
+    tune_sweeps(sweep)  # refused here (one line) before anything runs: no tunable impl, a bad config name
+    pick_device(args.device)
+    if args.out is not None:
+        check_output_dir("--out", args.out)
+    check_output_dir("--runs", args.runs)
+    return run_tune(sweep, tables_dir=args.out, runs_dir=args.runs, device=args.device,
+                    isolate=not args.in_process)
+
+
 def cmd_plot(args) -> int:
     from moebench.plots import make_plots
 
@@ -162,6 +177,14 @@ def cmd_compare(args) -> int:
 def cmd_list(args) -> int:
     from moebench import registry
 
+    if getattr(args, "configs", False):  # the launch configs a sweep's `config` can name (kernels._details.tuning)
+        from moebench.kernels._details import tuning
+
+        for kernel in tuning.TUNABLE_KERNELS:
+            t = tuning.tunable(kernel)
+            print(f"# {kernel}: rule {t.rule_doc}")
+            print("  " + " ".join(t.candidates))
+        return 0
     if getattr(args, "models", False):  # the model presets a sweep can name with `model:` (moebench.presets)
         from moebench.presets import describe
 
@@ -245,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "that crashes or hangs then ends the run)")
     r.set_defaults(func=cmd_run)
 
+    t = sub.add_parser("tune", help="time every launch candidate of the sweep's tuned kernels, write the tuned "
+                                    "tables the kernels use by default")
+    t.add_argument("sweep", help="sweep YAML file, or the name of a bundled sweep (e.g. tune_moe_sum)")
+    t.add_argument("--out", default=None, metavar="DIR",
+                   help="write the tables (<GPU name>.json) to DIR instead of the package's moebench/kernels/tuned/")
+    t.add_argument("--runs", default=str(DEFAULT_RUNS_DIR), metavar="DIR",
+                   help=f"base directory of the tuning runs (default: {DEFAULT_RUNS_DIR})")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a sweep key, as for run")
+    t.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    t.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS,
+                   help=f"refuse sweeps of more points (default: {DEFAULT_MAX_POINTS:,})")
+    t.add_argument("--in-process", action="store_true", help="run the points in this process (see run)")
+    t.set_defaults(func=cmd_tune)
+
     p = sub.add_parser("plot", help="make the plots of a run directory")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="put the plots in OUT/<run name>/ (default: <run dir>/plots/)")
@@ -259,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")
     ls.add_argument("--models", action="store_true", help="list the model presets (`model:` under fixed)")
+    ls.add_argument("--configs", action="store_true",
+                    help="list each tuned kernel's launch configs (`config:`) and its rule")
     ls.set_defaults(func=cmd_list)
 
     rp = sub.add_parser("report", help="one self-contained HTML (or Markdown) page of runs: manifest, headline "

@@ -73,6 +73,9 @@ class Params:
     repeat: int = 0  # a label: lets one sweep time the same point several times
     # model preset (moebench.presets): fills the layer's shape keys the sweep does not set itself; recorded
     model: Optional[str] = None
+    # launch config of the impl's tuned kernel (a name from its candidate table, kernels._details.tuning); None or
+    # "auto": the GPU's tuned table, else the kernel's rule. Part of the point key: `moebench tune` sweeps it.
+    config: Optional[str] = None
 
     @property
     def num_padding(self) -> int:
@@ -165,5 +168,6 @@ class Point:
 
 
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
-_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None}
+_LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None,
+                   "config": None}
 _NO_DEFAULT = object()

@@ -111,6 +111,8 @@ class Impl:
     # A measured ceiling, not an implementation of the op (torch's expert GEMMs alone beside fused_experts): no
     # peer; records at the same point are given their fraction of it (moebench.report.ceiling).
     ceiling: bool = False
+    # the library kernel whose launch configs (kernels._details.tuning) the `config` parameter picks for this impl
+    tuned_kernel: str | None = None
 
     @property
     def kernel(self) -> str:
@@ -146,10 +148,12 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
                   available: Callable[[RunContext], str | None] | None = None,
                   validate: Callable[["Params"], str | None] | None = None, multi_rank: bool = False,
                   twin_of: str | None = None, baseline: bool = False, library: str | None = None,
-                  ceiling: bool = False) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
+                  ceiling: bool = False, tuned_kernel: str | None = None
+                  ) -> Callable[[Callable[["Params", RunContext], Case]], Callable[["Params", RunContext], Case]]:
     """Decorator: register `build(p, ctx) -> Case` as the impl `name`. `twin_of` marks a mask-oblivious twin
     (and implies mask_aware=False); `library` marks an outside implementation (a peer); `ceiling` a measured
-    ceiling beside the op's impls."""
+    ceiling beside the op's impls; `tuned_kernel` names the library kernel whose candidate launch configs the
+    point's `config` selects (`moebench tune` times them)."""
     def deco(build: Callable[["Params", RunContext], Case]) -> Callable[["Params", RunContext], Case]:
         kw: dict[str, Any] = {}
         if available is not None:
@@ -158,20 +162,23 @@ def register_impl(name: str, *, targets: tuple[str, ...], description: str = "",
             kw["validate"] = validate
         register(Impl(name, targets=tuple(targets), build=build, description=description, multi_rank=multi_rank,
                       mask_aware=twin_of is None, twin_of=twin_of, baseline=baseline, library=library,
-                      ceiling=ceiling, **kw))
+                      ceiling=ceiling, tuned_kernel=tuned_kernel, **kw))
         return build
     return deco
 
 
 def register_variants(family: str, descriptions: dict[str, str], make_build: Callable[[str], Callable], *,
                       targets: tuple[str, ...] = ("kernel",),
-                      validate: Callable[["Params"], str | None] | None = None) -> None:
+                      validate: Callable[["Params"], str | None] | None = None,
+                      tuned_kernel: str | None = None) -> None:
     """Register `<family>.<variant>` for each variant of `descriptions`, in its order, built by
-    `make_build(variant)`: "torch" is the baseline (the reference), "oblivious" the twin of "<family>.triton"."""
+    `make_build(variant)`: "torch" is the baseline (the reference), "oblivious" the twin of "<family>.triton",
+    and "triton" the impl whose launch configs `tuned_kernel` names."""
     for variant, text in descriptions.items():
         register_impl(f"{family}.{variant}", targets=targets, description=text, validate=validate,
                       twin_of=f"{family}.triton" if variant == "oblivious" else None,
-                      baseline=variant == "torch")(make_build(variant))
+                      baseline=variant == "torch",
+                      tuned_kernel=tuned_kernel if variant == "triton" else None)(make_build(variant))
 
 
 def bench_modules() -> list[str]:

@@ -152,8 +152,10 @@ def test_compare_routing_non_finite_rows():
 
 
 @pytest.mark.parametrize("impl", ["topk_softmax.triton", "grouped_topk.triton"])
-def test_router_cases_record_the_router_config(device, monkeypatch, impl):
-    # a sweep run under MOEBENCH_ROUTER_CONFIG=<name> times that config: the point's record says which
+def test_router_cases_record_the_router_config(device, impl):
+    # the point's `config` picks the launch config, and the record says which and where it came from
+    import dataclasses
+
     from moebench import registry
     from moebench.registry import RunContext
     from moebench.params import Params
@@ -161,13 +163,14 @@ def test_router_cases_record_the_router_config(device, monkeypatch, impl):
     p = Params(num_tokens=20, num_experts=64, top_k=6, padding_ratio=0.25, mask=True, padding_fill="repeat",
                bias=True, dtype="bf16", num_expert_group=8, topk_group=4, scoring="sigmoid")
     ctx = RunContext(device=device)
-    assert registry.get(impl).build(p, ctx).info["router_config"] == DEFAULT_ROUTER_CONFIG
-    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "cand2")
-    case = registry.get(impl).build(p, ctx)
-    assert case.info["router_config"] == "cand2"
+    info = registry.get(impl).build(p, ctx).info
+    assert info["config_source"] == "rule" if device.type == "cpu" else info["config_source"] in ("rule", "table")
+    if info["config_source"] == "rule":  # no tuned table entry (never one on the CPU)
+        assert info["config"] == DEFAULT_ROUTER_CONFIG
+    case = registry.get(impl).build(dataclasses.replace(p, config="cand2"), ctx)
+    assert (case.info["config"], case.info["config_source"]) == ("cand2", "explicit")
+    assert case.info["config_bucket"].startswith("T=32,E=64,K=6")
     res = case.check()
     assert res.ok and res.metrics["ids.mismatches"] == 0, res.detail
-    assert "router_config" not in registry.get(impl.replace("triton", "torch")).build(p, ctx).info
-    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "fastest")
-    with pytest.raises(ValueError, match="router config"):
-        registry.get(impl).build(p, ctx)
+    assert "config" not in registry.get(impl.replace("triton", "torch")).build(p, ctx).info
+    assert registry.get(impl).tuned_kernel == impl.split(".")[0]

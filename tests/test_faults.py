@@ -315,47 +315,29 @@ def test_resume_with_a_different_sweep_is_refused_naming_the_difference(tmp_path
     assert main(["run", str(sweep), "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
 
 
-def test_resume_under_other_tuning_variables_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch):
-    """MOEBENCH_ROUTER_CONFIG and the like pick the launch config of the points without being sweep parameters:
-    the manifest records them, and a resume that would mix two configs in one run is refused like a sweep change."""
-    from moebench.run.results import TUNING_ENV
+def test_resume_under_other_tuned_tables_is_refused(tmp_path, capsys, monkeypatch):
+    """A point that names no config launches what the tuned table says: the manifest records the tables' hash, and
+    a resume that would mix two tables in one run is refused like a sweep change (one line, exit 2)."""
+    from moebench.kernels._details import tuning
 
-    for name in TUNING_ENV:
-        monkeypatch.delenv(name, raising=False)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    monkeypatch.setattr(tuning, "TABLES_DIR", tables)
     sweep, run_dir = _tiny_run(tmp_path, capsys)
-    assert load_manifest(run_dir)["tuning_env"] == dict.fromkeys(TUNING_ENV)
-    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "cand2")
+    assert load_manifest(run_dir)["tuned_tables"] == tuning.tables_digest(tables) == {
+        "sha256": tuning.tables_digest(tables)["sha256"], "files": []}
+    (tables / "cpu.json").write_text(json.dumps({"format": 1, "gpu": "cpu", "kernels": {}}))
     for given in ([], [str(sweep)]):
         assert main(["run", *given, "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 2
         line = _one_error_line(capsys)
-        assert (f"--resume {run_dir}: a different tuning environment: MOEBENCH_ROUTER_CONFIG: unset in the run, "
-                '"cand2" here') in line
+        assert f"--resume {run_dir}: the tuned tables changed: sha256 " in line
+        assert "(no tables) in the run" in line and "(cpu.json) here" in line
     assert len(load_records(run_dir)) == 2 and "resumes" not in load_manifest(run_dir)
-    # a run started under a value resumes only under that value; an empty value is no value, as in the kernels
-    monkeypatch.setenv("MOEBENCH_ALIGN_CONFIG", "tight")
-    (run_dir / "records.jsonl").write_text("")
+    # a manifest from before the tables were recorded has nothing to compare
     manifest = load_manifest(run_dir)
-    manifest["tuning_env"] = {**manifest["tuning_env"], "MOEBENCH_ROUTER_CONFIG": "cand2"}
+    del manifest["tuned_tables"]
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 2
-    assert 'MOEBENCH_ALIGN_CONFIG: unset in the run, "tight" here' in _one_error_line(capsys)
-    monkeypatch.setenv("MOEBENCH_ALIGN_CONFIG", "")
     assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
-    capsys.readouterr()
-    # a manifest from before the variables were recorded has nothing to compare
-    del manifest["tuning_env"]
-    (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    monkeypatch.setenv("MOEBENCH_ROUTER_CONFIG", "packed64:4")
-    assert main(["run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]) == 0
-
-
-def test_tuning_variables_are_the_kernels_own():
-    from moebench.kernels._details.align_config import ALIGN_CONFIG_ENV
-    from moebench.kernels._details.router_common import ROUTER_CONFIG_ENV
-    from moebench.kernels.fused_experts_fp8 import CONFIG_ENV as FP8_CONFIG_ENV
-    from moebench.run.results import TUNING_ENV
-
-    assert TUNING_ENV == (ROUTER_CONFIG_ENV, ALIGN_CONFIG_ENV, FP8_CONFIG_ENV)
 
 
 def test_duplicate_records_are_counted_once(tmp_path, capsys):

@@ -15,7 +15,7 @@ import torch
 from moebench.bench.experts_fp8 import check_within_bound, fp8_layout_problem, quantized_expert_weights
 from moebench.check import CheckResult, poison
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK
-from moebench.kernels.fused_experts_fp8 import choose_fp8_config, fp8_expert_gemms, make_fp8_workspace
+from moebench.kernels.fused_experts_fp8 import fp8_expert_gemms, make_fp8_workspace
 from moebench.kernels.fused_experts_fp8_ref import error_model, fp8_reference_with_bound
 
 __all__ = ["Fp8LayerExperts", "fp8_experts_work", "fp8_layout_problem"]
@@ -31,9 +31,9 @@ class Fp8LayerExperts:
         self.top_k = p.top_k
         self.w13_q, self.w13_scales, self.w2_q, self.w2_scales = quantized_expert_weights(
             E, H, I, seed=p.seed, device=device)
-        self.config = choose_fp8_config(num_tokens * p.top_k, E, H, I)
+        self.workspace = make_fp8_workspace(num_tokens, p.top_k, E, H, I, device=device)  # tuned table, else rule
+        self.config = self.workspace.config
         self.block_m = self.config.block_m
-        self.workspace = make_fp8_workspace(num_tokens, p.top_k, E, H, I, config=self.config, device=device)
         self.model = error_model(device, H, I)
 
     @property

@@ -1,9 +1,6 @@
 """The alignment bench family: moe_align_block_size (target "kernel", NVTX stage "align"), on EP rank 0's expert
-map when not every expert is local.
-
-  moe_align_block_size.triton_<candidate>  the Triton alignment with one of ALIGN_CANDIDATES forced (tuning on the
-                                           GPU; same case and check as .triton)
-"""
+map when not every expert is local. `.triton` launches the point's `config` (a candidate of the kernel's table,
+else the tuned table's entry, else the rule) and records which."""
 
 from __future__ import annotations
 
@@ -14,9 +11,8 @@ from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, route
 from moebench.kernels.apply_expert_map import build_expert_map
 from moebench.kernels.moe_align_block_size import (
-    ALIGN_CANDIDATES,
-    DEFAULT_ALIGN_CONFIG,
     align_capacity,
+    align_choice,
     align_workspace,
     alloc_align_outputs,
     capacity_fits_int32,
@@ -24,7 +20,7 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size,
     moe_align_block_size_torch,
 )
-from moebench.registry import Case, Routing, register_impl, register_variants
+from moebench.registry import Case, Routing, register_variants
 
 __all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_build_for"]
 
@@ -81,7 +77,7 @@ def canonical_alignment(got, num_routes: int, num_experts: int, block_size: int
     return (out_sorted, out_experts, out_post), problems
 
 
-def _build_align(variant: str, fn=None, canonical: bool = False, config: str | None = None):
+def _build_align(variant: str, fn=None, canonical: bool = False):
     def build(p, ctx):
         batch = make_batch(p, ctx.device, need_hidden=False)
         _, topk_ids = route(p, batch)
@@ -90,6 +86,7 @@ def _build_align(variant: str, fn=None, canonical: bool = False, config: str | N
         oblivious = variant == "oblivious"
         ref = moe_align_block_size_torch(topk_ids, num_experts, p.block_size, expert_map, wrap_negative=oblivious)
         out = alloc_align_outputs(num_routes, num_experts, p.block_size, ctx.device)
+        config = p.config if variant == "triton" else None  # the twin and the peers keep the default launch
         workspace = align_workspace(num_routes, num_experts, ctx.device, config=config)
 
         if variant == "fn":
@@ -116,6 +113,8 @@ def _build_align(variant: str, fn=None, canonical: bool = False, config: str | N
                                      *(CheckResult(False, why, {}) for why in problems))
 
         info = {"num_local_experts": num_experts, "num_tokens_post_padded": int(ref[2].item())}
+        if variant in ("triton", "oblivious"):  # the launch the Triton kernels take (the same function picks it)
+            info.update(align_choice(num_routes, num_experts, ctx.device, config).record())
         routing_ids = topk_ids
         if oblivious:
             masked = local_expert_ids_torch(topk_ids, num_experts, expert_map, wrap_negative=False)
@@ -147,14 +146,8 @@ _DESCRIPTIONS = {
     "torch": "eager torch stable argsort + counting (the reference)",
     "oblivious": "pre-fix: -1 indexes the last expert, so padded routes pile onto it (same Triton kernels)",
 }
-register_variants("moe_align_block_size", _DESCRIPTIONS, _build_align, validate=align_problem)
-
-
-for _name in ALIGN_CANDIDATES:
-    if _name != DEFAULT_ALIGN_CONFIG:  # the default is .triton itself
-        register_impl(f"moe_align_block_size.triton_{_name}", targets=("kernel",), validate=align_problem,
-                      description=f"moe_align_block_size.triton with the {_name} tuning candidate forced")(
-            _build_align("triton", config=_name))
+register_variants("moe_align_block_size", _DESCRIPTIONS, _build_align, validate=align_problem,
+                  tuned_kernel="moe_align_block_size")
 
 
 def align_build_for(fn, *, canonical: bool = False):

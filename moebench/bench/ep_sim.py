@@ -183,6 +183,8 @@ def _build(p: Params, ctx: RunContext) -> Case:
         "slowest_rank_by_load": ranks_all["slowest_rank"],
         "slowest_excess_routes": ranks_all["slowest_excess"],
         "slowest_excess_ratio": ranks_all["slowest_excess_ratio"],
+        # the launch the timed (slowest) rank's fused_experts takes: its rows make its own bucket
+        **({"configs": {"fused_experts": replay.workspace.choice.record()}} if replay.workspace is not None else {}),
         "hottest_expert": experts_all["hottest"],
         "hottest_expert_share": experts_all["hottest_share"],
         "timing_note": (f"per-rank: median of {reps} {'CUDA-event' if dev.type == 'cuda' else 'wall-clock'} "

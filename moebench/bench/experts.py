@@ -142,8 +142,8 @@ def _build(p, ctx: RunContext, variant: str, fn=None) -> Case:
     graph_ok = True
 
     if variant in ("triton", "oblivious"):
-        ws = make_workspace(M, K, E, H, I, dtype=x.dtype, device=dev)
-        info["config"] = ws.config.short()
+        ws = make_workspace(M, K, E, H, I, dtype=x.dtype, device=dev, config=p.config if variant == "triton" else None)
+        info.update(ws.choice.record(), config_detail=ws.config.short())
         run_ids = ids
         if variant == "oblivious":
             # pre-fix: expert_map[-1] wraps to the last local expert; ids >= E would fault, so they stay skipped
@@ -203,7 +203,7 @@ def triton_available(ctx: RunContext) -> str | None:
     return "Triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
 
 
-@register_impl("fused_experts.triton", targets=("kernel",), available=triton_available,
+@register_impl("fused_experts.triton", targets=("kernel",), available=triton_available, tuned_kernel="fused_experts",
                description="Triton grouped GEMM: align, gate/up + SwiGLU, down + top-k weight, slot sum")
 def _build_triton(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "triton")

@@ -2,7 +2,6 @@
 
   fused_experts.fp8                    fused_experts_fp8 on the rows prepare_moe_inputs stages (the point's
                                        group_size / scale_format), weights in 128x128 fp8 blocks
-  fused_experts.fp8_<candidate>        the same with one of FP8_CANDIDATES forced (tuning on the GPU)
   fused_experts.fp8_oblivious          the pre-fix twin: -1 read as the last local expert
 
 Inputs mirror fused_experts' cases: make_batch's hidden states routed by inputs.route, the router unmasked and the
@@ -31,13 +30,7 @@ from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block, rowwise_weights
-from moebench.kernels.fused_experts_fp8 import (
-    FP8_CANDIDATES,
-    choose_fp8_config,
-    fused_experts_fp8,
-    make_fp8_workspace,
-    x_scale_mode,
-)
+from moebench.kernels.fused_experts_fp8 import fused_experts_fp8, make_fp8_workspace, x_scale_mode
 from moebench.kernels.fused_experts_fp8_ref import (
     error_model,
     fp8_reference_with_bound,
@@ -190,8 +183,7 @@ def build_fp8_outside(make: OutsideFp8):
     return lambda p, ctx: _build(p, ctx, "outside", outside=make)
 
 
-def _build(p, ctx: RunContext, variant: str, candidate: str | None = None, outside: OutsideFp8 | None = None
-           ) -> Case:
+def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) -> Case:
     dev = ctx.device
     inp = fp8_inputs(p, ctx)
     batch, x_q, x_sf, staged_ids, ids, topk_weights = (inp.batch, inp.x_q, inp.x_sf, inp.staged_ids, inp.ids,
@@ -219,10 +211,10 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None, outsi
     model = error_model(dev, H, I)
 
     if variant in ("triton", "oblivious"):
-        cfg = choose_fp8_config(M * K, E, H, I, candidate=candidate)
-        ws = make_fp8_workspace(M, K, E, H, I, config=cfg, device=dev)
+        ws = make_fp8_workspace(M, K, E, H, I, config=p.config if variant == "triton" else None, device=dev)
         state["ws"] = ws
-        info["config"] = cfg.short()
+        info.update(ws.choice.record())
+        info["config_detail"] = ws.config.short()
         run_ids = ids
         if variant == "oblivious":
             wrapped, remap = wrap_minus_one(ids, E)
@@ -293,7 +285,7 @@ def _build(p, ctx: RunContext, variant: str, candidate: str | None = None, outsi
 
 
 @register_impl("fused_experts.fp8", targets=("kernel",), available=_triton_available,
-               validate=fp8_layout_problem,
+               validate=fp8_layout_problem, tuned_kernel="fused_experts_fp8",
                description="Triton fp8 grouped GEMMs on the staged rows: block-scaled gate/up + SwiGLU + "
                            "re-quantisation, down + top-k weight, slot sum")
 def build_fp8(p, ctx: RunContext) -> Case:
@@ -305,15 +297,3 @@ def build_fp8(p, ctx: RunContext) -> Case:
                twin_of="fused_experts.fp8", description="pre-fix twin: -1 routes computed on the last local expert")
 def build_fp8_oblivious(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "oblivious")
-
-
-def _register_candidate(name: str) -> None:
-    @register_impl(f"fused_experts.fp8_{name}", targets=("kernel",), available=_triton_available,
-                   validate=fp8_layout_problem,
-                   description=f"fused_experts.fp8 with the {name} tuning candidate forced")
-    def build(p, ctx: RunContext) -> Case:
-        return _build(p, ctx, "triton", candidate=name)
-
-
-for _name in FP8_CANDIDATES:
-    _register_candidate(_name)

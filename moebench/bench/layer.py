@@ -50,11 +50,12 @@ from moebench.kernels.apply_expert_map import (
     build_expert_map,
 )
 from moebench.kernels.fused_experts import expert_work, fused_experts_torch
-from moebench.kernels.grouped_gemm import choose_config, down_proj, gate_up_swiglu, max_blocks
-from moebench.kernels.grouped_topk import grouped_args_problem, grouped_topk
-from moebench.kernels.masked_moe_sum import masked_moe_sum, moe_sum_oblivious
+from moebench.kernels.grouped_gemm import down_proj, experts_choice, gate_up_swiglu, max_blocks
+from moebench.kernels.grouped_topk import grouped_args_problem, grouped_choice, grouped_topk
+from moebench.kernels.masked_moe_sum import masked_moe_sum, moe_sum_oblivious, sum_choice
 from moebench.kernels.moe_align_block_size import (
     align_capacity,
+    align_choice,
     align_workspace,
     alloc_align_outputs,
     moe_align_block_size,
@@ -66,7 +67,7 @@ from moebench.kernels.prepare_moe_inputs import (
     prepare_moe_inputs_oblivious,
     prepare_moe_inputs_torch,
 )
-from moebench.kernels.topk_softmax import MAX_TOP_K, router_limits_problem, router_outputs, topk_softmax
+from moebench.kernels.topk_softmax import MAX_TOP_K, router_limits_problem, router_outputs, softmax_choice, topk_softmax
 from moebench.measure.roofline import roofline_us
 from moebench.registry import Case, Routing, RunContext, register_impl
 
@@ -114,8 +115,14 @@ class LayerPipeline:
         self.bias = batch.bias if p.bias else None
         self.expert_map = build_expert_map(E, num_local_experts=L, device=dev)  # EP rank 0's
         self.fp8 = Fp8LayerExperts(p, T, dev) if p.expert_dtype == "fp8" else None
-        self.config = self.fp8.config if self.fp8 is not None else choose_config(self.R, L, H, I)
+        experts = self.fp8.workspace.choice if self.fp8 is not None else experts_choice(T, K, L, H, I, dev)
+        self.config = experts.config
         self.block_m = self.config.block_m
+        # the launch each tuned kernel of the layer takes (the launchers choose the same way), for the record
+        router = (grouped_choice(T, E, K, p.num_expert_group, dev) if self.grouped
+                  else softmax_choice(T, E, K, dev))
+        self.choices = {c.kernel: c.record() for c in (router, align_choice(self.R, L, dev), experts,
+                                                       sum_choice(T, K, H, dev))}
 
         # route
         self.router_out = router_outputs(T, K, dev, None)
@@ -418,6 +425,7 @@ def _build(variant: str):
         flops = sum(f for _, f in work.values())
         info = {**stats, "expert_dtype": p.expert_dtype, "stage_roofline_us": stage_roofs, "stage_bytes": {k: v[0] for k, v in work.items()},
                 "block_m": pipe.block_m, "config": pipe.config.short(),
+                "configs": {k: v for k, v in pipe.choices.items() if k != "masked_moe_sum" or not pipe.plain_sum},
                 "router": "grouped_topk" if pipe.grouped else "topk_softmax",
                 "reduce": "moe_sum_oblivious" if pipe.plain_sum else "masked_moe_sum",
                 "num_local_experts": pipe.L, "masked": pipe.mask is not None}

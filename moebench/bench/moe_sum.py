@@ -3,15 +3,13 @@ every skipped slot so that an implementation that loads one shows it."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
-from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious
-from moebench.registry import Case, Routing, register_impl, register_variants
+from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious, sum_choice
+from moebench.registry import Case, Routing, register_variants
 
 __all__ = ["compare_nan_aware", "compare_within_bf16_ulps", "input_dtype_sum_ulps", "oblivious_build_for"]
 
@@ -110,8 +108,11 @@ def _build_sum(variant: str, fn=None, input_dtype_accumulation: bool = False):
                 def run():
                     return masked_moe_sum_torch(intermediate, topk_ids, out=out)
             else:
+                choice = sum_choice(T, K, H, ctx.device, p.config)  # what masked_moe_sum launches, recorded
+                info.update(choice.record())
+
                 def run():
-                    return masked_moe_sum(intermediate, topk_ids, out=out)
+                    return masked_moe_sum(intermediate, topk_ids, out=out, config=p.config)
 
             def check():
                 poison(out)
@@ -138,13 +139,7 @@ _DESCRIPTIONS = {
     "torch": "eager torch masked sum, fp32 accumulation in slot order (the reference)",
     "oblivious": "pre-fix torch.sum(dim=1): adds every slot, NaN/garbage in -1 slots reaches the output",
 }
-register_variants("masked_moe_sum", _DESCRIPTIONS, _build_sum)
-
-
-for _name, _launch in SUM_CANDIDATES.items():
-    register_impl(f"masked_moe_sum.triton_{_name}", targets=("kernel",),
-                  description=f"tuning candidate: the Triton masked sum launched as {_launch.short()}")(
-        _build_sum("fn", functools.partial(masked_moe_sum, launch=_launch)))
+register_variants("masked_moe_sum", _DESCRIPTIONS, _build_sum, tuned_kernel="masked_moe_sum")
 
 
 def oblivious_build_for(fn, *, input_dtype_accumulation: bool = False):

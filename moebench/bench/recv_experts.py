@@ -101,7 +101,8 @@ def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
     own_ids = truth_ids if fixed else globalize_oblivious_reference(source, 0)
     n_recv = int(num_recv.item())
     info = {"num_recv": n_recv, "capacity": C, "stale_rows": C - n_recv,
-            "polluted_routes": int((own_ids[n_recv:] >= 0).sum()), "computed_routes": int((own_ids >= 0).sum())}
+            "polluted_routes": int((own_ids[n_recv:] >= 0).sum()), "computed_routes": int((own_ids >= 0).sum()),
+            "configs": {"fused_experts": ws.choice.record()}}  # the launch fused_experts takes (tuned table or rule)
 
     def check() -> CheckResult:
         truth_out = fused_experts(x, w13, w2, weights, truth_ids.clone(), workspace=ws).clone()

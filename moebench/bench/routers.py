@@ -15,14 +15,10 @@ import torch
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch
-from moebench.kernels._details.router_common import (
-    renormalize_torch,
-    router_config,
-    router_config_name,
-    select_desc_torch,
-)
+from moebench.kernels._details.router_common import renormalize_torch, select_desc_torch
 from moebench.kernels.grouped_topk import (
     grouped_args_problem,
+    grouped_choice,
     grouped_topk,
     grouped_topk_scores_torch,
     grouped_topk_torch,
@@ -30,6 +26,7 @@ from moebench.kernels.grouped_topk import (
 from moebench.kernels.topk_softmax import (
     router_limits_problem,
     router_outputs,
+    softmax_choice,
     topk_softmax,
     topk_softmax_scores_torch,
     topk_softmax_torch,
@@ -252,16 +249,23 @@ def router_build_for(reference, knobs):
     def build_for(route):
         def build(p, ctx):
             kwargs = knobs(p)
-            case = router_case(p, ctx, functools.partial(route, **kwargs), functools.partial(reference, **kwargs))
-            if route in TRITON_ROUTERS:
-                router_config()  # an unknown $MOEBENCH_ROUTER_CONFIG fails the point here, not inside the timing
-                case.info["router_config"] = router_config_name()  # the selection and launch shape timed
+            choice = TRITON_ROUTERS.get(route)
+            route_kwargs = dict(kwargs, config=p.config) if choice is not None else kwargs
+            case = router_case(p, ctx, functools.partial(route, **route_kwargs),
+                               functools.partial(reference, **kwargs))
+            if choice is not None:  # the launch the router takes at the batch's real row count, recorded
+                case.info.update(choice(p, case.routing.topk_ids.shape[0], ctx.device).record())
             return case
         return build
     return build_for
 
 
-TRITON_ROUTERS = (topk_softmax, grouped_topk)  # the routers that follow $MOEBENCH_ROUTER_CONFIG
+# the Triton routers, with the function naming the launch config each takes at a point (their `config=`)
+TRITON_ROUTERS = {
+    topk_softmax: lambda p, rows, device: softmax_choice(rows, p.num_experts, p.top_k, device, p.config),
+    grouped_topk: lambda p, rows, device: grouped_choice(rows, p.num_experts, p.top_k, p.num_expert_group, device,
+                                                         p.config),
+}
 
 
 def register_router_impls(kernel: str, variants: dict, reference, knobs, validate, baseline: str, call: str) -> None:
@@ -275,7 +279,8 @@ def register_router_impls(kernel: str, variants: dict, reference, knobs, validat
     register_family(KernelFamily(kernel, ("router", "kernel"), build_for, call, validate))
     for variant, (route, text) in variants.items():
         register_impl(f"{kernel}.{variant}", targets=("router", "kernel"), description=text, validate=validate,
-                      baseline=variant == baseline)(build_for(route))
+                      baseline=variant == baseline, tuned_kernel=kernel if route in TRITON_ROUTERS else None)(
+            build_for(route))
 
 
 register_router_impls(

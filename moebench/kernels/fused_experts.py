@@ -13,6 +13,7 @@ torch._grouped_mm peer is not a kernel of this library (moebench.peers.torch_gro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from moebench.kernels.grouped_gemm import (
     align_scratch_size,
     choose_config,
     down_proj,
+    experts_choice,
     gate_up_swiglu,
     max_blocks,
     sum_slots,
@@ -30,8 +32,8 @@ from moebench.kernels.grouped_gemm import (
 from moebench.kernels.moe_align_block_size import align_capacity
 
 __all__ = ["fused_experts", "fused_experts_torch",
-           "ExpertsWorkspace", "make_workspace", "choose_config", "expert_shapes", "check_routes", "expert_work",
-           "alignment_buffers", "checked_workspace", "routes_alignment"]
+           "ExpertsWorkspace", "make_workspace", "choose_config", "experts_choice", "expert_shapes", "check_routes",
+           "expert_work", "alignment_buffers", "checked_workspace", "routes_alignment"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,6 +79,7 @@ class ExpertsWorkspace:
     align_scratch: torch.Tensor  # int32 [align_scratch_size(R, E)]: moe_align_block_size's workspace
     act: torch.Tensor  # [max_blocks*BM, I] SwiGLU output per sorted position
     y: torch.Tensor  # [R, H] weighted expert output per route
+    choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
 
     def fits(self, M: int, K: int, E: int, H: int, I: int) -> bool:
         return (self.num_tokens, self.top_k, self.num_experts, self.hidden, self.intermediate) == (M, K, E, H, I)
@@ -89,20 +92,23 @@ def alignment_buffers(num_routes: int, num_experts: int, block_m: int,
     i32 = dict(dtype=torch.int32, device=device)
     return dict(sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32),
                 num_post=torch.empty(1, **i32),
-                align_scratch=torch.empty(align_scratch_size(num_routes, num_experts), **i32))
+                align_scratch=torch.empty(align_scratch_size(num_routes, num_experts, device), **i32))
 
 
 def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
-                   config: ExpertsConfig | None = None, dtype: torch.dtype = torch.bfloat16,
+                   config: ExpertsConfig | str | None = None, dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str = "cuda") -> ExpertsWorkspace:
+    """`config`: an ExpertsConfig, an EXPERTS_CANDIDATES name, or None ("auto"): the tuned table, else the rule
+    (grouped_gemm.experts_choice); the workspace keeps the choice."""
     R = num_tokens * top_k
-    cfg = config or choose_config(R, num_experts, hidden, intermediate)
+    choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config)
+    cfg = choice.config
     rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
     return ExpertsWorkspace(
         cfg, num_tokens, top_k, num_experts, hidden, intermediate,
         **alignment_buffers(R, num_experts, cfg.block_m, device),
         act=torch.empty(rows, intermediate, dtype=dtype, device=device),
-        y=torch.empty(R, hidden, dtype=dtype, device=device))
+        y=torch.empty(R, hidden, dtype=dtype, device=device), choice=choice)
 
 
 def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
@@ -136,7 +142,7 @@ def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, wor
 # ---------------------------------------------------------------------------------------------------------------
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, config: ExpertsConfig | None = None,
+                  topk_ids: torch.Tensor, *, config: ExpertsConfig | str | None = None,
                   workspace: ExpertsWorkspace | None = None, out: torch.Tensor | None = None,
                   alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fused_experts: x [M,H] bf16, w13 [E,2I,H], w2 [E,H,I], topk_weights fp32 [M,K], topk_ids [M,K] local
@@ -144,7 +150,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     `alignment`: (sorted_token_ids, expert_ids, num_tokens_post_padded) already computed for these topk_ids
     (moe_align_block_size with block_size = the config's block_m, e.g. `choose_config(M*K, E, H, I).block_m`);
-    the alignment step is then skipped, so a pipeline can time it as its own stage."""
+    the alignment step is then skipped, so a pipeline can time it as its own stage.
+    `config`: as make_workspace's (None: the workspace's, which was chosen the same way)."""
     M, K, E, H, I = expert_shapes(x, w13, w2, topk_weights, topk_ids)
     check_triton_device(x, w13, w2, topk_weights, topk_ids)
     if out is None:
@@ -153,7 +160,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return out
     workspace = checked_workspace(workspace, (M, K, E, H, I),
                                   lambda: make_workspace(M, K, E, H, I, config=config, dtype=x.dtype, device=x.device))
-    cfg = config or workspace.config
+    cfg = workspace.config if config is None else experts_choice(M, K, E, H, I, x.device, config).config
     if cfg.block_m != workspace.config.block_m:
         raise ValueError("config.block_m differs from the workspace's")
     x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))

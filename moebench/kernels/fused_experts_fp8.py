@@ -31,9 +31,9 @@ accumulator, so a [BM, 2*BN] program holds 2 x BM x 256 fp32; 64 x 256 over 8 wa
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -41,6 +41,7 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
 from moebench.kernels.fused_experts import alignment_buffers, check_routes, checked_workspace, routes_alignment
 from moebench.kernels.grouped_gemm import (
@@ -51,12 +52,11 @@ from moebench.kernels.grouped_gemm import (
     weight_operand,
 )
 
-__all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "Fp8ExpertsWorkspace",
-           "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms", "check_fp8_args", "x_scale_mode",
-           "CONFIG_ENV"]
+__all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "fp8_choice",
+           "Fp8ExpertsWorkspace", "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms", "check_fp8_args",
+           "x_scale_mode"]
 
 BLOCK_K = 128  # one weight scale block (and, for group >= 128, one activation scale) per K step
-CONFIG_ENV = "MOEBENCH_FP8_CONFIG"  # a candidate name: overrides choose_fp8_config's choice for GPU runs
 
 # activation scale layouts (the kernels' X_SCALE)
 _X_FP32, _X_UE8M0_BYTE, _X_UE8M0_WORD32 = 0, 1, 2
@@ -95,9 +95,14 @@ class Fp8ExpertsConfig:
                 f"down:{self.down.short()}")
 
 
-# Prefill-sized candidates (>= 128 routes per expert), for timing on the H200 (`CONFIG_ENV` or `config=`).
-# Shared memory per stage: A BM x 128 B + weights (2x)BN x 128 B: 40 KiB for every one below (<= 4 stages fit).
+# The candidate table (`config:` of a sweep, `moebench tune sweeps/tune_experts_fp8.yaml`): the rule's decode tiers
+# and prefill-sized tiles (>= 128 routes per expert). Shared memory per stage of the BM64 ones: A BM x 128 B +
+# weights (2x)BN x 128 B: 40 KiB (<= 4 stages fit). Untuned on a GPU so far: the register/shared-memory-feasible
+# Hopper tiles (see the module docstring).
 FP8_CANDIDATES: dict[str, Fp8ExpertsConfig] = {c.name: c for c in (
+    # decode: weight-bandwidth bound, mma.sync tiles, many programs
+    Fp8ExpertsConfig(16, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm16"),
+    Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm32"),
     Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4), name="bm64_s4"),
     Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 3), Fp8GemmConfig(256, 8, 8, 3), name="bm64_s3"),
     Fp8ExpertsConfig(64, Fp8GemmConfig(128, 16, 8, 4), Fp8GemmConfig(128, 16, 4, 4), name="bm64_g16_down128"),
@@ -106,32 +111,49 @@ FP8_CANDIDATES: dict[str, Fp8ExpertsConfig] = {c.name: c for c in (
 )}
 
 
-def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int, *,
-                      candidate: str | None = None) -> Fp8ExpertsConfig:
-    """Deterministic config from the host-known shapes (like `choose_config`). `candidate` (or the environment
-    variable MOEBENCH_FP8_CONFIG) names one of FP8_CANDIDATES for GPU runs. Untuned on a GPU so far: the
-    candidates are the register/shared-memory-feasible Hopper tiles (see the module docstring)."""
-    name = candidate or os.environ.get(CONFIG_ENV) or None
+def fit_fp8_config(cfg: Fp8ExpertsConfig, hidden: int) -> Fp8ExpertsConfig:
+    """A candidate fitted to H: the down GEMM's BLOCK_N must divide it, the reduction's block at most next_pow2(H)."""
+    if hidden % cfg.down.block_n:
+        cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, block_n=128))
+    return dataclasses.replace(cfg, reduce_block_h=min(cfg.reduce_block_h, triton.next_power_of_2(hidden)))
+
+
+def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> Fp8ExpertsConfig:
+    """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
+    `choose_config`): BM16 / BM32 / bm64_s4 by rows per expert (<= 24, <= 48, more)."""
     if interpreting():
         # the interpreter's cost is per program and op: small M blocks, whole-ish N
         return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
                                 Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
                                 reduce_block_h=min(1024, triton.next_power_of_2(hidden)), name="interp")
-    if name is not None:
-        if name not in FP8_CANDIDATES:
-            raise ValueError(f"fp8 config {name!r}: one of {', '.join(FP8_CANDIDATES)}")
-        cfg = FP8_CANDIDATES[name]
-    else:
-        rows_per_expert = num_routes / max(1, num_experts)
-        if rows_per_expert <= 24:  # decode: weight-bandwidth bound, mma.sync tiles, many programs
-            cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm16")
-        elif rows_per_expert <= 48:
-            cfg = Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm32")
-        else:
-            cfg = FP8_CANDIDATES["bm64_s4"]
-    if hidden % cfg.down.block_n:
-        cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, block_n=128))
-    return dataclasses.replace(cfg, reduce_block_h=min(cfg.reduce_block_h, triton.next_power_of_2(hidden)))
+    rows_per_expert = num_routes / max(1, num_experts)
+    name = "bm16" if rows_per_expert <= 24 else "bm32" if rows_per_expert <= 48 else "bm64_s4"
+    return fit_fp8_config(FP8_CANDIDATES[name], hidden)
+
+
+def _fp8_rule(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int):
+    cfg = choose_fp8_config(num_tokens * top_k, num_experts, hidden, intermediate)
+    return cfg.name, cfg
+
+
+register_tunable(Tunable(
+    "fused_experts_fp8", FP8_CANDIDATES,
+    lambda num_tokens, top_k, num_experts, hidden, intermediate:
+        f"T={pow2_bucket(num_tokens)},K={top_k},E={num_experts},H={hidden},I={intermediate}",
+    _fp8_rule, "choose_fp8_config: bm16 / bm32 / bm64_s4 by rows per expert (<= 24, <= 48, more); the "
+               "interpreter: small tiles"))
+
+
+def fp8_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,
+               config: str | Fp8ExpertsConfig | None = None) -> Choice:
+    """fused_experts_fp8's launch config on `device`: `config` (an FP8_CANDIDATES name, fitted to H, or an
+    Fp8ExpertsConfig, launched as given), else the tuned table (bucket T=next_pow2(tokens),K,E,H,I), else
+    choose_fp8_config."""
+    choice = choose("fused_experts_fp8", device, config, num_tokens=num_tokens, top_k=top_k,
+                    num_experts=num_experts, hidden=hidden, intermediate=intermediate)
+    if isinstance(config, Fp8ExpertsConfig) or choice.source == "rule":
+        return choice
+    return dataclasses.replace(choice, config=fit_fp8_config(choice.config, hidden))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -322,23 +344,26 @@ class Fp8ExpertsWorkspace:
     act_q: torch.Tensor  # e4m3 [max_blocks*BM, I]: re-quantised SwiGLU output per sorted position
     act_scales: torch.Tensor  # fp32 [max_blocks*BM, I/128]
     y: torch.Tensor  # bf16 [R, H]: weighted expert output per route
+    choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
 
     def fits(self, M: int, K: int, E: int, H: int, I: int) -> bool:
         return self.shape == (M, K, E, H, I)
 
 
 def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
-                       config: Fp8ExpertsConfig | None = None, device: torch.device | str = "cuda"
+                       config: Fp8ExpertsConfig | str | None = None, device: torch.device | str = "cuda"
                        ) -> Fp8ExpertsWorkspace:
+    """`config`: an Fp8ExpertsConfig, an FP8_CANDIDATES name, or None ("auto"): fp8_choice's."""
     R = num_tokens * top_k
-    cfg = config or choose_fp8_config(R, num_experts, hidden, intermediate)
+    choice = fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config)
+    cfg = choice.config
     rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
     return Fp8ExpertsWorkspace(
         cfg, (num_tokens, top_k, num_experts, hidden, intermediate),
         **alignment_buffers(R, num_experts, cfg.block_m, device),
         act_q=torch.empty(rows, intermediate, dtype=E4M3, device=device),
         act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device),
-        y=torch.empty(R, hidden, dtype=torch.bfloat16, device=device))
+        y=torch.empty(R, hidden, dtype=torch.bfloat16, device=device), choice=choice)
 
 
 def _programs(device: torch.device, max_tiles: int, block_m: int, cfg: Fp8GemmConfig, weight_tiles: int) -> int:
@@ -386,7 +411,7 @@ def _down(w2_q, w2_scales, topk_weights, ws: Fp8ExpertsWorkspace, sorted_ids, ex
 
 def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13_q: torch.Tensor, w13_scales: torch.Tensor, w2_q: torch.Tensor, w2_scales: torch.Tensor, *,
-                      group_size: int, scale_format: str, config: Fp8ExpertsConfig | None = None,
+                      group_size: int, scale_format: str, config: Fp8ExpertsConfig | str | None = None,
                       workspace: Fp8ExpertsWorkspace | None = None, out: torch.Tensor | None = None,
                       alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x_q e4m3 [M,H] + x_scales as prepare_moe_inputs stages them (group_size, scale_format), topk_ids [M,K]
@@ -403,7 +428,7 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
         return out
     workspace = checked_workspace(workspace, (M, K, E, H, I),
                                   lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device))
-    if config is not None and config != workspace.config:
+    if config is not None and fp8_choice(M, K, E, H, I, x_q.device, config).config != workspace.config:
         raise ValueError("config differs from the workspace's (make the workspace with it)")
     ws = workspace
     x_q, x_scales, w13_q, w2_q = (t if t.is_contiguous() else t.contiguous() for t in (x_q, x_scales, w13_q, w2_q))

@@ -21,7 +21,7 @@ moe_align_block_size_torch. The layer runs these stages one by one (moebench.ben
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -30,6 +30,7 @@ import triton.language as tl
 from moebench.kernels._details.align_config import align_workspace_size
 from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 from moebench.kernels.masked_moe_sum import launch_masked_sum, sum_launch_config
 from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
 
@@ -59,6 +60,7 @@ class ExpertsConfig:
     gate_up: GemmConfig  # block_n counts columns of *each* half (gate and up): the program computes 2*block_n
     down: GemmConfig
     reduce_block_h: int = 1024
+    name: str = field(default="", compare=False)  # the candidate it came from (a label: launches compare equal)
 
     def short(self) -> str:
         g, d = self.gate_up, self.down
@@ -70,9 +72,38 @@ def _fit(block: int, dim: int) -> int:
     return max(16, min(block, next_pow2(dim)))
 
 
+# The candidate table of fused_experts (`config:` of a sweep, `moebench tune sweeps/tune_experts.yaml`): the rule's
+# four tiers (choose_config) and their neighbours. Each is fitted to the shape (fit_config) before it is launched.
+EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
+    ExpertsConfig(16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4), name="bm16"),
+    ExpertsConfig(32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32"),
+    ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm64"),
+    # Measured on an H200 (128 experts, 4096 tokens x top-8, H=7168, I=2048; us at 0% / 50% of routes
+    # skipped): gate/up N128 K64 w8 s3 with TMA weights 4036 / 2821 (BM64's default 5198 at 0%), down N256 K64
+    # w8 s3 2113 / 1495 plain, 2158 / 1453 with TMA. TMA for down: the faster one where routes are skipped.
+    # BM128 pads each expert's last block further, but halves the weight re-reads per row.
+    ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
+                  name="bm128_tma"),
+    ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3), name="bm128"),
+    ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
+                  name="bm64_tma"),
+    ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
+)}
+
+
+def fit_config(cfg: ExpertsConfig, hidden: int, intermediate: int) -> ExpertsConfig:
+    """A candidate shrunk to the shape: blocks to the (power-of-two padded) dims, the reduction's block too.
+    (weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)"""
+    up, down = cfg.gate_up, cfg.down
+    up = dataclasses.replace(up, block_n=_fit(up.block_n, intermediate), block_k=_fit(up.block_k, hidden))
+    down = dataclasses.replace(down, block_n=_fit(down.block_n, hidden), block_k=_fit(down.block_k, intermediate))
+    return dataclasses.replace(cfg, gate_up=up, down=down, reduce_block_h=_fit(cfg.reduce_block_h, hidden))
+
+
 def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
-    """Deterministic config from the shapes known on the host (num_routes = M*K, including skipped slots: the
-    number of valid routes is only known on the device and reading it would break CUDA-graph capture).
+    """The rule (the config where the tuned table has no entry): deterministic from the shapes known on the host
+    (num_routes = M*K, including skipped slots: the number of valid routes is only known on the device and reading
+    it would break CUDA-graph capture).
 
     BLOCK_M follows the expected rows per expert, so the padding of each expert's last block wastes little:
     decode-sized batches are weight-bandwidth bound (small tiles, many programs); prefill-sized ones are compute
@@ -83,26 +114,42 @@ def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: 
         bm = 16
         return ExpertsConfig(bm, GemmConfig(_fit(32, intermediate), _fit(32, hidden), 4, 4, 1),
                              GemmConfig(_fit(64, hidden), _fit(32, intermediate), 4, 4, 1),
-                             reduce_block_h=_fit(256, hidden))
+                             reduce_block_h=_fit(256, hidden), name="interp")
     rows_per_expert = num_routes / max(1, num_experts)
     if rows_per_expert <= 24:
-        bm, up, down = 16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4)
+        name = "bm16"
     elif rows_per_expert <= 48:
-        bm, up, down = 32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
+        name = "bm32"
     elif rows_per_expert < 128:
-        bm, up, down = 64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4)
+        name = "bm64"
     else:
-        # Measured on an H200 (128 experts, 4096 tokens x top-8, H=7168, I=2048; us at 0% / 50% of routes
-        # skipped): gate/up N128 K64 w8 s3 with TMA weights 4036 / 2821 (BM64's default 5198 at 0%), down N256 K64
-        # w8 s3 2113 / 1495 plain, 2158 / 1453 with TMA. TMA for down: the faster one where routes are skipped.
-        # BM128 pads each expert's last block further, but halves the weight re-reads per row.
-        bm = 128
-        up = GemmConfig(128, 64, 8, 8, 3, weight_tma=True)
-        down = GemmConfig(256, 64, 8, 8, 3, weight_tma=True)
-    # (weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)
-    up = dataclasses.replace(up, block_n=_fit(up.block_n, intermediate), block_k=_fit(up.block_k, hidden))
-    down = dataclasses.replace(down, block_n=_fit(down.block_n, hidden), block_k=_fit(down.block_k, intermediate))
-    return ExpertsConfig(bm, up, down, reduce_block_h=_fit(1024, hidden))
+        name = "bm128_tma"
+    return fit_config(EXPERTS_CANDIDATES[name], hidden, intermediate)
+
+
+def _experts_rule(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int):
+    cfg = choose_config(num_tokens * top_k, num_experts, hidden, intermediate)
+    return cfg.name, cfg
+
+
+register_tunable(Tunable(
+    "fused_experts", EXPERTS_CANDIDATES,
+    lambda num_tokens, top_k, num_experts, hidden, intermediate:
+        f"T={pow2_bucket(num_tokens)},K={top_k},E={num_experts},H={hidden},I={intermediate}",
+    _experts_rule, "choose_config: BM16 / 32 / 64 / 128+TMA by rows per expert (<= 24, <= 48, < 128, more); "
+                   "the interpreter: small tiles"))
+
+
+def experts_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,
+                   config: str | ExpertsConfig | None = None) -> Choice:
+    """fused_experts' launch config on `device`: `config` (an EXPERTS_CANDIDATES name or an ExpertsConfig, launched
+    as given), else the tuned table (bucket T=next_pow2(tokens),K,E,H,I; the candidate fitted to the shape), else
+    choose_config."""
+    choice = choose("fused_experts", device, config, num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
+                    hidden=hidden, intermediate=intermediate)
+    if isinstance(config, ExpertsConfig) or choice.source == "rule":
+        return choice
+    return dataclasses.replace(choice, config=fit_config(choice.config, hidden, intermediate))
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -115,10 +162,10 @@ def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
 # Alignment: moe_align_block_size (its count / scan / scatter kernels), without an expert map
 # ---------------------------------------------------------------------------------------------------------------
 
-def align_scratch_size(num_routes: int, num_experts: int) -> int:
-    """int32 elements of the alignment scratch: moe_align_block_size's workspace under the align config in effect
-    (MOEBENCH_ALIGN_CONFIG, else the default)."""
-    return align_workspace_size(num_routes, num_experts)
+def align_scratch_size(num_routes: int, num_experts: int, device=None) -> int:
+    """int32 elements of the alignment scratch: moe_align_block_size's workspace under the align config it chooses
+    on `device` (kernels._details.align_config.align_choice; None: the current GPU, or the interpreter)."""
+    return align_workspace_size(num_routes, num_experts, device=device)
 
 
 def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -134,7 +181,7 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     if out is None:
         return moe_align_block_size(ids, num_experts, block_m)
     sorted_ids, expert_ids, num_post, scratch = out
-    need = align_scratch_size(ids.numel(), num_experts)
+    need = align_scratch_size(ids.numel(), num_experts, ids.device)
     if scratch.dtype != torch.int32 or scratch.numel() < need:
         raise ValueError(f"alignment scratch: need int32 with >= {need} elements (align_scratch_size), got "
                          f"{scratch.dtype} with {scratch.numel()}")

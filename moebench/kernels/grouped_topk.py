@@ -50,9 +50,9 @@ from moebench.kernels._details.router_cand import (
 from moebench.kernels._details.router_common import (
     check_router_args,
     mask_padded_rows_torch,
+    register_router_tunable,
     renormalize_torch,
-    router_config,
-    router_launch_config,
+    router_choice,
     router_outputs,
     select_desc_torch,
     triton_router_operands,
@@ -74,8 +74,21 @@ from moebench.kernels._details.router_tiles import (
     store_rows,
     zero_non_finite,
 )
+from moebench.kernels._details.tuning import Choice, pow2_bucket
 
-__all__ = ["grouped_topk", "grouped_topk_torch", "grouped_topk_scores_torch", "grouped_args_problem", "SCORINGS"]
+__all__ = ["grouped_topk", "grouped_topk_torch", "grouped_topk_scores_torch", "grouped_args_problem", "SCORINGS",
+           "grouped_choice"]
+
+register_router_tunable("grouped_topk", lambda num_tokens, num_experts, top_k, num_expert_group:
+                        f"T={pow2_bucket(num_tokens)},E={num_experts},K={top_k},G={num_expert_group}")
+
+
+def grouped_choice(num_tokens: int, num_experts: int, top_k: int, num_expert_group: int, device=None,
+                   config=None) -> Choice:
+    """grouped_topk's launch config on `device`: `config`, else the tuned table (bucket
+    T=next_pow2(tokens),E,K,G), else the rule (router_common.DEFAULT_ROUTER_CONFIG)."""
+    return router_choice("grouped_topk", device, config, num_tokens=num_tokens, num_experts=num_experts,
+                         top_k=top_k, num_expert_group=num_expert_group)
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -386,9 +399,10 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton grouped router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
-    config: as topk_softmax's (router_common.RouterConfig); outputs do not depend on it. A cand selection applies
-    to 2..8 groups (its levels are the groups); other group counts run the two-pass kernel. fallback_flags: as
-    topk_softmax's (grouped_cand_programs entries; left as they are when the two-pass kernel runs)."""
+    config: as topk_softmax's (router_common.RouterConfig; None: grouped_choice); outputs do not depend on it. A
+    cand selection applies to 2..8 groups (its levels are the groups); other group counts run the two-pass kernel.
+    fallback_flags: as topk_softmax's (grouped_cand_programs entries; left as they are when the two-pass kernel
+    runs)."""
     num_tokens, num_experts = check_grouped_args(logits, top_k, num_expert_group, topk_group, scoring, bias,
                                                   is_padding)
     logits, bias, weights, ids = triton_router_operands(logits, top_k, num_experts, is_padding, bias, out)
@@ -396,13 +410,12 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         return weights, ids
     group_size = num_experts // num_expert_group
     g_pad, gs_pad = next_pow2(num_expert_group), next_pow2(group_size)
-    cfg = router_config(config)
+    cfg = grouped_choice(num_tokens, num_experts, top_k, num_expert_group, logits.device, config).config
     if cfg.extra_candidates is not None and cand_shape_ok(num_expert_group):
         launch_grouped_cand(logits, bias, is_padding, weights, ids, top_k, num_expert_group, topk_group, scoring,
                             renormalize, routed_scaling_factor, cfg, fallback_flags)
         return weights, ids
-    block_t, num_warps = (router_launch_config(g_pad * gs_pad) if config is None
-                          else cfg.launch(g_pad * gs_pad))
+    block_t, num_warps = cfg.launch(g_pad * gs_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _grouped_topk_kernel[grid](
         logits, bias if bias is not None else logits,
@@ -428,9 +441,9 @@ def grouped_cand_geometry(num_experts: int, num_expert_group: int, top_k: int, e
 
 
 def grouped_cand_programs(num_tokens: int, num_experts: int, num_expert_group: int, top_k: int,
-                          config: str | None = None) -> int:
+                          config: str | None = None, device=None) -> int:
     """Programs a grouped cand launch runs (the length fallback_flags needs)."""
-    cfg = router_config(config)
+    cfg = grouped_choice(num_tokens, num_experts, top_k, num_expert_group, device, config).config
     _, lanes, _ = grouped_cand_geometry(num_experts, num_expert_group, top_k, cfg.extra_candidates or 0)
     return triton.cdiv(num_tokens, cfg.launch(8 * lanes)[0])
 

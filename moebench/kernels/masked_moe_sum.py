@@ -5,7 +5,8 @@ rounded once to the intermediate's dtype. A skipped slot is never loaded: the Tr
 mask from the slot's id, so a skipped slot issues no memory traffic and NaN/garbage there cannot reach the output.
 A row whose slots are all -1 yields zeros.
 
-The Triton kernel takes one row x 512 columns per program by default (sum_launch_config): a padded row (all
+The Triton kernel takes one row x 512 columns per program by default (sum_launch_config, the rule where the
+tuned table has no entry; sum_choice): a padded row (all
 slots -1) only stores zeros, without loading anything, and a real one keeps K x 1 KB of loads in flight. fused_experts' slot sum uses the same kernel, with
 ids >= num_experts skipped as well (`launch_masked_sum(..., num_experts=E)`).
 
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,
@@ -109,30 +111,32 @@ class SumLaunch:
         if self.load_hint not in LOAD_HINTS:
             raise ValueError(f"load_hint {self.load_hint!r}: one of {', '.join(LOAD_HINTS)}")
 
-    def short(self) -> str:
-        return f"rows{self.rows} H{self.block_h} w{self.num_warps} {self.load_hint}"
+    @property
+    def name(self) -> str:
+        """The candidate name of this launch shape (the rule's launches are named the same way)."""
+        return f"r{self.rows}_h{self.block_h}_w{self.num_warps}_{self.load_hint}"
 
 
 LOAD_HINTS = ("evict_first", "cg", "none")
 
 
-# Launch shapes to time side by side on the GPU (`masked_moe_sum.triton_<name>`, sweeps/tune_moe_sum.yaml); the
-# first default was rows 2, 1024 columns, 4 warps, evict-first (259 us at T=8192, K=8, H=7168: 96% of the copy
-# figure); the first trial's best, one row with no cache hint, took 247 us, where vLLM's moe_sum was measured at
-# 240 us; these are that best one's neighbours (the second trial picked today's default, one row x 512 columns on one warp without a hint:
-# sum_launch_config, timed as `.triton`).
-SUM_CANDIDATES: dict[str, SumLaunch] = {
-    "r1_h1024_w4_none": SumLaunch(1, 1024, 4, "none"),
-    "r1_h1024_w4_cg": SumLaunch(1, 1024, 4, "cg"),
-    "r1_h1024_w2_none": SumLaunch(1, 1024, 2, "none"),
-    "r1_h1024_w8_none": SumLaunch(1, 1024, 8, "none"),
-    "r1_h2048_w8_none": SumLaunch(1, 2048, 8, "none"),
-    "r1_h2048_w4_none": SumLaunch(1, 2048, 4, "none"),
-    "r1_h512_w2_none": SumLaunch(1, 512, 2, "none"),
-    "r2_h1024_w4_none": SumLaunch(2, 1024, 4, "none"),
-    "r2_h1024_w4_cg": SumLaunch(2, 1024, 4, "cg"),
-    "r2_h1024_w4_evict_first": SumLaunch(2, 1024, 4, "evict_first"),  # the first default
-}
+# The candidate table (`config:` of a sweep, `moebench tune sweeps/tune_moe_sum.yaml`). The first default was
+# rows 2, 1024 columns, 4 warps, evict-first (259 us at T=8192, K=8, H=7168: 96% of the copy figure); the first
+# trial's best, one row with no cache hint, took 247 us, where vLLM's moe_sum was measured at 240 us; the others are
+# that one's neighbours, and r1_h512_w1_none the second trial's best (sum_launch_config's choice at H >= 512).
+SUM_CANDIDATES: dict[str, SumLaunch] = {c.name: c for c in (
+    SumLaunch(1, 512, 1, "none"),
+    SumLaunch(1, 1024, 4, "none"),
+    SumLaunch(1, 1024, 4, "cg"),
+    SumLaunch(1, 1024, 2, "none"),
+    SumLaunch(1, 1024, 8, "none"),
+    SumLaunch(1, 2048, 8, "none"),
+    SumLaunch(1, 2048, 4, "none"),
+    SumLaunch(1, 512, 2, "none"),
+    SumLaunch(2, 1024, 4, "none"),
+    SumLaunch(2, 1024, 4, "cg"),
+    SumLaunch(2, 1024, 4, "evict_first"),  # the first default
+)}
 
 
 def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1, top_k: int = 8) -> SumLaunch:
@@ -152,6 +156,27 @@ def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1, top_k: int
     return SumLaunch(rows, block_h, max(1, min(4, block_h // 512)), "none")
 
 
+def _sum_bucket(num_rows: int, top_k: int, hidden: int) -> str:
+    return f"T={pow2_bucket(num_rows)},K={top_k},H={hidden}"
+
+
+def _sum_rule(num_rows: int, top_k: int, hidden: int) -> tuple[str, SumLaunch]:
+    launch = sum_launch_config(hidden, top_k=top_k)
+    return launch.name, launch
+
+
+register_tunable(Tunable("masked_moe_sum", SUM_CANDIDATES, _sum_bucket, _sum_rule,
+                         "sum_launch_config(H, top_k=K): one row x min(512, next_pow2(H)) columns, no cache hint; "
+                         "top_k 1: two rows x 1024 columns, evict-first"))
+
+
+def sum_choice(num_rows: int, top_k: int, hidden: int, device=None, config: str | SumLaunch | None = None) -> Choice:
+    """The launch masked_moe_sum takes for [num_rows, top_k, hidden] on `device` (kernels._details.tuning.choose):
+    `config` (a SUM_CANDIDATES name or a SumLaunch), else the tuned table's entry for bucket
+    T=next_pow2(rows),K,H, else sum_launch_config."""
+    return choose("masked_moe_sum", device, config, num_rows=num_rows, top_k=top_k, hidden=hidden)
+
+
 def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk_ids: torch.Tensor,
                       out: torch.Tensor, *, num_experts: int | None = None, launch: SumLaunch | None = None) -> None:
     """out[m] = sum over valid k of intermediate[m*strides[0] + k*strides[1] + :H] (element strides; the last
@@ -169,9 +194,10 @@ def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk
 
 
 def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor | None = None, *,
-                   launch: SumLaunch | None = None) -> torch.Tensor:
+                   config: str | SumLaunch | None = None) -> torch.Tensor:
     """Triton masked reduction over top-k: intermediate [M, K, H], topk_ids [M, K] -> out [M, H].
-    `launch` overrides the launch shape (SUM_CANDIDATES are the ones timed side by side)."""
+    `config`: a SUM_CANDIDATES name or a SumLaunch; None (or "auto"): the tuned table, else the rule (sum_choice).
+    The output does not depend on it."""
     if intermediate.dim() != 3:
         raise ValueError(f"intermediate must be [M, K, H], got shape {tuple(intermediate.shape)}")
     M, K, H = intermediate.shape
@@ -190,5 +216,6 @@ def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torc
         return out
     if K == 0:
         return out.zero_()
+    launch = sum_choice(M, K, H, intermediate.device, config).config
     launch_masked_sum(intermediate, (intermediate.stride(0), intermediate.stride(1)), topk_ids, out, launch=launch)
     return out

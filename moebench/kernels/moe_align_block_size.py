@@ -55,10 +55,10 @@ import triton.language as tl
 
 from moebench.kernels._details.align_config import (
     ALIGN_CANDIDATES,
-    ALIGN_CONFIG_ENV,
     DEFAULT_ALIGN_CONFIG,
     AlignConfig,
     align_capacity,
+    align_choice,
     align_launch_shapes,
     align_workspace_size,
     default_block_routes,
@@ -68,8 +68,8 @@ from moebench.kernels._details.jit import check_triton_device
 
 __all__ = ["align_capacity", "capacity_fits_int32", "local_expert_ids_torch", "moe_align_block_size_torch",
            "default_block_routes", "align_workspace", "alloc_align_outputs", "align_launch_shapes",
-           "moe_align_block_size", "AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "DEFAULT_ALIGN_CONFIG",
-           "resolve_align_config", "align_workspace_size"]
+           "moe_align_block_size", "AlignConfig", "ALIGN_CANDIDATES", "DEFAULT_ALIGN_CONFIG",
+           "align_choice", "resolve_align_config", "align_workspace_size"]
 
 INT32_MAX = 2**31 - 1
 PAD_FILL_STEP = 1024  # largest step of the pad fill (offsets may run this far past the capacity)
@@ -307,7 +307,7 @@ def align_workspace(num_routes: int, num_experts: int, device, *, block_routes: 
                     config: str | AlignConfig | None = None) -> torch.Tensor:
     """int32 scratch: counts/bases [num_blocks, E], per-expert totals [E], and under a grouped_scan config the
     prefixes [num_blocks, E]. Needs no initialisation. `config` as moe_align_block_size's (the same one)."""
-    size = align_workspace_size(num_routes, num_experts, block_routes=block_routes, config=config)
+    size = align_workspace_size(num_routes, num_experts, block_routes=block_routes, config=config, device=device)
     return torch.empty(size, dtype=torch.int32, device=device)
 
 
@@ -330,10 +330,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     `out` / `workspace` (from alloc_align_outputs / align_workspace) avoid allocation in timed loops.
     `block_routes` (power of two >= 32) overrides the routes per program (tests use it to get many blocks).
     `wrap_negative=True` is the pre-fix (oblivious) behaviour: -1 indexes the last expert / map entry.
-    `config`: one of ALIGN_CANDIDATES (name or AlignConfig); None reads MOEBENCH_ALIGN_CONFIG, else DEFAULT_ALIGN_CONFIG.
-    Every config gives the same outputs; size the workspace with align_workspace(..., config=) of the same one.
+    `config`: one of ALIGN_CANDIDATES (name or AlignConfig); None (or "auto"): the tuned table, else
+    DEFAULT_ALIGN_CONFIG (align_choice). Every config gives the same outputs; size the workspace with
+    align_workspace(..., config=) of the same one.
     """
-    cfg = resolve_align_config(config)
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if num_experts < 1 or block_size < 1:
@@ -344,6 +344,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
     if not topk_ids.is_contiguous():
         topk_ids = topk_ids.contiguous()
     num_routes = topk_ids.numel()
+    cfg = resolve_align_config(config, num_routes, num_experts, topk_ids.device)
     capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
     if not capacity_fits_int32(capacity):  # kernel offsets are int32
         raise ValueError(f"alignment capacity {capacity} does not fit the int32 index space")

@@ -10,8 +10,8 @@ order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores
 (docs/contracts.md "Routers", non-finite logits). The weights are recomputed from the K gathered logits
 (L1-resident), so no full-width value has to be carried through the picks.
 
-Three selections are built in (router_common.RouterConfig, picked by the `config` keyword or
-$MOEBENCH_ROUTER_CONFIG; ids and weights are the same under all, the tests run every config):
+Three selections are built in (router_common.RouterConfig, picked by the `config` keyword, else the tuned table,
+else the rule "cand4": softmax_choice; ids and weights are the same under all, the tests run every config):
 
 - "twopass" (the first default; "cand4" is the default now, see router_common.ROUTER_CONFIGS): per pick, an int32 max of the keys, then an int32 min of the
   expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
@@ -85,9 +85,9 @@ from moebench.kernels._details.router_common import (  # noqa: F401  (MAX_EXPERT
     MAX_TOP_K,
     check_router_args,
     mask_padded_rows_torch,
+    register_router_tunable,
     renormalize_torch,
-    router_config,
-    router_launch_config,
+    router_choice,
     router_limits_problem,
     router_outputs,
     select_desc_torch,
@@ -108,9 +108,20 @@ from moebench.kernels._details.router_tiles import (
     store_rows,
     zero_non_finite,
 )
+from moebench.kernels._details.tuning import Choice, pow2_bucket
 
 __all__ = ["topk_softmax", "topk_softmax_torch", "topk_softmax_scores_torch", "MAX_EXPERTS", "MAX_TOP_K",
-           "router_limits_problem", "router_outputs"]
+           "router_limits_problem", "router_outputs", "softmax_choice"]
+
+register_router_tunable("topk_softmax", lambda num_tokens, num_experts, top_k:
+                        f"T={pow2_bucket(num_tokens)},E={num_experts},K={top_k}")
+
+
+def softmax_choice(num_tokens: int, num_experts: int, top_k: int, device=None, config=None) -> Choice:
+    """topk_softmax's launch config at [num_tokens, num_experts], top_k on `device`: `config`, else the tuned
+    table (bucket T=next_pow2(tokens),E,K), else the rule (router_common.DEFAULT_ROUTER_CONFIG)."""
+    return router_choice("topk_softmax", device, config, num_tokens=num_tokens, num_experts=num_experts,
+                         top_k=top_k)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,7 +304,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
     """Triton softmax top-k router: (weights fp32 [T, K], ids int32 [T, K]); see the module docstring.
 
     config: a router config (router_common.ROUTER_CONFIGS name or "<selection>:<elements per program>:<elements
-    per thread>"); None takes $MOEBENCH_ROUTER_CONFIG, else the default. Outputs do not depend on it.
+    per thread>"); None (or "auto"): the tuned table, else the rule (softmax_choice). Outputs do not depend on it.
     fallback_flags: diagnostics of the cand selections only: an int32 tensor with one entry per program, set to 1
     where the program's verification failed and it ran the full two-pass selection (see cand_programs)."""
     num_tokens, num_experts = check_router_args(logits, top_k, is_padding, bias)
@@ -301,11 +312,11 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
     if num_tokens == 0:
         return weights, ids
     e_pad = next_pow2(num_experts)
-    cfg = router_config(config)
+    cfg = softmax_choice(num_tokens, num_experts, top_k, logits.device, config).config
     if cfg.extra_candidates is not None:
         launch_cand(logits, bias, is_padding, weights, ids, top_k, renormalize, cfg, fallback_flags)
         return weights, ids
-    block_t, num_warps = router_launch_config(e_pad) if config is None else cfg.launch(e_pad)
+    block_t, num_warps = cfg.launch(e_pad)
     grid = (triton.cdiv(num_tokens, block_t),)
     _topk_softmax_kernel[grid](
         logits, bias if bias is not None else logits,
@@ -319,9 +330,9 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, is_padding
 
 
 
-def cand_programs(num_tokens: int, num_experts: int, top_k: int, config: str | None = None) -> int:
+def cand_programs(num_tokens: int, num_experts: int, top_k: int, config: str | None = None, device=None) -> int:
     """Programs a cand-selection launch runs (the length fallback_flags needs)."""
-    cfg = router_config(config)
+    cfg = softmax_choice(num_tokens, num_experts, top_k, device, config).config
     lanes, _ = cand_geometry(next_pow2(num_experts), min(top_k + (cfg.extra_candidates or 0), num_experts))
     return triton.cdiv(num_tokens, cfg.launch(8 * lanes)[0])
 

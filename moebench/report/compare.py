@@ -29,6 +29,10 @@ def compare_runs(run_a: Path, run_b: Path) -> int:
     rows = compare_records(unique_records(load_records(run_a)), unique_records(load_records(run_b)))
     axes = list((load_manifest(run_b).get("sweep") or {}).get("axes") or {})
     print(f"# compare A={run_a} B={run_b}: p50 ratio B/A (< 1: B faster), {len(rows)} matching points")
+    tables = [(load_manifest(d).get("tuned_tables") or {}).get("sha256") for d in (run_a, run_b)]
+    if all(tables) and tables[0] != tables[1]:  # points that name no config may have launched differently
+        print(f"# note: the tuned tables differ (A {tables[0][:12]}, B {tables[1][:12]}): see each record's "
+              "info.config / info.config_source")
     head = f"# {'impl':<32}" + "".join(f"{k[:10]:>11}" for k in axes) + f"{'A p50 us':>12}{'B p50 us':>12}{'B/A':>8}"
     print(head)
     for r in rows:

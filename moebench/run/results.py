@@ -18,9 +18,6 @@ from moebench.measure.roofline import current_roofs
 
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
-# The environment variables that pick a Triton kernel's launch config when a point names none (the kernels' own
-# *_CONFIG_ENV constants): recorded in the manifest, so that a resume under other values is refused (moebench.run.resume).
-TUNING_ENV = ("MOEBENCH_ROUTER_CONFIG", "MOEBENCH_ALIGN_CONFIG", "MOEBENCH_FP8_CONFIG")
 SUMMARY = "summary.csv"
 
 
@@ -233,10 +230,13 @@ def environment() -> dict:
     return env
 
 
-def tuning_env() -> dict[str, str | None]:
-    """TUNING_ENV as this process sees it: name -> value, None when unset (an empty value counts as unset, as in
-    the kernels)."""
-    return {k: os.environ.get(k) or None for k in TUNING_ENV}
+def tuned_tables() -> dict:
+    """The tuned launch tables the kernels read when a point names no config ({"sha256", "files"} of
+    moebench/kernels/tuned/): recorded in the manifest, so that a resume under other tables is refused
+    (moebench.run.resume) and a comparison of two runs can say their tables differ."""
+    from moebench.kernels._details.tuning import tables_digest
+
+    return tables_digest()
 
 
 def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str, extra: dict | None = None) -> dict:
@@ -248,7 +248,7 @@ def write_manifest(run_dir: Path, sweep_dict: dict, num_points: int, device: str
         "device": device,
         "env": environment(),
         "sweep": sweep_dict,
-        "tuning_env": tuning_env(),
+        "tuned_tables": tuned_tables(),
         "num_points": num_points,
         "roofs": current_roofs().as_dict(),
     }

@@ -2,8 +2,8 @@
 
 A resumed run that mixed two sweeps would hold points of both under one manifest (and, when the parameters differ,
 new point keys that no earlier record matches): so any difference is refused, naming the first one. So is a resume
-under other tuning variables (results.TUNING_ENV, e.g. MOEBENCH_ROUTER_CONFIG) than the manifest records: they are
-not sweep parameters, yet they change what the points time.
+under other tuned tables (results.tuned_tables: their content hash) than the manifest records: a point that names
+no config launches what the table says, so a changed table changes what the points time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebench.run.results import MANIFEST, RECORDS, load_manifest, tuning_env
+from moebench.run.results import MANIFEST, RECORDS, load_manifest, tuned_tables
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
 
@@ -61,31 +61,25 @@ def stored_sweep(run_dir: str | Path) -> Sweep:
         raise SweepError(f"{opt}: the stored sweep no longer validates: {e}") from None
 
 
-def _tuning_difference(run_dir: str | Path) -> str | None:
-    """'NAME: <in the run> in the run, <here> here' for the first tuning variable that differs from the manifest's
-    (None for a manifest written before they were recorded: nothing to compare)."""
-    stored = load_manifest(run_dir).get("tuning_env")
+def _tables_difference(run_dir: str | Path) -> str | None:
+    """'sha256 <in the run> in the run, <here> here' when the tuned tables differ from the manifest's (None for a
+    manifest written before they were recorded: nothing to compare)."""
+    stored = load_manifest(run_dir).get("tuned_tables")
     if not isinstance(stored, dict):
         return None
-    here = tuning_env()
-    for name in list(stored) + [k for k in here if k not in stored]:
-        was, now = stored.get(name), here.get(name)
-        if was != now:
-            return f"{name}: {_shown(was)} in the run, {_shown(now)} here"
-    return None
-
-
-def _shown(value: str | None) -> str:
-    return "unset" if value is None else json.dumps(value)
+    here = tuned_tables()
+    if stored.get("sha256") == here["sha256"]:
+        return None
+    return (f"sha256 {str(stored.get('sha256'))[:12]} ({', '.join(stored.get('files') or []) or 'no tables'}) in "
+            f"the run, {here['sha256'][:12]} ({', '.join(here['files']) or 'no tables'}) here")
 
 
 def check_same_sweep(run_dir: str | Path, stored: Sweep, given: Sweep | None) -> None:
-    """Refuse a resume under other tuning variables than the run's, and `given` (the SWEEP argument with its
+    """Refuse a resume under other tuned tables than the run's, and `given` (the SWEEP argument with its
     --set) when it is not the run's own sweep."""
-    diff = _tuning_difference(run_dir)
+    diff = _tables_difference(run_dir)
     if diff:
-        raise SweepError(f"--resume {run_dir}: a different tuning environment: {diff} (resume with the run's "
-                         "values)")
+        raise SweepError(f"--resume {run_dir}: the tuned tables changed: {diff} (resume with the run's tables)")
     if given is None:
         return
     diff = first_difference(_plain(stored.to_dict()), _plain(given.to_dict()))

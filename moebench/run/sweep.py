@@ -356,6 +356,21 @@ def _check_headlines(specs: list, src: str, impls: list) -> tuple:
     return tuple(dict(s) for s in specs)
 
 
+def config_problem(impl_name: str, config: str | None) -> str | None:
+    """Why `config` cannot select a launch of impl_name's tuned kernel, or None (None and "auto" always can)."""
+    if config is None or config == "auto":
+        return None
+    kernel = registry.get(impl_name).tuned_kernel
+    if kernel is None:
+        return f"config: {config!r} given, but {impl_name} has no launch configs (only a tuned kernel's impls do)"
+    from moebench.kernels._details.tuning import candidates
+
+    names = candidates(kernel)
+    if config not in names:
+        return f"config: {config!r} is not a {kernel} config (one of {', '.join(names)}, or auto)"
+    return None
+
+
 def expand(sweep: Sweep) -> list[Point]:
     """Cartesian product of the axes (in file order), times the impls (innermost). Validates each point."""
     keys = list(sweep.axes)
@@ -376,7 +391,7 @@ def expand(sweep: Sweep) -> list[Point]:
             combo_s = ", ".join(f"{k}={v}" for k, v in zip(keys, combo))
             raise _fail(sweep.source, where, f"{reason}" + (f" (at {combo_s})" if combo_s else ""))
         for impl_name in sweep.impls:
-            why = registry.get(impl_name).validate(params)
+            why = config_problem(impl_name, params.config) or registry.get(impl_name).validate(params)
             if why:
                 combo_s = ", ".join(f"{k}={v}" for k, v in zip(keys, combo))
                 raise _fail(sweep.source, impl_name, f"{why}" + (f" (at {combo_s})" if combo_s else ""))

@@ -7,6 +7,7 @@ import torch
 
 from moebench.check import poison
 from moebench.kernels.grouped_gemm import (
+    EXPERTS_CANDIDATES,
     ExpertsConfig,
     GemmConfig,
     align_routes,
@@ -152,6 +153,21 @@ def test_large_tier_config_runs(device, monkeypatch):
     assert (out[-5:] == 0).all()
 
 
+@pytest.mark.parametrize("name", list(EXPERTS_CANDIDATES))
+def test_candidates_match_reference(device, name):
+    """Every candidate of the table, by name (fitted to H=64, I=32), against the fp32 reference; the workspace keeps
+    the explicit choice, and with no name the rule's (no table on the CPU)."""
+    K = 2
+    x, w13, w2, w, ids = _problem(device, K, seed=5)
+    ws = make_workspace(M, K, E, H, I, config=name, device=device)
+    assert (ws.choice.name, ws.choice.source, ws.config.block_m) == (name, "explicit", EXPERTS_CANDIDATES[name].block_m)
+    out = poison(torch.empty(M, H, dtype=torch.bfloat16, device=device))
+    fused_experts(x, w13, w2, w, ids, workspace=ws, out=out)
+    assert _frob(out, fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)) < 1e-2
+    if device.type == "cpu":
+        assert make_workspace(M, K, E, H, I, device=device).choice.source == "rule"
+
+
 def test_sub_kernels_vs_references(device):
     K = 6
     x, w13, w2, w, ids = _problem(device, K, seed=3)
@@ -279,12 +295,22 @@ def test_target_shape_gpu(skip_frac):
     assert _frob(out[rows], ref) < 1e-2
 
 
-def test_alignment_scratch_follows_the_align_config(monkeypatch):
-    """align_scratch_size is moe_align_block_size's workspace under the config in effect, so a candidate with a
-    larger workspace (grouped scan: counts and prefixes) still fits the grouped GEMM's scratch."""
-    from moebench.kernels.moe_align_block_size import ALIGN_CONFIG_ENV, align_workspace_size
-    monkeypatch.setenv(ALIGN_CONFIG_ENV, "first")
-    first = align_scratch_size(4096, 64)
-    assert first == align_workspace_size(4096, 64, config="first")
-    monkeypatch.setenv(ALIGN_CONFIG_ENV, "tight_br128")
-    assert align_scratch_size(4096, 64) == align_workspace_size(4096, 64, config="tight_br128") > first
+def test_alignment_scratch_follows_the_align_config(tmp_path, monkeypatch):
+    """align_scratch_size is moe_align_block_size's workspace under the config it chooses (here a tuned table's
+    entry), so a candidate with a larger workspace (grouped scan: counts and prefixes) still fits the grouped GEMM's
+    scratch."""
+    import json
+
+    from moebench.kernels._details import tuning
+    from moebench.kernels.moe_align_block_size import align_workspace_size
+
+    monkeypatch.setattr(tuning, "TABLES_DIR", tmp_path)
+    tuning.clear_cache()
+    first = align_workspace_size(4096, 64, config="first")
+    table = {"format": 1, "gpu": "cpu", "kernels": {"moe_align_block_size": {"R=4096,E=64": {"config": "tight_br128"}}}}
+    (tmp_path / "cpu.json").write_text(json.dumps(table))
+    tuning.clear_cache()
+    try:
+        assert align_scratch_size(4096, 64, "cpu") == align_workspace_size(4096, 64, config="tight_br128") > first
+    finally:
+        tuning.clear_cache()

@@ -31,8 +31,8 @@ from moebench.inputs.weights import make_expert_weights
 from moebench.kernels.fused_experts import fused_experts_torch
 from moebench.kernels.fused_experts_fp8 import (
     FP8_CANDIDATES,
-    CONFIG_ENV,
     choose_fp8_config,
+    fp8_choice,
     fused_experts_fp8,
     make_fp8_workspace,
 )
@@ -226,22 +226,39 @@ def test_argument_errors():
         quantize_weights_fp8_block(torch.zeros(1, 100, 128))
 
 
-def test_choose_fp8_config_candidates(monkeypatch):
+def test_fp8_rule_and_candidates(monkeypatch):
+    """The rule's tiers by rows per expert; every candidate by name (explicit), fitted to H, within the register
+    budget; an unknown name is a one-line error naming the table."""
     import moebench.kernels.fused_experts_fp8 as mod
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
     assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s4"
     assert choose_fp8_config(256, 128, 7168, 2048).block_m == 16
+    rule = fp8_choice(4096, 8, 128, 7168, 2048, "cpu")
+    assert (rule.name, rule.source, rule.bucket) == ("bm64_s4", "rule", "T=4096,K=8,E=128,H=7168,I=2048")
     for name, cfg in FP8_CANDIDATES.items():
-        assert cfg.gate_up.block_n == 128 and choose_fp8_config(32768, 128, 7168, 2048, candidate=name).name == name
+        choice = fp8_choice(4096, 8, 128, 7168, 2048, "cpu", name)
+        assert cfg.gate_up.block_n == 128 and (choice.name, choice.source) == (name, "explicit")
         # promotion keeps two fp32 copies of the [BM, 2*BN] gate/up tile: <= 128 registers a thread
         assert 2 * cfg.block_m * 2 * cfg.gate_up.block_n // (32 * cfg.gate_up.num_warps) <= 128
         assert 2 * cfg.block_m * cfg.down.block_n // (32 * cfg.down.num_warps) <= 128
-    monkeypatch.setenv(CONFIG_ENV, "bm64_s3")
-    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s3"
-    monkeypatch.setenv(CONFIG_ENV, "nope")
-    with pytest.raises(ValueError, match="bm64_s4"):
-        choose_fp8_config(32768, 128, 7168, 2048)
+    assert fp8_choice(4096, 8, 128, 7168 - 128, 2048, "cpu", "bm64_s4").config.down.block_n == 128  # H % 256 != 0
+    with pytest.raises(ValueError, match="fused_experts_fp8 config 'nope': one of bm16"):
+        fp8_choice(4096, 8, 128, 7168, 2048, "cpu", "nope")
+
+
+@pytest.mark.parametrize("name", list(FP8_CANDIDATES))
+def test_fp8_candidates_within_derived_bound(device, name):
+    """Every candidate of the table, by name, within the derived error bound (in the interpreter too)."""
+    T, K, G, fmt = 16, 2, 128, "fp32"
+    args = _problem(device, T, K, G, fmt, seed=3)
+    ws = make_fp8_workspace(T, K, E, H, I, config=name, device=device)
+    assert (ws.choice.name, ws.choice.source) == (name, "explicit")
+    out = fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
+    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
+                                          model=error_model(torch.device(device), H, I))
+    res = check_within_bound("out", out.float(), ref, bound)
+    assert res.ok, res.detail
 
 
 def test_registered_fp8_impls_check(device):
@@ -287,8 +304,7 @@ def test_gpu_fused_experts_fp8_within_bound(G, fmt, candidate):
     T, K, h, i = 1024, 4, 2048, 512
     args = _problem("cuda", T, K, G, fmt, seed=1, h=h, i=i, pad_rows=256)
     ids = args[2]
-    ws = make_fp8_workspace(T, K, E, h, i, config=choose_fp8_config(T * K, E, h, i, candidate=candidate),
-                            device="cuda")
+    ws = make_fp8_workspace(T, K, E, h, i, config=candidate, device="cuda")
     out = fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
     ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
                                           model=error_model(torch.device("cuda"), h, i))

@@ -5,8 +5,7 @@ import torch
 
 from moebench.check import poison
 from moebench.kernels.masked_moe_sum import (SUM_CANDIDATES, SumLaunch, launch_masked_sum, masked_moe_sum,
-                                             sum_launch_config,
-                                             masked_moe_sum_torch, moe_sum_oblivious)
+                                             masked_moe_sum_torch, moe_sum_oblivious, sum_choice, sum_launch_config)
 
 
 def make_inputs(num_tokens, top_k, hidden, *, seed, dtype=torch.bfloat16, skip_prob=0.3, padded_rows=0,
@@ -76,7 +75,7 @@ def test_launch_shapes_bitwise(launch, dtype, device):
     x, ids = make_inputs(15, 6, 100, seed=20 + launch.rows, dtype=dtype, skip_prob=0.4, device=device)
     ids[[2, 3, 6, 9, 14]] = -1  # rows 2-3: a padded pair; 6, 9: padded next to a real row; 14: the odd last row
     got = poison(torch.empty(15, 100, dtype=dtype, device=device))
-    masked_moe_sum(x, ids, out=got, launch=launch)
+    masked_moe_sum(x, ids, out=got, config=launch)
     want = masked_moe_sum_torch(x, ids)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.cpu().view(bits), want.cpu().view(bits))
@@ -185,5 +184,28 @@ def test_gpu_candidates_bitwise(name):
     """Every tuning candidate gives the reference's bits at the tuned shape's width (H=7168, top-8, padded rows)."""
     x, ids = make_inputs(300, 8, 7168, seed=7, padded_rows=75, device="cuda")
     got = poison(torch.empty(300, 7168, dtype=x.dtype, device="cuda"))
-    masked_moe_sum(x, ids, out=got, launch=SUM_CANDIDATES[name])
+    masked_moe_sum(x, ids, out=got, config=name)
     assert torch.equal(got.view(torch.int16), masked_moe_sum_torch(x, ids).view(torch.int16))
+
+
+@pytest.mark.parametrize("name", sorted(SUM_CANDIDATES))
+def test_candidates_bitwise(name, device):
+    """Every candidate of the table, by name, gives the reference's bits (odd rows, columns not a multiple of the
+    block, padded rows); the table's names are the launches' own."""
+    assert SUM_CANDIDATES[name].name == name
+    x, ids = make_inputs(7, 4, 72, seed=len(name), skip_prob=0.3, padded_rows=2, device=device)
+    got = poison(torch.empty(7, 72, dtype=x.dtype, device=device))
+    masked_moe_sum(x, ids, out=got, config=name)
+    assert torch.equal(got.cpu().view(torch.int16), masked_moe_sum_torch(x, ids).cpu().view(torch.int16))
+
+
+def test_choice_names_the_rule_and_refuses_unknown_names():
+    """Without a table entry the rule's launch (sum_launch_config) runs, named like a candidate; an explicit name
+    wins; an unknown one is a one-line error naming the table."""
+    choice = sum_choice(8192, 8, 7168, "cpu")
+    assert (choice.source, choice.name, choice.config) == ("rule", "r1_h512_w1_none", sum_launch_config(7168))
+    assert choice.bucket == "T=8192,K=8,H=7168" and sum_choice(5000, 8, 7168, "cpu").bucket == choice.bucket
+    explicit = sum_choice(8192, 8, 7168, "cpu", "r2_h1024_w4_cg")
+    assert (explicit.source, explicit.config) == ("explicit", SUM_CANDIDATES["r2_h1024_w4_cg"])
+    with pytest.raises(ValueError, match="masked_moe_sum config 'r9': one of r1_h512_w1_none"):
+        sum_choice(8, 8, 64, "cpu", "r9")

@@ -7,7 +7,7 @@ import torch
 
 from moebench.check import poison
 from moebench.kernels._details.jit import next_pow2
-from moebench.kernels.moe_align_block_size import (ALIGN_CANDIDATES, ALIGN_CONFIG_ENV, align_launch_shapes,
+from moebench.kernels.moe_align_block_size import (ALIGN_CANDIDATES, align_launch_shapes,
                                                    align_workspace, alloc_align_outputs, moe_align_block_size,
                                                    moe_align_block_size_torch)
 
@@ -287,20 +287,18 @@ def test_align_tight_bins_hot_expert_zero(name, device):
                 literal_align(all_skipped.cpu(), 16, 16))
 
 
-def test_align_config_env_and_default_launch(device, monkeypatch):
-    """MOEBENCH_ALIGN_CONFIG picks the candidate when none is passed (workspace included); an unknown name is an
-    error; "first" keeps the first measured launch (one spare bin, 1-D scan over 32-expert chunks)."""
+def test_align_config_by_name_and_default_launch(device):
+    """A config named by the caller sizes the workspace and picks the launch alike; an unknown name is a one-line
+    error naming the table; "first" keeps the first measured launch (one spare bin, 1-D scan over 32-expert
+    chunks)."""
     g = torch.Generator().manual_seed(4)
     ids = random_ids(40, 6, 16, generator=g).to(device)
     want = moe_align_block_size_torch(ids, 16, 16)
-    monkeypatch.setenv(ALIGN_CONFIG_ENV, "tight_br256")
-    ws = align_workspace(ids.numel(), 16, ids.device)
+    ws = align_workspace(ids.numel(), 16, ids.device, config="tight_br256")
     assert ws.numel() == 2 * 2 * 16 + 16  # 240 routes, 2 blocks of 128: counts and prefixes, then the totals
-    assert_same(moe_align_block_size(ids, 16, 16, workspace=ws), want)
-    monkeypatch.setenv(ALIGN_CONFIG_ENV, "no_such_config")
-    with pytest.raises(ValueError, match="tight_br256"):
-        moe_align_block_size(ids, 16, 16)
-    monkeypatch.delenv(ALIGN_CONFIG_ENV)
+    assert_same(moe_align_block_size(ids, 16, 16, workspace=ws, config="tight_br256"), want)
+    with pytest.raises(ValueError, match="moe_align_block_size config 'no_such_config': one of first"):
+        moe_align_block_size(ids, 16, 16, config="no_such_config")
     shapes = align_launch_shapes(524288, 256, 64, 1024, "first")
     assert (shapes["num_bins"], shapes["scan_grid"], shapes["scan_groups"], shapes["tile_blocks"],
             shapes["scatter_grid"], shapes["route_warps"]) == (512, 8, 1, 128, 2111, 4)

@@ -14,8 +14,10 @@ from moebench.check import poison
 from moebench.bench.routers import compare_routing, grouped_topk_reference, topk_softmax_reference
 from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch
 from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch
-from moebench.kernels._details.router_common import (DEFAULT_ROUTER_CONFIG, ROUTER_CONFIG_ENV, ROUTER_CONFIGS,
-                                                     RouterConfig, router_config)
+from moebench.kernels._details.router_common import (DEFAULT_ROUTER_CONFIG, ROUTER_CONFIGS, RouterConfig,
+                                                     router_config)
+from moebench.kernels.grouped_topk import grouped_choice
+from moebench.kernels.topk_softmax import softmax_choice
 from router_helpers import (DTYPES, assert_same_as_reference, crafted_tie_logits, make_bias, make_logits, make_mask,
                             poisoned_out, tie_bias)
 
@@ -131,17 +133,41 @@ def test_grouped_topk_crafted_ties_every_config(device, config):
                                                                         **kwargs))
 
 
-def test_router_config_selection(monkeypatch):
-    assert router_config(None) == ROUTER_CONFIGS[DEFAULT_ROUTER_CONFIG]
-    monkeypatch.setenv(ROUTER_CONFIG_ENV, "packed64-16")
-    assert router_config(None) == ROUTER_CONFIGS["packed64-16"]
-    assert router_config("twopass") == ROUTER_CONFIGS["twopass"]  # the keyword wins over the environment
+def test_router_config_selection():
+    """No config: the rule (cand4, no table on the CPU), for each router under its own kernel name and bucket; a
+    name or a "<selection>:<per program>:<per thread>" spec is explicit."""
+    rule = softmax_choice(5000, 256, 8, "cpu")
+    assert (rule.kernel, rule.name, rule.source, rule.bucket) == ("topk_softmax", DEFAULT_ROUTER_CONFIG, "rule",
+                                                                  "T=8192,E=256,K=8")
+    assert rule.config == ROUTER_CONFIGS[DEFAULT_ROUTER_CONFIG]
+    grouped = grouped_choice(65536, 256, 8, 8, "cpu")
+    assert (grouped.kernel, grouped.bucket, grouped.source) == ("grouped_topk", "T=65536,E=256,K=8,G=8", "rule")
+    assert softmax_choice(8, 256, 8, "cpu", "twopass").source == "explicit"
+    spec = softmax_choice(8, 256, 8, "cpu", "packed64:8192:32")
+    assert (spec.name, spec.source, spec.config) == ("packed64:8192:32", "explicit", RouterConfig("packed64", 8192, 32))
     assert router_config("packed64:8192:32") == RouterConfig("packed64", 8192, 32)
     assert RouterConfig("packed64", 8192, 32).launch(256) == (32, 8)
     assert ROUTER_CONFIGS["twopass"].launch(256) == (16, 4) and ROUTER_CONFIGS["twopass"].launch(8) == (128, 1)
     for bad in ("fast", "packed32:4096:32", "twopass:4096", "twopass:0:32"):
         with pytest.raises(ValueError, match="router config"):
             router_config(bad)
+        with pytest.raises(ValueError, match="router config"):
+            softmax_choice(8, 256, 8, "cpu", bad)
+
+
+@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+def test_every_router_config_matches_reference(device, config):
+    """Every candidate of the routers' table, by name, on both routers (small shapes: the interpreter)."""
+    logits = make_logits(40, 64, torch.bfloat16, 5, device)
+    mask = make_mask(40, 0.25, 5, device)
+    w, ids = topk_softmax(logits, 6, True, is_padding=mask, config=config)
+    res = compare_routing(w, ids, topk_softmax_reference(logits, 6, True, is_padding=mask))
+    assert res.ok, res.detail
+    bias = make_bias(64, 5, device)
+    kw = dict(scoring="sigmoid", bias=bias, routed_scaling_factor=2.5, is_padding=mask)
+    w, ids = grouped_topk(logits, 6, 8, 4, config=config, **kw)
+    res = compare_routing(w, ids, grouped_topk_reference(logits, 6, 8, 4, **kw))
+    assert res.ok, res.detail
 
 
 def test_topk_softmax_bias_decides_selection_not_weight(device):

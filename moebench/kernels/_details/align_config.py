@@ -2,23 +2,23 @@
 
 Every candidate gives bitwise the same outputs (the work split and the histogram formulation change, never the
 order: the in-block sort key is (expert, position) under all of them). "first" is the launch of the kernels as
-first measured, DEFAULT_ALIGN_CONFIG the one chosen on the H200; the others are tuning candidates for one GPU sweep (see moe_align_block_size's docstring for
-the cost model behind them).
+first measured, DEFAULT_ALIGN_CONFIG the one chosen on the H200 (the rule where the tuned table has no entry); the
+others are candidates for `moebench tune sweeps/tune_align.yaml` (see moe_align_block_size's docstring for the cost
+model behind them). Bucket of a launch: R=next_pow2(routes),E=experts.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import triton
 
 from moebench.kernels._details.jit import next_pow2
+from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
-__all__ = ["AlignConfig", "ALIGN_CANDIDATES", "ALIGN_CONFIG_ENV", "DEFAULT_ALIGN_CONFIG", "resolve_align_config", "default_block_routes",
-           "align_workspace_size", "align_launch_shapes", "align_capacity"]
+__all__ = ["AlignConfig", "ALIGN_CANDIDATES", "DEFAULT_ALIGN_CONFIG", "align_choice", "resolve_align_config",
+           "default_block_routes", "align_workspace_size", "align_launch_shapes", "align_capacity"]
 
-ALIGN_CONFIG_ENV = "MOEBENCH_ALIGN_CONFIG"  # a candidate name: the configuration when none is passed
 # The default, chosen on the H200 (sweeps/tune_align.yaml, E=256, K=8, block 64; p50 us at T=128 / 8192 / 65536):
 # first 7.8 / 14.6 / 47.8, tight 7.6 / 10.6 / 31.1, tight_br256 7.6 / 10.5 / 22.0, tight_br256_w2 7.5 / 9.3 / 22.1.
 DEFAULT_ALIGN_CONFIG = "tight_br256_w2"
@@ -63,15 +63,23 @@ ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
 )}
 
 
-def resolve_align_config(config: str | AlignConfig | None = None) -> AlignConfig:
-    """`config` (a candidate name or an AlignConfig), else the environment variable MOEBENCH_ALIGN_CONFIG, else
-    DEFAULT_ALIGN_CONFIG."""
-    if isinstance(config, AlignConfig):
-        return config
-    name = config or os.environ.get(ALIGN_CONFIG_ENV) or DEFAULT_ALIGN_CONFIG
-    if name not in ALIGN_CANDIDATES:
-        raise ValueError(f"alignment config {name!r}: one of {', '.join(ALIGN_CANDIDATES)}")
-    return ALIGN_CANDIDATES[name]
+register_tunable(Tunable(
+    "moe_align_block_size", ALIGN_CANDIDATES,
+    lambda num_routes, num_experts: f"R={pow2_bucket(num_routes)},E={num_experts}",
+    lambda num_routes, num_experts: (DEFAULT_ALIGN_CONFIG, ALIGN_CANDIDATES[DEFAULT_ALIGN_CONFIG]),
+    f"{DEFAULT_ALIGN_CONFIG} at every shape"))
+
+
+def align_choice(num_routes: int, num_experts: int, device=None, config: str | AlignConfig | None = None) -> Choice:
+    """The alignment launch for num_routes routes over num_experts on `device`: `config` (a candidate name or an
+    AlignConfig), else the tuned table (bucket R=next_pow2(routes),E), else DEFAULT_ALIGN_CONFIG."""
+    return choose("moe_align_block_size", device, config, num_routes=num_routes, num_experts=num_experts)
+
+
+def resolve_align_config(config: str | AlignConfig | None, num_routes: int, num_experts: int,
+                         device=None) -> AlignConfig:
+    """align_choice's AlignConfig (the workspace and the launch resolve it the same way, so they agree)."""
+    return align_choice(num_routes, num_experts, device, config).config
 
 
 def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[int, int]:
@@ -81,26 +89,25 @@ def align_capacity(num_routes: int, num_experts: int, block_size: int) -> tuple[
     return capacity, triton.cdiv(capacity, block_size) if capacity else 0
 
 
-def default_block_routes(num_routes: int, config: str | AlignConfig | None = None) -> int:
+def default_block_routes(num_routes: int, cfg: AlignConfig) -> int:
     """Routes per program: about `target_programs` programs (a small in-block sort each, many programs to cover the
     GPU), 128..max_block_routes routes each; the scan then reads num_routes / block_routes rows of E counts."""
-    cfg = resolve_align_config(config)
     return min(cfg.max_block_routes, max(128, next_pow2(triton.cdiv(max(num_routes, 1), cfg.target_programs))))
 
 
 def align_workspace_size(num_routes: int, num_experts: int, *, block_routes: int | None = None,
-                         config: str | AlignConfig | None = None) -> int:
+                         config: str | AlignConfig | None = None, device=None) -> int:
     """int32 elements of the scratch: counts [blocks, E], totals [E], and with grouped_scan the prefixes
-    [blocks, E] after them."""
-    cfg = resolve_align_config(config)
+    [blocks, E] after them (config resolved as by align_choice on `device`)."""
+    cfg = resolve_align_config(config, num_routes, num_experts, device)
     num_blocks = triton.cdiv(num_routes, block_routes or default_block_routes(num_routes, cfg))
     return num_blocks * num_experts * (2 if cfg.grouped_scan else 1) + num_experts
 
 
 def align_launch_shapes(num_routes: int, num_experts: int, block_size: int, block_routes: int,
-                        config: str | AlignConfig | None = None) -> dict:
+                        config: str | AlignConfig | None = None, device=None) -> dict:
     """Grids and tile sizes of the three launches (host arithmetic only; the GPU script prints them)."""
-    cfg = resolve_align_config(config)
+    cfg = resolve_align_config(config, num_routes, num_experts, device)
     capacity, num_m_blocks = align_capacity(num_routes, num_experts, block_size)
     num_blocks = triton.cdiv(num_routes, block_routes)
     # one spare bin for skipped routes unless tight_bins; >= a warp

@@ -4,13 +4,13 @@ references' stable selection and renormalisation, and the Triton routers' launch
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from moebench.kernels._details.args import check_mask
 from moebench.kernels._details.jit import check_triton_device
+from moebench.kernels._details.tuning import Choice, Tunable, choose, register_tunable
 
 MAX_EXPERTS = 1024  # the Triton routers hold a whole row of scores in registers
 MAX_TOP_K = 32
@@ -115,7 +115,6 @@ def write_out(weights: torch.Tensor, ids: torch.Tensor, out) -> tuple[torch.Tens
     return out[0], out[1]
 
 
-ROUTER_CONFIG_ENV = "MOEBENCH_ROUTER_CONFIG"
 SELECTIONS = ("twopass", "packed64", "cand<M>")  # cand<M>: K + M candidates, M a positive integer
 
 
@@ -137,6 +136,11 @@ class RouterConfig:
     elements_per_thread: int = 32
 
     @property
+    def name(self) -> str:
+        """"<selection>:<elements per program>:<elements per thread>" (a preset is named by its key instead)."""
+        return f"{self.selection}:{self.elements_per_program}:{self.elements_per_thread}"
+
+    @property
     def extra_candidates(self) -> int | None:
         """M of a "cand<M>" selection, else None."""
         return int(self.selection[4:]) if self.selection.startswith("cand") else None
@@ -148,11 +152,12 @@ class RouterConfig:
         return block_t, num_warps
 
 
-# Candidates for a trial on the target GPU (MOEBENCH_ROUTER_CONFIG=<name>, or "<selection>:<elements per
-# program>:<elements per thread>"). Measured on the H200 (results/h200/router-configs/ in commit 6acc04c,
-# E=256, K=8, p50 us at T=8192 / 65536): topk_softmax twopass 10.3 / 62.0, packed64 14.7 / 113, cand2 11.5 / 46.0,
-# cand4 7.9 / 43.8, cand8 9.0 / 51.1; grouped_topk twopass 13.8 / 93.4, cand2 9.7 / 57.9, cand4 10.0 / 60.4.
-# cand4 is the default.
+# The candidate table of both routers (`config:` of a sweep, `moebench tune sweeps/tune_router.yaml`; a launcher's
+# `config=` also takes "<selection>:<elements per program>:<elements per thread>"). Measured on the H200
+# (results/h200/router-configs/ in commit 6acc04c, E=256, K=8, p50 us at T=8192 / 65536): topk_softmax twopass
+# 10.3 / 62.0, packed64 14.7 / 113, cand2 11.5 / 46.0, cand4 7.9 / 43.8, cand8 9.0 / 51.1; grouped_topk twopass
+# 13.8 / 93.4, cand2 9.7 / 57.9, cand4 10.0 / 60.4.
+# cand4 is the rule for both (each router has its own tuned table entries).
 ROUTER_CONFIGS = {
     "twopass": RouterConfig("twopass", 4096, 32),  # 16 rows of 256 experts, 4 warps, 32 values per thread
     "packed64": RouterConfig("packed64", 4096, 32),
@@ -189,24 +194,27 @@ def parse_router_config(text: str) -> RouterConfig:
     return RouterConfig(parts[0], int(parts[1]), int(parts[2]))
 
 
-def router_config_name(config: str | None = None) -> str:
-    """The text naming the config in effect (the keyword, else $MOEBENCH_ROUTER_CONFIG, else the default)."""
-    return (config or os.environ.get(ROUTER_CONFIG_ENV) or DEFAULT_ROUTER_CONFIG).strip()
+def router_config(text: str) -> RouterConfig:
+    """The config a name or "<selection>:<elements per program>:<elements per thread>" spec stands for."""
+    return parse_router_config(text)
 
 
-def router_config(config: str | None = None) -> RouterConfig:
-    """The config named by the keyword, else by $MOEBENCH_ROUTER_CONFIG, else the default."""
-    return parse_router_config(router_config_name(config))
+def register_router_tunable(kernel: str, bucket) -> None:
+    """A router's tunable: the shared candidate table, its own bucket and tuned entries, DEFAULT_ROUTER_CONFIG as
+    the rule."""
+    register_tunable(Tunable(kernel, ROUTER_CONFIGS, bucket,
+                             lambda **dims: (DEFAULT_ROUTER_CONFIG, ROUTER_CONFIGS[DEFAULT_ROUTER_CONFIG]),
+                             f"{DEFAULT_ROUTER_CONFIG} at every shape"))
 
 
-def router_launch_config(row_elements: int) -> tuple[int, int]:
-    """(BLOCK_T, num_warps) of the environment's (or the default) router config for rows of `row_elements`.
-
-    The default: about 4096 elements per program (16 rows of 256 experts, 4 of 1024), 32 fp32 values per thread
-    with 4 warps, well inside the register file with x, the scores and the keys live at once, and enough programs
-    at T=8192 (512) to fill 132 SMs. Small tiles (few experts) get fewer warps rather than more rows than useful.
-    """
-    return router_config().launch(row_elements)
+def router_choice(kernel: str, device, config: str | RouterConfig | None, **dims) -> Choice:
+    """The launch of a Triton router (tuning.choose); `config` may also be a "<selection>:<per program>:<per
+    thread>" spec outside the table (explicit). Default launch shape of the rule: about 4096 elements per program
+    (16 rows of 256 experts, 4 of 1024), 32 fp32 values per thread with 4 warps, well inside the register file with
+    x, the scores and the keys live at once, and enough programs at T=8192 (512) to fill 132 SMs."""
+    if isinstance(config, str) and config not in ROUTER_CONFIGS and config != "auto":
+        config = parse_router_config(config)
+    return choose(kernel, device, config, **dims)
 
 
 def triton_router_operands(logits: torch.Tensor, top_k: int, num_experts: int, is_padding: torch.Tensor | None,

@@ -1,0 +1,203 @@
+"""Launch configurations as data: each Triton kernel's candidate table, the tuned tables, and the one choice rule.
+
+A tunable kernel registers a `Tunable` when its module is imported: its candidate table (name -> config object),
+its shape bucket (the launch's shape dims -> a bucket key) and its fallback rule (shape dims -> (name, config),
+the launch chosen before any tuning). `choose(kernel, device, config, **dims)` picks one launch:
+
+  1. explicit: `config` names a candidate (or is a config object the caller built);
+  2. table:    the tuned table of this GPU (`tuned/<GPU name>.json` beside the kernels) has an entry for the
+               kernel and the shape's bucket;
+  3. rule:     otherwise the kernel's documented rule (the defaults measured before the tables existed).
+
+The returned `Choice` says which (name, source, bucket, GPU), so a caller can record it; the launchers call the same
+function, so what is recorded is what runs. A CPU (the Triton interpreter) is the GPU name "cpu": no table is
+shipped for it, so the rule applies there unless a test points TABLES_DIR at one.
+
+Buckets: each kernel's `bucket` function documents its key; the token (or route) count is rounded up to the next
+power of two, every other dim must match exactly.
+
+Table format (one JSON file per GPU name, written by `moebench tune`):
+  {"format": 1, "gpu": "NVIDIA H200",
+   "kernels": {"<kernel>": {"<bucket>": {"config": "<candidate>", "p50_us": {"<candidate>": us, ...},
+                                         "points": n, "run": "<run directory>"}}}}
+Only "config" is read here; the rest says where the choice came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from moebench.kernels._details.jit import interpreting, next_pow2
+
+__all__ = ["Tunable", "Choice", "register_tunable", "tunable", "candidates", "choose", "lookup", "gpu_name",
+           "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "pow2_bucket",
+           "TUNABLE_KERNELS", "TABLES_DIR", "TABLE_FORMAT", "SOURCES"]
+
+TABLES_DIR = Path(__file__).resolve().parent.parent / "tuned"  # shipped with the package
+TABLE_FORMAT = 1
+SOURCES = ("explicit", "table", "rule")
+AUTO = "auto"  # the same as no config: table, else rule
+
+# kernel name -> the module that registers it (imported on first use, so the table is one lookup away)
+TUNABLE_KERNELS = {
+    "masked_moe_sum": "moebench.kernels.masked_moe_sum",
+    "moe_align_block_size": "moebench.kernels.moe_align_block_size",
+    "topk_softmax": "moebench.kernels.topk_softmax",
+    "grouped_topk": "moebench.kernels.grouped_topk",
+    "fused_experts": "moebench.kernels.grouped_gemm",
+    "fused_experts_fp8": "moebench.kernels.fused_experts_fp8",
+}
+
+
+@dataclass(frozen=True)
+class Tunable:
+    kernel: str
+    candidates: Mapping[str, Any]
+    bucket: Callable[..., str]  # shape dims (keywords) -> bucket key
+    rule: Callable[..., tuple[str, Any]]  # shape dims -> (name, config): the launch without a table entry
+    rule_doc: str = ""
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str
+    name: str
+    source: str  # explicit | table | rule
+    bucket: str
+    gpu: str
+    config: Any
+
+    def record(self) -> dict[str, str]:
+        """The fields every record of a point launching this kernel carries."""
+        return {"config": self.name, "config_source": self.source, "config_bucket": self.bucket,
+                "config_gpu": self.gpu}
+
+
+_TUNABLES: dict[str, Tunable] = {}
+
+
+def register_tunable(t: Tunable) -> Tunable:
+    if t.kernel not in TUNABLE_KERNELS:
+        raise ValueError(f"tunable kernel {t.kernel!r}: add it to TUNABLE_KERNELS")
+    _TUNABLES[t.kernel] = t
+    return t
+
+
+def tunable(kernel: str) -> Tunable:
+    if kernel not in TUNABLE_KERNELS:
+        raise ValueError(f"{kernel!r} has no launch configs (tunable kernels: {', '.join(TUNABLE_KERNELS)})")
+    if kernel not in _TUNABLES:
+        importlib.import_module(TUNABLE_KERNELS[kernel])
+    return _TUNABLES[kernel]
+
+
+def candidates(kernel: str) -> Mapping[str, Any]:
+    """The kernel's candidate table: name -> config."""
+    return tunable(kernel).candidates
+
+
+def pow2_bucket(n: int) -> int:
+    """Token / route counts of a bucket: rounded up to the next power of two (0 and 1 -> 1)."""
+    return next_pow2(max(1, int(n)))
+
+
+def gpu_name(device: torch.device | str | None = None) -> str:
+    """The name a tuned table is kept under: the CUDA device's name, "cpu" for the interpreter. None: the current
+    CUDA device when there is one and the kernels are not interpreted."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        dev = torch.device("cuda") if torch.cuda.is_available() and not interpreting() else torch.device("cpu")
+    if dev.type != "cuda":
+        return "cpu"
+    return _cuda_name(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table_path(gpu: str, tables_dir: Path | str | None = None) -> Path:
+    """tuned/<GPU name, non-alphanumerics as '_'>.json, e.g. tuned/NVIDIA_H200.json."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") or "unknown"
+    return Path(tables_dir if tables_dir is not None else TABLES_DIR) / f"{slug}.json"
+
+
+def load_table(path: Path | str) -> dict:
+    """A table file's content ({} when absent); a malformed one is a ValueError naming the file."""
+    return dict(_load_table(str(path)))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_table(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"tuned table {p}: not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT or not isinstance(data.get("kernels"), dict):
+        raise ValueError(f"tuned table {p}: expected {{\"format\": {TABLE_FORMAT}, \"kernels\": {{...}}}}")
+    return data
+
+
+def clear_cache() -> None:
+    """Forget loaded tables (after `moebench tune` rewrote one, or a test moved TABLES_DIR)."""
+    _load_table.cache_clear()
+
+
+def lookup(kernel: str, gpu: str, bucket: str) -> str | None:
+    """The tuned candidate name for (kernel, GPU name, bucket), or None when the table has no entry."""
+    entry = ((_load_table(str(table_path(gpu))).get("kernels") or {}).get(kernel) or {}).get(bucket)
+    if entry is None:
+        return None
+    name = entry.get("config") if isinstance(entry, dict) else None
+    if name not in candidates(kernel):
+        raise ValueError(f"tuned table {table_path(gpu)}: {kernel} {bucket}: {name!r} is not one of its "
+                         f"candidates ({', '.join(candidates(kernel))})")
+    return name
+
+
+def tables_digest(tables_dir: Path | str | None = None) -> dict:
+    """{"sha256": of every table file (name and bytes, in name order), "files": [names]}: the manifest records it,
+    so that a resume under other tables is refused and a comparison can say the tables differ."""
+    d = Path(tables_dir if tables_dir is not None else TABLES_DIR)
+    files = sorted(p for p in d.glob("*.json") if p.is_file()) if d.is_dir() else []
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return {"sha256": h.hexdigest(), "files": [p.name for p in files]}
+
+
+def check_config_name(kernel: str, name: str) -> None:
+    """ValueError (one line) unless `name` is one of the kernel's candidates (or "auto")."""
+    if name != AUTO and name not in candidates(kernel):
+        raise ValueError(f"{kernel} config {name!r}: one of {', '.join(candidates(kernel))} (or auto)")
+
+
+def choose(kernel: str, device: torch.device | str | None, config: Any = None, **dims) -> Choice:
+    """The launch of `kernel` at these shape dims: explicit `config` (a candidate name, or a config object: its
+    `name` attribute names it), else this GPU's tuned table, else the kernel's rule."""
+    t = tunable(kernel)
+    bucket = t.bucket(**dims)
+    gpu = gpu_name(device)
+    if config is not None and not isinstance(config, str):
+        return Choice(kernel, getattr(config, "name", "") or "custom", "explicit", bucket, gpu, config)
+    if config is not None and config != AUTO:
+        check_config_name(kernel, config)
+        return Choice(kernel, config, "explicit", bucket, gpu, t.candidates[config])
+    name = lookup(kernel, gpu, bucket)
+    if name is not None:
+        return Choice(kernel, name, "table", bucket, gpu, t.candidates[name])
+    name, cfg = t.rule(**dims)
+    return Choice(kernel, name, "rule", bucket, gpu, cfg)
