@@ -262,3 +262,32 @@ def test_build_records_the_trace(monkeypatch):
     # a second point at the same layer parameters reuses the measured shapes
     again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))
     assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
+
+
+def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):
+    """`moebench run` of the bundled scenario at small shapes, then `moebench plot` and `moebench report`: the
+    padding-tax table is printed under the run and comes first in the report; the three trace figures are drawn."""
+    small = ["num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64", "intermediate=32",
+             "group_size=16", "block_size=16", "ep_size=2", "dp_size=2", "sp_size=2", "dbo=true",
+             "trace_file=example_chat_dp2.csv", "axes.capture_sizes=[pow2]", "timing.iters=1", "timing.warmup=0"]
+    argv = ["run", str(ROOT / "sweeps" / "scenarios" / "padding_tax.yaml"), "--out", str(tmp_path), "--device", "cpu",
+            "--no-plots"]
+    for s in small:
+        argv += ["--set", s]
+    # the example trace has prefill steps of 140 and 520 tokens: a shorter copy keeps the interpreter quick
+    short = tmp_path / "short.csv"
+    short.write_text("dp0,dp1\n12,9\n14,0\n")
+    argv[argv.index("trace_file=example_chat_dp2.csv")] = f"trace_file={short}"
+    serving_trace._SHAPES.clear()
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "# padding tax over the trace (oblivious | masked):" in stdout
+    assert "least tax (DP 2, SP 2, DBO on, EP 2): capture list pow2" in stdout
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("padding_tax-")]
+    assert main(["plot", str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    kinds = {p.name.split("__")[0].removesuffix(".png") for p in (tmp_path / "plots" / run_dir.name).glob("*.png")}
+    assert {"trace_tokens", "trace_cumulative", "trace_tax"} <= kinds
+    report = tmp_path / "report.md"
+    assert main(["report", str(run_dir), "-o", str(report)]) == 0
+    text = report.read_text()
+    assert text.index("### Padding tax over the trace") < text.index("- **sweep**")

@@ -27,8 +27,12 @@ def trace_tokens(run: Run, out: Path) -> list[Plot]:
     plots = []
     for r in _trace_records(run):
         steps = r["info"]["trace_steps"]
-        xs = [s["step"] for s in steps]
+        if not steps:
+            continue
+        # step="post" draws each value up to the next x: one more x gives the last step its width
+        xs = [s["step"] for s in steps] + [steps[-1]["step"] + 1]
         layers = [[sum(s["real"]) for s in steps]] + [[s["added_rows"][k] for s in steps] for k in _PRODUCERS]
+        layers = [layer + layer[-1:] for layer in layers]
         fig, axes = new_figure(1, 1, panel_w=9.0, panel_h=3.4)
         ax = axes[0, 0]
         colors = ["#4c72b0"] + palette(len(_PRODUCERS), "autumn")
