@@ -291,3 +291,15 @@ def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):
     assert main(["report", str(run_dir), "-o", str(report)]) == 0
     text = report.read_text()
     assert text.index("### Padding tax over the trace") < text.index("- **sweep**")
+
+
+def test_fp8_experts_over_a_trace():
+    from moebench.registry import RunContext, get
+
+    serving_trace._SHAPES.clear()
+    p = replace(Params(), num_experts=8, top_k=2, hidden=128, intermediate=128, group_size=32, block_size=16,
+                expert_dtype="fp8", trace=[3], capture_sizes=[4])
+    case = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu")))
+    assert case.check().ok
+    assert case.info["engine"]["expert_dtype"] == "fp8"
+    assert case.info["headline"]["padding_gemm_rows"] == {"masked": 0, "oblivious": 2}  # one padded row, top-2
