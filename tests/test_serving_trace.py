@@ -303,3 +303,19 @@ def test_fp8_experts_over_a_trace():
     assert case.check().ok
     assert case.info["engine"]["expert_dtype"] == "fp8"
     assert case.info["headline"]["padding_gemm_rows"] == {"masked": 0, "oblivious": 2}  # one padded row, top-2
+
+
+def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
+    from moebench.bench._trace_shapes import ShapeFigures
+
+    engine = Engine((4, 8), dp_size=2, dbo=True)
+    step = step_padding([8, 3], engine)  # micro-batches of 4 and 4 rows on both DP ranks
+    assert [(c.dp_rank, c.micro_batch, c.rows, c.real) for c in step.calls] == [
+        (0, 0, 4, 4), (0, 1, 4, 4), (1, 0, 4, 3), (1, 1, 4, 0)]
+
+    def shape(rows, real, loads):
+        return ShapeFigures(rows, real, {}, {}, {"oblivious": loads}, {})
+
+    figures = {(4, 4): shape(4, 4, [6, 2]), (4, 3): shape(4, 3, [0, 6]), (4, 0): shape(4, 0, [8, 0])}
+    # micro-batch 0: [6, 2] + [0, 6] = [6, 8], excess 1; micro-batch 1: [6, 2] + [8, 0] = [14, 2], excess 6
+    assert serving_trace._ep_excess(step, figures, "oblivious") == 1 + 6

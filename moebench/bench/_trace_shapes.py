@@ -9,7 +9,8 @@ p.padding_fill, seed_offset from the shape), the same for both sides. The expert
 per shape, timed through measure.timing.measure with the sweep's timing, and freed.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
   padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
-  ep_excess_routes    the slowest of ep_size EP ranks' routes over the mean rank's (0 with one rank)
+  rank_loads          routes to each of the ep_size EP ranks' experts (the step sums them over the calls that
+                      dispatch together: its slowest rank's excess over the mean rank)
   max_rows_per_rank   the most rows any EP rank receives (what a fixed-capacity dispatch sizes its blocks by)
 """
 
@@ -50,12 +51,12 @@ class ShapeFigures:
     real: int
     layer_us: dict[str, float]
     padding_gemm_rows: dict[str, int]
-    ep_excess_routes: dict[str, float]
+    rank_loads: dict[str, list[int]]
     max_rows_per_rank: dict[str, int]
 
     def as_dict(self) -> dict:
         return {"rows": self.rows, "real": self.real, "layer_us": {k: round(v, 3) for k, v in self.layer_us.items()},
-                "padding_gemm_rows": self.padding_gemm_rows, "ep_excess_routes": self.ep_excess_routes,
+                "padding_gemm_rows": self.padding_gemm_rows, "rank_loads": self.rank_loads,
                 "max_rows_per_rank": self.max_rows_per_rank}
 
 
@@ -65,19 +66,18 @@ def _weights(p: Params, device: torch.device):
     return cached_expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, device)
 
 
-def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, float, int]:
-    """(padding_gemm_rows, ep_excess_routes, max_rows_per_rank) of one side's routing `ids` [T, K]."""
+def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int], int]:
+    """(padding_gemm_rows, rank_loads, max_rows_per_rank) of one side's routing `ids` [T, K]."""
     ids = ids.to(torch.int64)
     local = (ids >= 0) & (ids < p.local_experts)
     gemm_rows = int(local[batch.is_padding].sum().item())
+    loads = per_rank_loads(ids, p.num_experts, p.ep_size).tolist()
     if p.ep_size == 1:
-        return gemm_rows, 0.0, int((ids >= 0).any(dim=1).sum().item())
-    loads = per_rank_loads(ids, p.num_experts, p.ep_size).to(torch.float64)
-    excess = float((loads.max() - loads.mean()).item())
+        return gemm_rows, loads, int((ids >= 0).any(dim=1).sum().item())
     epr = EPLayout.of(p).experts_per_rank
     dest = torch.where(ids >= 0, ids // epr, torch.full_like(ids, -1))
     in_rank = torch.stack([(dest == r).any(dim=1) for r in range(p.ep_size)], dim=1)
-    return gemm_rows, excess, int(in_rank.sum(dim=0).max().item())
+    return gemm_rows, loads, int(in_rank.sum(dim=0).max().item())
 
 
 class ShapeBench:

@@ -112,6 +112,20 @@ def _capacities(step: StepPadding, figures: dict, side: str, p: Params) -> list[
     return caps
 
 
+def _ep_excess(step: StepPadding, figures: dict, side: str) -> float:
+    """The slowest EP rank's routes over the mean rank's, summed over the step's micro-batches: the calls of one
+    micro-batch (every DP and SP rank) dispatch to the same EP ranks together, so their loads add up first."""
+    excess = 0.0
+    for m in range(len(step.micro_batch_rows)):
+        loads = [0] * len(next(iter(figures.values())).rank_loads[side]) if figures else []
+        for c in step.calls:
+            if c.micro_batch == m:
+                loads = [a + b for a, b in zip(loads, figures[(c.rows, c.real)].rank_loads[side])]
+        if loads:
+            excess += max(loads) - sum(loads) / len(loads)
+    return excess
+
+
 def step_records(p: Params, tokens, paddings, per_step, figures) -> list[dict[str, Any]]:
     out = []
     for i, (real, step, times) in enumerate(zip(tokens, paddings, per_step)):
@@ -125,8 +139,7 @@ def step_records(p: Params, tokens, paddings, per_step, figures) -> list[dict[st
             "real_only_us": {s: round(v, 3) for s, v in times["real_only_us"].items()},
             "padding_gemm_rows": {s: sum(figures[(c.rows, c.real)].padding_gemm_rows[s] for c in step.calls)
                                   for s in SIDES},
-            "ep_excess_routes": {s: sum(figures[(c.rows, c.real)].ep_excess_routes[s] for c in step.calls)
-                                 for s in SIDES}}
+            "ep_excess_routes": {s: _ep_excess(step, figures, s) for s in SIDES}}
         if p.ep_size > 1:
             rec["capacity"] = {s: _capacities(step, figures, s, p) for s in SIDES}
         out.append(rec)
