@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a field here; anything else is
@@ -30,7 +30,9 @@ class Params:
     padding_producer: str = "ratio"
     padding_fill: str = "repeat"
     mask: bool = True  # pass is_padding to mask-aware impls (False: padded rows routed like real ones)
-    capture_sizes: Optional[list] = None  # cudagraph producer; None = 1,2,4,8 then multiples of 8 up to 512
+    # cudagraph producer: a list, a name of moebench.traces.capture_lists, or None = 1,2,4,8 then multiples of 8
+    # up to 512
+    capture_sizes: Optional[Union[list, str]] = None
     producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
     # the mask the router is handed (scenarios d and g; moebench.inputs.router_mask documents both)
     pcp_mask: str = "gathered"  # pcp: the gathered mask (the fix) or the rank-local one (the size-mismatch bug)
@@ -68,6 +70,12 @@ class Params:
     trace_steps: int = 100
     trace_distribution: str = "decode_prefill"
     trace_max_tokens: int = 8192
+    # serving_trace: the engine around the layer, and a user's trace (moebench.traces.csv_trace)
+    dp_size: int = 1  # DP ranks, each with its own real tokens per step, padded to the max across them
+    sp_size: int = 1  # sequence parallelism: SP (TP) ranks each micro-batch is padded for and chunked over
+    dbo: bool = False  # dual-batch overlap: two micro-batches per step
+    trace_file: Optional[str] = None  # CSV of per-step token counts (one column, or one per DP rank)
+    trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
@@ -169,5 +177,6 @@ class Point:
 
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
 _LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None,
-                   "config": None}
+                   "config": None, "dp_size": 1, "sp_size": 1, "dbo": False, "trace_file": None,
+                   "trace_replay": 0}
 _NO_DEFAULT = object()

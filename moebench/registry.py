@@ -29,7 +29,7 @@ __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "r
            "register_variants", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
 
 # Sweep targets. An impl declares which of them it can be timed under.
-TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace")
+TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace", "serving_trace")
 
 BENCH_PACKAGE = "moebench.bench"  # every module of it registers impls at import
 PEERS_PACKAGE = "moebench.peers"  # likewise: library adapters and torch.compile peers

@@ -30,6 +30,7 @@ SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, 
 FAMILY_OVERRIDES = {
     "ep_sim": dict(ep_mode="simulated", ep_size=2),  # its validate accepts simulated points only
     "jit_trace": dict(hidden=32, trace=[5, 17, 5, 40], num_max_tokens_per_rank=48, padding_ratio=0.0),
+    "serving_trace": dict(trace=[3, 6], capture_sizes=[4, 8]),  # 4 distinct shapes
 }
 # fp8 expert impls need 128x128 weight blocks
 IMPL_PREFIX_OVERRIDES = {"fused_experts.fp8": dict(hidden=128, intermediate=128, group_size=32)}

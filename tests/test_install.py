@@ -60,6 +60,11 @@ def test_pip_install_runs_bundled_quickstart(tmp_path):
     dry = subprocess.run([str(python), "-m", "moebench", "run", "sp_padding_straggler", "--dry-run", "--device",
                           "cpu"], capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
     assert dry.returncode == 0 and "planned" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-3000:]
+    # the bundled example trace is package data: the installed copy finds it by name
+    trace = subprocess.run([str(python), "-m", "moebench", "run", "padding_tax", "--dry-run", "--device", "cpu",
+                            "--set", "trace_file=example_chat_dp2.csv"], capture_output=True, text=True,
+                           timeout=120, env=_env(), cwd=work)
+    assert trace.returncode == 0 and "planned" in trace.stdout, trace.stdout[-2000:] + trace.stderr[-3000:]
     run = subprocess.run([str(python), "-m", "moebench", "run", "quickstart", "--out", str(tmp_path / "runs"),
                           "--device", "cpu", "--no-plots", "--set", "axes.num_tokens=[64]", "--set",
                           "axes.padding_ratio=[0.5]", "--set", "timing.iters=1", "--set", "timing.warmup=0"],

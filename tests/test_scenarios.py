@@ -29,6 +29,9 @@ SMALL = {
     "topk6": ["num_experts=32", "axes.num_tokens=[16]"],
     "minus_one_and_nan": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32", "hidden=64"],
     "dbo_mask_slices": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32"],
+    "padding_tax": ["num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64",
+                    "intermediate=32", "group_size=16", "block_size=16", "ep_size=2", "dp_size=2", "sp_size=1",
+                    "trace=[3,5,1]", "axes.capture_sizes=[pow2,dense]"],
 }
 
 
@@ -251,3 +254,22 @@ def test_new_mask_knobs_keep_the_point_keys_of_committed_runs():
     assert checked
     moved = Params(padding_producer="pcp", pcp_mask="local")
     assert Point(0, "x.y", moved).key != Point(0, "x.y", Params(padding_producer="pcp")).key
+
+
+def test_h_padding_tax(tmp_path):
+    rows, code, records = _run("padding_tax", tmp_path)
+    assert code == 0 and {r["params"]["capture_sizes"] for r in records} == {"pow2", "dense"}
+    by_list = {r["params"]["capture_sizes"]: r["info"] for r in records}
+    pow2, dense = by_list["pow2"], by_list["dense"]
+    # trace [3, 5, 1] on both DP ranks: pow2 pads 3 -> 4 and 5 -> 8 (2 ranks each), 1 is a capture size
+    assert [s["padded_rows"] for s in pow2["trace_steps"]] == [2, 6, 0]
+    assert [s["padded_rows"] for s in dense["trace_steps"]] == [0, 0, 0]
+    # no padded row with the dense list: no time on padding, exactly (each call is its own real-only shape)
+    assert dense["headline"]["padding_us"] == {"masked": 0.0, "oblivious": 0.0}
+    assert dense["shapes_measured"] == 0  # its shapes are pow2's real-only ones, measured by the first point
+    assert pow2["headline"]["padding_gemm_rows"]["masked"] == 0
+    assert pow2["headline"]["jit_compiles"]["oblivious"] >= 1
+    gemm = _by_prefix(rows, "expert-GEMM rows")
+    assert gemm.without is None and gemm.with_ is None  # the small run has no default list: n/a, not 0
+    tax = _by_prefix(rows, "padding tax, oblivious, pow2")
+    assert tax.without is not None and tax.with_ is None

@@ -24,7 +24,8 @@ Batch sizes: p.trace when given, else p.trace_steps sizes drawn from p.trace_dis
   decode_prefill  DECODE_SHARE of the steps are decode batches uniform over 1..DECODE_MAX_TOKENS, the rest prefill
                   chunks uniform over DECODE_MAX_TOKENS+1..max;
   lognormal       round(exp(N(mu, sigma))) clipped to [1, max] with mu = ln(max)/2 (median sqrt(max)) and
-                  sigma = ln(max)/6 (+-3 sigma spans [1, max]).
+                  sigma = ln(max)/6 (+-3 sigma spans [1, max]);
+  chat, mixed, prefill_heavy  moebench.traces.distributions (the serving_trace mixes, DP rank 0's stream).
 
 The record's `info`: trace_steps [{step, batch, max_rows, capacity, compiles, compile_s, disk_cache_hits}] with
 `compiles` the new capacity variants compiled at that step (compile events of the pack kernel; the combine kernel
@@ -63,6 +64,7 @@ from moebench.kernels._details.jit import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
+from moebench.traces.distributions import SERVING_MIXES, serving_tokens
 
 DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
 DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch
@@ -80,6 +82,8 @@ def trace_batch_sizes(p: Params) -> list[int]:
     if p.trace is not None:
         return [int(b) for b in p.trace]
     top = int(p.trace_max_tokens)
+    if p.trace_distribution in SERVING_MIXES:  # the serving_trace mixes, as its DP rank 0 draws them
+        return serving_tokens(p.trace_distribution, p.trace_steps, top, p.seed, 0)
     rng = random.Random(p.seed * 1_000_003 + TRACE_SEED_SALT)
     sizes = []
     for _ in range(p.trace_steps):
@@ -305,6 +309,8 @@ def validate_trace(p: Params) -> str | None:
     if top > p.num_max_tokens_per_rank:
         key = "trace" if p.trace is not None else "trace_max_tokens"
         return f"{key}: batches up to {top} > num_max_tokens_per_rank {p.num_max_tokens_per_rank} (the buffer)"
+    if p.trace_file is not None:
+        return "trace_file: read by the serving_trace target only (jit_trace takes trace: [batch sizes])"
     if p.ep_mode != "real":
         return "ep_mode: jit_trace runs in one process; ep_size only sets the destinations (use ep_mode: real)"
     return None

@@ -384,7 +384,8 @@ def check_pipeline(pipe: LayerPipeline, *, bitwise_staging: bool, seed: int) -> 
 # Registration
 # ---------------------------------------------------------------------------------------------------------------
 
-def _validate(p) -> str | None:
+def layer_point_problem(p) -> str | None:
+    """Why the layer cannot run at point p (its shapes, formats and router limits), or None."""
     if p.expert_dtype == "fp8" and (why := fp8_layout_problem(p)) is not None:
         return f"expert_dtype fp8: {why}"
     if p.group_size < 8 or p.group_size & (p.group_size - 1) or p.group_size > 1024:
@@ -479,5 +480,5 @@ _DESCRIPTIONS = {
 }
 for _variant in ("masked", "oblivious"):
     register_impl(f"layer.{_variant}", targets=("layer",), description=_DESCRIPTIONS[_variant],
-                  available=triton_available, validate=_validate,
+                  available=triton_available, validate=layer_point_problem,
                   twin_of="layer.masked" if _variant == "oblivious" else None)(_build(_variant))

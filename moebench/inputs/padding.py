@@ -20,6 +20,7 @@ import torch
 
 from moebench.kernels._details.args import check_mask  # noqa: F401  (re-exported)
 from moebench.params import Params, padding_rows
+from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
 
 FILLS = ("zeros", "repeat", "stale", "random")
 
@@ -91,17 +92,18 @@ def _pad_rows(x: torch.Tensor, total_rows: int, is_padding: torch.Tensor | None 
 
 def default_capture_sizes() -> list[int]:
     """The common serving list of CUDA-graph capture sizes: 1, 2, 4, 8, then multiples of 8 up to 512."""
-    return [1, 2, 4] + list(range(8, 513, 8))
+    return list(CAPTURE_LISTS["default"])
 
 
-def cudagraph_padded_size(num_real: int, capture_sizes: Sequence[int] | None = None) -> int:
+def cudagraph_padded_size(num_real: int, capture_sizes: Sequence[int] | str | None = None) -> int:
     """Rows the batch has once padded for CUDA-graph replay: the smallest capture size >= `num_real`.
 
+    `capture_sizes`: the sizes, or a name of moebench.traces.capture_lists (None or empty: the default list).
     Above the largest capture size the batch runs eagerly, unpadded (returns `num_real`); 0 tokens stay 0.
     """
     if num_real < 0:
         raise ValueError(f"num_real must be >= 0, got {num_real}")
-    sizes = sorted(capture_sizes) if capture_sizes else default_capture_sizes()
+    sizes = resolve_capture_sizes(capture_sizes) if capture_sizes else default_capture_sizes()
     if num_real == 0:
         return 0
     for size in sizes:
@@ -110,7 +112,7 @@ def cudagraph_padded_size(num_real: int, capture_sizes: Sequence[int] | None = N
     return int(num_real)
 
 
-def cudagraph_pad(x: torch.Tensor, capture_sizes: Sequence[int] | None = None, *,
+def cudagraph_pad(x: torch.Tensor, capture_sizes: Sequence[int] | str | None = None, *,
                   is_padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad the rows of `x` ([T, ...]) to the CUDA-graph capture size: (x_padded, is_padding [T_padded]).
 

@@ -30,6 +30,7 @@ from moebench.plots.roof import roof_fraction
 from moebench.plots.saving import saving_vs_padding
 from moebench.plots.scaling import ep_scaling
 from moebench.plots.stages import layer_stages
+from moebench.plots.trace import trace_cumulative, trace_tax, trace_tokens
 
 __all__ = ["FIGURES", "KINDS", "Figure", "Plot", "Run", "default_plot_dir", "load_run", "make_plots", "ok_records",
            "plot_index"]
@@ -77,6 +78,18 @@ FIGURES: tuple[Figure, ...] = (
            "Each impl's p50 over the fastest other peer's p50 at the same point (peers: torch.compile, library "
            "adapters, plugins; dashed) vs num_tokens, one panel per kernel family; below 1: faster than every peer.",
            peer_ratio),
+    Figure("trace_tokens",
+           "Serving trace: real tokens per step over all layer calls, and the padded rows each producer added "
+           "(capture size, DP max, SP divisibility), stacked.",
+           trace_tokens),
+    Figure("trace_cumulative",
+           "Serving trace: cumulative MoE-layer time over the steps, masked solid, oblivious dashed, one colour per "
+           "capture list.",
+           trace_cumulative),
+    Figure("trace_tax",
+           "Serving trace: the padding tax (layer time on padded rows over the layer time) per capture list, "
+           "oblivious vs masked.",
+           trace_tax),
 )
 
 KINDS: dict[str, str] = {f.kind: f.blurb for f in FIGURES}  # kind -> blurb

@@ -8,6 +8,7 @@ A sweep may carry `headlines:`, a list of specs:
         reduce: max                                   # how the selected records' values become one number
         without: {mask: false}                        # the records of the bug (a selector)
         with: {mask: true}                            # the records of the fix
+        with_metric: info.other                       # optional: the `with` records' metric (default: metric)
         equal_to: {mask: false}                       # optional: `with` must equal these, pair by pair
         equal_metric: imbalance.real_only.rank.slowest_excess_ratio   # optional: their metric (default: metric)
         without_label: unmasked                       # optional column names (default: without / with)
@@ -36,7 +37,7 @@ from typing import Any, Iterable
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
 HEADLINE_KEYS = {"label": str, "metric": str, "reduce": str, "without": dict, "with": dict, "equal_to": dict,
-             "equal_metric": str, "without_label": str, "with_label": str}
+             "equal_metric": str, "without_label": str, "with_label": str, "with_metric": str}
 _REQUIRED = ("label", "metric", "reduce", "without", "with")
 
 
@@ -55,8 +56,9 @@ def spec_problem(spec: Any, param_names: Iterable[str], impls: Iterable[str]) ->
             return f"{k}: missing"
     if not spec["label"].strip():
         return "label: empty"
-    if not spec["metric"] or any(not part for part in spec["metric"].split(".")):
-        return f"metric: {spec['metric']!r} is not a dotted path"
+    for key in ("metric", "with_metric"):
+        if key in spec and (not spec[key] or any(not part for part in spec[key].split("."))):
+            return f"{key}: {spec[key]!r} is not a dotted path"
     if spec["reduce"] not in REDUCES:
         return f"reduce: {spec['reduce']!r} is not one of {', '.join(REDUCES)}"
     known = set(param_names) | set(RECORD_KEYS)
@@ -215,7 +217,9 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
         for side in ("without", "with"):
             chosen = select(records, spec[side])
             counts[side] = len(chosen)
-            sides[side] = reduce_values([metric_value(r, spec["metric"]) for r in chosen], spec["reduce"])
+            # with_metric: both sides read from the same records (a serving_trace record holds masked and oblivious)
+            metric = spec.get("with_metric", spec["metric"]) if side == "with" else spec["metric"]
+            sides[side] = reduce_values([metric_value(r, metric) for r in chosen], spec["reduce"])
         row = HeadlineRow(label=spec["label"], without=sides["without"], with_=sides["with"],
                           without_label=spec.get("without_label", "without"),
                           with_label=spec.get("with_label", "with"), n_without=counts["without"],

@@ -1,8 +1,9 @@
 """`moebench report RUN_DIR... -o FILE.html|FILE.md`: one page of one or more runs, made from what they stored.
 
-For every run: the manifest (GPU, driver, CUDA, torch, Triton, DeepEP, commit, command, when), the headline numbers
-its sweep declares (moebench.report.headline, computed from the records), its table (one row per point, with its
-fraction of the GEMM ceiling where the run timed one: moebench.report.ceiling) and its plots.
+For every run: a serving_trace run's padding-tax table first (moebench.report.trace_tax), then the manifest (GPU,
+driver, CUDA, torch, Triton, DeepEP, commit, command, when), the headline numbers its sweep declares
+(moebench.report.headline, computed from the records), its table (one row per point, with its fraction of the GEMM
+ceiling where the run timed one: moebench.report.ceiling) and its plots.
 HTML is one self-contained file: the PNGs are embedded as data URIs, the style is inline, nothing is fetched.
 Markdown (for a pull request) links the PNGs by their path relative to the output file instead.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.report.ceiling import ceiling_rows
+from moebench.report import trace_tax
 from moebench.report.headline import HeadlineRow, evaluate, format_value
 from moebench.run.results import MANIFEST, RECORDS, load_records
 
@@ -276,6 +278,10 @@ def render_html(runs: list[RunView], title: str) -> str:
                                       for i, r in enumerate(runs)) + "</ul>")
     for i, run in enumerate(runs):
         parts.append(f'<h2 id="run-{i}">{e(run.name)}</h2>')
+        tax_head, tax_rows = trace_tax.table(run.records)
+        if tax_rows:  # a serving_trace run: its headline comes first
+            parts.append("<h3>Padding tax over the trace</h3>")
+            parts.append(_html_table(tax_head, tax_rows, cls="headlines"))
         if not profile_only(run):
             parts.append("<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in manifest_items(run))
                          + "</dl>")
@@ -323,6 +329,9 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
     parts = [f"# {title}", ""]
     for run in runs:
         parts += [f"## {run.name}", ""]
+        tax_head, tax_rows = trace_tax.table(run.records)
+        if tax_rows:  # a serving_trace run: its headline comes first
+            parts += ["### Padding tax over the trace", "", _md_table(tax_head, tax_rows), ""]
         if not profile_only(run):
             parts += [f"- **{k}**: `{v}`" if k in ("commit", "command") else f"- **{k}**: {v}"
                       for k, v in manifest_items(run)]

@@ -290,6 +290,10 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
 
     for text in footer_lines(records, list(sweep.headlines)):
         table.comment(text)
+    from moebench.report.trace_tax import footer_lines as tax_footer_lines  # serving_trace: the padding tax
+
+    for text in tax_footer_lines(records):
+        table.comment(text)
     from moebench.report.peers import peer_footer_lines  # each impl's p50 against the best peer at the same point
 
     for text in peer_footer_lines(records):

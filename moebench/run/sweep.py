@@ -30,6 +30,8 @@ from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
 from moebench.report.headline import spec_problem
 from moebench.run import strict_yaml
+from moebench.traces.capture_lists import capture_list_problem
+from moebench.traces.csv_trace import trace_file_problem
 
 
 class SweepError(ValueError):
@@ -49,7 +51,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scale_format": ("ue8m0_packed", "fp32"),
     "ep_mode": ("real", "simulated"),
     "capacity_policy": ("exact", "pow2", "max"),
-    "trace_distribution": ("uniform", "decode_prefill", "lognormal"),
+    "trace_distribution": ("uniform", "decode_prefill", "lognormal", "chat", "mixed", "prefill_heavy"),
     "pcp_mask": ("gathered", "local"),
     "dbo_mask": ("sliced", "full", "none"),
     "expert_dtype": ("bf16", "fp8"),
@@ -102,7 +104,7 @@ def params_problem(p: Params) -> str | None:
     """Why a combination of parameters is impossible, or None. Impl-specific limits live in Impl.validate."""
     positive = ("num_tokens", "num_experts", "top_k", "hidden", "intermediate", "group_size", "block_size",
                 "ep_size", "num_expert_group", "topk_group", "producer_size", "num_max_tokens_per_rank",
-                "trace_steps", "trace_max_tokens", "hot_experts")
+                "trace_steps", "trace_max_tokens", "hot_experts", "dp_size", "sp_size")
     for k in positive:
         if getattr(p, k) < 1:
             return f"{k}: must be >= 1, got {getattr(p, k)}"
@@ -127,10 +129,16 @@ def params_problem(p: Params) -> str | None:
         return f"hot_ratio: must be in [0, 1], got {p.hot_ratio}"
     if p.zipf_exponent < 0:
         return f"zipf_exponent: must be >= 0, got {p.zipf_exponent}"
-    if p.capture_sizes is not None and (not p.capture_sizes or min(p.capture_sizes) < 1):
-        return "capture_sizes: must be a non-empty list of positive ints"
+    why = capture_list_problem(p.capture_sizes)
+    if why:
+        return f"capture_sizes: {why}"
     if p.trace is not None and (not p.trace or min(p.trace) < 1):
         return "trace: must be a non-empty list of positive batch sizes"
+    if p.trace_replay < 0:
+        return f"trace_replay: must be >= 0, got {p.trace_replay}"
+    why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
+    if why:
+        return f"trace_file: {why}"
     # pcp_mask / dbo_mask (moebench.inputs.router_mask) only mean something with their producer
     if p.pcp_mask != "gathered" and p.padding_producer != "pcp":
         return f"pcp_mask: {p.pcp_mask!r} needs padding_producer pcp, got {p.padding_producer!r}"

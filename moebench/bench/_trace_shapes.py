@@ -1,0 +1,125 @@
+"""One padded shape of a serving trace, measured once: the layer of moebench.bench.layer timed masked and
+oblivious on a seeded batch of `rows` rows whose first `real` are real tokens, and the figures its routing gives.
+
+A shape is (rows, real): the layer's work depends on both (the masked layer computes the real rows' routes, the
+oblivious one every row's, and repeat-filled padding piles onto the experts the copied row picks). Every shape
+gets its own seeded batch (make_batch at num_tokens = rows, the trailing rows - real rows padding, filled per
+p.padding_fill, seed_offset from the shape), the same for both sides. The expert weights are the cached ones
+(inputs.cached_expert_weights: built once for the run's layer shape); each side's LayerPipeline is built once
+per shape, timed through measure.timing.measure with the sweep's timing, and freed.
+Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
+  padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
+  rank_loads          routes to each of the ep_size EP ranks' experts (the step sums them over the calls that
+                      dispatch together: its slowest rank's excess over the mean rank)
+  max_rows_per_rank   the most rows any EP rank receives (what a fixed-capacity dispatch sizes its blocks by)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moebench.bench.layer import LayerPipeline, check_pipeline
+from moebench.check import CheckResult
+from moebench.inputs import cached_expert_weights, make_batch, route
+from moebench.measure.imbalance import per_rank_loads
+from moebench.measure.timing import measure
+from moebench.params import EPLayout, Params, Timing
+
+SIDES = ("masked", "oblivious")
+
+
+def shape_params(p: Params, rows: int, real: int) -> Params:
+    """The layer point of one shape: `rows` rows, the trailing rows - real of them padding."""
+    if not 0 <= real <= rows or rows < 1:
+        raise ValueError(f"shape ({rows}, {real}): need 0 <= real <= rows and rows >= 1")
+    # rows * ((rows - real) / rows) is within an ulp of rows - real, so padding_rows() rounds back to it exactly
+    return replace(p, num_tokens=rows, padding_producer="ratio", padding_ratio=(rows - real) / rows, mask=True,
+                   trace=None, trace_file=None)
+
+
+def shape_seed_offset(rows: int, real: int) -> int:
+    return 7_919 * rows + real
+
+
+@dataclass
+class ShapeFigures:
+    """What one shape costs, per side (dicts keyed by SIDES)."""
+
+    rows: int
+    real: int
+    layer_us: dict[str, float]
+    padding_gemm_rows: dict[str, int]
+    rank_loads: dict[str, list[int]]
+    max_rows_per_rank: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {"rows": self.rows, "real": self.real, "layer_us": {k: round(v, 3) for k, v in self.layer_us.items()},
+                "padding_gemm_rows": self.padding_gemm_rows, "rank_loads": self.rank_loads,
+                "max_rows_per_rank": self.max_rows_per_rank}
+
+
+def _weights(p: Params, device: torch.device):
+    if p.expert_dtype == "fp8":
+        return None, None  # the pipeline's fp8 experts quantise (once per weight key) and hold the weights
+    return cached_expert_weights(p.local_experts, p.hidden, p.intermediate, p.seed, device)
+
+
+def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int], int]:
+    """(padding_gemm_rows, rank_loads, max_rows_per_rank) of one side's routing `ids` [T, K]."""
+    ids = ids.to(torch.int64)
+    local = (ids >= 0) & (ids < p.local_experts)
+    gemm_rows = int(local[batch.is_padding].sum().item())
+    loads = per_rank_loads(ids, p.num_experts, p.ep_size).tolist()
+    if p.ep_size == 1:
+        return gemm_rows, loads, int((ids >= 0).any(dim=1).sum().item())
+    epr = EPLayout.of(p).experts_per_rank
+    dest = torch.where(ids >= 0, ids // epr, torch.full_like(ids, -1))
+    in_rank = torch.stack([(dest == r).any(dim=1) for r in range(p.ep_size)], dim=1)
+    return gemm_rows, loads, int(in_rank.sum(dim=0).max().item())
+
+
+class ShapeBench:
+    """Builds, times and measures shapes of one layer point (the sweep's layer parameters)."""
+
+    def __init__(self, p: Params, device: torch.device, timing: Timing):
+        self.p, self.device, self.timing = p, device, timing
+        self.w13, self.w2 = _weights(p, device)
+
+    def batch(self, rows: int, real: int):
+        sp = shape_params(self.p, rows, real)
+        return sp, make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
+
+    def pipeline(self, sp: Params, batch, side: str) -> LayerPipeline:
+        return LayerPipeline(sp, batch, self.w13, self.w2, masked=side == "masked", mask=batch.is_padding)
+
+    def time_side(self, sp: Params, batch, side: str) -> float:
+        """p50 microseconds of one side's layer on this batch (its pipeline built here and freed)."""
+        pipe = self.pipeline(sp, batch, side)
+        try:
+            return float(measure(pipe.run, self.timing, self.device, graph_capturable=True).stats["p50"])
+        finally:
+            del pipe
+
+    def measure_shape(self, rows: int, real: int) -> ShapeFigures:
+        sp, batch = self.batch(rows, real)
+        figures = {}
+        for side in SIDES:
+            _, ids = route(sp, batch, use_mask=side == "masked")
+            figures[side] = routing_figures(sp, batch, ids)
+        times = {side: self.time_side(sp, batch, side) for side in SIDES}
+        return ShapeFigures(rows, real, times, {s: f[0] for s, f in figures.items()},
+                            {s: f[1] for s, f in figures.items()}, {s: f[2] for s, f in figures.items()})
+
+    def check_shape(self, rows: int, real: int) -> CheckResult:
+        """Both sides' pipelines at one shape against the plain-torch references, stage by stage."""
+        sp, batch = self.batch(rows, real)
+        results = []
+        for side in SIDES:
+            res = check_pipeline(self.pipeline(sp, batch, side), bitwise_staging=self.device.type == "cuda",
+                                 seed=sp.seed)
+            if not res.ok:
+                res = CheckResult(False, f"{side} layer at ({rows} rows, {real} real): {res.detail}", res.metrics)
+            results.append(res)
+        return CheckResult.merge(*results)

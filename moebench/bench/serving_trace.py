@@ -1,0 +1,258 @@
+"""The serving_trace target: the padding tax of a serving configuration over a serving trace.
+
+`serving_trace.layer` takes an engine configuration and a trace, and gives the MoE layer's GPU time over the
+trace with the padding masked and with it routed (both sides in every record), split into real and padded rows.
+  engine  the layer's parameters (a `model:` preset or the shape keys; expert_dtype; ep_size, this rank owning
+          num_experts / ep_size experts as in the layer target), capture_sizes (a name of
+          moebench.traces.capture_lists or a list), dp_size, sp_size (the SP / TP ranks), dbo, padding_fill
+  trace   trace_file (a CSV: moebench.traces.csv_trace), else trace (one list of token counts for every DP
+          rank), else trace_steps counts per DP rank drawn from trace_distribution (chat, mixed, prefill_heavy:
+          moebench.traces.distributions; uniform, decode_prefill, lognormal: jit_trace's) up to trace_max_tokens
+Every step goes through the producers (moebench.inputs.engine_padding: capture size, DP max, DBO halves, SP
+divisibility), giving its layer calls (rows, real). Each distinct shape is measured once (_trace_shapes: both
+sides' layers built once and timed, the routing's figures) and the trace is composed from them (_trace_compose).
+Shapes already measured by an earlier point of the same process at the same layer parameters (a what-if axis over
+capture lists shares most of them) are reused; the record says how many.
+`trace_replay: N` also replays the first N steps one call at a time (each built and timed afresh) and records the
+composed and replayed totals. EP: the per-rank loads are computed from the routing (the slowest-rank excess), the
+time is this rank's layer; real EP ranks are not run by this target. JIT: the fixed-capacity dispatch's compiles
+are predicted from the capacities (capacity_policy, num_max_tokens_per_rank) of each micro-batch's largest
+per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
+
+Case.run (what the runner times) is the masked layer at the trace's most frequent call shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from moebench.bench import jit_trace
+from moebench.bench._trace_compose import SIDES, compose, distinct_shapes, headline, replay, totals
+from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
+from moebench.bench.experts import triton_available
+from moebench.bench.layer import layer_point_problem
+from moebench.check import CheckResult
+from moebench.dispatch.pack import capacity_for
+from moebench.inputs.engine_padding import Engine, StepPadding, step_padding
+from moebench.kernels.fused_experts import expert_work
+from moebench.params import Params, Timing
+from moebench.registry import Case, RunContext, register_impl
+from moebench.traces.capture_lists import capture_list_label, resolve_capture_sizes
+from moebench.traces.csv_trace import read_trace_file
+from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+
+# How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
+# the cost per shape fixed: the scenario's 1000 steps have about 740 shapes per capture list), one wall-clock
+# sample under the CPU interpreter (a layer call there takes a good fraction of a second).
+SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, max_seconds=5.0),
+                "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
+# Parameters that shape the trace or the engine, not the layer: shapes measured at one layer point are reused
+# across points differing only by these.
+_TRACE_KEYS = ("capture_sizes", "dp_size", "sp_size", "dbo", "trace", "trace_file", "trace_steps",
+               "trace_distribution", "trace_max_tokens", "trace_replay", "capacity_policy",
+               "num_max_tokens_per_rank", "repeat", "num_tokens", "padding_ratio", "padding_producer")
+_SHAPES: dict[tuple, ShapeFigures] = {}  # one layer point's shapes; a new layer point clears it
+_SHAPES_OWNER: list = [None]
+
+
+def trace_tokens(p: Params) -> tuple[list[list[int]], dict[str, Any]]:
+    """([step][dp rank] real tokens, where they came from)."""
+    if p.trace_file is not None:
+        f = read_trace_file(p.trace_file)
+        return f.per_rank(p.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256, "columns": f.columns}
+    if p.trace is not None:
+        return [[int(t)] * p.dp_size for t in p.trace], {"source": "explicit"}
+    per_rank = []
+    for rank in range(p.dp_size):
+        if p.trace_distribution in SERVING_MIXES:
+            per_rank.append(serving_tokens(p.trace_distribution, p.trace_steps, p.trace_max_tokens, p.seed, rank))
+        else:  # jit_trace's own distributions, one seeded stream per DP rank
+            per_rank.append(jit_trace.trace_batch_sizes(replace(p, seed=p.seed * 131 + rank)))
+    return [list(step) for step in zip(*per_rank)], {"source": p.trace_distribution}
+
+
+def engine_of(p: Params) -> Engine:
+    return Engine(tuple(resolve_capture_sizes(p.capture_sizes)), p.dp_size, p.sp_size, p.dbo)
+
+
+def _layer_key(p: Params, device: torch.device) -> tuple:
+    d = p.to_dict()
+    return (str(device), tuple(sorted((k, repr(v)) for k, v in d.items() if k not in _TRACE_KEYS)))
+
+
+def measure_shapes(p: Params, bench: ShapeBench, shapes: list[tuple[int, int]], device: torch.device
+                   ) -> tuple[dict[tuple[int, int], ShapeFigures], int]:
+    """Every shape's figures (reusing this process's earlier measurements of the same layer point); the count of
+    shapes measured now."""
+    owner = _layer_key(p, device)
+    if _SHAPES_OWNER[0] != owner:
+        _SHAPES.clear()
+        _SHAPES_OWNER[0] = owner
+    measured = 0
+    for shape in shapes:
+        if shape not in _SHAPES:
+            _SHAPES[shape] = bench.measure_shape(*shape)
+            measured += 1
+    return {s: _SHAPES[s] for s in shapes}, measured
+
+
+def _capacities(step: StepPadding, figures: dict, side: str, p: Params) -> list[int]:
+    """Per micro-batch: the fixed-capacity dispatch's capacity (the largest per-rank receive of its calls)."""
+    caps = []
+    for m in range(len(step.micro_batch_rows)):
+        need = max((figures[(c.rows, c.real)].max_rows_per_rank[side] for c in step.calls if c.micro_batch == m),
+                   default=0)
+        # a receive larger than the buffer would not fit any capacity: it is counted at the buffer's capacity
+        caps.append(capacity_for(p.capacity_policy, min(need, p.num_max_tokens_per_rank), p.num_max_tokens_per_rank))
+    return caps
+
+
+def _ep_excess(step: StepPadding, figures: dict, side: str) -> float:
+    """The slowest EP rank's routes over the mean rank's, summed over the step's micro-batches: the calls of one
+    micro-batch (every DP and SP rank) dispatch to the same EP ranks together, so their loads add up first."""
+    excess = 0.0
+    for m in range(len(step.micro_batch_rows)):
+        loads = [0] * len(next(iter(figures.values())).rank_loads[side]) if figures else []
+        for c in step.calls:
+            if c.micro_batch == m:
+                loads = [a + b for a, b in zip(loads, figures[(c.rows, c.real)].rank_loads[side])]
+        if loads:
+            excess += max(loads) - sum(loads) / len(loads)
+    return excess
+
+
+def step_records(p: Params, tokens, paddings, per_step, figures) -> list[dict[str, Any]]:
+    out = []
+    for i, (real, step, times) in enumerate(zip(tokens, paddings, per_step)):
+        rec: dict[str, Any] = {
+            "step": i, "real": list(real), "cudagraph_rows": list(step.cudagraph_rows), "dp_rows": step.dp_rows,
+            "micro_batch_rows": list(step.micro_batch_rows), "sp_rows": list(step.sp_rows),
+            "chunk_rows": list(step.chunk_rows), "calls": len(step.calls),
+            "rows": sum(c.rows for c in step.calls), "padded_rows": step.padded_rows,
+            "added_rows": step.added_rows(),
+            "layer_us": {s: round(v, 3) for s, v in times["layer_us"].items()},
+            "real_only_us": {s: round(v, 3) for s, v in times["real_only_us"].items()},
+            "padding_gemm_rows": {s: sum(figures[(c.rows, c.real)].padding_gemm_rows[s] for c in step.calls)
+                                  for s in SIDES},
+            "ep_excess_routes": {s: _ep_excess(step, figures, s) for s in SIDES}}
+        if p.ep_size > 1:
+            rec["capacity"] = {s: _capacities(step, figures, s, p) for s in SIDES}
+        out.append(rec)
+    return out
+
+
+def trace_headline(p: Params, steps: list[dict], tot: dict) -> dict[str, Any]:
+    head = headline(tot)
+    real_rows = sum(sum(s["real"]) for s in steps)
+    padded = sum(s["padded_rows"] for s in steps)
+    head.update(real_tokens=real_rows, padded_rows=padded,
+                padding_row_share=padded / (padded + real_rows) if padded + real_rows else None,
+                padding_gemm_rows={s: sum(st["padding_gemm_rows"][s] for st in steps) for s in SIDES},
+                ep_excess_routes={s: sum(st["ep_excess_routes"][s] for st in steps) for s in SIDES})
+    head["ep_excess_from_padding"] = head["ep_excess_routes"]["oblivious"] - head["ep_excess_routes"]["masked"]
+    if p.ep_size > 1:
+        head["jit_compiles"] = {s: len({c for st in steps for c in st["capacity"][s]}) for s in SIDES}
+    else:
+        head["jit_compiles"] = {s: None for s in SIDES}  # one rank: no dispatch to size
+    return head
+
+
+def _replay_check(p: Params, bench: ShapeBench, paddings, table) -> dict[str, Any]:
+    """The first p.trace_replay steps replayed call by call (fresh batches and pipelines), against the
+    composition of the same steps."""
+    steps = paddings[:p.trace_replay]
+
+    def fresh(side: str, rows: int, real: int) -> float:
+        sp, batch = bench.batch(rows, real)
+        return bench.time_side(sp, batch, side)
+
+    t0 = time.perf_counter()
+    replayed = totals(replay(steps, fresh))["layer_us"]
+    composed = totals(compose(steps, table))["layer_us"]
+    rel = {s: abs(composed[s] - replayed[s]) / replayed[s] if replayed[s] else None for s in SIDES}
+    return {"steps": len(steps), "calls": sum(len(s.calls) for s in steps), "composed_us": composed,
+            "replayed_us": replayed, "rel_diff": rel, "wall_s": round(time.perf_counter() - t0, 3),
+            "within_5pct": all(v is not None and v <= 0.05 for v in rel.values())}
+
+
+def _validate(p: Params) -> str | None:
+    why = layer_point_problem(p)
+    if why:
+        return why
+    if p.ep_mode != "real":
+        return "ep_mode: serving_trace computes the EP ranks' loads itself (leave ep_mode: real)"
+    if p.trace_replay and p.trace_file is None and p.trace is None and p.trace_replay > p.trace_steps:
+        return f"trace_replay: {p.trace_replay} steps > trace_steps {p.trace_steps}"
+    return None
+
+
+@register_impl("serving_trace.layer", targets=("serving_trace",), available=triton_available, validate=_validate,
+               description="the MoE layer over a serving trace through the engine's padding producers: time masked "
+                           "vs oblivious, padding tax, EP excess and fixed-capacity compiles, one timing per shape")
+def build(p: Params, ctx: RunContext) -> Case:
+    dev = ctx.device
+    t0 = time.perf_counter()
+    tokens, source = trace_tokens(p)
+    engine = engine_of(p)
+    paddings = [step_padding(real, engine) for real in tokens]
+    shapes = distinct_shapes(paddings)
+    bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
+    figures, measured = measure_shapes(p, bench, shapes, dev)
+    table = {(side, *shape): f.layer_us[side] for shape, f in figures.items() for side in SIDES}
+    per_step = compose(paddings, table)
+    steps = step_records(p, tokens, paddings, per_step, figures)
+    tot = totals(per_step)
+    calls = Counter((c.rows, c.real) for s in paddings for c in s.calls)
+    info: dict[str, Any] = {
+        "trace": {**source, "steps": len(tokens), "dp_size": p.dp_size},
+        "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
+                   "dp_size": p.dp_size, "sp_size": p.sp_size, "dbo": p.dbo, "ep_size": p.ep_size,
+                   "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
+        "distinct_shapes": len(shapes), "shape_timings": 2 * len(shapes), "shapes_measured": measured,
+        "shapes_reused": len(shapes) - measured, "layer_calls": sum(calls.values()),
+        "shape_timing": {"mode": bench.timing.mode, "iters": bench.timing.iters, "stat": "p50"},
+        "headline": trace_headline(p, steps, tot),
+        "trace_steps": steps,
+        "shapes": [figures[s].as_dict() for s in shapes],
+        "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
+    }
+    if p.trace_replay:
+        info["replay"] = _replay_check(p, bench, paddings, table)
+    info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
+
+    busiest = calls.most_common(1)[0][0] if calls else shapes[0] if shapes else (1, 1)
+    sp, batch = bench.batch(*busiest)
+    pipe = bench.pipeline(sp, batch, "masked")
+    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked"}
+    ids = pipe.router_reference().ids.to(torch.int64)
+    local = (ids >= 0) & (ids < p.local_experts)
+    flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
+                                     int(local.any(dim=1).sum()), p.hidden, p.intermediate)
+    most_padded = max(shapes, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
+
+    def check() -> CheckResult:
+        # the composition adds up (per step and in total) and the most padded shape's layers are right
+        problems = []
+        for st in steps:
+            if sum(st["added_rows"].values()) != st["padded_rows"]:
+                problems.append(f"step {st['step']}: producers' rows {st['added_rows']} != {st['padded_rows']}")
+        for side in SIDES:
+            summed = sum(s["layer_us"][side] for s in per_step)
+            if abs(summed - tot["layer_us"][side]) > 1e-6 * max(1.0, summed):
+                problems.append(f"{side}: steps sum to {summed}, total {tot['layer_us'][side]}")
+        composition = CheckResult(not problems, "; ".join(problems[:5]),
+                                  {"distinct_shapes": float(len(shapes))})
+        return CheckResult.merge(composition, bench.check_shape(*most_padded))
+
+    def cleanup() -> None:
+        nonlocal pipe
+        pipe = None
+
+    return Case(run=lambda: pipe.run(), check=check, flops=flops, bytes_moved=bytes_moved,
+                bytes_note="run(): the masked layer at the most frequent call shape, its experts' useful work",
+                info=info, nvtx_stage="layer", cleanup=cleanup)

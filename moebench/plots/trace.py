@@ -1,0 +1,107 @@
+"""Serving-trace figures, from the records' `info.trace_steps` and `info.headline` (moebench.bench.serving_trace):
+tokens per step (real vs the rows each producer added), the cumulative MoE-layer time masked vs oblivious, and the
+padding tax per capture list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moebench.plots.common import Run, figure_title, slug, split
+from moebench.plots.draw import Plot, new_figure, palette, save
+
+_PRODUCERS = ("cudagraph", "dp", "sp")  # moebench.inputs.engine_padding.PRODUCERS (rows added, in order)
+
+
+def _trace_records(run: Run) -> list[dict]:
+    return [r for r in run.ok if r.get("target") == "serving_trace"
+            and isinstance((r.get("info") or {}).get("trace_steps"), list)
+            and isinstance((r.get("info") or {}).get("headline"), dict)]
+
+
+def _list_label(r: dict) -> str:
+    return str(((r.get("info") or {}).get("engine") or {}).get("capture_list"))
+
+
+def trace_tokens(run: Run, out: Path) -> list[Plot]:
+    """One figure per record: real tokens per step (over the DP ranks) and the rows each producer added, stacked."""
+    plots = []
+    for r in _trace_records(run):
+        steps = r["info"]["trace_steps"]
+        if not steps:
+            continue
+        # step="post" draws each value up to the next x: one more x gives the last step its width
+        xs = [s["step"] for s in steps] + [steps[-1]["step"] + 1]
+        layers = [[sum(s["real"]) for s in steps]] + [[s["added_rows"][k] for s in steps] for k in _PRODUCERS]
+        layers = [layer + layer[-1:] for layer in layers]
+        fig, axes = new_figure(1, 1, panel_w=9.0, panel_h=3.4)
+        ax = axes[0, 0]
+        colors = ["#4c72b0"] + palette(len(_PRODUCERS), "autumn")
+        ax.stackplot(xs, layers, labels=["real tokens"] + [f"padding: {k}" for k in _PRODUCERS], colors=colors,
+                     step="post")
+        ax.set_xlabel("trace step")
+        ax.set_ylabel("rows over all layer calls")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(True, alpha=0.3)
+        group = {"capture_sizes": _list_label(r)}
+        title = figure_title(run, "Tokens per step: real vs padded, per producer", [r], ("capture_sizes",), group)
+        path = out / f"trace_tokens{slug(group)}.png"
+        save(fig, path, title)
+        plots.append(Plot("trace_tokens", path, title, 1, group))
+    return plots
+
+
+def _cumulative(values: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total / 1e3)
+    return out
+
+
+def trace_cumulative(run: Run, out: Path) -> list[Plot]:
+    """Cumulative layer time over the trace (ms), masked solid, oblivious dashed, one colour per capture list."""
+    recs = _trace_records(run)
+    plots = []
+    for group, rs in split(recs, ("capture_sizes",)):
+        fig, axes = new_figure(1, 1, panel_w=8.0, panel_h=3.8)
+        ax = axes[0, 0]
+        for r, c in zip(rs, palette(len(rs), "tab10")):
+            steps = r["info"]["trace_steps"]
+            xs = [s["step"] for s in steps]
+            for side, ls in (("masked", "-"), ("oblivious", "--")):
+                ax.plot(xs, _cumulative([s["layer_us"][side] for s in steps]), color=c, ls=ls,
+                        label=f"{_list_label(r)} {side}")
+        ax.set_xlabel("trace step")
+        ax.set_ylabel("cumulative MoE-layer time (ms)")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(True, alpha=0.3)
+        title = figure_title(run, "Cumulative layer time over the trace, masked vs oblivious", rs,
+                             ("capture_sizes",), group)
+        path = out / f"trace_cumulative{slug(group)}.png"
+        save(fig, path, title)
+        plots.append(Plot("trace_cumulative", path, title, len(rs), group))
+    return plots
+
+
+def trace_tax(run: Run, out: Path) -> list[Plot]:
+    """Padding tax (share of the layer time spent on padded rows) per capture list, oblivious vs masked."""
+    recs = _trace_records(run)
+    plots = []
+    for group, rs in split(recs, ("capture_sizes",)):
+        labels = [_list_label(r) for r in rs]
+        fig, axes = new_figure(1, 1, panel_w=max(4.0, 1.2 * len(rs) + 2), panel_h=3.6)
+        ax = axes[0, 0]
+        width = 0.38
+        for k, (side, c) in enumerate((("oblivious", "#c44e52"), ("masked", "#55a868"))):
+            vals = [100 * (r["info"]["headline"]["padding_tax"][side] or 0.0) for r in rs]
+            ax.bar([i + (k - 0.5) * width for i in range(len(rs))], vals, width, color=c, label=side)
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("padding tax (% of layer time)")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        title = figure_title(run, "Padding tax per capture list", rs, ("capture_sizes",), group)
+        path = out / f"trace_tax{slug(group)}.png"
+        save(fig, path, title)
+        plots.append(Plot("trace_tax", path, title, len(rs), group))
+    return plots

@@ -1,0 +1,7 @@
+"""Serving traces, without torch: the per-step token counts a server sees (one count per DP rank and step), from a
+seeded distribution (`distributions`) or a user's CSV file (`csv_trace`, with the example files in `data/`), and
+the named CUDA-graph capture lists an engine may be configured with (`capture_lists`).
+
+Imports nothing of moebench but moebench.params, so the sweep loader can validate a trace file or a capture list
+name before anything is built, and nothing here pulls in torch or triton.
+"""

@@ -1,0 +1,321 @@
+"""The serving_trace target: the engine's per-step padding against the producers' own functions (exact, call by
+call), trace files (bundled example, line-numbered refusals through the command line), the trace sources, and the
+composition of the trace from its distinct shapes against a step-by-step replay (exact with one timer; within a
+loose bound with the layer re-timed on the CPU)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebench.bench import serving_trace
+from moebench.bench._trace_compose import SIDES, compose, distinct_shapes, replay, totals
+from moebench.bench._trace_shapes import ShapeBench
+from moebench.cli import main
+from moebench.inputs.engine_padding import Engine, step_padding
+from moebench.inputs.padding import cudagraph_pad, cudagraph_padded_size, dbo_split, dp_pad, sp_pad_and_chunk
+from moebench.params import Params, Point, Timing
+from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
+from moebench.traces.csv_trace import BUNDLED_DIR, read_trace_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-step padding = the producers' own functions, exactly
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rows(n: int) -> torch.Tensor:
+    return torch.empty((n, 0))
+
+
+def _producer_calls(real: list[int], engine: Engine) -> tuple[list[int], int, list[tuple[int, int, int, int, int]]]:
+    """The same step through the tensor producers: masks made by cudagraph_pad, dp_pad, dbo_split and
+    sp_pad_and_chunk; each call's (dp rank, micro-batch, sp rank, rows, real) read off its mask."""
+    padded = [cudagraph_pad(_rows(r), list(engine.capture_sizes))[1] for r in real]
+    cg_rows = [m.shape[0] for m in padded]
+    calls = []
+    dp_rows = None
+    for d, mask in enumerate(padded):
+        x, mask = dp_pad(_rows(mask.shape[0]), cg_rows, is_padding=mask)
+        dp_rows = mask.shape[0]
+        halves = list(dbo_split(x, mask)) if engine.dbo else [(x, mask)]
+        for m, (xm, mm) in enumerate(halves):
+            for s in range(engine.sp_size):
+                _, chunk = sp_pad_and_chunk(xm, mm, engine.sp_size, s)
+                if chunk.shape[0]:
+                    calls.append((d, m, s, chunk.shape[0], int((~chunk).sum())))
+    return cg_rows, dp_rows, calls
+
+
+ENGINES = [Engine(tuple(resolve_capture_sizes(c)), dp, sp, dbo)
+           for c, dp, sp, dbo in itertools.product(("default", "pow2", [3, 10, 24]), (1, 3), (1, 2, 4), (False, True))]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda e: f"caps{len(e.capture_sizes)}-dp{e.dp_size}-sp{e.sp_size}"
+                                                         f"-dbo{int(e.dbo)}")
+def test_step_padding_matches_the_producers(engine):
+    rng = random.Random(engine.dp_size * 100 + engine.sp_size * 10 + engine.dbo)
+    steps = [[rng.choice([0, 1, 2, 3, 7, 9, 23, 24, 25, 511, 512, 513, 700]) for _ in range(engine.dp_size)]
+             for _ in range(12)]
+    for real in steps:
+        step = step_padding(real, engine)
+        cg_rows, dp_rows, calls = _producer_calls(real, engine)
+        assert list(step.cudagraph_rows) == cg_rows == [cudagraph_padded_size(r, engine.capture_sizes) for r in real]
+        assert step.dp_rows == dp_rows
+        got = [(c.dp_rank, c.micro_batch, c.sp_rank, c.rows, c.real) for c in step.calls]
+        assert got == calls, real
+        assert sum(c[4] for c in calls) == sum(real)  # every real token in exactly one call
+        assert sum(step.added_rows().values()) == step.padded_rows == sum(c[3] - c[4] for c in calls)
+
+
+def test_named_capture_lists():
+    assert CAPTURE_LISTS["default"] == [1, 2, 4] + list(range(8, 513, 8))
+    assert CAPTURE_LISTS["pow2"] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    for name, sizes in CAPTURE_LISTS.items():
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == 512, name
+        assert cudagraph_padded_size(13, name) == cudagraph_padded_size(13, sizes)
+    assert cudagraph_padded_size(300, "dense") == 300 and cudagraph_padded_size(600, "dense") == 600
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trace sources
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_bundled_example_trace_reads_and_ships():
+    f = read_trace_file("example_chat_dp2.csv")
+    assert f.columns == 2 and len(f.tokens) == 16 and f.tokens[0] == (12, 9) and (14, 0) in f.tokens
+    assert f.per_rank(2)[3] == [140, 10]
+    setup = (ROOT / "setup.py").read_text()
+    assert '"moebench.traces": ["data/*.csv"]' in setup  # in the wheel
+    assert (BUNDLED_DIR / "example_chat_dp2.csv").is_file()
+
+
+def test_distributions_are_seeded_per_dp_rank():
+    p = replace(Params(), dp_size=3, trace_steps=200, trace_max_tokens=1024, trace_distribution="chat")
+    a, _ = serving_trace.trace_tokens(p)
+    b, _ = serving_trace.trace_tokens(p)
+    assert a == b and len(a) == 200 and all(len(s) == 3 for s in a)
+    assert all(1 <= t <= 1024 for s in a for t in s)
+    ranks = list(zip(*a))
+    assert ranks[0] != ranks[1]  # each DP rank its own stream
+    assert sum(t <= 64 for t in ranks[0]) > 150  # decode-heavy
+    for dist in ("mixed", "prefill_heavy", "uniform", "decode_prefill", "lognormal"):
+        t, src = serving_trace.trace_tokens(replace(p, trace_distribution=dist))
+        assert len(t) == 200 and src["source"] == dist and all(1 <= x <= 1024 for s in t for x in s)
+    heavy, _ = serving_trace.trace_tokens(replace(p, trace_distribution="prefill_heavy"))
+    assert sum(x == 1024 for s in heavy for x in s) > 100  # prefill chunks filling the budget
+
+
+SWEEP = """\
+name: t
+target: serving_trace
+impls: [serving_trace.layer]
+fixed: {{num_experts: 8, top_k: 2, hidden: 64, intermediate: 32, group_size: 16, block_size: 16, dp_size: 2,
+        trace_file: {trace}}}
+timing: {{warmup: 0, iters: 1}}
+"""
+
+BAD_FILES = [
+    ("not a count", "dp0,dp1\n3,4\n5,x\n", "line 3: 'x' is not a token count"),
+    ("negative", "dp0,dp1\n3,-4\n", "line 2: '-4' is not a token count"),
+    ("too few values", "# a comment\ndp0,dp1\n3,4\n\n5\n", "line 5: 1 values, the header has 2"),
+    ("bad header", "tokens\n3\n", "line 1: header 'tokens' is neither num_tokens nor dp<rank>"),
+    ("columns out of order", "dp1,dp0\n3,4\n", "line 1: header columns must be dp0,dp1,... in order"),
+    ("no steps", "dp0,dp1\n", "no steps after the header"),
+    ("empty", "# nothing\n", "line 1: no header"),
+    ("too large", "num_tokens\n1\n99999999\n", "line 3: 99999999 tokens, over the limit"),
+    ("columns vs dp_size", "dp0,dp1,dp2\n1,2,3\n", "3 DP columns, but dp_size is 2"),
+    ("not utf-8", b"num_tokens\n1\n\xff\n", "line 3: not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("label,content,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_trace_file_is_refused_with_its_line(tmp_path, capsys, label, content, message):
+    trace = tmp_path / "trace.csv"
+    trace.write_bytes(content if isinstance(content, bytes) else content.encode())
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(SWEEP.format(trace=trace))
+    out, plots = tmp_path / "results", tmp_path / "plots"
+    code = main(["run", str(sweep), "--out", str(out), "--plots", str(plots), "--device", "cpu"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1, stderr
+    assert f"{sweep}: fixed.trace_file: {trace}" in err[0] and message in err[0], err[0]
+    assert not out.exists() and not plots.exists() and stdout == ""
+
+
+def test_missing_trace_file_and_bad_capture_list_are_refused(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(SWEEP.format(trace="no_such.csv"))
+    assert main(["run", str(sweep), "--dry-run"]) == 2
+    assert "fixed.trace_file: no_such.csv: no such file (nor a bundled trace: example_chat_dp2.csv)" in \
+        capsys.readouterr().err
+    sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv").replace("dp_size: 2,", "dp_size: 2, "
+                                                                        "capture_sizes: tiny,"))
+    assert main(["run", str(sweep), "--dry-run"]) == 2
+    assert "fixed.capture_sizes: unknown capture list 'tiny'" in capsys.readouterr().err
+
+
+def test_engine_parameters_are_in_the_point_key():
+    base = Point(0, "serving_trace.layer", Params())
+    assert base.key == Point(0, "serving_trace.layer", replace(Params(), dp_size=1, dbo=False)).key
+    keys = {Point(0, "serving_trace.layer", replace(Params(), **kw)).key for kw in (
+        {}, {"dp_size": 2}, {"sp_size": 2}, {"dbo": True}, {"trace_file": "x.csv"}, {"trace_replay": 5},
+        {"capture_sizes": "pow2"})}
+    assert len(keys) == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The composition against a step-by-step replay
+# ---------------------------------------------------------------------------------------------------------------
+
+def _paddings(engine: Engine, steps: int = 300, seed: int = 3):
+    rng = random.Random(seed)
+    return [step_padding([rng.choice([0, 1, 5, 17, 40, 64, 65, 300, 600]) for _ in range(engine.dp_size)], engine)
+            for _ in range(steps)]
+
+
+def test_composition_equals_the_replay_exactly_with_one_timer():
+    """The composition sums exactly what a call-by-call replay sums: with a deterministic timer (integers, so no
+    rounding) the two agree per step and in total, and the composition asks for each distinct shape once."""
+    engine = Engine(tuple(CAPTURE_LISTS["default"]), dp_size=2, sp_size=2, dbo=True)
+    paddings = _paddings(engine)
+    asked = []
+
+    def timer(side: str, rows: int, real: int) -> float:
+        asked.append((side, rows, real))
+        return 3 * rows + 7 * real + (11 if side == "oblivious" else 0) + (rows - real) ** 2
+
+    shapes = distinct_shapes(paddings)
+    table = {(side, *s): timer(side, *s) for s in shapes for side in SIDES}
+    assert len(asked) == 2 * len(shapes)
+    calls = sum(len(s.calls) for s in paddings)
+    assert len(shapes) < calls / 4  # the point of composing: far fewer timings than calls
+    asked.clear()
+    composed, replayed = compose(paddings, table), replay(paddings, timer)
+    assert len(asked) == 2 * sum(len(s.calls) + sum(1 for c in s.calls if c.real) for s in paddings)
+    assert composed == replayed
+    tot = totals(composed)
+    for side in SIDES:
+        assert tot["layer_us"][side] == sum(timer(side, c.rows, c.real) for s in paddings for c in s.calls)
+        assert tot["padding_us"][side] == sum(timer(side, c.rows, c.real) - (timer(side, c.real, c.real)
+                                              if c.real else 0) for s in paddings for c in s.calls)
+
+
+SMALL = dict(num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16, ep_size=2)
+
+
+def test_composition_against_real_retiming_on_cpu():
+    """The layer itself, re-timed call by call (fresh batch and pipeline each), against the composition of the
+    same two steps from one timing per shape: the sums cover the same calls, so only timing noise separates them;
+    under the interpreter on a shared CPU that noise is large, hence the loose bound (the H200 check is 5%)."""
+    p = replace(Params(), **SMALL)
+    engine = Engine((4,), dp_size=1)
+    paddings = [step_padding([3], engine), step_padding([3], engine)]
+    bench = ShapeBench(p, torch.device("cpu"), Timing(mode="wall", warmup=0, iters=1, max_seconds=60.0))
+    shapes = distinct_shapes(paddings)
+    assert shapes == [(3, 3), (4, 3)]
+    table = {}
+    for s in shapes:
+        f = bench.measure_shape(*s)
+        table.update({(side, *s): f.layer_us[side] for side in SIDES})
+
+    def fresh(side: str, rows: int, real: int) -> float:
+        sp, batch = bench.batch(rows, real)
+        return bench.time_side(sp, batch, side)
+
+    composed, replayed = totals(compose(paddings, table)), totals(replay(paddings, fresh))
+    for side in SIDES:
+        ratio = composed["layer_us"][side] / replayed["layer_us"][side]
+        assert 1 / 3 < ratio < 3, (side, composed, replayed)
+
+
+def test_build_records_the_trace(monkeypatch):
+    """One small point end to end through the impl: per-step rows, distinct shapes, the headline, the check."""
+    from moebench.registry import RunContext, get
+
+    serving_trace._SHAPES.clear()
+    # one EP rank: every expert is local, so each padded row routed (oblivious) is top_k expert-GEMM rows
+    p = replace(Params(), **{**SMALL, "ep_size": 1}, trace=[3, 5, 3], capture_sizes=[4, 8], dp_size=2,
+                trace_replay=1)
+    impl = get("serving_trace.layer")
+    assert impl.validate(p) is None
+    case = impl.build(p, RunContext(device=torch.device("cpu")))
+    info = case.info
+    assert [s["cudagraph_rows"] for s in info["trace_steps"]] == [[4, 4], [8, 8], [4, 4]]
+    assert [s["padded_rows"] for s in info["trace_steps"]] == [2, 6, 2]
+    assert info["distinct_shapes"] == 4 and info["layer_calls"] == 6 and info["shapes_measured"] == 4
+    h = info["headline"]
+    assert h["padded_rows"] == 10 and h["real_tokens"] == 22
+    assert h["padding_gemm_rows"] == {"masked": 0, "oblivious": 2 * 10}
+    assert h["jit_compiles"] == {"masked": None, "oblivious": None}  # one rank: nothing dispatched
+    assert info["replay"]["steps"] == 1 and info["replay"]["calls"] == 2
+    assert case.check().ok
+    # a second point at the same layer parameters reuses the measured shapes
+    again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))
+    assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
+
+
+def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):
+    """`moebench run` of the bundled scenario at small shapes, then `moebench plot` and `moebench report`: the
+    padding-tax table is printed under the run and comes first in the report; the three trace figures are drawn."""
+    small = ["num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64", "intermediate=32",
+             "group_size=16", "block_size=16", "ep_size=2", "dp_size=2", "sp_size=2", "dbo=true",
+             "trace_file=example_chat_dp2.csv", "axes.capture_sizes=[pow2]", "timing.iters=1", "timing.warmup=0"]
+    argv = ["run", str(ROOT / "sweeps" / "scenarios" / "padding_tax.yaml"), "--out", str(tmp_path), "--device", "cpu",
+            "--no-plots"]
+    for s in small:
+        argv += ["--set", s]
+    # the example trace has prefill steps of 140 and 520 tokens: a shorter copy keeps the interpreter quick
+    short = tmp_path / "short.csv"
+    short.write_text("dp0,dp1\n12,9\n14,0\n")
+    argv[argv.index("trace_file=example_chat_dp2.csv")] = f"trace_file={short}"
+    serving_trace._SHAPES.clear()
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "# padding tax over the trace (oblivious | masked):" in stdout
+    assert "least tax (DP 2, SP 2, DBO on, EP 2): capture list pow2" in stdout
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("padding_tax-")]
+    assert main(["plot", str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    kinds = {p.name.split("__")[0].removesuffix(".png") for p in (tmp_path / "plots" / run_dir.name).glob("*.png")}
+    assert {"trace_tokens", "trace_cumulative", "trace_tax"} <= kinds
+    report = tmp_path / "report.md"
+    assert main(["report", str(run_dir), "-o", str(report)]) == 0
+    text = report.read_text()
+    assert text.index("### Padding tax over the trace") < text.index("- **sweep**")
+
+
+def test_fp8_experts_over_a_trace():
+    from moebench.registry import RunContext, get
+
+    serving_trace._SHAPES.clear()
+    p = replace(Params(), num_experts=8, top_k=2, hidden=128, intermediate=128, group_size=32, block_size=16,
+                expert_dtype="fp8", trace=[3], capture_sizes=[4])
+    case = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu")))
+    assert case.check().ok
+    assert case.info["engine"]["expert_dtype"] == "fp8"
+    assert case.info["headline"]["padding_gemm_rows"] == {"masked": 0, "oblivious": 2}  # one padded row, top-2
+
+
+def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
+    from moebench.bench._trace_shapes import ShapeFigures
+
+    engine = Engine((4, 8), dp_size=2, dbo=True)
+    step = step_padding([8, 3], engine)  # micro-batches of 4 and 4 rows on both DP ranks
+    assert [(c.dp_rank, c.micro_batch, c.rows, c.real) for c in step.calls] == [
+        (0, 0, 4, 4), (0, 1, 4, 4), (1, 0, 4, 3), (1, 1, 4, 0)]
+
+    def shape(rows, real, loads):
+        return ShapeFigures(rows, real, {}, {}, {"oblivious": loads}, {})
+
+    figures = {(4, 4): shape(4, 4, [6, 2]), (4, 3): shape(4, 3, [0, 6]), (4, 0): shape(4, 0, [8, 0])}
+    # micro-batch 0: [6, 2] + [0, 6] = [6, 8], excess 1; micro-batch 1: [6, 2] + [8, 0] = [14, 2], excess 6
+    assert serving_trace._ep_excess(step, figures, "oblivious") == 1 + 6
