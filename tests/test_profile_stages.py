@@ -285,9 +285,17 @@ def _profile_cli(out: Path, *extra: str, timeout: int) -> tuple[subprocess.Compl
     return proc, result
 
 
-def test_layer_profile_on_cpu_has_the_six_stage_ranges(tmp_path):
-    proc, res = _profile_cli(tmp_path, "--device", "cpu", *TINY_LAYER, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+def test_layer_profile_on_cpu_has_the_six_stage_ranges(tmp_path, capsys):
+    # In this process (the CLI's exit code and output are what is checked; a fresh interpreter adds only its
+    # start-up), and one timed sample per stage before the profiled iterations: the ranges do not depend on it.
+    from moebench.cli import main
+
+    code = main(["profile", str(REPO / "sweeps" / "layer.yaml"), "--point", "0", "--iters", "2", "--out",
+                 str(tmp_path), "--device", "cpu", *TINY_LAYER, "--set", "timing.warmup=0", "--set", "timing.iters=1"])
+    out, err = capsys.readouterr()
+    (run_dir,) = tmp_path.glob("profile-layer-p0-*")
+    res = json.loads((run_dir / "profile.json").read_text())
+    assert code == 0, out[-2000:] + err[-2000:]
     assert res["mode"] == "torch.profiler" and res["launch"] == EAGER_LAUNCHES
     assert res["profiled"]["stage_ranges"] == [f"{POINT}/{s}" for s in STAGES]
     by = {s["range"]: s for s in res["summary"]}
@@ -296,7 +304,7 @@ def test_layer_profile_on_cpu_has_the_six_stage_ranges(tmp_path):
         assert s["count"] == 2 and s["cpu_total_us"] > 0, s
         assert s["parent"] == ("" if name == POINT else POINT)
     assert sum(by[f"{POINT}/{s}"]["cpu_total_us"] for s in STAGES) <= by[POINT]["cpu_total_us"]
-    assert f"{POINT}/experts" in proc.stdout and "device time from eager launches" in proc.stdout
+    assert f"{POINT}/experts" in out and "device time from eager launches" in out
 
 
 def _nsys_ready() -> str | None:

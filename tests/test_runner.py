@@ -112,7 +112,7 @@ def test_resume_after_kill(tmp_path, capsys):
         fixed: {num_experts: 16, top_k: 2}
         axes:
           num_tokens: [8, 16, 24, 32, 40, 48]
-        timing: {mode: wall, warmup: 0, iters: 100000, max_seconds: 0.5}
+        timing: {mode: wall, warmup: 0, iters: 100000, max_seconds: 0.25}
         """))
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "moebench", "run", str(sweep_path), "--out", str(out), "--device", "cpu",
