@@ -99,8 +99,12 @@ def test_every_impl_available_on_cpu_is_covered(capsys):
     available = {line.split()[0] for line in listed if line.startswith("  ") and len(line.split()) > 2
                  and line.split()[2] == "yes"}
     assert available, "moebench list shows no impl available on the CPU"
-    assert available <= set(IMPLS)
-    assert {n for n in available if skip_reason(registry.get(n)) is not None} == set()
+    # IMPLS is the registry at collection, before any test ran: every impl of the package (load_all registers them
+    # at import). Impls other tests register later in this process (plugins, test-only paths) are not the
+    # package's and are not held to it.
+    ours = available & set(IMPLS)
+    assert ours, "moebench list shows none of the package's impls available on the CPU"
+    assert {n for n in ours if skip_reason(registry.get(n)) is not None} == set()
 
 
 def test_declarations_pair_twins_and_name_baselines():
