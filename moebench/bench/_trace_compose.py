@@ -23,7 +23,7 @@ Two ways to fill the table (the sweep's trace_real_points, N):
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence
 
 from moebench.inputs.engine_padding import StepPadding
 
@@ -116,7 +116,7 @@ def _step_times(step: StepPadding, time_of: ShapeTimer) -> dict[str, dict[str, f
     return out
 
 
-def compose(paddings: Sequence[StepPadding], table: Union[Mapping[tuple[str, int, int], float], ShapeTimer]
+def compose(paddings: Sequence[StepPadding], table: Mapping[tuple[str, int, int], float] | ShapeTimer
             ) -> list[dict[str, dict[str, float]]]:
     """Per step {layer_us: {side: us}, real_only_us: {side: us}} from `table[(side, rows, real)]` (exact mode), or
     from a lookup such as interpolated_timer's."""

@@ -34,8 +34,17 @@ from typing import Any
 import torch
 
 from moebench.bench import jit_trace
-from moebench.bench._trace_compose import (SIDES, compose, distinct_shapes, headline, interpolated_timer,
-                                           interpolation_shapes, padded_row_counts, replay, totals)
+from moebench.bench._trace_compose import (
+    SIDES,
+    compose,
+    distinct_shapes,
+    headline,
+    interpolated_timer,
+    interpolation_shapes,
+    padded_row_counts,
+    replay,
+    totals,
+)
 from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
