@@ -14,10 +14,10 @@ Two ways to fill the table (the sweep's trace_real_points, N):
                 every distinct `rows` (mostly free: (rows, rows) is a grid point) plus the powers of two up to the
                 largest real count (the curve's small-n end is latency-bound and flat, its large-n end linear: a
                 geometric grid keeps the piecewise-linear error small at both). Of both, only the points some
-                call's interpolation reads are timed (its two neighbours; the figures are those of the full grid). `interpolated_timer` reads the table back
-                as a ShapeTimer, linear between neighbouring samples, exact at them (so an unpadded call, rows ==
-                real, is always its own measurement). The timing count scales with distinct padded row counts,
-                not with distinct real-token counts.
+                call's interpolation reads are timed (its two neighbours; the figures are those of the full grid).
+                `interpolated_timer` reads the table back as a ShapeTimer, linear between neighbouring samples,
+                exact at them (so an unpadded call, rows == real, is always its own measurement). The timing
+                count scales with distinct padded row counts, not with distinct real-token counts.
 """
 
 from __future__ import annotations
