@@ -336,6 +336,7 @@ def test_build_records_the_trace(monkeypatch):
     assert h["padding_gemm_rows"] == {"masked": 0, "oblivious": 2 * 10}
     assert h["jit_compiles"] == {"masked": None, "oblivious": None}  # one rank: nothing dispatched
     assert info["replay"]["steps"] == 1 and info["replay"]["calls"] == 2
+    assert set(info["replay"]["within_5pct"]) == set(SIDES) and set(info["replay"]["rel_diff"]) == set(SIDES)
     assert case.check().ok
     # a second point at the same layer parameters reuses the measured shapes
     again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))

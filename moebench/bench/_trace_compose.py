@@ -2,10 +2,11 @@
 
 The trace's GPU time is a sum over its steps' MoE-layer calls (every DP rank, micro-batch and SP rank: the calls
 of moebench.inputs.engine_padding.step_padding) of the layer time of the call's shape (rows, real). `compose`
-looks each call up in a table measured once per distinct shape; `replay` asks a timer for every call in step
-order, with no cache (how the composition is checked: on a GPU against real re-timing, in the tests against the
-same timer, where the two must agree exactly). Per call and side the time on padded rows is the call's time minus
-the time of its real tokens alone (the same side's layer at the shape (real, real)): 0 for an unpadded call.
+looks each call up in a table of timings (or an interpolating lookup over one); `replay` asks a timer for every
+call in step order, with no cache (how the composition is checked: on a GPU against real re-timing, in the tests
+against the same timer, where the two must agree exactly). Per call and side the time on padded rows is the
+call's time minus the time of its real tokens alone (the same side's layer at the shape (real, real)): 0 for an
+unpadded call.
 
 Two ways to fill the table (the sweep's trace_real_points, N):
   exact         (N = 0) every distinct shape timed: `distinct_shapes`
