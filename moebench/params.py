@@ -76,6 +76,7 @@ class Params:
     dbo: bool = False  # dual-batch overlap: two micro-batches per step
     trace_file: Optional[str] = None  # CSV of per-step token counts (one column, or one per DP rank)
     trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
+    trace_real_points: int = 0  # 0: time every distinct (rows, real); N: time N + 1 real counts per rows, interpolate
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
@@ -178,5 +179,5 @@ class Point:
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
 _LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None,
                    "config": None, "dp_size": 1, "sp_size": 1, "dbo": False, "trace_file": None,
-                   "trace_replay": 0}
+                   "trace_replay": 0, "trace_real_points": 0}
 _NO_DEFAULT = object()

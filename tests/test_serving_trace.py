@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from moebench.bench import serving_trace
-from moebench.bench._trace_compose import SIDES, compose, distinct_shapes, replay, totals
+from moebench.bench._trace_compose import (SIDES, compose, distinct_shapes, interpolated_timer,
+                                           interpolation_shapes, padded_row_counts, real_grid, real_only_points,
+                                           replay, totals)
 from moebench.bench._trace_shapes import ShapeBench
 from moebench.cli import main
 from moebench.inputs.engine_padding import Engine, step_padding
@@ -210,6 +212,81 @@ def test_composition_equals_the_replay_exactly_with_one_timer():
                                               if c.real else 0) for s in paddings for c in s.calls)
 
 
+def _grid_table(paddings, real_points, timer):
+    return {(side, *s): timer(side, *s) for s in interpolation_shapes(paddings, real_points) for side in SIDES}
+
+
+def test_real_grid():
+    assert real_grid(8, 4) == [0, 2, 4, 6, 8]
+    assert real_grid(3, 8) == [0, 1, 2, 3]  # rounding merges points: a small row count is timed at every real
+    assert real_grid(1000, 8)[:3] == [0, 125, 250] and real_grid(1000, 8)[-1] == 1000
+
+
+def test_interpolation_is_exact_for_a_timer_linear_in_real():
+    """A timer linear in real for each rows (any function of rows) and, on the diagonal, linear in n between
+    the curve's samples: the interpolated composition equals the call-by-call replay with that timer."""
+    engine = Engine(tuple(CAPTURE_LISTS["default"]), dp_size=2, sp_size=2, dbo=True)
+    paddings = _paddings(engine)
+
+    def timer(side: str, rows: int, real: int) -> float:
+        # (rows - real) * a(rows) + real * b(rows): linear in real for fixed rows; on the diagonal b(n) * n with
+        # b constant, so linear in n too
+        return (rows - real) * (0.5 + rows % 7) + 3.0 * real + (2.0 if side == "oblivious" else 0.0) * rows
+
+    time_of = interpolated_timer(_grid_table(paddings, 4, timer), 4)
+    composed, replayed = totals(compose(paddings, time_of)), totals(replay(paddings, timer))
+    for what in ("layer_us", "real_only_us", "padding_us"):
+        for side in SIDES:
+            assert composed[what][side] == pytest.approx(replayed[what][side], rel=1e-12, abs=1e-9), (what, side)
+
+
+def test_grid_points_reproduce_their_measurements():
+    engine = Engine(tuple(CAPTURE_LISTS["pow2"]), dp_size=2, sp_size=2)
+    paddings = _paddings(engine)
+
+    def timer(side, rows, real):
+        return rows ** 1.5 + real ** 0.5 + (side == "oblivious")  # nonlinear: only the samples are exact
+
+    table = _grid_table(paddings, 8, timer)
+    time_of = interpolated_timer(table, 8)
+    for (side, rows, real), us in table.items():
+        assert time_of(side, rows, real) == us
+    # every unpadded call (rows == real) is its own measurement, and real = 0 (an idle DP rank) a grid point
+    assert all((rows, rows) in {(r, q) for (_, r, q) in table} for rows in padded_row_counts(paddings))
+    assert any(real == 0 for (_, _, real) in table)
+    assert {1, 2, 4, 8, 16, 32, 64, 128, 256} <= set(real_only_points(paddings))
+
+
+def test_interpolated_mode_times_fewer_shapes_than_exact():
+    """The scenario's trace (DeepSeek-V3 engine: DP 2, SP 2, 1000 chat steps, default capture list): the count
+    of shapes timed, exact vs interpolated (the scenario's N = 8)."""
+    p = replace(Params(), dp_size=2, sp_size=2, trace_distribution="chat", trace_steps=1000, trace_max_tokens=2048)
+    tokens, _ = serving_trace.trace_tokens(p)
+    paddings = [step_padding(real, serving_trace.engine_of(p)) for real in tokens]
+    exact, interpolated = distinct_shapes(paddings), interpolation_shapes(paddings, 8)
+    assert len(exact) == 742 and len(interpolated) == 552  # the counts docs/scenarios.md (h) states
+    assert len(padded_row_counts(paddings)) == 134
+    assert len(interpolation_shapes(paddings, 2)) < len(interpolated) < len(interpolation_shapes(paddings, 16))
+
+
+def test_a_nonlinear_timer_gives_a_bounded_nonzero_error():
+    """Concave in real (the masked layer's expert work saturating): interpolation misses the curvature between
+    grid points, by a little; a finer grid misses less."""
+    engine = Engine(tuple(CAPTURE_LISTS["pow2"]), dp_size=2, sp_size=2)
+    paddings = _paddings(engine)
+
+    def timer(side, rows, real):
+        return 10.0 + rows * (0.1 if side == "masked" else 1.0) + 40.0 * (real ** 0.5)
+
+    replayed = totals(replay(paddings, timer))["layer_us"]
+    errors = {}
+    for n in (2, 8):
+        composed = totals(compose(paddings, interpolated_timer(_grid_table(paddings, n, timer), n)))["layer_us"]
+        errors[n] = {side: abs(composed[side] - replayed[side]) / replayed[side] for side in SIDES}
+    for side in SIDES:
+        assert 0 < errors[8][side] < errors[2][side] < 0.1, errors
+
+
 SMALL = dict(num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16, ep_size=2)
 
 
@@ -227,6 +304,7 @@ def test_composition_against_real_retiming_on_cpu():
     for s in shapes:
         f = bench.measure_shape(*s)
         table.update({(side, *s): f.layer_us[side] for side in SIDES})
+    assert bench.shape_figures(4, 3).padding_gemm_rows == f.padding_gemm_rows and f.layer_us  # figures untimed
 
     def fresh(side: str, rows: int, real: int) -> float:
         sp, batch = bench.batch(rows, real)
@@ -258,6 +336,7 @@ def test_build_records_the_trace(monkeypatch):
     assert h["padding_gemm_rows"] == {"masked": 0, "oblivious": 2 * 10}
     assert h["jit_compiles"] == {"masked": None, "oblivious": None}  # one rank: nothing dispatched
     assert info["replay"]["steps"] == 1 and info["replay"]["calls"] == 2
+    assert set(info["replay"]["within_5pct"]) == set(SIDES) and set(info["replay"]["rel_diff"]) == set(SIDES)
     assert case.check().ok
     # a second point at the same layer parameters reuses the measured shapes
     again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))
@@ -319,3 +398,48 @@ def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
     figures = {(4, 4): shape(4, 4, [6, 2]), (4, 3): shape(4, 3, [0, 6]), (4, 0): shape(4, 0, [8, 0])}
     # micro-batch 0: [6, 2] + [0, 6] = [6, 8], excess 1; micro-batch 1: [6, 2] + [8, 0] = [14, 2], excess 6
     assert serving_trace._ep_excess(step, figures, "oblivious") == 1 + 6
+
+
+def test_interpolated_mode_keeps_the_exact_figures():
+    """The same trace in both modes: every distinct shape's routing figures, every step's GEMM rows for padding,
+    EP excess and capacities are identical (they are not interpolated); only the timing counts differ."""
+    from moebench.registry import RunContext, get
+
+    p = replace(Params(), **SMALL, trace=[3, 5, 7, 2], capture_sizes=[8], dp_size=2)
+    impl = get("serving_trace.layer")
+    serving_trace._SHAPES.clear()
+    exact = impl.build(p, RunContext(device=torch.device("cpu"))).info
+    serving_trace._SHAPES.clear()
+    interp = impl.build(replace(p, trace_real_points=2), RunContext(device=torch.device("cpu"))).info
+    assert exact["shape_mode"] == "exact" and interp["shape_mode"] == "interpolated"
+    assert interp["trace_real_points"] == 2
+    assert exact["distinct_shapes"] == interp["distinct_shapes"] == 8  # (8, r) and (r, r) for r in 2, 3, 5, 7
+    assert exact["distinct_padded_shapes"] == interp["distinct_padded_shapes"] == 1  # every call has 8 rows
+    assert exact["timed_shapes"] == 8
+    # the grid of 8 at N = 2 is 0, 4, 8 (reals 2, 3 read 0 and 4; 5, 7 read 4 and 8); the real-only curve's
+    # samples 1, 2, 4, 8 (real 2 reads 2; 3 reads 2 and 4; 5, 7 read 4 and 8)
+    assert interp["timed_shapes"] == 5 and interp["shapes_measured"] == 5
+    assert interp["shape_timings"] == 2 * interp["timed_shapes"]
+    figures = ("rows", "real", "padding_gemm_rows", "rank_loads", "max_rows_per_rank")
+    assert [{k: s[k] for k in figures} for s in exact["shapes"]] == \
+        [{k: s[k] for k in figures} for s in interp["shapes"]]
+    for key in ("padding_gemm_rows", "ep_excess_routes", "capacity", "padded_rows"):
+        assert [s[key] for s in exact["trace_steps"]] == [s[key] for s in interp["trace_steps"]], key
+    assert all(s["timed"] for s in exact["shapes"]) and not all(s["timed"] for s in interp["shapes"])
+
+
+def test_bad_trace_real_points_is_refused(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv").replace("dp_size: 2,", "dp_size: 2, "
+                                                                        "trace_real_points: -1,"))
+    assert main(["run", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trace_real_points: must be >= 0, got -1" in err[0], err
+    sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv").replace("dp_size: 2,", "dp_size: 2, "
+                                                                        "trace_real_points: 1.5,"))
+    assert main(["run", str(sweep), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trace_real_points" in err[0], err
+    from moebench.registry import get
+    assert get("serving_trace.layer").validate(replace(Params(), trace_real_points=-3)) == \
+        "trace_real_points: must be >= 0, got -3"

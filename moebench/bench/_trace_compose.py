@@ -2,14 +2,28 @@
 
 The trace's GPU time is a sum over its steps' MoE-layer calls (every DP rank, micro-batch and SP rank: the calls
 of moebench.inputs.engine_padding.step_padding) of the layer time of the call's shape (rows, real). `compose`
-looks each call up in a table measured once per distinct shape; `replay` asks a timer for every call in step
-order, with no cache (how the composition is checked: on a GPU against real re-timing, in the tests against the
-same timer, where the two must agree exactly). Per call and side the time on padded rows is the call's time minus
-the time of its real tokens alone (the same side's layer at the shape (real, real)): 0 for an unpadded call.
+looks each call up in a table of timings (or an interpolating lookup over one); `replay` asks a timer for every
+call in step order, with no cache (how the composition is checked: on a GPU against real re-timing, in the tests
+against the same timer, where the two must agree exactly). Per call and side the time on padded rows is the
+call's time minus the time of its real tokens alone (the same side's layer at the shape (real, real)): 0 for an
+unpadded call.
+
+Two ways to fill the table (the sweep's trace_real_points, N):
+  exact         (N = 0) every distinct shape timed: `distinct_shapes`
+  interpolated  (N > 0) `interpolation_shapes`: for each padded row count `rows` that has a padded call, the layer
+                at the real counts of `real_grid(rows, N)`; and the real-tokens-alone curve t(n) = time(n, n) at
+                every distinct `rows` (mostly free: (rows, rows) is a grid point) plus the powers of two up to the
+                largest real count (the curve's small-n end is latency-bound and flat, its large-n end linear: a
+                geometric grid keeps the piecewise-linear error small at both). Of both, only the points some
+                call's interpolation reads are timed (its two neighbours; the figures are those of the full grid).
+                `interpolated_timer` reads the table back as a ShapeTimer, linear between neighbouring samples,
+                exact at them (so an unpadded call, rows == real, is always its own measurement). The timing
+                count scales with distinct padded row counts, not with distinct real-token counts.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Callable, Mapping, Sequence
 
 from moebench.inputs.engine_padding import StepPadding
@@ -29,6 +43,72 @@ def distinct_shapes(paddings: Sequence[StepPadding]) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
+def padded_row_counts(paddings: Sequence[StepPadding]) -> list[int]:
+    """The distinct `rows` of the trace's calls, sorted."""
+    return sorted({c.rows for step in paddings for c in step.calls})
+
+
+def real_grid(rows: int, real_points: int) -> list[int]:
+    """The real counts a padded row count is timed at: round(rows * j / N) for j in 0..N (0 and rows included)."""
+    return sorted({round(rows * j / real_points) for j in range(real_points + 1)})
+
+
+def real_only_points(paddings: Sequence[StepPadding]) -> list[int]:
+    """Where the real-tokens-alone curve is sampled: every distinct rows, and 1, 2, 4, ... up to the largest real."""
+    points = set(padded_row_counts(paddings))
+    top = max((c.real for step in paddings for c in step.calls), default=0)
+    n = 1
+    while n <= top:
+        points.add(n)
+        n *= 2
+    return sorted(points)
+
+
+def _bracket(xs: Sequence[int], x: int) -> tuple[int, int]:
+    """The neighbouring samples of x in sorted xs, (x, x) at a sample; x must lie within [xs[0], xs[-1]]."""
+    i = bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return x, x
+    if i == 0 or i == len(xs):
+        raise KeyError(f"{x} outside the samples [{xs[0]}, {xs[-1]}]")
+    return xs[i - 1], xs[i]
+
+
+def interpolation_shapes(paddings: Sequence[StepPadding], real_points: int) -> list[tuple[int, int]]:
+    """The shapes interpolated mode times, sorted: of each padded row count's grid and of the real-only curve's
+    samples, the points some call's interpolation reads (its two neighbours; the others would cost timings and
+    change no figure)."""
+    if real_points < 1:
+        raise ValueError(f"interpolation_shapes: real_points must be >= 1, got {real_points}")
+    curve = real_only_points(paddings)
+    shapes = set()
+    for step in paddings:
+        for c in step.calls:
+            if c.real < c.rows:
+                shapes.update((c.rows, r) for r in _bracket(real_grid(c.rows, real_points), c.real))
+            else:
+                shapes.add((c.rows, c.rows))
+            if c.real:
+                shapes.update((n, n) for n in _bracket(curve, c.real))
+    return sorted(shapes)
+
+
+def interpolated_timer(table: Mapping[tuple[str, int, int], float], real_points: int) -> ShapeTimer:
+    """A ShapeTimer from the timings of interpolation_shapes: (rows, real) with real < rows is linear in real
+    between its neighbours on real_grid(rows, N); (n, n) is linear in n between its neighbours among the table's
+    (n, n) samples (the curve's points that were read: no sample of the curve lies between two read neighbours)."""
+    curve = {side: sorted(n for (s, n, r) in table if s == side and n == r) for side in SIDES}
+
+    def linear(x: int, lo: int, hi: int, at: Callable[[int], float]) -> float:
+        return at(x) if lo == hi else at(lo) + (at(hi) - at(lo)) * (x - lo) / (hi - lo)
+
+    def time_of(side: str, rows: int, real: int) -> float:
+        if rows == real:
+            return linear(real, *_bracket(curve[side], real), lambda n: table[(side, n, n)])
+        return linear(real, *_bracket(real_grid(rows, real_points), real), lambda r: table[(side, rows, r)])
+    return time_of
+
+
 def _step_times(step: StepPadding, time_of: ShapeTimer) -> dict[str, dict[str, float]]:
     out = {"layer_us": {}, "real_only_us": {}}
     for side in SIDES:
@@ -37,10 +117,12 @@ def _step_times(step: StepPadding, time_of: ShapeTimer) -> dict[str, dict[str, f
     return out
 
 
-def compose(paddings: Sequence[StepPadding], table: Mapping[tuple[str, int, int], float]
+def compose(paddings: Sequence[StepPadding], table: Mapping[tuple[str, int, int], float] | ShapeTimer
             ) -> list[dict[str, dict[str, float]]]:
-    """Per step {layer_us: {side: us}, real_only_us: {side: us}} from `table[(side, rows, real)]`."""
-    return [_step_times(step, lambda side, rows, real: table[(side, rows, real)]) for step in paddings]
+    """Per step {layer_us: {side: us}, real_only_us: {side: us}} from `table[(side, rows, real)]` (exact mode), or
+    from a lookup such as interpolated_timer's."""
+    time_of = table if callable(table) else (lambda side, rows, real: table[(side, rows, real)])
+    return [_step_times(step, time_of) for step in paddings]
 
 
 def replay(paddings: Sequence[StepPadding], time_call: ShapeTimer) -> list[dict[str, dict[str, float]]]:

@@ -6,7 +6,9 @@ oblivious one every row's, and repeat-filled padding piles onto the experts the 
 gets its own seeded batch (make_batch at num_tokens = rows, the trailing rows - real rows padding, filled per
 p.padding_fill, seed_offset from the shape), the same for both sides. The expert weights are the cached ones
 (inputs.cached_expert_weights: built once for the run's layer shape); each side's LayerPipeline is built once
-per shape, timed through measure.timing.measure with the sweep's timing, and freed.
+per shape, timed through measure.timing.measure with the sweep's timing, and freed. The figures (`shape_figures`:
+make_batch and route, no pipeline) and the timings (`time_shape`) are separate: serving_trace routes every exact
+shape but, in interpolated mode, times only grid shapes.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
   padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
   rank_loads          routes to each of the ep_size EP ranks' experts (the step sums them over the calls that
@@ -45,7 +47,8 @@ def shape_seed_offset(rows: int, real: int) -> int:
 
 @dataclass
 class ShapeFigures:
-    """What one shape costs, per side (dicts keyed by SIDES)."""
+    """What one shape costs, per side (dicts keyed by SIDES); a dict left empty was not measured (layer_us: not
+    timed, the routing figures: not routed)."""
 
     rows: int
     real: int
@@ -102,15 +105,26 @@ class ShapeBench:
         finally:
             del pipe
 
-    def measure_shape(self, rows: int, real: int) -> ShapeFigures:
+    def shape_figures(self, rows: int, real: int) -> ShapeFigures:
+        """The routing's figures of one shape (layer_us left empty): make_batch and route only, no timing."""
         sp, batch = self.batch(rows, real)
         figures = {}
         for side in SIDES:
             _, ids = route(sp, batch, use_mask=side == "masked")
             figures[side] = routing_figures(sp, batch, ids)
-        times = {side: self.time_side(sp, batch, side) for side in SIDES}
-        return ShapeFigures(rows, real, times, {s: f[0] for s, f in figures.items()},
+        return ShapeFigures(rows, real, {}, {s: f[0] for s, f in figures.items()},
                             {s: f[1] for s, f in figures.items()}, {s: f[2] for s, f in figures.items()})
+
+    def time_shape(self, rows: int, real: int) -> dict[str, float]:
+        """Both sides' p50 microseconds at one shape (the same seeded batch as its figures)."""
+        sp, batch = self.batch(rows, real)
+        return {side: self.time_side(sp, batch, side) for side in SIDES}
+
+    def measure_shape(self, rows: int, real: int) -> ShapeFigures:
+        """Figures and timings of one shape."""
+        f = self.shape_figures(rows, real)
+        f.layer_us = self.time_shape(rows, real)
+        return f
 
     def check_shape(self, rows: int, real: int) -> CheckResult:
         """Both sides' pipelines at one shape against the plain-torch references, stage by stage."""

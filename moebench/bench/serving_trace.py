@@ -9,10 +9,12 @@ trace with the padding masked and with it routed (both sides in every record), s
           rank), else trace_steps counts per DP rank drawn from trace_distribution (chat, mixed, prefill_heavy:
           moebench.traces.distributions; uniform, decode_prefill, lognormal: jit_trace's) up to trace_max_tokens
 Every step goes through the producers (moebench.inputs.engine_padding: capture size, DP max, DBO halves, SP
-divisibility), giving its layer calls (rows, real). Each distinct shape is measured once (_trace_shapes: both
-sides' layers built once and timed, the routing's figures) and the trace is composed from them (_trace_compose).
-Shapes already measured by an earlier point of the same process at the same layer parameters (a what-if axis over
-capture lists shares most of them) are reused; the record says how many.
+divisibility), giving its layer calls (rows, real). Every distinct shape's routing figures are computed
+(_trace_shapes: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
+trace_real_points: 0 times every distinct shape; N > 0 times each padded row count at N + 1 real counts and the
+real-tokens-alone curve at a few points, and interpolates the rest (_trace_compose, which composes the trace).
+Shapes already routed or timed by an earlier point of the same process at the same layer parameters (a what-if
+axis over capture lists shares most of them) are reused; the record says how many.
 `trace_replay: N` also replays the first N steps one call at a time (each built and timed afresh) and records the
 composed and replayed totals. EP: the per-rank loads are computed from the routing (the slowest-rank excess), the
 time is this rank's layer; real EP ranks are not run by this target. JIT: the fixed-capacity dispatch's compiles
@@ -32,7 +34,17 @@ from typing import Any
 import torch
 
 from moebench.bench import jit_trace
-from moebench.bench._trace_compose import SIDES, compose, distinct_shapes, headline, replay, totals
+from moebench.bench._trace_compose import (
+    SIDES,
+    compose,
+    distinct_shapes,
+    headline,
+    interpolated_timer,
+    interpolation_shapes,
+    padded_row_counts,
+    replay,
+    totals,
+)
 from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
@@ -47,7 +59,7 @@ from moebench.traces.csv_trace import read_trace_file
 from moebench.traces.distributions import SERVING_MIXES, serving_tokens
 
 # How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
-# the cost per shape fixed: the scenario's 1000 steps have about 740 shapes per capture list), one wall-clock
+# the cost per shape fixed: the scenario's 1000 steps time about 550 shapes per capture list), one wall-clock
 # sample under the CPU interpreter (a layer call there takes a good fraction of a second).
 SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, max_seconds=5.0),
                 "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
@@ -55,8 +67,11 @@ SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, 
 # across points differing only by these.
 _TRACE_KEYS = ("capture_sizes", "dp_size", "sp_size", "dbo", "trace", "trace_file", "trace_steps",
                "trace_distribution", "trace_max_tokens", "trace_replay", "capacity_policy",
-               "num_max_tokens_per_rank", "repeat", "num_tokens", "padding_ratio", "padding_producer")
-_SHAPES: dict[tuple, ShapeFigures] = {}  # one layer point's shapes; a new layer point clears it
+               "num_max_tokens_per_rank", "repeat", "num_tokens", "padding_ratio", "padding_producer",
+               "trace_real_points")
+# one layer point's shapes by (rows, real), routed, timed or both (exact shapes and grid points share entries); a
+# new layer point clears it
+_SHAPES: dict[tuple[int, int], ShapeFigures] = {}
 _SHAPES_OWNER: list = [None]
 
 
@@ -85,20 +100,34 @@ def _layer_key(p: Params, device: torch.device) -> tuple:
     return (str(device), tuple(sorted((k, repr(v)) for k, v in d.items() if k not in _TRACE_KEYS)))
 
 
-def measure_shapes(p: Params, bench: ShapeBench, shapes: list[tuple[int, int]], device: torch.device
-                   ) -> tuple[dict[tuple[int, int], ShapeFigures], int]:
-    """Every shape's figures (reusing this process's earlier measurements of the same layer point); the count of
-    shapes measured now."""
+def _cached(shape: tuple[int, int]) -> ShapeFigures:
+    if shape not in _SHAPES:
+        _SHAPES[shape] = ShapeFigures(shape[0], shape[1], {}, {}, {}, {})
+    return _SHAPES[shape]
+
+
+def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], timed: list[tuple[int, int]],
+                   device: torch.device) -> tuple[dict[tuple[int, int], ShapeFigures], dict, int]:
+    """The routing figures of every `routed` shape, the timing table {(side, rows, real): us} of every `timed`
+    one (reusing this process's earlier work at the same layer point), and the count of shapes timed now."""
     owner = _layer_key(p, device)
     if _SHAPES_OWNER[0] != owner:
         _SHAPES.clear()
         _SHAPES_OWNER[0] = owner
-    measured = 0
-    for shape in shapes:
-        if shape not in _SHAPES:
-            _SHAPES[shape] = bench.measure_shape(*shape)
-            measured += 1
-    return {s: _SHAPES[s] for s in shapes}, measured
+    for shape in routed:
+        entry = _cached(shape)
+        if not entry.padding_gemm_rows:
+            f = bench.shape_figures(*shape)
+            entry.padding_gemm_rows, entry.rank_loads, entry.max_rows_per_rank = (
+                f.padding_gemm_rows, f.rank_loads, f.max_rows_per_rank)
+    timed_now = 0
+    for shape in timed:
+        entry = _cached(shape)
+        if not entry.layer_us:
+            entry.layer_us = bench.time_shape(*shape)
+            timed_now += 1
+    table = {(side, *shape): _SHAPES[shape].layer_us[side] for shape in timed for side in SIDES}
+    return {s: _SHAPES[s] for s in routed}, table, timed_now
 
 
 def _capacities(step: StepPadding, figures: dict, side: str, p: Params) -> list[int]:
@@ -162,9 +191,13 @@ def trace_headline(p: Params, steps: list[dict], tot: dict) -> dict[str, Any]:
     return head
 
 
-def _replay_check(p: Params, bench: ShapeBench, paddings, table) -> dict[str, Any]:
-    """The first p.trace_replay steps replayed call by call (fresh batches and pipelines), against the
-    composition of the same steps."""
+def _time(time_of, side: str, rows: int, real: int) -> float:
+    return time_of(side, rows, real) if callable(time_of) else time_of[(side, rows, real)]
+
+
+def _replay_check(p: Params, bench: ShapeBench, paddings, time_of) -> dict[str, Any]:
+    """The first p.trace_replay steps replayed call by call (fresh batches and pipelines, the exact call shapes),
+    against the composition of the same steps (in interpolated mode: what validates the interpolation)."""
     steps = paddings[:p.trace_replay]
 
     def fresh(side: str, rows: int, real: int) -> float:
@@ -173,11 +206,11 @@ def _replay_check(p: Params, bench: ShapeBench, paddings, table) -> dict[str, An
 
     t0 = time.perf_counter()
     replayed = totals(replay(steps, fresh))["layer_us"]
-    composed = totals(compose(steps, table))["layer_us"]
+    composed = totals(compose(steps, time_of))["layer_us"]
     rel = {s: abs(composed[s] - replayed[s]) / replayed[s] if replayed[s] else None for s in SIDES}
     return {"steps": len(steps), "calls": sum(len(s.calls) for s in steps), "composed_us": composed,
             "replayed_us": replayed, "rel_diff": rel, "wall_s": round(time.perf_counter() - t0, 3),
-            "within_5pct": all(v is not None and v <= 0.05 for v in rel.values())}
+            "within_5pct": {s: rel[s] is not None and rel[s] <= 0.05 for s in SIDES}}
 
 
 def _validate(p: Params) -> str | None:
@@ -186,6 +219,8 @@ def _validate(p: Params) -> str | None:
         return why
     if p.ep_mode != "real":
         return "ep_mode: serving_trace computes the EP ranks' loads itself (leave ep_mode: real)"
+    if p.trace_real_points < 0:
+        return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
     if p.trace_replay and p.trace_file is None and p.trace is None and p.trace_replay > p.trace_steps:
         return f"trace_replay: {p.trace_replay} steps > trace_steps {p.trace_steps}"
     return None
@@ -193,7 +228,8 @@ def _validate(p: Params) -> str | None:
 
 @register_impl("serving_trace.layer", targets=("serving_trace",), available=triton_available, validate=_validate,
                description="the MoE layer over a serving trace through the engine's padding producers: time masked "
-                           "vs oblivious, padding tax, EP excess and fixed-capacity compiles, one timing per shape")
+                           "vs oblivious, padding tax, EP excess and fixed-capacity compiles, timed per shape or "
+                           "on a grid of real counts per padded row count")
 def build(p: Params, ctx: RunContext) -> Case:
     dev = ctx.device
     t0 = time.perf_counter()
@@ -202,9 +238,12 @@ def build(p: Params, ctx: RunContext) -> Case:
     paddings = [step_padding(real, engine) for real in tokens]
     shapes = distinct_shapes(paddings)
     bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
-    figures, measured = measure_shapes(p, bench, shapes, dev)
-    table = {(side, *shape): f.layer_us[side] for shape, f in figures.items() for side in SIDES}
-    per_step = compose(paddings, table)
+    n = p.trace_real_points
+    timed = interpolation_shapes(paddings, n) if n else shapes
+    figures, table, measured = measure_shapes(p, bench, shapes, timed, dev)
+    time_of = interpolated_timer(table, n) if n else table
+    timed_set = set(timed)
+    per_step = compose(paddings, time_of)
     steps = step_records(p, tokens, paddings, per_step, figures)
     tot = totals(per_step)
     calls = Counter((c.rows, c.real) for s in paddings for c in s.calls)
@@ -213,16 +252,21 @@ def build(p: Params, ctx: RunContext) -> Case:
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
                    "dp_size": p.dp_size, "sp_size": p.sp_size, "dbo": p.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "distinct_shapes": len(shapes), "shape_timings": 2 * len(shapes), "shapes_measured": measured,
-        "shapes_reused": len(shapes) - measured, "layer_calls": sum(calls.values()),
+        "shape_mode": "interpolated" if n else "exact", "trace_real_points": n,
+        "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(paddings)),
+        "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
+        "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
         "shape_timing": {"mode": bench.timing.mode, "iters": bench.timing.iters, "stat": "p50"},
         "headline": trace_headline(p, steps, tot),
         "trace_steps": steps,
-        "shapes": [figures[s].as_dict() for s in shapes],
+        # each distinct shape's routing figures and the layer time the composition used (measured, or read off
+        # the interpolation where the shape was not timed)
+        "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(_time(time_of, side, *s), 3) for side in SIDES},
+                    "timed": s in timed_set} for s in shapes],
         "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
     }
     if p.trace_replay:
-        info["replay"] = _replay_check(p, bench, paddings, table)
+        info["replay"] = _replay_check(p, bench, paddings, time_of)
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
 
     busiest = calls.most_common(1)[0][0] if calls else shapes[0] if shapes else (1, 1)

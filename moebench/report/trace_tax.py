@@ -34,6 +34,13 @@ def _ms(v: Any) -> str:
     return "n/a" if v is None else f"{v / 1e3:.4g}"
 
 
+def _timed(info: dict) -> str:
+    """Shapes timed, and how (records from before trace_real_points timed every distinct shape)."""
+    n = info.get("trace_real_points") or 0
+    timed = info.get("timed_shapes", info["distinct_shapes"])
+    return f"{timed}, interpolated N={n}" if n else f"{timed}"
+
+
 def config_label(r: dict) -> str:
     e = (r.get("info") or {}).get("engine") or {}
     return f"DP {e.get('dp_size')}, SP {e.get('sp_size')}, DBO {'on' if e.get('dbo') else 'off'}, EP {e.get('ep_size')}"
@@ -58,7 +65,7 @@ def best_lists(records: list[dict]) -> dict[str, str]:
     return {k: v[1] for k, v in best.items()}
 
 
-HEAD = ["capture list", "engine", "distinct shapes / steps", "layer ms oblivious", "layer ms masked",
+HEAD = ["capture list", "engine", "distinct shapes / timed / steps", "layer ms oblivious", "layer ms masked",
         "padding tax oblivious", "padding tax masked", "masks recover", "padded rows", "GEMM rows for padding",
         "EP excess from padding (routes)", "compiles oblivious / masked", "least tax"]
 
@@ -72,7 +79,7 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         label = info["engine"]["capture_list"]
         compiles = h.get("jit_compiles") or {}
         recovered = h.get("recovered_share")
-        rows.append([label, config_label(r), f"{info['distinct_shapes']} / {info['trace']['steps']}",
+        rows.append([label, config_label(r), f"{info['distinct_shapes']} / {_timed(info)} / {info['trace']['steps']}",
                      _ms(h["layer_us"]["oblivious"]), _ms(h["layer_us"]["masked"]),
                      _pct(h["padding_tax"]["oblivious"]), _pct(h["padding_tax"]["masked"]),
                      f"{_ms(h['recovered_us'])} ms ({_pct(recovered)} of the padding time)",
@@ -95,7 +102,8 @@ def footer_lines(records: list[dict]) -> list[str]:
         out.append(f"  {info['engine']['capture_list']} ({config_label(r)}): layer {_ms(h['layer_us']['oblivious'])}"
                    f" | {_ms(h['layer_us']['masked'])} ms, tax {_pct(h['padding_tax']['oblivious'])} | "
                    f"{_pct(h['padding_tax']['masked'])}, masks recover {_pct(h.get('recovered_share'))} of the "
-                   f"padding time, {info['distinct_shapes']} distinct shapes over {info['trace']['steps']} steps")
+                   f"padding time, {info['distinct_shapes']} distinct shapes ({_timed(info)} timed) over "
+                   f"{info['trace']['steps']} steps")
     for key, label in best_lists(records).items():
         example = next(r for r in recs if _config_key(r) == key)
         out.append(f"  least tax ({config_label(example)}): capture list {label}")

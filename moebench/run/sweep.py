@@ -136,6 +136,8 @@ def params_problem(p: Params) -> str | None:
         return "trace: must be a non-empty list of positive batch sizes"
     if p.trace_replay < 0:
         return f"trace_replay: must be >= 0, got {p.trace_replay}"
+    if p.trace_real_points < 0:
+        return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
     why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
     if why:
         return f"trace_file: {why}"
