@@ -20,8 +20,8 @@ from moebench.bench._trace_compose import (SIDES, compose, distinct_shapes, inte
                                            replay, totals)
 from moebench.bench._trace_shapes import ShapeBench
 from moebench.cli import main
-from moebench.inputs.engine_padding import Engine, step_padding
-from moebench.inputs.padding import cudagraph_pad, cudagraph_padded_size, dbo_split, dp_pad, sp_pad_and_chunk
+from moebench.inputs.engine_padding import Engine, padding_problem, producer_calls, step_padding
+from moebench.inputs.padding import cudagraph_padded_size
 from moebench.params import Params, Point, Timing
 from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
 from moebench.traces.csv_trace import BUNDLED_DIR, read_trace_file
@@ -32,29 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # ---------------------------------------------------------------------------------------------------------------
 # Per-step padding = the producers' own functions, exactly
 # ---------------------------------------------------------------------------------------------------------------
-
-def _rows(n: int) -> torch.Tensor:
-    return torch.empty((n, 0))
-
-
-def _producer_calls(real: list[int], engine: Engine) -> tuple[list[int], int, list[tuple[int, int, int, int, int]]]:
-    """The same step through the tensor producers: masks made by cudagraph_pad, dp_pad, dbo_split and
-    sp_pad_and_chunk; each call's (dp rank, micro-batch, sp rank, rows, real) read off its mask."""
-    padded = [cudagraph_pad(_rows(r), list(engine.capture_sizes))[1] for r in real]
-    cg_rows = [m.shape[0] for m in padded]
-    calls = []
-    dp_rows = None
-    for d, mask in enumerate(padded):
-        x, mask = dp_pad(_rows(mask.shape[0]), cg_rows, is_padding=mask)
-        dp_rows = mask.shape[0]
-        halves = list(dbo_split(x, mask)) if engine.dbo else [(x, mask)]
-        for m, (xm, mm) in enumerate(halves):
-            for s in range(engine.sp_size):
-                _, chunk = sp_pad_and_chunk(xm, mm, engine.sp_size, s)
-                if chunk.shape[0]:
-                    calls.append((d, m, s, chunk.shape[0], int((~chunk).sum())))
-    return cg_rows, dp_rows, calls
-
 
 ENGINES = [Engine(tuple(resolve_capture_sizes(c)), dp, sp, dbo)
            for c, dp, sp, dbo in itertools.product(("default", "pow2", [3, 10, 24]), (1, 3), (1, 2, 4), (False, True))]
@@ -68,7 +45,7 @@ def test_step_padding_matches_the_producers(engine):
              for _ in range(12)]
     for real in steps:
         step = step_padding(real, engine)
-        cg_rows, dp_rows, calls = _producer_calls(real, engine)
+        cg_rows, dp_rows, calls = producer_calls(real, engine)
         assert list(step.cudagraph_rows) == cg_rows == [cudagraph_padded_size(r, engine.capture_sizes) for r in real]
         assert step.dp_rows == dp_rows
         got = [(c.dp_rank, c.micro_batch, c.sp_rank, c.rows, c.real) for c in step.calls]
@@ -341,6 +318,24 @@ def test_build_records_the_trace(monkeypatch):
     # a second point at the same layer parameters reuses the measured shapes
     again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))
     assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
+
+
+def test_point_check_fails_when_the_step_padding_is_not_the_producers(monkeypatch):
+    """The point's own check holds every step to the tensor producers: a step_padding that counts the capture
+    size's padding as real tokens is caught."""
+    from moebench.inputs import engine_padding
+    from moebench.registry import RunContext, get
+
+    serving_trace._SHAPES.clear()
+    p = replace(Params(), **{**SMALL, "ep_size": 1}, trace=[3, 5, 3], capture_sizes=[4, 8], dp_size=2)
+
+    def padding_as_real(real, engine):
+        step = engine_padding.step_padding(real, engine)
+        return replace(step, calls=tuple(replace(c, real=c.rows) for c in step.calls))
+
+    monkeypatch.setattr(serving_trace, "step_padding", padding_as_real)
+    res = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu"))).check()
+    assert not res.ok and "the producers make" in res.detail
 
 
 def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):

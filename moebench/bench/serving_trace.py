@@ -50,7 +50,7 @@ from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
 from moebench.check import CheckResult
 from moebench.dispatch.pack import capacity_for
-from moebench.inputs.engine_padding import Engine, StepPadding, step_padding
+from moebench.inputs.engine_padding import Engine, StepPadding, padding_problem, step_padding
 from moebench.kernels.fused_experts import expert_work
 from moebench.params import Params, Timing
 from moebench.registry import Case, RunContext, register_impl
@@ -280,16 +280,18 @@ def build(p: Params, ctx: RunContext) -> Case:
     most_padded = max(shapes, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
 
     def check() -> CheckResult:
-        # the composition adds up (per step and in total) and the most padded shape's layers are right
+        # every distinct step is what the tensor producers make of its real tokens, the composition reads back
+        # every timed shape as measured, and the most padded shape's layers are right
         problems = []
-        for st in steps:
-            if sum(st["added_rows"].values()) != st["padded_rows"]:
-                problems.append(f"step {st['step']}: producers' rows {st['added_rows']} != {st['padded_rows']}")
-        for side in SIDES:
-            summed = sum(s["layer_us"][side] for s in per_step)
-            if abs(summed - tot["layer_us"][side]) > 1e-6 * max(1.0, summed):
-                problems.append(f"{side}: steps sum to {summed}, total {tot['layer_us'][side]}")
-        composition = CheckResult(not problems, "; ".join(problems[:5]),
+        for step in {st.real: st for st in paddings}.values():
+            why = padding_problem(step, engine)
+            if why:
+                problems.append(why)
+        for side, rows, real in table:
+            got = _time(time_of, side, rows, real)
+            if got != table[(side, rows, real)]:
+                problems.append(f"{side} ({rows}, {real}): composed from {got}, measured {table[(side, rows, real)]}")
+        composition = CheckResult(not problems, "; ".join(problems[:3]),
                                   {"distinct_shapes": float(len(shapes))})
         return CheckResult.merge(composition, bench.check_shape(*most_padded))
 

@@ -11,8 +11,9 @@ A step is every DP rank's real tokens. Per step:
                 takes its chunk (sp_pad_and_chunk)
 Real tokens sit at the head of every batch and padding at its tail (the producers' layout), so the real tokens of
 one MoE-layer call (a DP rank x micro-batch x SP rank) follow from the row counts alone. `step_padding` gives the
-rows after each producer and every call's (rows, real rows); tests/test_serving_trace.py holds these counts to the
-producers' own functions, call by call.
+rows after each producer and every call's (rows, real rows); `producer_calls` gives the same calls read off the
+masks the tensor producers themselves make (on zero-width rows), which the serving_trace point checks against and
+tests/test_serving_trace.py holds call by call.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from moebench.inputs.padding import cudagraph_padded_size
+import torch
+
+from moebench.inputs.padding import cudagraph_pad, cudagraph_padded_size, dbo_split, dp_pad, sp_pad_and_chunk
 
 PRODUCERS = ("cudagraph", "dp", "sp")  # the producers that add rows (dbo splits, it adds none)
 
@@ -93,3 +96,35 @@ def step_padding(real: Sequence[int], engine: Engine) -> StepPadding:
                     calls.append(LayerCall(dp_rank, m, sp_rank, chunk, real_c))
     return StepPadding(tuple(int(r) for r in real), cudagraph_rows, dp_rows, halves, sp_rows, chunk_rows,
                        tuple(calls))
+
+
+def producer_calls(real: Sequence[int], engine: Engine) -> tuple[list[int], int, list[tuple[int, int, int, int, int]]]:
+    """One step through the tensor producers of moebench.inputs.padding (cudagraph_pad, dp_pad, dbo_split,
+    sp_pad_and_chunk) on zero-width rows: (rows per DP rank after the capture size, rows after DP padding, every
+    call's (dp rank, micro-batch, sp rank, rows, real rows) read off its mask). What step_padding must equal."""
+    def rows(n: int) -> torch.Tensor:
+        return torch.empty((n, 0))
+
+    padded = [cudagraph_pad(rows(int(r)), list(engine.capture_sizes))[1] for r in real]
+    cudagraph_rows = [m.shape[0] for m in padded]
+    calls, dp_rows = [], 0
+    for d, mask in enumerate(padded):
+        x, mask = dp_pad(rows(mask.shape[0]), cudagraph_rows, is_padding=mask)
+        dp_rows = mask.shape[0]
+        halves = list(dbo_split(x, mask)) if engine.dbo else [(x, mask)]
+        for m, (xm, mm) in enumerate(halves):
+            for s in range(engine.sp_size):
+                _, chunk = sp_pad_and_chunk(xm, mm, engine.sp_size, s)
+                if chunk.shape[0]:
+                    calls.append((d, m, s, chunk.shape[0], int((~chunk).sum())))
+    return cudagraph_rows, dp_rows, calls
+
+
+def padding_problem(step: StepPadding, engine: Engine) -> str | None:
+    """Why `step` differs from what the tensor producers make of its real tokens, or None."""
+    cudagraph_rows, dp_rows, calls = producer_calls(step.real, engine)
+    got = [(c.dp_rank, c.micro_batch, c.sp_rank, c.rows, c.real) for c in step.calls]
+    if list(step.cudagraph_rows) != cudagraph_rows or step.dp_rows != dp_rows or got != calls:
+        return (f"real {list(step.real)}: rows {list(step.cudagraph_rows)} / {step.dp_rows} / calls {got[:4]}, the "
+                f"producers make {cudagraph_rows} / {dp_rows} / {calls[:4]}")
+    return None
