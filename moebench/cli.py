@@ -139,7 +139,11 @@ def cmd_tune(args) -> int:
 
     sweep = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points)
     tune_sweeps(sweep)  # refused here (one line) before anything runs: no tunable impl, a bad config name
-    pick_device(args.device)
+    device = pick_device(args.device)
+    if device.type == "cpu" and args.out is None:
+        # the interpreter's timings say nothing of a GPU, and a cpu.json in the package would change every later
+        # run's tuned_tables digest (and so refuse their resumes): only into a folder named for it
+        raise SweepError("tune --device cpu: the package ships GPU tables only; give --out DIR for a CPU table")
     if args.out is not None:
         check_output_dir("--out", args.out)
     check_output_dir("--runs", args.runs)

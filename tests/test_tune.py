@@ -126,4 +126,11 @@ def test_tune_refusals_are_one_line_exit_2_nothing_written(tmp_path, tables, cap
     assert main(["tune", str(untunable), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "none of masked_moe_sum.torch has launch configs to tune" in err[0]
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(SWEEP)
+    package_tables = sorted(tuning.TABLES_DIR.glob("*.json"))
+    assert main(["tune", str(ok), "--runs", str(tmp_path / "runs"), "--device", "cpu"]) == 2  # no --out on a CPU
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give --out DIR for a CPU table" in err[0]
+    assert sorted(tuning.TABLES_DIR.glob("*.json")) == package_tables
     assert not (tmp_path / "tuned").exists() and not (tmp_path / "runs").exists()
