@@ -183,6 +183,7 @@ def build_ceiling(expert_dtype: str, groups: str, gemms: GroupedGemms = TORCH_GE
 
 _TEXT = {"routed": "the point's own group sizes", "equal": "the same rows in equal groups"}
 
+
 def _layer_available(ctx: RunContext) -> str | None:
     return grouped_mm_unavailable(ctx.device) or scaled_grouped_mm_unavailable(ctx.device)
 

@@ -5,7 +5,7 @@ them: where they run, and their plain-torch definition. Registers no impl.
     torch._scaled_grouped_mm(a e4m3 [R, K] row-major, b e4m3 [E, K, N] column-major, scale_a fp32 [R],
                              scale_b fp32 [E, N], offs=int32 [E], out_dtype=torch.bfloat16) -> bf16 [R, N]
 
-Group g is rows offs[g-1]:offs[g] of `a` (offs[-1] = 0) times b[g]; offs are group *ends*, non-decreasing, so an
+Group g is rows offs[g-1]:offs[g] of `a` (group 0 starts at row 0) times b[g]; offs are group *ends*, non-decreasing, so an
 empty group repeats the previous end. Rows from offs[-1] on are never read and their output rows never written:
 torch allocates the output with empty_strided (aten/src/ATen/native/GroupedMMUtils.h,
 create_grouped_gemm_output_tensor), so they hold whatever the allocator's memory held. A caller with a static row

@@ -13,7 +13,7 @@ order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores
 Three selections are built in (router_common.RouterConfig, picked by the `config` keyword, else the tuned table,
 else the rule "cand4": softmax_choice; ids and weights are the same under all, the tests run every config):
 
-- "twopass" (the first default; "cand4" is the default now, see router_common.ROUTER_CONFIGS): per pick, an int32 max of the keys, then an int32 min of the
+- "twopass" (the first default; the rule is "cand4" now: router_common.DEFAULT_ROUTER_CONFIG): per pick, an int32 max of the keys, then an int32 min of the
   expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
   REDUX instructions on sm_80+; per pick and element: max, compare, select, min, compare, select (6 int32 ops).
 - "packed64": one max per pick over int64 keys `score key << 32 | (NONE - expert)` (the lower id wins among equal

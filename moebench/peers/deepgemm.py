@@ -4,7 +4,8 @@
                               are (group 128, fp32 scales: DeepGEMM's 1x128 activation layout on sm90) and moebench's
                               128x128 block weights (its weight layout); the layout, the SwiGLU with its 1x128
                               re-quantisation and the combine through torch.compile, as the torch peers
-                              (peers.torch_grouped). No host sync: the capacity is static.
+                              (peers.torch_grouped). The glue has no host sync (the capacity is static); whether the
+                              library call has none is unverified (the @gpu test of tests/test_peers_deepgemm.py).
 
 The contiguous layout (compiled, `contiguous_layout`): each expert's routes padded up to a multiple of the alignment
 (128), the experts one after the other, capacity ceil((T*K + E*127) / 128) * 128 rows; `m_indices` names each row's
@@ -149,5 +150,5 @@ def _problem(p) -> str | None:
 register_impl("fused_experts.fp8_deepgemm", targets=("kernel",), validate=_problem, library=DEEP_GEMM.name,
               available=lambda ctx: DEEP_GEMM.available(ctx, NEEDS) or compile_available(ctx),
               description="DeepGEMM m_grouped_fp8_gemm_nt_contiguous (1x128 / 128x128 block scales) on the staged "
-                          "rows, compiled contiguous layout + SwiGLU/requant + combine, no host sync"
+                          "rows, compiled contiguous layout + SwiGLU/requant + combine, glue without host sync (the library call: unverified)"
               )(build_deepgemm())

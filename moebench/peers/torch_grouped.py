@@ -212,7 +212,8 @@ def _fp8_available(ctx) -> str | None:
 register_impl("fused_experts.grouped_mm", targets=("kernel",), available=_bf16_available,
               validate=grouped_mm_problem, library=LIBRARY,
               description="torch._grouped_mm on rows sorted by expert, static T*K rows (skipped routes past the "
-                          "last group), device offsets, torch.compile'd glue: no host sync")(build_grouped_mm())
+                          "last group), device offsets, torch.compile'd glue: no host sync on sm90+ (the CPU's fallback loops over "
+                          "the groups on the host: correctness only there)")(build_grouped_mm())
 register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), available=_fp8_available,
               validate=fp8_layout_problem, library=LIBRARY,
               description="torch._scaled_grouped_mm (row-wise fp8) the same way: device offsets, compiled SwiGLU + "
