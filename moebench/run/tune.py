@@ -110,12 +110,18 @@ def run_tune(sweep: Sweep, *, tables_dir: str | Path | None = None, runs_dir: st
     tables_dir = Path(tables_dir) if tables_dir is not None else tuning.TABLES_DIR
     subs = tune_sweeps(sweep)
     code = 0
+    # Every kernel is timed under the tables as they were when the tune began (a kernel launching another, as
+    # fused_experts launches the alignment and the sum, sees no half-written table), and every run of this tune
+    # records the same tuned_tables digest: the winners are written once all the kernels have run.
+    results = []
     for kernel, sub in subs.items():
         run_code, run_dir = run_sweep(sub, out_base=runs_dir, device=device, make_plots=False, isolate=isolate)
         records = unique_records(load_records(run_dir))
         picks = pick_fastest(records)
         buckets = {(r.get("info") or {}).get("config_bucket") for r in records} - {None}
         code = max(code, run_code, 1 if len(picks) < len(buckets) else 0)
+        results.append((kernel, run_dir, picks, buckets))
+    for kernel, run_dir, picks, buckets in results:
         paths = merge_table(tables_dir, kernel, picks, run_dir) if picks else []
         print(f"# tuned {kernel}: {len(picks)} of {len(buckets)} buckets from {run_dir}"
               + (f" -> {', '.join(map(str, paths))}" if paths else ""), file=out)

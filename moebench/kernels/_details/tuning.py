@@ -151,9 +151,14 @@ def _load_table(path: str) -> dict:
     return data
 
 
+_CHOICES: dict[tuple, Choice] = {}  # (kernel, GPU, config name or None, shape dims) -> Choice
+
+
 def clear_cache() -> None:
-    """Forget loaded tables (after `moebench tune` rewrote one, or a test moved TABLES_DIR)."""
+    """Forget loaded tables and the choices made from them (after `moebench tune` rewrote one, or a test moved
+    TABLES_DIR)."""
     _load_table.cache_clear()
+    _CHOICES.clear()
 
 
 def lookup(kernel: str, gpu: str, bucket: str) -> str | None:
@@ -189,10 +194,19 @@ def choose(kernel: str, device: torch.device | str | None, config: Any = None, *
     """The launch of `kernel` at these shape dims: explicit `config` (a candidate name, or a config object: its
     `name` attribute names it), else this GPU's tuned table, else the kernel's rule."""
     t = tunable(kernel)
-    bucket = t.bucket(**dims)
     gpu = gpu_name(device)
     if config is not None and not isinstance(config, str):
-        return Choice(kernel, getattr(config, "name", "") or "custom", "explicit", bucket, gpu, config)
+        return Choice(kernel, getattr(config, "name", "") or "custom", "explicit", t.bucket(**dims), gpu, config)
+    # launchers ask at every call: an eager timing loop should not pay the table path and lookup each time
+    key = (kernel, gpu, config, tuple(dims.items()))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _choose_named(t, kernel, gpu, config, dims)
+    return choice
+
+
+def _choose_named(t: Tunable, kernel: str, gpu: str, config: str | None, dims: dict) -> Choice:
+    bucket = t.bucket(**dims)
     if config is not None and config != AUTO:
         check_config_name(kernel, config)
         return Choice(kernel, config, "explicit", bucket, gpu, t.candidates[config])
