@@ -1,0 +1,76 @@
+"""The rules (the launch where no tuned table has an entry) are the defaults the kernels launched before the
+tuning mechanism: the pre-tables code of choose_config / choose_fp8_config, written out here literally, gives the
+same launch at every shape (what keeps GPU behaviour unchanged until a table is committed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from moebench.kernels import fused_experts_fp8, grouped_gemm
+from moebench.kernels.fused_experts_fp8 import Fp8ExpertsConfig, Fp8GemmConfig
+from moebench.kernels.grouped_gemm import ExpertsConfig, GemmConfig
+
+SHAPES = list(itertools.product((1, 16, 128, 512, 4096, 8192, 65536), (1, 6, 8), (8, 32, 128, 256),
+                                (256, 2048, 7168), (128, 1408, 2048)))
+
+
+def _fit(block: int, dim: int) -> int:
+    return max(16, min(block, 1 << max(0, (dim - 1).bit_length())))
+
+
+def old_choose_config(num_routes, num_experts, hidden, intermediate) -> ExpertsConfig:
+    rows_per_expert = num_routes / max(1, num_experts)
+    if rows_per_expert <= 24:
+        bm, up, down = 16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4)
+    elif rows_per_expert <= 48:
+        bm, up, down = 32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4)
+    elif rows_per_expert < 128:
+        bm, up, down = 64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4)
+    else:
+        bm, up, down = 128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True)
+    up = GemmConfig(_fit(up.block_n, intermediate), _fit(up.block_k, hidden), up.group_m, up.num_warps, up.num_stages,
+                    up.weight_tma)
+    down = GemmConfig(_fit(down.block_n, hidden), _fit(down.block_k, intermediate), down.group_m, down.num_warps,
+                      down.num_stages, down.weight_tma)
+    return ExpertsConfig(bm, up, down, reduce_block_h=_fit(1024, hidden))
+
+
+def old_choose_fp8_config(num_routes, num_experts, hidden, intermediate) -> Fp8ExpertsConfig:
+    rows_per_expert = num_routes / max(1, num_experts)
+    if rows_per_expert <= 24:
+        cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
+    elif rows_per_expert <= 48:
+        cfg = Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
+    else:
+        cfg = Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4))
+    if hidden % cfg.down.block_n:
+        cfg = Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, Fp8GemmConfig(128, *_rest(cfg.down)), cfg.reduce_block_h)
+    return Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, cfg.down, min(cfg.reduce_block_h, _fit(1 << 30, hidden)))
+
+
+def _rest(g: Fp8GemmConfig):
+    return g.group_m, g.num_warps, g.num_stages, g.weight_tma
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The GPU branch of the rules (the interpreter has a rule of its own)."""
+    monkeypatch.setattr(grouped_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(fused_experts_fp8, "interpreting", lambda: False)
+
+
+def test_bf16_rule_is_the_old_choose_config(compiled):
+    for num_tokens, top_k, num_experts, hidden, intermediate in SHAPES:
+        want = old_choose_config(num_tokens * top_k, num_experts, hidden, intermediate)
+        choice = grouped_gemm.experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device="cpu")
+        assert choice.source == "rule" and choice.config == want, (num_tokens, top_k, num_experts, hidden)
+
+
+def test_fp8_rule_is_the_old_choose_fp8_config(compiled):
+    for num_tokens, top_k, num_experts, hidden, intermediate in SHAPES:
+        want = old_choose_fp8_config(num_tokens * top_k, num_experts, hidden, intermediate)
+        got = fused_experts_fp8.fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device="cpu").config
+        assert (got.block_m, got.gate_up, got.down, got.reduce_block_h) == \
+               (want.block_m, want.gate_up, want.down, want.reduce_block_h), (num_tokens, top_k, num_experts, hidden)
