@@ -438,3 +438,16 @@ def test_bad_trace_real_points_is_refused(tmp_path, capsys):
     from moebench.registry import get
     assert get("serving_trace.layer").validate(replace(Params(), trace_real_points=-3)) == \
         "trace_real_points: must be >= 0, got -3"
+
+
+def test_a_padded_shape_holds_the_real_rows_of_its_real_only_shape():
+    """(rows, real) and (real, real) differ by the padding only: same real rows (logits, hidden, bias), padding
+    repeat-filled from the first of them, so their time difference is the padding's."""
+    p = replace(Params(), **{**SMALL, "ep_size": 2}, padding_fill="repeat", bias=True)
+    bench = ShapeBench(p, torch.device("cpu"), Timing(mode="wall", warmup=0, iters=1))
+    _, padded = bench.batch(8, 3)
+    _, alone = bench.batch(3, 3)
+    assert padded.is_padding.tolist() == [False] * 3 + [True] * 5
+    assert torch.equal(padded.logits[:3], alone.logits) and torch.equal(padded.hidden[:3], alone.hidden)
+    assert torch.equal(padded.logits[3:], alone.logits[:1].expand(5, -1))
+    assert torch.equal(padded.bias, alone.bias)

@@ -4,9 +4,9 @@ oblivious on a seeded batch of `rows` rows whose first `real` are real tokens, a
 A shape is (rows, real): the layer's work depends on both (the masked layer computes the real rows' routes, the
 oblivious one every row's, and repeat-filled padding piles onto the experts the copied row picks). Every shape
 gets its own seeded batch (make_batch at num_tokens = rows, the trailing rows - real rows padding, filled per
-p.padding_fill, seed_offset from the shape), the same for both sides. The expert weights are the cached ones
-(inputs.cached_expert_weights: built once for the run's layer shape); each side's LayerPipeline is built once
-per shape, timed through measure.timing.measure with the sweep's timing, and freed. The figures (`shape_figures`:
+p.padding_fill), the same for both sides, whose real rows are those of the real-only shape (real, real). The
+expert weights are the cached ones (inputs.cached_expert_weights: built once for the run's layer shape); each
+side's LayerPipeline is built once per shape, timed through measure.timing.measure with the sweep's timing, and freed. The figures (`shape_figures`:
 make_batch and route, no pipeline) and the timings (`time_shape`) are separate: serving_trace routes every exact
 shape but, in interpolated mode, times only grid shapes.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
@@ -25,6 +25,7 @@ import torch
 from moebench.bench.layer import LayerPipeline, check_pipeline
 from moebench.check import CheckResult
 from moebench.inputs import cached_expert_weights, make_batch, route
+from moebench.inputs.padding import fill_rows
 from moebench.measure.imbalance import per_rank_loads
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
@@ -91,8 +92,22 @@ class ShapeBench:
         self.w13, self.w2 = _weights(p, device)
 
     def batch(self, rows: int, real: int):
+        """The shape's batch. Its real rows are those of the real tokens alone, (real, real): the padded call and
+        its real-only baseline differ only by the padding (with independent real rows, which of this rank's
+        experts a few decode tokens reach, not the padding, would decide their difference)."""
         sp = shape_params(self.p, rows, real)
-        return sp, make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
+        padded = make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
+        if real == 0 or rows == real:
+            return sp, padded
+        alone = make_batch(shape_params(self.p, real, real), self.device, seed_offset=shape_seed_offset(real, real))
+        padded.logits[:real] = alone.logits
+        if padded.hidden is not None:
+            padded.hidden[:real] = alone.hidden
+        if self.p.padding_fill == "repeat":  # the padding copies the first real row: the one just replaced
+            fill_rows(padded.logits, padded.is_padding, "repeat", generator=None)
+            if padded.hidden is not None:
+                fill_rows(padded.hidden, padded.is_padding, "repeat", generator=None)
+        return sp, replace(padded, bias=alone.bias)
 
     def pipeline(self, sp: Params, batch, side: str) -> LayerPipeline:
         return LayerPipeline(sp, batch, self.w13, self.w2, masked=side == "masked", mask=batch.is_padding)
