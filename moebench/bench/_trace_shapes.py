@@ -6,9 +6,9 @@ oblivious one every row's, and repeat-filled padding piles onto the experts the 
 gets its own seeded batch (make_batch at num_tokens = rows, the trailing rows - real rows padding, filled per
 p.padding_fill), the same for both sides, whose real rows are those of the real-only shape (real, real). The
 expert weights are the cached ones (inputs.cached_expert_weights: built once for the run's layer shape); each
-side's LayerPipeline is built once per shape, timed through measure.timing.measure with the sweep's timing, and freed. The figures (`shape_figures`:
-make_batch and route, no pipeline) and the timings (`time_shape`) are separate: serving_trace routes every exact
-shape but, in interpolated mode, times only grid shapes.
+side's LayerPipeline is built once per shape, timed through measure.timing.measure with the sweep's timing, and
+freed. The figures (`shape_figures`: make_batch and route, no pipeline) and the timings (`time_shape`) are
+separate: serving_trace routes every exact shape but, in interpolated mode, times only grid shapes.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
   padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
   rank_loads          routes to each of the ep_size EP ranks' experts (the step sums them over the calls that
