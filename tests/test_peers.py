@@ -266,6 +266,19 @@ def test_peer_ratio_is_against_the_fastest_other_peer_at_the_same_point():
     assert peer_footer_lines([_rec("topk_softmax.triton", 10.0)]) == []
 
 
+def test_peer_ratio_pairs_bf16_and_fp8_experts_apart():
+    def rec(impl, p50, dtype, library=None):
+        return {**_rec(impl, p50, library), "info": {"expert_dtype": dtype} if dtype else {}}
+
+    recs = [rec("fused_experts.triton", 10.0, "bf16"), rec("fused_experts.grouped_mm", 12.0, "bf16", "torch"),
+            rec("fused_experts.fp8", 8.0, "fp8"), rec("fused_experts.fp8_scaled_grouped_mm", 7.0, "fp8", "torch"),
+            rec("fused_experts.vllm", 11.0, None, "vllm")]  # names no dtype: compared with either
+    rows = {r["impl"]: r for r in peer_ratios(recs)}
+    assert rows["fused_experts.triton"]["best_peer"] == "fused_experts.vllm"  # not the faster fp8 peer
+    assert rows["fused_experts.fp8"]["best_peer"] == "fused_experts.fp8_scaled_grouped_mm"
+    assert rows["fused_experts.grouped_mm"]["best_peer"] == "fused_experts.vllm"
+
+
 def test_compare_within_pairs_impls_by_parameters():
     recs = [_rec("a.x", 10.0), _rec("a.y", 5.0), _rec("a.x", 8.0, num_tokens=16), _rec("a.y", 1.0, status="wrong",
                                                                                           num_tokens=16)]

@@ -3,7 +3,7 @@
 A peer is an outside implementation: an impl registered with `library` set (torch.compile, torch, vllm, sglang,
 flashinfer, deep_gemm, a user's plugin); the runner writes it into every record. Two records are at the same point
 when their kernel family and every parameter agree (only the impl differs). For every ok record at a point with at
-least one other ok peer record, `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below
+least one other ok peer record of the same expert dtype (where records name one), `peer_ratio` = its p50 / the lowest p50 among those other peers (`best_peer`): below
 1 it is faster than every peer there. Ceiling records (`ceiling` set: torch's GEMMs alone) are neither peers nor
 compared; report.ceiling pairs records with them. Used by the table's "vs best peer" footer, `moebench compare RUN`
 (within one run) and the peer_ratio plot.
@@ -40,6 +40,13 @@ def _by_point(records: list[dict]) -> dict[str, list[dict]]:
     return groups
 
 
+def _same_expert_dtype(a: dict, b: dict) -> bool:
+    """bf16 and fp8 experts at one point are different work: a record names its expert_dtype (where it has one)
+    and is compared with peers of the same, or of none named."""
+    da, db = ((r.get("info") or {}).get("expert_dtype") for r in (a, b))
+    return da is None or db is None or da == db
+
+
 def peer_ratios(records: list[dict]) -> list[dict]:
     """One row per ok record that has another ok peer at its point: impl, library, point, params, p50, best_peer,
     best_peer_p50, ratio (p50 / best_peer_p50). In record order."""
@@ -49,7 +56,8 @@ def peer_ratios(records: list[dict]) -> list[dict]:
         p50 = p50_of(r)
         if p50 is None or r.get("ceiling"):  # a measured ceiling is no implementation (report.ceiling)
             continue
-        peers = [o for o in groups[point_of(r)] if o.get("library") and o.get("impl") != r.get("impl")]
+        peers = [o for o in groups[point_of(r)] if o.get("library") and o.get("impl") != r.get("impl")
+                 and _same_expert_dtype(o, r)]
         if not peers:
             continue
         best = min(peers, key=p50_of)
