@@ -143,8 +143,8 @@ def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1, top_k: int
     """One row x up to 512 columns per program on one warp (16 bytes per lane and slot), loads without a cache
     hint: the best of SUM_CANDIDATES on the H200 (T=8192, K=8, H=7168: 246.7 us unpadded, 196.1 us with a quarter
     of the rows padded, against 259.2 / 205.4 us for the first launch, rows 2 x 1024 columns on 4 warps with
-    evict-first; results/h200/tuning/tune_moe_sum-20261201T125900Z). Many small programs keep the most loads in
-    flight, and a padded row costs one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512
+    evict-first; results/h200/tuning/tune_moe_sum-20261201T125900Z in commit 019a522). Many small programs keep the
+    most loads in flight, and a padded row costs one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512
     columns.
 
     top_k == 1 keeps the first launch: with a single slot a 512-column program has only 1 KB in flight, and the
