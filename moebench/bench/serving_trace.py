@@ -43,6 +43,7 @@ from moebench.bench._trace_compose import (
     interpolation_shapes,
     padded_row_counts,
     replay,
+    share,
     totals,
 )
 from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
@@ -205,12 +206,18 @@ def _replay_check(p: Params, bench: ShapeBench, paddings, time_of) -> dict[str, 
         return bench.time_side(sp, batch, side)
 
     t0 = time.perf_counter()
-    replayed = totals(replay(steps, fresh))["layer_us"]
-    composed = totals(compose(steps, time_of))["layer_us"]
+    replayed_tot, composed_tot = totals(replay(steps, fresh)), totals(compose(steps, time_of))
+    replayed, composed = replayed_tot["layer_us"], composed_tot["layer_us"]
     rel = {s: abs(composed[s] - replayed[s]) / replayed[s] if replayed[s] else None for s in SIDES}
+    # the split too: the replay times every call's real tokens alone afresh, so its padding time is the
+    # call-by-call one the composition's tax must agree with
+    tax = {name: {s: share(tot["padding_us"][s], tot["layer_us"][s]) for s in SIDES}
+           for name, tot in (("composed", composed_tot), ("replayed", replayed_tot))}
     return {"steps": len(steps), "calls": sum(len(s.calls) for s in steps), "composed_us": composed,
             "replayed_us": replayed, "rel_diff": rel, "wall_s": round(time.perf_counter() - t0, 3),
-            "within_5pct": {s: rel[s] is not None and rel[s] <= 0.05 for s in SIDES}}
+            "within_5pct": {s: rel[s] is not None and rel[s] <= 0.05 for s in SIDES},
+            "composed_padding_us": composed_tot["padding_us"], "replayed_padding_us": replayed_tot["padding_us"],
+            "composed_tax": tax["composed"], "replayed_tax": tax["replayed"]}
 
 
 def _validate(p: Params) -> str | None:
