@@ -24,7 +24,7 @@ and a rank that misses while another hits still pairs its count exchange with th
 Combine: one all_to_all_single of the expert outputs back (reversed splits), then one kernel sums each row's
 partial outputs by (row, destination) slot, in destination order: deterministic, no atomics, no zero-fill.
 
-Buffers are kept from call to call and only grow (send: T*min(R, K) rows, the most a step can send; receive and
+Buffers are kept from call to call and only grow (send: T*min(ep_size, K) rows, the most a step can send; receive and
 combine: the largest step seen), so a steady-state step allocates nothing; growing a send-side buffer drops the
 captured graphs (they hold its old address).
 """
@@ -46,8 +46,8 @@ from moebench.kernels._details.args import check_mask
 
 @dataclass
 class A2AHandle:
-    send_pos: torch.Tensor  # int32 [T, R]: row t's position in destination d's block, -1 = not sent
-    offsets: torch.Tensor  # int32 [R]: where destination d's block starts in the send buffer
+    send_pos: torch.Tensor  # int32 [T, ep_size]: row t's position in destination d's block, -1 = not sent
+    offsets: torch.Tensor  # int32 [ep_size]: where destination d's block starts in the send buffer
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     num_tokens: int
@@ -61,11 +61,11 @@ def destination_order(in_rank: torch.Tensor, num_sent: int) -> torch.Tensor:
     Sync-free: the slot of each (dest, row) pair is a running count in destination-major order; pairs that are
     not sent are scattered to a dump slot past the end.
     """
-    T, R = in_rank.shape
-    flat = in_rank.t().reshape(-1)  # [R*T], destination-major
+    T, ep_size = in_rank.shape
+    flat = in_rank.t().reshape(-1)  # [ep_size*T], destination-major
     slot = torch.cumsum(flat, 0) - 1
     target = torch.where(flat, slot, torch.full_like(slot, num_sent))
-    rows = torch.arange(R * T, device=in_rank.device) % T
+    rows = torch.arange(ep_size * T, device=in_rank.device) % T
     index = torch.empty(num_sent + 1, dtype=torch.int64, device=in_rank.device)
     index.scatter_(0, target, rows)
     return index[:num_sent]
@@ -123,11 +123,11 @@ class A2APath(DispatchPath):
         if self.graph and self.device.type != "cuda":
             raise ValueError("a2a: graph=True needs a CUDA device")
         self.rows = RowLayout(hidden, top_k, dtype)
-        R, dev = layout.ep_size, self.device
+        ep_size, dev = layout.ep_size, self.device
         cuda = dev.type == "cuda"
-        self.counts = torch.zeros(2, R, dtype=torch.int32, device=dev)  # [0]: sent per destination, [1]: received
-        self.offsets = torch.zeros(R, dtype=torch.int32, device=dev)
-        self.host_counts = torch.zeros(2, R, dtype=torch.int32, pin_memory=cuda)
+        self.counts = torch.zeros(2, ep_size, dtype=torch.int32, device=dev)  # [0]: sent per destination, [1]: received
+        self.offsets = torch.zeros(ep_size, dtype=torch.int32, device=dev)
+        self.host_counts = torch.zeros(2, ep_size, dtype=torch.int32, pin_memory=cuda)
         self.counts_ready = torch.cuda.Event() if cuda else None
         # recorded inside the captured graph, waited on by the host: cudaEventRecordExternal
         self.counts_ready_graph = torch.cuda.Event(external=True) if self.graph else None
@@ -144,12 +144,12 @@ class A2APath(DispatchPath):
     def _reserve(self, T: int, dev: torch.device) -> None:
         """Grow the send-side buffers to a step of T rows; the dtype views are made once per buffer (each costs
         microseconds of host time, and the host is on this path's critical path before the payload launch)."""
-        R, K = self.layout.ep_size, self.top_k
-        send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, R, dtype=torch.int32, device=dev))
-        buf = grow_rows(self.send_buf, T * min(R, K), lambda n: self.rows.empty(n, dev))
+        ep_size, K = self.layout.ep_size, self.top_k
+        send_pos = grow_rows(self.send_pos, T, lambda n: torch.empty(n, ep_size, dtype=torch.int32, device=dev))
+        buf = grow_rows(self.send_buf, T * min(ep_size, K), lambda n: self.rows.empty(n, dev))
         if send_pos is not self.send_pos:
             self.send_pos = send_pos
-            self.plan_scratch = plan_scratch(send_pos.shape[0], K, R, dev)
+            self.plan_scratch = plan_scratch(send_pos.shape[0], K, ep_size, dev)
             self.graphs.clear()
         if buf is not self.send_buf:
             self.send_buf = buf
@@ -224,7 +224,7 @@ class A2APath(DispatchPath):
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay: EPLayout = self.layout
-        R = lay.ep_size
+        ep_size = lay.ep_size
         T, K = topk_ids.shape
         check_mask(is_padding, T)
         dev = x.device
@@ -248,7 +248,7 @@ class A2APath(DispatchPath):
         S, N = sum(send_splits), sum(recv_splits)
         self._reserve_recv(N, dev)
         all_to_all_single(self.recv_buf[:N], self.send_buf[:S], recv_splits, send_splits, group=lay.group,
-                          world_size=R)
+                          world_size=ep_size)
         self._mark("payload_a2a")
         recv_x, recv_ids, recv_w, recv_src = (v[:N] for v in self._recv_views)
         handle = A2AHandle(self.send_pos[:T], self.offsets, send_splits, recv_splits, T, recv_src)

@@ -48,23 +48,23 @@ def scaled_expert_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
 class GatheredInputs:
     """Every rank's inputs, for the single-process reference (equal T per rank)."""
 
-    x: torch.Tensor  # [R, T, H]
-    topk_ids: torch.Tensor  # [R, T, K] global, as given to dispatch
-    topk_weights: torch.Tensor  # [R, T, K]
-    is_padding: torch.Tensor  # [R, T] bool: which rows are padding (whether or not the path was told)
+    x: torch.Tensor  # [ep_size, T, H]
+    topk_ids: torch.Tensor  # [ep_size, T, K] global, as given to dispatch
+    topk_weights: torch.Tensor  # [ep_size, T, K]
+    is_padding: torch.Tensor  # [ep_size, T] bool: which rows are padding (whether or not the path was told)
     mask_aware: bool  # was is_padding given to dispatch
 
 
 def gather_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   is_padding: torch.Tensor, mask_aware: bool, layout: EPLayout) -> GatheredInputs:
-    R = layout.ep_size
+    ep_size = layout.ep_size
     T, K = topk_ids.shape
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
-        out = torch.empty((R * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        all_gather_rows(out, t, layout.group, R)
-        return out.view((R,) + tuple(t.shape))
+        out = torch.empty((ep_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        all_gather_rows(out, t, layout.group, ep_size)
+        return out.view((ep_size,) + tuple(t.shape))
 
     return GatheredInputs(x=gather(x), topk_ids=gather(topk_ids.to(torch.int32)),
                           topk_weights=gather(topk_weights.to(torch.float32)),
@@ -73,15 +73,15 @@ def gather_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 def expected_received(g: GatheredInputs, layout: EPLayout, receives: str) -> ReceivedRows:
     """Which rows this rank must receive (sorted by source rank, source row[, local expert])."""
-    R, T, K = g.topk_ids.shape
+    ep_size, T, K = g.topk_ids.shape
     ids = g.topk_ids.clone()
     if g.mask_aware:
         ids[g.is_padding] = -1
-    local = local_ids(ids, layout)  # [R, T, K]
-    src_rank = torch.arange(R, device=ids.device).view(R, 1).expand(R, T)
-    src_row = torch.arange(T, device=ids.device).view(1, T).expand(R, T)
+    local = local_ids(ids, layout)  # [ep_size, T, K]
+    src_rank = torch.arange(ep_size, device=ids.device).view(ep_size, 1).expand(ep_size, T)
+    src_row = torch.arange(T, device=ids.device).view(1, T).expand(ep_size, T)
     if receives == "all":
-        keep = torch.ones(R, T, dtype=torch.bool, device=ids.device)
+        keep = torch.ones(ep_size, T, dtype=torch.bool, device=ids.device)
     elif receives == "token":
         keep = (local >= 0).any(dim=2)
     elif receives == "slot":
@@ -105,7 +105,7 @@ def check_received(path: DispatchPath, d: Dispatched, g: GatheredInputs, name: s
     layout = path.layout
     exp = expected_received(g, layout, path.receives)
     got = path.received(d)
-    R, T, K = g.topk_ids.shape
+    ep_size, T, K = g.topk_ids.shape
     E_loc = layout.experts_per_rank
     # order what was received by origin
     key = got.src_rank.cpu() * T + got.src_row.cpu()
