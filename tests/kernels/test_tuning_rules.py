@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from moebench.kernels import fused_experts_fp8, grouped_gemm
+from moebench.kernels._details import experts_config
 from moebench.kernels.fused_experts_fp8 import Fp8ExpertsConfig, Fp8GemmConfig
 from moebench.kernels.grouped_gemm import ExpertsConfig, GemmConfig
 
@@ -57,8 +58,7 @@ def _rest(g: Fp8GemmConfig):
 @pytest.fixture
 def compiled(monkeypatch):
     """The GPU branch of the rules (the interpreter has a rule of its own)."""
-    monkeypatch.setattr(grouped_gemm, "interpreting", lambda: False)
-    monkeypatch.setattr(fused_experts_fp8, "interpreting", lambda: False)
+    monkeypatch.setattr(experts_config, "interpreting", lambda: False)  # both precisions' rules live there
 
 
 def test_bf16_rule_is_the_old_choose_config(compiled):
