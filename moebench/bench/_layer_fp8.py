@@ -42,7 +42,7 @@ class Fp8LayerExperts:
         return self.workspace.y
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.workspace.act_q, self.workspace.act_scales, self.workspace.y
+        return self.workspace.act, self.workspace.act_scales, self.workspace.y
 
     def run(self, staged: tuple[torch.Tensor, ...], alignment: tuple[torch.Tensor, ...]) -> None:
         """The gate/up + SwiGLU + re-quantisation and the down + top-k weight GEMMs on the staged rows, placed

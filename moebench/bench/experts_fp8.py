@@ -252,7 +252,7 @@ def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) 
     def check() -> CheckResult:
         poison(out)
         if "ws" in state:
-            for t in (state["ws"].act_q, state["ws"].act_scales, state["ws"].y):
+            for t in (state["ws"].act, state["ws"].act_scales, state["ws"].y):
                 poison(t)
         run()
         rows = _sample_rows(M, 3.0 * flops, dev, p.seed)

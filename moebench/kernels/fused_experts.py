@@ -12,129 +12,37 @@ torch._grouped_mm peer is not a kernel of this library (moebench.peers.torch_gro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from moebench.kernels._details.jit import check_triton_device
 from moebench.kernels.grouped_gemm import (
     ExpertsConfig,
-    align_routes,
-    align_scratch_size,
+    ExpertsWorkspace,
+    alignment_buffers,
+    check_routes,
+    checked_workspace,
     choose_config,
     down_proj,
+    expert_operand_shapes,
     experts_choice,
     gate_up_swiglu,
-    max_blocks,
+    launch_config,
+    make_workspace,
+    routes_alignment,
     sum_slots,
 )
-from moebench.kernels.moe_align_block_size import align_capacity
 
+# the workspace, alignment and argument checks are the launcher's (grouped_gemm), shared with fused_experts_fp8
 __all__ = ["fused_experts", "fused_experts_torch",
            "ExpertsWorkspace", "make_workspace", "choose_config", "experts_choice", "expert_shapes", "check_routes",
            "expert_work", "alignment_buffers", "checked_workspace", "routes_alignment"]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Shapes and workspace
-# ---------------------------------------------------------------------------------------------------------------
-
 def expert_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+                  topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(M, K, E, H, I), or ValueError naming the inconsistent argument."""
-    if x.dim() != 2:
-        raise ValueError(f"x: expected [M, H], got shape {tuple(x.shape)}")
-    M, H = x.shape
-    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2:
-        raise ValueError(f"w13: expected [E, 2I, H={H}], got shape {tuple(w13.shape)}")
-    E, I = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (E, H, I):
-        raise ValueError(f"w2: expected [E={E}, H={H}, I={I}], got shape {tuple(w2.shape)}")
+    M, E, H, I = expert_operand_shapes(x, w13, w2)
     return M, check_routes(topk_weights, topk_ids, M), E, H, I
-
-
-def check_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens: int) -> int:
-    """K of topk_ids [M, K] with topk_weights of its shape, or ValueError naming the inconsistent argument."""
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids: expected [M={num_tokens}, K], got shape {tuple(topk_ids.shape)}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
-    return topk_ids.shape[1]
-
-
-@dataclass
-class ExpertsWorkspace:
-    """Everything fused_experts writes besides `out`, preallocated so a timed call allocates nothing."""
-
-    config: ExpertsConfig
-    num_tokens: int
-    top_k: int
-    num_experts: int
-    hidden: int
-    intermediate: int
-    sorted_ids: torch.Tensor  # int32 [R + E*(BM-1)]
-    expert_ids: torch.Tensor  # int32 [cdiv(that, BM)]
-    num_post: torch.Tensor  # int32 [1]
-    align_scratch: torch.Tensor  # int32 [align_scratch_size(R, E)]: moe_align_block_size's workspace
-    act: torch.Tensor  # [max_blocks*BM, I] SwiGLU output per sorted position
-    y: torch.Tensor  # [R, H] weighted expert output per route
-    choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
-
-    def fits(self, M: int, K: int, E: int, H: int, I: int) -> bool:
-        return (self.num_tokens, self.top_k, self.num_experts, self.hidden, self.intermediate) == (M, K, E, H, I)
-
-
-def alignment_buffers(num_routes: int, num_experts: int, block_m: int,
-                      device: torch.device | str) -> dict[str, torch.Tensor]:
-    """A workspace's alignment outputs and scratch (int32): sorted_ids, expert_ids, num_post, align_scratch."""
-    cap, bcap = align_capacity(num_routes, num_experts, block_m)
-    i32 = dict(dtype=torch.int32, device=device)
-    return dict(sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32),
-                num_post=torch.empty(1, **i32),
-                align_scratch=torch.empty(align_scratch_size(num_routes, num_experts, device), **i32))
-
-
-def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
-                   config: ExpertsConfig | str | None = None, dtype: torch.dtype = torch.bfloat16,
-                   device: torch.device | str = "cuda") -> ExpertsWorkspace:
-    """`config`: an ExpertsConfig, an EXPERTS_CANDIDATES name, or None ("auto"): the tuned table, else the rule
-    (grouped_gemm.experts_choice); the workspace keeps the choice."""
-    R = num_tokens * top_k
-    choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config)
-    cfg = choice.config
-    rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
-    return ExpertsWorkspace(
-        cfg, num_tokens, top_k, num_experts, hidden, intermediate,
-        **alignment_buffers(R, num_experts, cfg.block_m, device),
-        act=torch.empty(rows, intermediate, dtype=dtype, device=device),
-        y=torch.empty(R, hidden, dtype=dtype, device=device), choice=choice)
-
-
-def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
-    """`workspace` if it fits shape (M, K, E, H, I), make() when it is None, else ValueError."""
-    if workspace is None:
-        return make()
-    if not workspace.fits(*shape):
-        raise ValueError("workspace was made for other shapes")
-    return workspace
-
-
-def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, workspace,
-                     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids, expert_ids, num_post): topk_ids aligned into the workspace's buffers, or the caller's
-    `alignment` once its capacities are checked for block_m."""
-    if alignment is None:
-        ws = workspace
-        return align_routes(topk_ids, num_experts, block_m,
-                            out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
-    sorted_ids, expert_ids, num_post = alignment
-    cap, bcap = align_capacity(topk_ids.numel(), num_experts, block_m)
-    if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
-        raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={block_m}, got "
-                         f"({sorted_ids.numel()}, {expert_ids.numel()})")
-    return sorted_ids, expert_ids, num_post
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,9 +68,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return out
     workspace = checked_workspace(workspace, (M, K, E, H, I),
                                   lambda: make_workspace(M, K, E, H, I, config=config, dtype=x.dtype, device=x.device))
-    cfg = workspace.config if config is None else experts_choice(M, K, E, H, I, x.device, config).config
-    if cfg.block_m != workspace.config.block_m:
-        raise ValueError("config.block_m differs from the workspace's")
+    cfg = launch_config(workspace, config, x.device)
     x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.float().contiguous()

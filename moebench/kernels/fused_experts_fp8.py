@@ -3,9 +3,11 @@
     out[m] = sum over valid k of topk_weights[m,k] * (requant(silu(x[m] @ w13[e,:I].T) * (x[m] @ w13[e,I:].T))
              @ w2[e].T),   x = x_q * group scales, w = w_q * 128x128 block scales, requant = e4m3 per 128 columns
 
-Same pipeline and skipping as the bf16 `fused_experts` (`grouped_gemm`): align_routes -> fp8 gate/up + SwiGLU
-(+ re-quantisation) -> fp8 down + top-k weight -> deterministic slot sum; -1 and ids >= E are never placed, so
-they cost no GEMM work; persistent programs read the block count on the device (no host sync, graph capturable).
+Same pipeline, skipping and launcher as the bf16 `fused_experts`: grouped_gemm's alignment, workspace
+(precision "fp8_block"), tile prologue and persistent launch, with the kernels below: fp8 gate/up + SwiGLU (+
+re-quantisation) -> fp8 down + top-k weight -> deterministic slot sum; -1 and ids >= E are never placed, so they
+cost no GEMM work; persistent programs read the block count on the device (no host sync, graph capturable).
+Configs (FP8_CANDIDATES, choose_fp8_config, fp8_choice) are kernels._details.experts_config's, re-exported here.
 
 Numerics (Hopper, DeepSeek-V3 style): BLOCK_K = 128, so each K step has one weight scale per 128 output columns
 and one activation scale per row; the step's fp8 MMA result (fp32) is multiplied by a_scale[row] * w_scale[col]
@@ -30,130 +32,55 @@ accumulator, so a [BM, 2*BN] program holds 2 x BM x 256 fp32; 64 x 256 over 8 wa
 
 from __future__ import annotations
 
-import dataclasses
-import types
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device, interpreting
+from moebench.kernels._details.experts_config import (FP8_BLOCK, FP8_BLOCK_K, FP8_CANDIDATES, ExpertsConfig,
+                                                      Fp8ExpertsConfig, Fp8GemmConfig, choose_fp8_config,
+                                                      experts_choice, fit_fp8_config)
+from moebench.kernels._details.jit import check_triton_device
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
+from moebench.kernels._details.tuning import Choice
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3, WEIGHT_BLOCK, quantize_rows_tile, soft_fp8, to_e4m3
-from moebench.kernels.fused_experts import alignment_buffers, check_routes, checked_workspace, routes_alignment
 from moebench.kernels.grouped_gemm import (
-    max_blocks,
-    persistent_programs,
+    ExpertsWorkspace,
+    check_routes,
+    checked_workspace,
+    expert_operand_shapes,
+    launch_config,
+    launch_persistent,
+    make_workspace,
+    routes_alignment,
     sum_slots,
-    swizzle,
-    weight_operand,
+    tile_prologue,
 )
 
-__all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "fp8_choice",
-           "Fp8ExpertsWorkspace", "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms", "check_fp8_args",
-           "x_scale_mode"]
+__all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "fit_fp8_config",
+           "fp8_choice", "Fp8ExpertsWorkspace", "make_fp8_workspace", "fused_experts_fp8", "fp8_expert_gemms",
+           "check_fp8_args", "x_scale_mode"]
 
-BLOCK_K = 128  # one weight scale block (and, for group >= 128, one activation scale) per K step
+BLOCK_K = FP8_BLOCK_K  # one weight scale block (and, for group >= 128, one activation scale) per K step
 
 # activation scale layouts (the kernels' X_SCALE)
 _X_FP32, _X_UE8M0_BYTE, _X_UE8M0_WORD32 = 0, 1, 2
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    block_n: int  # gate/up: columns of each half, always 128 (one re-quantisation group); down: 128 or 256
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    weight_tma: bool = True
-
-    @property
-    def block_k(self) -> int:
-        return BLOCK_K
-
-    def short(self) -> str:
-        return f"N{self.block_n}w{self.num_warps}s{self.num_stages}g{self.group_m}" + ("tma" if self.weight_tma else "")
-
-
-@dataclass(frozen=True)
-class Fp8ExpertsConfig:
-    block_m: int
-    gate_up: Fp8GemmConfig
-    down: Fp8GemmConfig
-    reduce_block_h: int = 1024
-    name: str = ""
-
-    def short(self) -> str:
-        return (f"{self.name + ' ' if self.name else ''}BM{self.block_m} up:{self.gate_up.short()} "
-                f"down:{self.down.short()}")
-
-
-# The candidate table (`config:` of a sweep, `moebench tune sweeps/tune_experts_fp8.yaml`): the rule's decode tiers
-# and prefill-sized tiles (>= 128 routes per expert). Shared memory per stage of the BM64 ones: A BM x 128 B +
-# weights (2x)BN x 128 B: 40 KiB (<= 4 stages fit). Untuned on a GPU so far: the register/shared-memory-feasible
-# Hopper tiles (see the module docstring).
-FP8_CANDIDATES: dict[str, Fp8ExpertsConfig] = {c.name: c for c in (
-    # decode: weight-bandwidth bound, mma.sync tiles, many programs
-    Fp8ExpertsConfig(16, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm16"),
-    Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4), name="bm32"),
-    Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4), name="bm64_s4"),
-    Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 3), Fp8GemmConfig(256, 8, 8, 3), name="bm64_s3"),
-    Fp8ExpertsConfig(64, Fp8GemmConfig(128, 16, 8, 4), Fp8GemmConfig(128, 16, 4, 4), name="bm64_g16_down128"),
-    Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4, weight_tma=False), Fp8GemmConfig(256, 8, 8, 4, weight_tma=False),
-                     name="bm64_s4_notma"),
-)}
-
-
-def fit_fp8_config(cfg: Fp8ExpertsConfig, hidden: int) -> Fp8ExpertsConfig:
-    """A candidate fitted to H: the down GEMM's BLOCK_N must divide it, the reduction's block at most next_pow2(H)."""
-    if hidden % cfg.down.block_n:
-        cfg = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, block_n=128))
-    return dataclasses.replace(cfg, reduce_block_h=min(cfg.reduce_block_h, triton.next_power_of_2(hidden)))
-
-
-def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> Fp8ExpertsConfig:
-    """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
-    `choose_config`): BM16 / BM32 / bm64_s4 by rows per expert (<= 24, <= 48, more)."""
-    if interpreting():
-        # the interpreter's cost is per program and op: small M blocks, whole-ish N
-        return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
-                                Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
-                                reduce_block_h=min(1024, triton.next_power_of_2(hidden)), name="interp")
-    rows_per_expert = num_routes / max(1, num_experts)
-    name = "bm16" if rows_per_expert <= 24 else "bm32" if rows_per_expert <= 48 else "bm64_s4"
-    return fit_fp8_config(FP8_CANDIDATES[name], hidden)
-
-
-def _fp8_rule(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int):
-    cfg = choose_fp8_config(num_tokens * top_k, num_experts, hidden, intermediate)
-    return cfg.name, cfg
-
-
-register_tunable(Tunable(
-    "fused_experts_fp8", FP8_CANDIDATES,
-    lambda num_tokens, top_k, num_experts, hidden, intermediate:
-        f"T={pow2_bucket(num_tokens)},K={top_k},E={num_experts},H={hidden},I={intermediate}",
-    _fp8_rule, "choose_fp8_config: bm16 / bm32 / bm64_s4 by rows per expert (<= 24, <= 48, more); the "
-               "interpreter: small tiles"))
+Fp8ExpertsWorkspace = ExpertsWorkspace  # the one workspace type; fp8's has act e4m3 and act_scales
 
 
 def fp8_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,
-               config: str | Fp8ExpertsConfig | None = None) -> Choice:
-    """fused_experts_fp8's launch config on `device`: `config` (an FP8_CANDIDATES name, fitted to H, or an
-    Fp8ExpertsConfig, launched as given), else the tuned table (bucket T=next_pow2(tokens),K,E,H,I), else
-    choose_fp8_config."""
-    choice = choose("fused_experts_fp8", device, config, num_tokens=num_tokens, top_k=top_k,
-                    num_experts=num_experts, hidden=hidden, intermediate=intermediate)
-    if isinstance(config, Fp8ExpertsConfig) or choice.source == "rule":
-        return choice
-    return dataclasses.replace(choice, config=fit_fp8_config(choice.config, hidden))
+               config: str | ExpertsConfig | None = None) -> Choice:
+    """fused_experts_fp8's launch config: experts_choice with precision "fp8_block" (an FP8_CANDIDATES name,
+    fitted to H, or an fp8 ExpertsConfig launched as given; else the tuned table; else choose_fp8_config)."""
+    return experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=FP8_BLOCK)
+
+
+def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
+                       config: ExpertsConfig | str | None = None, device: torch.device | str = "cuda"
+                       ) -> ExpertsWorkspace:
+    """`config`: an fp8 ExpertsConfig, an FP8_CANDIDATES name, or None ("auto"): fp8_choice's."""
+    return make_workspace(num_tokens, top_k, num_experts, hidden, intermediate, config=config, device=device,
+                          precision=FP8_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,11 +123,8 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
     num_pid_n = inter // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        route = tl.load(sorted_ptr + offs_m)
-        row_ok = route < num_routes
+        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
+                                                             num_routes, BLOCK_M, GROUP_M)
         token = (route // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
@@ -253,11 +177,8 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
     num_pid_n = hidden // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        route = tl.load(sorted_ptr + offs_m)
-        row_ok = route < num_routes
+        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
+                                                             num_routes, BLOCK_M, GROUP_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_m.to(tl.int64)
         a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -288,9 +209,8 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
         y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16), mask=row_ok[:, None])
 
-
 # ---------------------------------------------------------------------------------------------------------------
-# Arguments, workspace, the op
+# Arguments, the launches, the op
 # ---------------------------------------------------------------------------------------------------------------
 
 def x_scale_mode(group_size: int, scale_format: str) -> int:
@@ -307,16 +227,8 @@ def check_fp8_args(x_q, x_scales, topk_ids, topk_weights, w13_q, w13_scales, w2_
                    scale_format: str) -> tuple[int, int, int, int, int]:
     """(M, K, E, H, I), or ValueError naming the inconsistent argument."""
     x_scale_mode(group_size, scale_format)
-    if x_q.dim() != 2 or x_q.dtype != E4M3:
-        raise ValueError(f"x_q: expected e4m3fn [M, H], got {x_q.dtype} {tuple(x_q.shape)}")
-    M, H = x_q.shape
-    if w13_q.dim() != 3 or w13_q.shape[2] != H or w13_q.shape[1] % 2 or w13_q.dtype != E4M3:
-        raise ValueError(f"w13_q: expected e4m3fn [E, 2I, H={H}], got {w13_q.dtype} {tuple(w13_q.shape)}")
-    E, I = w13_q.shape[0], w13_q.shape[1] // 2
-    if H % WEIGHT_BLOCK or I % WEIGHT_BLOCK:
-        raise ValueError(f"hidden ({H}) and intermediate ({I}) must be multiples of {WEIGHT_BLOCK}")
-    if tuple(w2_q.shape) != (E, H, I) or w2_q.dtype != E4M3:
-        raise ValueError(f"w2_q: expected e4m3fn [E={E}, H={H}, I={I}], got {w2_q.dtype} {tuple(w2_q.shape)}")
+    M, E, H, I = expert_operand_shapes(x_q, w13_q, w2_q, names=("x_q", "w13_q", "w2_q"), dtype=E4M3,
+                                       multiple=WEIGHT_BLOCK)
     b = WEIGHT_BLOCK
     for name, s, shape in (("w13_scales", w13_scales, (E, 2 * I // b, H // b)), ("w2_scales", w2_scales, (E, H // b, I // b))):
         if tuple(s.shape) != shape or s.dtype != torch.float32:
@@ -329,84 +241,6 @@ def check_fp8_args(x_q, x_scales, topk_ids, topk_weights, w13_q, w13_scales, w2_
         raise ValueError(f"x_scales: expected {sf_dtype} {sf_shape} ({scale_format}, group {group_size}), got "
                          f"{x_scales.dtype} {tuple(x_scales.shape)}")
     return M, check_routes(topk_weights, topk_ids, M), E, H, I
-
-
-@dataclass
-class Fp8ExpertsWorkspace:
-    """Everything fused_experts_fp8 writes besides `out`, preallocated so a timed call allocates nothing."""
-
-    config: Fp8ExpertsConfig
-    shape: tuple[int, int, int, int, int]  # (M, K, E, H, I)
-    sorted_ids: torch.Tensor  # int32 [R + E*(BM-1)]
-    expert_ids: torch.Tensor  # int32 [cdiv(that, BM)]
-    num_post: torch.Tensor  # int32 [1]
-    align_scratch: torch.Tensor  # int32 [align_scratch_size(R, E)]
-    act_q: torch.Tensor  # e4m3 [max_blocks*BM, I]: re-quantised SwiGLU output per sorted position
-    act_scales: torch.Tensor  # fp32 [max_blocks*BM, I/128]
-    y: torch.Tensor  # bf16 [R, H]: weighted expert output per route
-    choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
-
-    def fits(self, M: int, K: int, E: int, H: int, I: int) -> bool:
-        return self.shape == (M, K, E, H, I)
-
-
-def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
-                       config: Fp8ExpertsConfig | str | None = None, device: torch.device | str = "cuda"
-                       ) -> Fp8ExpertsWorkspace:
-    """`config`: an Fp8ExpertsConfig, an FP8_CANDIDATES name, or None ("auto"): fp8_choice's."""
-    R = num_tokens * top_k
-    choice = fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config)
-    cfg = choice.config
-    rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
-    return Fp8ExpertsWorkspace(
-        cfg, (num_tokens, top_k, num_experts, hidden, intermediate),
-        **alignment_buffers(R, num_experts, cfg.block_m, device),
-        act_q=torch.empty(rows, intermediate, dtype=E4M3, device=device),
-        act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device),
-        y=torch.empty(R, hidden, dtype=torch.bfloat16, device=device), choice=choice)
-
-
-def _programs(device: torch.device, max_tiles: int, block_m: int, cfg: Fp8GemmConfig, weight_tiles: int) -> int:
-    """persistent_programs with fp8 tiles: it counts 2-byte elements, so the K extent it sees is halved."""
-    bytes_view = types.SimpleNamespace(block_n=cfg.block_n, block_k=BLOCK_K // 2, num_stages=cfg.num_stages,
-                                       num_warps=cfg.num_warps)
-    return persistent_programs(device, max_tiles, block_m, bytes_view, weight_tiles)
-
-
-def _gate_up(x_q, x_scales, w13_q, w13_scales, ws: Fp8ExpertsWorkspace, top_k: int, mode: int, group_steps: int,
-             sorted_ids, expert_ids, num_post) -> None:
-    cfg, bm = ws.config.gate_up, ws.config.block_m
-    M, H = x_q.shape
-    E, two_i, _ = w13_q.shape
-    inter = two_i // 2
-    assert cfg.block_n == ACT_GROUP, "gate/up BLOCK_N is the re-quantisation group"
-    n_pid_m = max_blocks(M * top_k, E, bm)
-    programs = _programs(x_q.device, n_pid_m * (inter // cfg.block_n), bm, cfg, 2)
-    w_arg, tma = weight_operand(w13_q, cfg.block_n, cfg, inter)
-    _fp8_gate_up_kernel[(programs,)](
-        x_q, x_scales, w_arg, w13_scales, ws.act_q, ws.act_scales, sorted_ids, expert_ids, num_post,
-        M * top_k, top_k, H, inter, programs,
-        x_q.stride(0), x_scales.stride(0), w13_q.stride(0), w13_q.stride(1), w13_scales.stride(0),
-        w13_scales.stride(1), ws.act_q.stride(0), ws.act_scales.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, X_SCALE=mode,
-        GROUP_STEPS=group_steps, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_FP8=soft_fp8(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _down(w2_q, w2_scales, topk_weights, ws: Fp8ExpertsWorkspace, sorted_ids, expert_ids, num_post) -> None:
-    cfg, bm = ws.config.down, ws.config.block_m
-    E, H, inter = w2_q.shape
-    R = topk_weights.numel()
-    n_pid_m = max_blocks(R, E, bm)
-    programs = _programs(w2_q.device, n_pid_m * (H // cfg.block_n), bm, cfg, 1)
-    w_arg, tma = weight_operand(w2_q, cfg.block_n, cfg, H)
-    _fp8_down_kernel[(programs,)](
-        ws.act_q, ws.act_scales, w_arg, w2_scales, ws.y, topk_weights, sorted_ids, expert_ids, num_post,
-        R, H, inter, programs,
-        ws.act_q.stride(0), ws.act_scales.stride(0), w2_q.stride(0), w2_q.stride(1), w2_scales.stride(0),
-        w2_scales.stride(1), ws.y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, WEIGHT_TMA=tma,
-        UPCAST_DOT=interpreting(), SOFT_BF16=soft_bf16(ws.y), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -426,21 +260,19 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
         out = torch.empty(M, H, dtype=torch.bfloat16, device=x_q.device)
     if M == 0:
         return out
-    workspace = checked_workspace(workspace, (M, K, E, H, I),
-                                  lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device))
-    if config is not None and fp8_choice(M, K, E, H, I, x_q.device, config).config != workspace.config:
-        raise ValueError("config differs from the workspace's (make the workspace with it)")
-    ws = workspace
+    ws = checked_workspace(workspace, (M, K, E, H, I),
+                           lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device))
+    cfg = launch_config(ws, config, x_q.device, FP8_BLOCK)
     x_q, x_scales, w13_q, w2_q = (t if t.is_contiguous() else t.contiguous() for t in (x_q, x_scales, w13_q, w2_q))
     w13_scales, w2_scales = w13_scales.contiguous(), w2_scales.contiguous()
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         topk_weights = topk_weights.float().contiguous()
-    sorted_ids, expert_ids, num_post = routes_alignment(topk_ids, E, ws.config.block_m, ws, alignment)
+    alignment = routes_alignment(topk_ids, E, cfg.block_m, ws, alignment)
     if K == 0:
         return out.zero_()
-    fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws,
-                     (sorted_ids, expert_ids, num_post), top_k=K, group_size=group_size, scale_format=scale_format)
-    return sum_slots(ws.y, topk_ids, E, out, block_h=ws.config.reduce_block_h)
+    _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws, cfg, alignment, K, group_size,
+           scale_format)
+    return sum_slots(ws.y, topk_ids, E, out, block_h=cfg.reduce_block_h)
 
 
 def fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, workspace: Fp8ExpertsWorkspace,
@@ -450,10 +282,27 @@ def fp8_expert_gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_sc
     stage of its own: writes workspace.y (bf16 [M*K, H], the rows of placed routes only) and returns it. The
     operands as fused_experts_fp8 takes them (contiguous, topk_weights fp32); `alignment` built with the
     workspace config's block_m."""
-    mode = x_scale_mode(group_size, scale_format)
-    group_steps = max(1, group_size // BLOCK_K)
-    sorted_ids, expert_ids, num_post = alignment
-    _gate_up(x_q, x_scales, w13_q, w13_scales, workspace, top_k, mode, group_steps, sorted_ids, expert_ids,
-             num_post)
-    _down(w2_q, w2_scales, topk_weights, workspace, sorted_ids, expert_ids, num_post)
+    _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, workspace, workspace.config, alignment,
+           top_k, group_size, scale_format)
     return workspace.y
+
+
+def _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws: ExpertsWorkspace,
+           cfg: ExpertsConfig, alignment, top_k: int, group_size: int, scale_format: str) -> None:
+    """The two launches, through the shared persistent launcher (grouped_gemm.launch_persistent)."""
+    M, H = x_q.shape
+    E, inter = w13_q.shape[0], w13_q.shape[1] // 2
+    R = M * top_k
+    assert cfg.gate_up.block_n == ACT_GROUP, "gate/up BLOCK_N is the re-quantisation group"
+    launch_persistent(_fp8_gate_up_kernel, FP8_BLOCK, cfg.block_m, cfg.gate_up, alignment, R, E, ("w13", w13_q),
+                      inter, 2, x_ptr=x_q, xs_ptr=x_scales, w13s_ptr=w13_scales, act_ptr=ws.act,
+                      acts_ptr=ws.act_scales, top_k=top_k, hidden=H, inter=inter, stride_xm=x_q.stride(0),
+                      stride_xsm=x_scales.stride(0), stride_we=w13_q.stride(0), stride_wn=w13_q.stride(1),
+                      stride_wse=w13_scales.stride(0), stride_wsn=w13_scales.stride(1), stride_am=ws.act.stride(0),
+                      stride_asm=ws.act_scales.stride(0), X_SCALE=x_scale_mode(group_size, scale_format),
+                      GROUP_STEPS=max(1, group_size // BLOCK_K), SOFT_FP8=soft_fp8())
+    launch_persistent(_fp8_down_kernel, FP8_BLOCK, cfg.block_m, cfg.down, alignment, R, E, ("w2", w2_q), H, 1,
+                      act_ptr=ws.act, acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y, topk_w_ptr=topk_weights,
+                      hidden=H, inter=inter, stride_am=ws.act.stride(0), stride_asm=ws.act_scales.stride(0),
+                      stride_we=w2_q.stride(0), stride_wn=w2_q.stride(1), stride_wse=w2_scales.stride(0),
+                      stride_wsn=w2_scales.stride(1), stride_ym=ws.y.stride(0), SOFT_BF16=soft_bf16(ws.y))

@@ -1,4 +1,4 @@
-"""The pieces of `fused_experts`: route alignment, the two grouped GEMMs and the slot reduction.
+"""The grouped-GEMM launcher of the expert computation, both precisions (bf16 | fp8 block-scaled), and the bf16 pieces.
 
 Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
   align_routes      topk_ids -> sorted_ids (routes grouped by expert, each expert's segment padded to a multiple
@@ -14,142 +14,40 @@ The GEMM kernels are persistent: a fixed number of programs (what fits on the GP
 that exist, num_post_padded being read on the device, so skipped routes cost no GEMM work, no program launch, and
 nothing synchronises with the host (CUDA-graph capturable).
 
-Each GEMM kernel has a plain-torch reference `<name>_torch` below it; the alignment's reference is
+What both precisions share lives here, once: the config (`ExpertsConfig.precision`, kernels._details.experts_config:
+tables, rules, `experts_choice`), the alignment, the workspace (`make_workspace(precision=)`), the operand checks,
+the tile prologue every kernel starts its tiles with (`tile_prologue`, a @triton.jit helper Triton inlines), the
+persistent-program sizing and the launch (`launch_persistent`). The kernels differ only in their K loop and
+epilogue: the bf16 ones below, the fp8 ones (scale promotion, re-quantisation) in kernels.fused_experts_fp8.
+
+Each bf16 GEMM kernel has a plain-torch reference `<name>_torch` below it; the alignment's reference is
 moe_align_block_size_torch. The layer runs these stages one by one (moebench.bench.layer); fused_experts chains them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from moebench.kernels._details.align_config import align_workspace_size
-from moebench.kernels._details.jit import check_triton_device, interpreting, next_pow2
+from moebench.kernels._details.experts_config import (BF16, EXPERTS_CANDIDATES, FP8_BLOCK, ExpertsConfig, GemmConfig,
+                                                      choose_config, experts_choice, operand_bytes)
+from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
-from moebench.kernels.masked_moe_sum import launch_masked_sum, sum_launch_config
+from moebench.kernels.fp8_quant import ACT_GROUP, E4M3
+from moebench.kernels.masked_moe_sum import sum_slots, sum_slots_torch
 from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
 
-# ---------------------------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape and launch parameters of one grouped GEMM (BLOCK_M is shared, see ExpertsConfig)."""
-
-    block_n: int
-    block_k: int
-    group_m: int = 8  # M-blocks per swizzle group: programs sharing an N tile run together (weight reuse in L2)
-    num_warps: int = 4
-    num_stages: int = 3
-    weight_tma: bool = False  # weight tiles through a TMA descriptor (where the layout allows), else cp.async
-
-    def short(self) -> str:
-        return (f"N{self.block_n}K{self.block_k}w{self.num_warps}s{self.num_stages}g{self.group_m}"
-                + ("tma" if self.weight_tma else ""))
-
-
-@dataclass(frozen=True)
-class ExpertsConfig:
-    block_m: int  # alignment block size: rows of one GEMM program, all owned by one expert
-    gate_up: GemmConfig  # block_n counts columns of *each* half (gate and up): the program computes 2*block_n
-    down: GemmConfig
-    reduce_block_h: int = 1024
-    name: str = field(default="", compare=False)  # the candidate it came from (a label: launches compare equal)
-
-    def short(self) -> str:
-        g, d = self.gate_up, self.down
-        return f"BM{self.block_m} up:{g.short()} down:{d.short()}"
-
-
-def _fit(block: int, dim: int) -> int:
-    """Shrink a block to the (power-of-two padded) dimension; tl.dot needs >= 16."""
-    return max(16, min(block, next_pow2(dim)))
-
-
-# The candidate table of fused_experts (`config:` of a sweep, `moebench tune sweeps/tune_experts.yaml`): the rule's
-# four tiers (choose_config) and their neighbours. Each is fitted to the shape (fit_config) before it is launched.
-EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
-    ExpertsConfig(16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4), name="bm16"),
-    ExpertsConfig(32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32"),
-    ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm64"),
-    # Measured on an H200 (128 experts, 4096 tokens x top-8, H=7168, I=2048; us at 0% / 50% of routes
-    # skipped): gate/up N128 K64 w8 s3 with TMA weights 4036 / 2821 (BM64's default 5198 at 0%), down N256 K64
-    # w8 s3 2113 / 1495 plain, 2158 / 1453 with TMA. TMA for down: the faster one where routes are skipped.
-    # BM128 pads each expert's last block further, but halves the weight re-reads per row.
-    ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
-                  name="bm128_tma"),
-    ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3), name="bm128"),
-    ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
-                  name="bm64_tma"),
-    ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
-)}
-
-
-def fit_config(cfg: ExpertsConfig, hidden: int, intermediate: int) -> ExpertsConfig:
-    """A candidate shrunk to the shape: blocks to the (power-of-two padded) dims, the reduction's block too.
-    (weight_operand falls back to pointer loads where the shrunk BLOCK_N no longer divides I / H.)"""
-    up, down = cfg.gate_up, cfg.down
-    up = dataclasses.replace(up, block_n=_fit(up.block_n, intermediate), block_k=_fit(up.block_k, hidden))
-    down = dataclasses.replace(down, block_n=_fit(down.block_n, hidden), block_k=_fit(down.block_k, intermediate))
-    return dataclasses.replace(cfg, gate_up=up, down=down, reduce_block_h=_fit(cfg.reduce_block_h, hidden))
-
-
-def choose_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
-    """The rule (the config where the tuned table has no entry): deterministic from the shapes known on the host
-    (num_routes = M*K, including skipped slots: the number of valid routes is only known on the device and reading
-    it would break CUDA-graph capture).
-
-    BLOCK_M follows the expected rows per expert, so the padding of each expert's last block wastes little:
-    decode-sized batches are weight-bandwidth bound (small tiles, many programs); prefill-sized ones are compute
-    bound (tiles large enough for Hopper's wgmma: 64 rows per warpgroup, 256 columns per program).
-    """
-    if interpreting():
-        # The CPU interpreter's cost is per program and per op: small M blocks (little padding), whole-ish N/K.
-        bm = 16
-        return ExpertsConfig(bm, GemmConfig(_fit(32, intermediate), _fit(32, hidden), 4, 4, 1),
-                             GemmConfig(_fit(64, hidden), _fit(32, intermediate), 4, 4, 1),
-                             reduce_block_h=_fit(256, hidden), name="interp")
-    rows_per_expert = num_routes / max(1, num_experts)
-    if rows_per_expert <= 24:
-        name = "bm16"
-    elif rows_per_expert <= 48:
-        name = "bm32"
-    elif rows_per_expert < 128:
-        name = "bm64"
-    else:
-        name = "bm128_tma"
-    return fit_config(EXPERTS_CANDIDATES[name], hidden, intermediate)
-
-
-def _experts_rule(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int):
-    cfg = choose_config(num_tokens * top_k, num_experts, hidden, intermediate)
-    return cfg.name, cfg
-
-
-register_tunable(Tunable(
-    "fused_experts", EXPERTS_CANDIDATES,
-    lambda num_tokens, top_k, num_experts, hidden, intermediate:
-        f"T={pow2_bucket(num_tokens)},K={top_k},E={num_experts},H={hidden},I={intermediate}",
-    _experts_rule, "choose_config: BM16 / 32 / 64 / 128+TMA by rows per expert (<= 24, <= 48, < 128, more); "
-                   "the interpreter: small tiles"))
-
-
-def experts_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,
-                   config: str | ExpertsConfig | None = None) -> Choice:
-    """fused_experts' launch config on `device`: `config` (an EXPERTS_CANDIDATES name or an ExpertsConfig, launched
-    as given), else the tuned table (bucket T=next_pow2(tokens),K,E,H,I; the candidate fitted to the shape), else
-    choose_config."""
-    choice = choose("fused_experts", device, config, num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
-                    hidden=hidden, intermediate=intermediate)
-    if isinstance(config, ExpertsConfig) or choice.source == "rule":
-        return choice
-    return dataclasses.replace(choice, config=fit_config(choice.config, hidden, intermediate))
+__all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config",
+           "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
+           "routes_alignment", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
+           "check_routes", "expert_operand_shapes", "swizzle", "tile_prologue", "persistent_programs",
+           "weight_operand", "launch_persistent", "gate_up_swiglu", "down_proj", "gate_up_swiglu_torch",
+           "down_proj_torch", "sum_slots", "sum_slots_torch"]
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -188,9 +86,140 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     return moe_align_block_size(ids, num_experts, block_m, out=(sorted_ids, expert_ids, num_post),
                                 workspace=scratch[:need])
 
+def alignment_buffers(num_routes: int, num_experts: int, block_m: int,
+                      device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A workspace's alignment outputs and scratch (int32): sorted_ids, expert_ids, num_post, align_scratch."""
+    cap, bcap = align_capacity(num_routes, num_experts, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    return dict(sorted_ids=torch.empty(cap, **i32), expert_ids=torch.empty(bcap, **i32),
+                num_post=torch.empty(1, **i32),
+                align_scratch=torch.empty(align_scratch_size(num_routes, num_experts, device), **i32))
+
+
+def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, workspace,
+                     alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, expert_ids, num_post): topk_ids aligned into the workspace's buffers, or the caller's
+    `alignment` once its capacities are checked for block_m."""
+    if alignment is None:
+        ws = workspace
+        return align_routes(topk_ids, num_experts, block_m,
+                            out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
+    sorted_ids, expert_ids, num_post = alignment
+    cap, bcap = align_capacity(topk_ids.numel(), num_experts, block_m)
+    if sorted_ids.numel() < cap or expert_ids.numel() < bcap:
+        raise ValueError(f"alignment: expected capacities >= ({cap}, {bcap}) for block_m={block_m}, got "
+                         f"({sorted_ids.numel()}, {expert_ids.numel()})")
+    return sorted_ids, expert_ids, num_post
+
 
 # ---------------------------------------------------------------------------------------------------------------
-# Grouped GEMMs
+# Workspace and argument checks (both precisions)
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ExpertsWorkspace:
+    """Everything the expert GEMMs write besides `out`, preallocated so a timed call allocates nothing."""
+
+    config: ExpertsConfig
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+    sorted_ids: torch.Tensor  # int32 [R + E*(BM-1)]
+    expert_ids: torch.Tensor  # int32 [cdiv(that, BM)]
+    num_post: torch.Tensor  # int32 [1]
+    align_scratch: torch.Tensor  # int32 [align_scratch_size(R, E)]: moe_align_block_size's workspace
+    act: torch.Tensor  # [max_blocks*BM, I] SwiGLU output per sorted position (fp8_block: re-quantised, e4m3)
+    y: torch.Tensor  # [R, H] weighted expert output per route (fp8_block: bf16)
+    choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
+    act_scales: torch.Tensor | None = None  # fp8_block: fp32 [max_blocks*BM, I/128], one per 128 columns of act
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return self.num_tokens, self.top_k, self.num_experts, self.hidden, self.intermediate
+
+    def fits(self, M: int, K: int, E: int, H: int, I: int) -> bool:
+        return self.shape == (M, K, E, H, I)
+
+
+def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
+                   config: ExpertsConfig | str | None = None, dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cuda", precision: str = BF16) -> ExpertsWorkspace:
+    """`config`: an ExpertsConfig, a candidate name of the precision's table, or None ("auto"): the tuned table,
+    else the rule (experts_choice); the workspace keeps the choice. `dtype`: act and y of bf16 (fp8_block: e4m3 act
+    with fp32 scales, bf16 y)."""
+    R = num_tokens * top_k
+    choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=precision)
+    cfg = choice.config
+    rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
+    fp8 = precision == FP8_BLOCK
+    return ExpertsWorkspace(
+        cfg, num_tokens, top_k, num_experts, hidden, intermediate,
+        **alignment_buffers(R, num_experts, cfg.block_m, device),
+        act=torch.empty(rows, intermediate, dtype=E4M3 if fp8 else dtype, device=device),
+        y=torch.empty(R, hidden, dtype=torch.bfloat16 if fp8 else dtype, device=device), choice=choice,
+        act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device) if fp8 else None)
+
+
+def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
+    """`workspace` if it fits shape (M, K, E, H, I), make() when it is None, else ValueError."""
+    if workspace is None:
+        return make()
+    if not workspace.fits(*shape):
+        raise ValueError("workspace was made for other shapes")
+    return workspace
+
+
+def launch_config(workspace: ExpertsWorkspace, config: ExpertsConfig | str | None, device,
+                  precision: str = BF16) -> ExpertsConfig:
+    """The config a `precision` call launches: the workspace's, or `config` (chosen like make_workspace's) when
+    given; its BLOCK_M sizes the workspace's buffers, so it must be the workspace's."""
+    if workspace.config.precision != precision:
+        raise ValueError(f"workspace was made for {workspace.config.precision} experts, the call is {precision}")
+    if config is None:
+        return workspace.config
+    cfg = experts_choice(*workspace.shape, device, config, precision=precision).config
+    if cfg.block_m != workspace.config.block_m:
+        raise ValueError("config.block_m differs from the workspace's")
+    return cfg
+
+
+def check_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens: int) -> int:
+    """K of topk_ids [M, K] with topk_weights of its shape, or ValueError naming the inconsistent argument."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids: expected [M={num_tokens}, K], got shape {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
+    return topk_ids.shape[1]
+
+
+def expert_operand_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, names=("x", "w13", "w2"),
+                          dtype: torch.dtype | None = None, multiple: int = 1) -> tuple[int, int, int, int]:
+    """(M, E, H, I) of x [M, H], w13 [E, 2I, H], w2 [E, H, I] (each of `dtype` when given; H and I multiples of
+    `multiple`), or ValueError naming the inconsistent argument."""
+    def bad(i: int, want: str, t: torch.Tensor) -> ValueError:
+        if dtype is None:
+            return ValueError(f"{names[i]}: expected {want}, got shape {tuple(t.shape)}")
+        return ValueError(f"{names[i]}: expected {str(dtype).removeprefix('torch.float8_')} {want}, got {t.dtype} "
+                          f"{tuple(t.shape)}")
+
+    if x.dim() != 2 or (dtype is not None and x.dtype != dtype):
+        raise bad(0, "[M, H]", x)
+    M, H = x.shape
+    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 or (dtype is not None and w13.dtype != dtype):
+        raise bad(1, f"[E, 2I, H={H}]", w13)
+    E, I = w13.shape[0], w13.shape[1] // 2
+    if H % multiple or I % multiple:
+        raise ValueError(f"hidden ({H}) and intermediate ({I}) must be multiples of {multiple}")
+    if tuple(w2.shape) != (E, H, I) or (dtype is not None and w2.dtype != dtype):
+        raise bad(2, f"[E={E}, H={H}, I={I}]", w2)
+    return M, E, H, I
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The persistent launch (both precisions)
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -207,6 +236,85 @@ def swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr, num_routes,
+                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile -> (pid_n, expert (int64), offs_m: its BLOCK_M sorted positions, route at each, row_ok): the start of
+    every tile of every grouped-GEMM kernel. row_ok is False for the pad entries of an expert's last block."""
+    pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ptr + offs_m)
+    row_ok = route < num_routes
+    return pid_n, expert, offs_m, route, row_ok
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg: GemmConfig,
+                        weight_tiles: int, elem_bytes: int = 2) -> int:
+    """Programs of a persistent GEMM launch: as many as fit on the GPU at once (from a shared-memory estimate of
+    the pipeline buffers: an A tile and `weight_tiles` weight tiles each, of `elem_bytes` operands), never more
+    than tiles can exist. Erring high only queues programs behind others (same total time); erring low would idle
+    SMs."""
+    if device.type != "cuda":
+        sms = 2  # the interpreter: a few programs, so each one walks several tiles
+    else:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        sms = _SM_COUNT[idx]
+    stage_bytes = (block_m + weight_tiles * cfg.block_n) * cfg.block_k * elem_bytes
+    # Hopper's wgmma path (64+ rows, whole warpgroups) keeps num_stages buffers, the mma.sync path one fewer
+    buffers = cfg.num_stages if block_m >= 64 and cfg.num_warps % 4 == 0 else cfg.num_stages - 1
+    per_sm = max(1, min(4, (227 * 1024) // max(1, buffers * stage_bytes)))
+    return max(1, min(max_tiles, sms * per_sm))
+
+
+def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
+    """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
+    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
+    if not cfg.weight_tma:
+        return w, False
+    ok = (w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+          and tile_dim % cfg.block_n == 0 and w.shape[0] * w.shape[1] < 2**31)
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - triton without host-side descriptors
+        ok = False
+    if not ok:
+        return w, False
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[rows_per_box, cfg.block_k]), True
+
+def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, alignment, num_routes: int,
+                      num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int,
+                      **args) -> bool:
+    """One persistent grouped-GEMM launch of `kernel` (a gate/up or down kernel of `precision`) over the tiles of
+    the aligned blocks: tile_dim output columns per expert (I or H) in BLOCK_N tiles; weight = (the kernel's
+    argument name, w13 or w2), passed as a TMA descriptor where gemm asks and the layout allows, `weight_tiles`
+    weight tiles per K step (gate/up: 2). Every kernel takes the arguments named here; `args` holds the rest of
+    its own. False (nothing launched) when there is no route."""
+    num_pid_m = max_blocks(num_routes, num_experts, block_m)
+    if num_routes == 0 or num_pid_m == 0:
+        return False
+    sorted_ids, expert_ids, num_post = alignment
+    w_name, w = weight
+    programs = persistent_programs(w.device, num_pid_m * triton.cdiv(tile_dim, gemm.block_n), block_m, gemm,
+                                   weight_tiles, operand_bytes(precision))
+    w_arg, tma = weight_operand(w, gemm.block_n, gemm, tile_dim)
+    kernel[(programs,)](
+        sorted_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_ptr=num_post, num_routes=num_routes,
+        num_programs=programs, **{w_name: w_arg}, **args,
+        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, WEIGHT_TMA=tma,
+        UPCAST_DOT=interpreting(), num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bf16 grouped GEMMs
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
 def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                            num_routes, top_k, hidden, inter, num_programs,
                            stride_xm, stride_we, stride_wn, stride_am,
@@ -221,11 +329,8 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
     num_pid_n = tl.cdiv(inter, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        route = tl.load(sorted_ptr + offs_m)
-        row_ok = route < num_routes  # pad entries of the expert's last block
+        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
+                                                             num_routes, BLOCK_M, GROUP_M)
         token = (route // top_k).to(tl.int64)
         # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
         offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -282,11 +387,8 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        route = tl.load(sorted_ptr + offs_m)
-        row_ok = route < num_routes
+        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
+                                                             num_routes, BLOCK_M, GROUP_M)
         offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_n = offs_n_store % hidden
         # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
@@ -322,44 +424,6 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
                  mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg: "GemmConfig",
-                        weight_tiles: int) -> int:
-    """Programs of a persistent GEMM launch: as many as fit on the GPU at once (from a shared-memory estimate of
-    the pipeline buffers: an A tile and `weight_tiles` weight tiles each), never more than tiles can exist.
-    Erring high only queues programs behind others (same total time); erring low would idle SMs."""
-    if device.type != "cuda":
-        sms = 2  # the interpreter: a few programs, so each one walks several tiles
-    else:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        sms = _SM_COUNT[idx]
-    stage_bytes = (block_m + weight_tiles * cfg.block_n) * cfg.block_k * 2
-    # Hopper's wgmma path (64+ rows, whole warpgroups) keeps num_stages buffers, the mma.sync path one fewer
-    buffers = cfg.num_stages if block_m >= 64 and cfg.num_warps % 4 == 0 else cfg.num_stages - 1
-    per_sm = max(1, min(4, (227 * 1024) // max(1, buffers * stage_bytes)))
-    return max(1, min(max_tiles, sms * per_sm))
-
-
-def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
-    """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
-    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
-    if not cfg.weight_tma:
-        return w, False
-    ok = (w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-          and tile_dim % cfg.block_n == 0 and w.shape[0] * w.shape[1] < 2**31)
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - triton without host-side descriptors
-        ok = False
-    if not ok:
-        return w, False
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[rows_per_box, cfg.block_k]), True
-
-
 def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                    num_post: torch.Tensor, top_k: int, block_m: int, cfg: GemmConfig, act: torch.Tensor
                    ) -> torch.Tensor:
@@ -367,19 +431,12 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     M, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
-    num_routes = M * top_k
-    num_pid_m = max_blocks(num_routes, E, block_m)
-    if num_routes == 0 or num_pid_m == 0:
-        return act
-    assert act.shape[0] >= num_pid_m * block_m and act.shape[1] == inter and act.stride(1) == 1
-    programs = persistent_programs(x.device, num_pid_m * triton.cdiv(inter, cfg.block_n), block_m, cfg, 2)
-    w_arg, tma = weight_operand(w13, cfg.block_n, cfg, inter)
-    _gate_up_swiglu_kernel[(programs,)](
-        x, w_arg, act, sorted_ids, expert_ids, num_post, num_routes, top_k, H, inter, programs,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=H % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=soft_bf16(act),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert M * top_k == 0 or (act.shape[0] >= max_blocks(M * top_k, E, block_m) * block_m
+                              and act.shape[1] == inter and act.stride(1) == 1)
+    launch_persistent(_gate_up_swiglu_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), M * top_k, E,
+                      ("w13", w13), inter, 2, x_ptr=x, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
+                      stride_xm=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
+                      stride_am=act.stride(0), EVEN_K=H % cfg.block_k == 0, SOFT_BF16=soft_bf16(act))
     return act
 
 
@@ -390,18 +447,11 @@ def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, s
     skipped routes are not written."""
     E, H, inter = w2.shape
     num_routes = topk_weights.numel()
-    num_pid_m = max_blocks(num_routes, E, block_m)
-    if num_routes == 0 or num_pid_m == 0:
-        return y
-    assert y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous()
-    programs = persistent_programs(act.device, num_pid_m * triton.cdiv(H, cfg.block_n), block_m, cfg, 1)
-    w_arg, tma = weight_operand(w2, cfg.block_n, cfg, H)
-    _down_proj_kernel[(programs,)](
-        act, w_arg, y, topk_weights, sorted_ids, expert_ids, num_post, num_routes, H, inter, programs,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, WEIGHT_TMA=tma, UPCAST_DOT=interpreting(), SOFT_BF16=soft_bf16(y),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert num_routes == 0 or (y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous())
+    launch_persistent(_down_proj_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), num_routes, E,
+                      ("w2", w2), H, 1, act_ptr=act, y_ptr=y, topk_w_ptr=topk_weights, hidden=H, inter=inter,
+                      stride_am=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_ym=y.stride(0),
+                      EVEN_K=inter % cfg.block_k == 0, SOFT_BF16=soft_bf16(y))
     return y
 
 
@@ -435,36 +485,3 @@ def down_proj_torch(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Ten
         pos = torch.arange(b * block_m, (b + 1) * block_m, device=act.device)[ok]
         y[rows[ok]] = (act[pos].float() @ w2[e].float().T) * flat_w[rows[ok]][:, None]
     return y
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Slot reduction (deterministic: fp32, k ascending, no atomics)
-# ---------------------------------------------------------------------------------------------------------------
-
-def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor,
-              block_h: int = 1024) -> torch.Tensor:
-    """out[m] = sum over k with 0 <= topk_ids[m,k] < num_experts of y[m*K + k] (fp32 in order k, rounded once).
-    The rows of skipped slots are never loaded (they were never written). masked_moe_sum's kernel: two rows per
-    program, all slot loads of a row block in flight together, padded row blocks store zeros only."""
-    M, K = topk_ids.shape
-    H = out.shape[1]
-    if M == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    assert y.shape == (M * K, H) and y.stride(1) == 1 and out.stride(1) == 1
-    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
-    launch_masked_sum(y, (K * y.stride(0), y.stride(0)), ids, out, num_experts=num_experts,
-                      launch=sum_launch_config(H, block_h, top_k=K))
-    return out
-
-
-def sum_slots_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype: torch.dtype
-                    ) -> torch.Tensor:
-    M, K = topk_ids.shape
-    y3 = y.reshape(M, K, -1)
-    acc = torch.zeros(M, y3.shape[2], dtype=torch.float32, device=y.device)
-    for k in range(K):
-        ok = (topk_ids[:, k] >= 0) & (topk_ids[:, k] < num_experts)
-        acc[ok] += y3[ok, k].float()
-    return acc.to(out_dtype)

@@ -219,3 +219,36 @@ def masked_moe_sum(intermediate: torch.Tensor, topk_ids: torch.Tensor, out: torc
     launch = sum_choice(M, K, H, intermediate.device, config).config
     launch_masked_sum(intermediate, (intermediate.stride(0), intermediate.stride(1)), topk_ids, out, launch=launch)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The slot sum of the expert GEMMs (kernels.grouped_gemm): y [M*K, H] per route, ids >= num_experts skipped too
+# ---------------------------------------------------------------------------------------------------------------
+
+def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor,
+              block_h: int = 1024) -> torch.Tensor:
+    """out[m] = sum over k with 0 <= topk_ids[m,k] < num_experts of y[m*K + k] (fp32 in order k, rounded once).
+    The rows of skipped slots are never loaded (they were never written). masked_moe_sum's kernel: two rows per
+    program, all slot loads of a row block in flight together, padded row blocks store zeros only."""
+    M, K = topk_ids.shape
+    H = out.shape[1]
+    if M == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    assert y.shape == (M * K, H) and y.stride(1) == 1 and out.stride(1) == 1
+    ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
+    launch_masked_sum(y, (K * y.stride(0), y.stride(0)), ids, out, num_experts=num_experts,
+                      launch=sum_launch_config(H, block_h, top_k=K))
+    return out
+
+
+def sum_slots_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    M, K = topk_ids.shape
+    y3 = y.reshape(M, K, -1)
+    acc = torch.zeros(M, y3.shape[2], dtype=torch.float32, device=y.device)
+    for k in range(K):
+        ok = (topk_ids[:, k] >= 0) & (topk_ids[:, k] < num_experts)
+        acc[ok] += y3[ok, k].float()
+    return acc.to(out_dtype)

@@ -129,7 +129,7 @@ def test_fused_experts_fp8_within_derived_bound(device, G, fmt, T):
     x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
     assert (ids < 0).any() and (ids >= E).any() and ((ids >= 0) & (ids < E)).any()
     ws = make_fp8_workspace(T, 2, E, h, I, device=device)
-    for t in (ws.act_q, ws.act_scales, ws.y):
+    for t in (ws.act, ws.act_scales, ws.y):
         poison(t)
     out = poison(torch.empty(T, h, dtype=torch.bfloat16, device=device))
     fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws, out=out)
@@ -160,7 +160,7 @@ def test_requantised_activation_matches_reference(device, G, fmt):
     args = _problem(device, T, K, G, fmt, seed=5)
     x_q, x_sf, ids, w, w13_q, w13_s, w2_q, w2_s = args
     ws = make_fp8_workspace(T, K, E, H, I, device=device)
-    poison(ws.act_q)
+    poison(ws.act)
     fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
     bm = ws.config.block_m
     x = kernel_view_of_x(x_q, x_sf, G, fmt)
@@ -178,14 +178,14 @@ def test_requantised_activation_matches_reference(device, G, fmt):
         hh = rows @ w1.T
         a = torch.nn.functional.silu(hh[:, :I]) * hh[:, I:]
         q_ref, s_ref = requantize_rows_fp8_torch(a)
-        got = ws.act_q[pos].float() * ws.act_scales[pos].repeat_interleave(128, 1)
+        got = ws.act[pos].float() * ws.act_scales[pos].repeat_interleave(128, 1)
         want = q_ref.float() * s_ref.repeat_interleave(128, 1)
         dh = model.gemm1_rel * (rows.abs() @ w1.abs().T) + (x[routes[ok] // K] - rows).abs() @ w1.abs().T
         g, u, dg, du = hh[:, :I], hh[:, I:], dh[:, :I], dh[:, I:]
         da = 1.1 * u.abs() * dg + torch.nn.functional.silu(g).abs() * du + 1.1 * dg * du + 2 ** -21 * a.abs()
         assert ((got - want).abs() <= requant_deviation(a, da, 128) + 1e-30).all()
         checked += got.numel()
-        exact += int((_bits(ws.act_q[pos]) == _bits(q_ref)).sum())  # the scales may differ by an fp32 ulp
+        exact += int((_bits(ws.act[pos]) == _bits(q_ref)).sum())  # the scales may differ by an fp32 ulp
     assert checked > 0 and exact >= 0.99 * checked
 
 
@@ -229,7 +229,7 @@ def test_argument_errors():
 def test_fp8_rule_and_candidates(monkeypatch):
     """The rule's tiers by rows per expert; every candidate by name (explicit), fitted to H, within the register
     budget; an unknown name is a one-line error naming the table."""
-    import moebench.kernels.fused_experts_fp8 as mod
+    import moebench.kernels._details.experts_config as mod  # the rules of both precisions
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
     assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s4"

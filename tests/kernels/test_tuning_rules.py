@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from moebench.kernels import fused_experts_fp8, grouped_gemm
+from moebench.kernels._details import experts_config
 from moebench.kernels.fused_experts_fp8 import Fp8ExpertsConfig, Fp8GemmConfig
 from moebench.kernels.grouped_gemm import ExpertsConfig, GemmConfig
 
@@ -57,8 +58,7 @@ def _rest(g: Fp8GemmConfig):
 @pytest.fixture
 def compiled(monkeypatch):
     """The GPU branch of the rules (the interpreter has a rule of its own)."""
-    monkeypatch.setattr(grouped_gemm, "interpreting", lambda: False)
-    monkeypatch.setattr(fused_experts_fp8, "interpreting", lambda: False)
+    monkeypatch.setattr(experts_config, "interpreting", lambda: False)  # both precisions' rules live there
 
 
 def test_bf16_rule_is_the_old_choose_config(compiled):
@@ -74,3 +74,16 @@ def test_fp8_rule_is_the_old_choose_fp8_config(compiled):
         got = fused_experts_fp8.fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device="cpu").config
         assert (got.block_m, got.gate_up, got.down, got.reduce_block_h) == \
                (want.block_m, want.gate_up, want.down, want.reduce_block_h), (num_tokens, top_k, num_experts, hidden)
+
+
+def test_precision_is_part_of_the_config():
+    """One config type, one choice: a config of the other precision is refused, by the choice and by the launch."""
+    bf16 = grouped_gemm.experts_choice(16, 2, 4, 256, 128, device="cpu", config="bm16").config
+    fp8 = fused_experts_fp8.fp8_choice(16, 2, 4, 256, 128, device="cpu", config="bm16").config
+    assert (bf16.precision, fp8.precision) == ("bf16", "fp8_block") and fp8.gate_up.block_k == 128
+    with pytest.raises(ValueError, match="fp8_block config"):
+        grouped_gemm.experts_choice(16, 2, 4, 256, 128, device="cpu", config=fp8)
+    ws = fused_experts_fp8.make_fp8_workspace(16, 2, 4, 256, 128, device="cpu")
+    assert ws.act.dtype == fused_experts_fp8.E4M3 and ws.act_scales.shape[1] == 1 and ws.y.dtype.itemsize == 2
+    with pytest.raises(ValueError, match="made for fp8_block"):
+        grouped_gemm.launch_config(ws, None, "cpu")

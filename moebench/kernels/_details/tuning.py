@@ -53,8 +53,8 @@ TUNABLE_KERNELS = {
     "moe_align_block_size": "moebench.kernels.moe_align_block_size",
     "topk_softmax": "moebench.kernels.topk_softmax",
     "grouped_topk": "moebench.kernels.grouped_topk",
-    "fused_experts": "moebench.kernels.grouped_gemm",
-    "fused_experts_fp8": "moebench.kernels.fused_experts_fp8",
+    "fused_experts": "moebench.kernels._details.experts_config",
+    "fused_experts_fp8": "moebench.kernels._details.experts_config",
 }
 
 
