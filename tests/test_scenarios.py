@@ -266,11 +266,11 @@ def test_h_padding_tax(tmp_path):
     assert [s["padded_rows"] for s in dense["trace_steps"]] == [0, 0, 0]
     # no padded row with the dense list: no time on padding, exactly (each call is its own real-only shape)
     assert dense["headline"]["padding_us"] == {"masked": 0.0, "oblivious": 0.0}
-    # interpolated (the scenario's trace_real_points: 8): pow2's real-only curve was sampled at 1, 2, 4, 8 (its
-    # reals 3 and 5 interpolated), so dense's unpadded calls (3, 3) and (5, 5), exact by rule, are timed now;
-    # (1, 1) is reused
-    assert dense["shape_mode"] == "interpolated" and dense["timed_shapes"] == 3
-    assert dense["shapes_measured"] == 2 and dense["shapes_reused"] == 1
+    # exact (the scenario's trace_real_points: 0): pow2 timed its calls (4, 3), (8, 5), (1, 1) and their real
+    # tokens alone (3, 3), (5, 5), so dense's calls, all unpadded, are reused
+    assert pow2["shape_mode"] == "exact" and pow2["timed_shapes"] == 5 and pow2["shapes_measured"] == 5
+    assert dense["shape_mode"] == "exact" and dense["timed_shapes"] == 3
+    assert dense["shapes_measured"] == 0 and dense["shapes_reused"] == 3
     assert pow2["headline"]["padding_gemm_rows"]["masked"] == 0
     assert pow2["headline"]["jit_compiles"]["oblivious"] >= 1
     gemm = _by_prefix(rows, "expert-GEMM rows")
