@@ -1,10 +1,12 @@
 """What the layer tests share (tests/test_bench_layer.py, tests/test_bench_layer_fp8.py): building a registered impl
-at a point, the relative Frobenius error, and the GPU check of the masked and oblivious layers at one shape."""
+at a point, the relative Frobenius error, what the oblivious layer does to padded rows, and the GPU check of the
+masked and oblivious layers at one shape."""
 
 from __future__ import annotations
 
 import torch
 
+from moebench.bench import layer as layer_mod
 from moebench.inputs import make_batch
 from moebench.params import Params
 from moebench.registry import RunContext, get
@@ -17,6 +19,18 @@ def build_case(impl: str, p: Params, device):
 def frob(out, ref) -> float:
     out, ref = out.double(), ref.double()
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def assert_oblivious_computes_padded_rows(p: Params, masked, oblivious, out_m, out_o, pad) -> None:
+    """The oblivious layer (output out_o) computed every padded row as a real one: non-zero output, all its routes
+    misrouted, more work declared than the masked layer (out_m); the real rows are the masked layer's (the two
+    reductions may round differently: the pre-fix plain sum is torch's, the masked one Triton's)."""
+    assert (out_o[pad] != 0).any(dim=1).all()
+    assert not layer_mod.rows_differing(out_o[~pad], out_m[~pad]).any()
+    info = oblivious.info
+    assert info["corrupted_rows"] == int(pad.sum()) == info["corrupted_padded_rows"]
+    assert info["misrouted_routes"] == int(pad.sum()) * p.top_k
+    assert oblivious.flops > masked.flops
 
 
 def assert_layers_replay_and_agree(p: Params, max_frobenius_rel: float | None = None) -> None:

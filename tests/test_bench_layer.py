@@ -16,7 +16,8 @@ from moebench.run.results import load_records
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import sweep_from_dict
 
-from tests.layer_helpers import assert_layers_replay_and_agree, build_case as _build, frob as _frob
+from tests.layer_helpers import (assert_layers_replay_and_agree, assert_oblivious_computes_padded_rows,
+                                 build_case as _build, frob as _frob)
 
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=128, intermediate=32, group_size=32, dtype="fp32")
 
@@ -76,18 +77,13 @@ def test_oblivious_layer_computes_padded_rows(device):
     # padded rows computed as real: the unmasked fp32 reference, non-zero output
     ref = _fp32_layer(p, device, masked=False)
     assert _frob(out_o.float(), ref) < 1e-2
-    assert (out_o[pad] != 0).any(dim=1).all()
-    # real rows untouched by the padded rows' work (the two reductions may round differently: the pre-fix plain
-    # sum is torch's, the masked one Triton's, and the interpreter's fp32 -> bf16 cast truncates)
-    assert not layer_mod.rows_differing(out_o[~pad], out_m[~pad]).any()
+    # real rows as the masked layer's, within rows_differing (the interpreter's fp32 -> bf16 cast truncates too)
+    assert_oblivious_computes_padded_rows(p, masked, oblivious, out_m, out_o, pad)
     info = oblivious.info
-    assert info["corrupted_rows"] == int(pad.sum()) == info["corrupted_padded_rows"]
-    assert info["misrouted_routes"] == int(pad.sum()) * p.top_k
     # repeat fill: every padded row routes like the first real row, onto the same top_k experts
     ids = oblivious.routing.topk_ids
     assert (ids[pad] == ids[0]).all()
-    # more work declared, and the extra work is the padded rows' routes
-    assert oblivious.flops > masked.flops
+    # the extra work declared is the padded rows' routes
     assert info["processed_routes"] - masked.info["processed_routes"] == info["misrouted_routes"]
 
 
