@@ -54,6 +54,13 @@ def _by_prefix(rows: dict, prefix: str) -> headline.HeadlineRow:
     return hits[0]
 
 
+def _assert_fixed(rows: dict, *prefixes: str) -> None:
+    """Each headline named by a prefix shows harm without the fix and none with it."""
+    for prefix in prefixes:
+        row = _by_prefix(rows, prefix)
+        assert row.without > 0 and row.with_ == 0, prefix
+
+
 def test_every_scenario_has_a_small_shape_and_headlines():
     files = sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
     assert files == sorted(SMALL)
@@ -72,15 +79,13 @@ def test_a_sp_padding_straggler(tmp_path):
     assert excess.equal is True  # masked == the unmasked run's real tokens alone, exactly
     hot = _by_prefix(rows, "hottest expert")
     assert hot.without > hot.with_ and hot.equal is True
-    pad = _by_prefix(rows, "padding routes")
-    assert pad.without > 0 and pad.with_ == 0
+    _assert_fixed(rows, "padding routes")
 
 
 def test_a_sp_padding_on_two_real_ranks(tmp_path):
     rows, code, records = _run("sp_padding_ep2_real", tmp_path)  # two gloo ranks on the CPU
     assert code == 0 and all(r["status"] == "ok" for r in records)
-    sent = _by_prefix(rows, "padded rows sent")
-    assert sent.without > 0 and sent.with_ == 0
+    _assert_fixed(rows, "padded rows sent")
     assert _by_prefix(rows, "slowest rank's excess").equal is True
     assert _by_prefix(rows, "hottest expert").equal is True
 
@@ -106,9 +111,7 @@ def test_b_capacity_compiles(tmp_path):
 def test_c_recv_buffer_stale_rows(tmp_path):
     rows, code, _ = _run("recv_buffer_stale_rows", tmp_path)
     assert code == 0
-    for prefix in ("receive-buffer rows with wrong ids", "stale routes", "expert-output rows that differ"):
-        row = _by_prefix(rows, prefix)
-        assert row.without > 0 and row.with_ == 0, prefix
+    _assert_fixed(rows, "receive-buffer rows with wrong ids", "stale routes", "expert-output rows that differ")
 
 
 def test_d_pcp_gathered_mask(tmp_path):
@@ -138,9 +141,7 @@ def test_e_topk6(tmp_path):
 def test_f_minus_one_and_nan(tmp_path):
     rows, code, _ = _run("minus_one_and_nan", tmp_path)
     assert code == 0
-    for prefix in ("padded slots routed", "rows with a wrong local id", "NaN output rows"):
-        row = _by_prefix(rows, prefix)
-        assert row.without > 0 and row.with_ == 0, prefix
+    _assert_fixed(rows, "padded slots routed", "rows with a wrong local id", "NaN output rows")
     # every padded slot is misrouted on the rank owning the last expert: 8 padded rows x top-4
     assert _by_prefix(rows, "padded slots routed").without == 8 * 4
 

@@ -43,7 +43,8 @@ def _write(d, kernels):
 
 def test_explicit_beats_table_beats_rule(tables):
     rule = sum_choice(6, 2, 64, "cpu")
-    assert (rule.source, rule.name, rule.bucket, rule.gpu) == ("rule", "r1_h64_w1_none", "T=8,K=2,H=64", "cpu")
+    # H=64 is narrower than every candidate: the rule's launch is named as none of them
+    assert (rule.source, rule.name, rule.bucket, rule.gpu) == ("rule", "rule:r1_h64_w1_none", "T=8,K=2,H=64", "cpu")
     _write(tables, {"masked_moe_sum": {"T=8,K=2,H=64": {"config": "r1_h1024_w8_none"}}})
     table = sum_choice(6, 2, 64, "cpu")
     assert (table.source, table.name, table.config) == ("table", "r1_h1024_w8_none", SUM_CANDIDATES["r1_h1024_w8_none"])
@@ -67,6 +68,10 @@ def test_bad_tables_and_names_are_one_line_errors(tables):
     _write(tables, {"masked_moe_sum": {"T=8,K=2,H=64": {"config": "r7"}}})
     with pytest.raises(ValueError, match="T=8,K=2,H=64: 'r7' is not one of its candidates"):
         sum_choice(6, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="'r7' is not a masked_moe_sum config"):
+        sum_choice(6, 2, 64, "cpu", "r7")
+    with pytest.raises(ValueError, match="'rule:r1_h64_w1_none' names a launch of masked_moe_sum's rule"):
+        sum_choice(6, 2, 72, "cpu", "rule:r1_h64_w1_none")  # what a record of the rule says is no config
     with pytest.raises(ValueError, match="has no launch configs"):
         tuning.candidates("prepare_moe_inputs")
     assert tuning.table_path("NVIDIA H200", tables).name == "NVIDIA_H200.json"
@@ -118,6 +123,10 @@ def test_tune_refusals_are_one_line_exit_2_nothing_written(tmp_path, tables, cap
     assert main(["tune", str(sweep), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config: 'r3_nope' is not a masked_moe_sum config (one of r1_h512_w1_none" in err[0]
+    sweep.write_text(SWEEP.replace("r2_h1024_w4_evict_first", "rule:r1_h64_w1_none"))  # a rule record's name
+    assert main(["tune", str(sweep), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config: 'rule:r1_h64_w1_none' names a launch of masked_moe_sum's rule" in err[0]
     assert main(["run", str(sweep), "--out", str(tmp_path / "runs"), "--device", "cpu"]) == 2  # run refuses too
     capsys.readouterr()
     untunable = tmp_path / "torch.yaml"

@@ -37,7 +37,7 @@ from moebench.kernels.fused_experts import (
 from moebench.registry import Case, Routing, RunContext, register_impl
 
 __all__ = ["reference_rows", "check_experts_out", "experts_info", "triton_available", "ExpertsInputs",
-           "experts_inputs"]
+           "experts_inputs", "oblivious_ids"]
 
 
 def reference_rows(num_rows: int, routes_flops: float, device: torch.device, seed: int) -> torch.Tensor | None:
@@ -96,6 +96,16 @@ def wrap_minus_one(ids: torch.Tensor, num_local_experts: int):
     return wrapped, remap
 
 
+def oblivious_ids(ids: torch.Tensor, routing_ids: torch.Tensor, num_local_experts: int, info: dict):
+    """An oblivious twin's ids: (run_ids, remap, routing_ids). run_ids and remap are wrap_minus_one's; the routing
+    reads -1 as the last local expert too; info["computed_routes"] counts the routes the pre-fix kernel computes
+    (ids >= E would fault, so they stay skipped)."""
+    E = num_local_experts
+    wrapped, remap = wrap_minus_one(ids, E)
+    info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
+    return wrapped, remap, torch.where(routing_ids < 0, torch.full_like(routing_ids, E - 1), routing_ids)
+
+
 @dataclass
 class ExpertsInputs:
     """A bf16 point's inputs: the batch, its rows, the expert weights, the routes (rank 0's local ids)."""
@@ -145,12 +155,8 @@ def _build(p, ctx: RunContext, variant: str, fn=None) -> Case:
         ws = make_workspace(M, K, E, H, I, dtype=x.dtype, device=dev, config=p.config if variant == "triton" else None)
         info.update(ws.choice.record(), config_detail=ws.config.short())
         run_ids = ids
-        if variant == "oblivious":
-            # pre-fix: expert_map[-1] wraps to the last local expert; ids >= E would fault, so they stay skipped
-            wrapped, remap = wrap_minus_one(ids, E)
-            run_ids = wrapped
-            info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
-            routing_ids = torch.where(global_ids < 0, torch.full_like(global_ids, E - 1), global_ids)
+        if variant == "oblivious":  # pre-fix: expert_map[-1] wraps to the last local expert
+            run_ids, remap, routing_ids = oblivious_ids(ids, routing_ids, E, info)
         state["ws"] = ws
 
         def run():

@@ -27,6 +27,8 @@ gate/up output written, the SwiGLU output read, the down output written.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -91,13 +93,37 @@ def _check_gemm(name: str, got: torch.Tensor, a_of, b_of, offs: torch.Tensor, ro
     return res
 
 
-def _case(counts: torch.Tensor, groups: str, routing: Routing, run, check, flops: int,
-          nbytes: int, fp8: bool, info: dict) -> Case:
+class _Groups(NamedTuple):
+    counts: torch.Tensor  # int64 [E]: rows per group
+    offs: torch.Tensor  # int32 [E]: the group ends the grouped GEMMs take
+    n: int  # rows inside the groups
+    used: int  # non-empty groups (whose weights are read)
+
+
+def _grouping(ids: torch.Tensor, num_experts: int, groups: str) -> _Groups:
+    counts = group_sizes(ids, num_experts, groups)
+    return _Groups(counts, counts.cumsum(0).to(torch.int32), int(counts.sum()), int((counts > 0).sum()))
+
+
+def _check_both(run, g: _Groups, seed: int, device: torch.device, gate_up: tuple, down: tuple):
+    """The check of run() -> (gate/up out, down out): each GEMM's sampled rows against its fp32 definition;
+    gate_up and down are each (a_of, b_of) of _check_gemm."""
+    def check() -> CheckResult:
+        h_got, y_got = run()
+        sample = _sample(g.n, seed, device)
+        return CheckResult.merge(_check_gemm("gate_up", h_got, *gate_up, g.offs, sample),
+                                 _check_gemm("down", y_got, *down, g.offs, sample))
+    return check
+
+
+def _case(p, g: _Groups, groups: str, routing: Routing, run, check, nbytes: int, fp8: bool, info: dict) -> Case:
+    counts = g.counts
     mean = float(counts.float().mean()) if counts.numel() else 0.0
-    info.update({"groups": groups, "rows": int(counts.sum()), "experts_used": int((counts > 0).sum()),
+    info.update({"groups": groups, "rows": g.n, "experts_used": g.used,
                  "group_max_over_mean": float(counts.max()) / mean if mean > 0 else 0.0})
     note = ("weights of non-empty groups + A rows (+ scales) + gate/up out written + SwiGLU out read + down out "
             "written (the GEMMs alone)")
+    flops = 2 * g.n * 3 * p.hidden * p.intermediate
     return Case(run=run, check=check, flops=flops, bytes_moved=nbytes, bytes_note=note,
                 roofline_us=roofline_us(flops, nbytes, fp8=fp8), routing=routing if groups == "routed" else None,
                 graph_capturable=True, info=info, nvtx_stage="experts")
@@ -105,10 +131,9 @@ def _case(counts: torch.Tensor, groups: str, routing: Routing, run, check, flops
 
 def _build_bf16(p, ctx: RunContext, groups: str, gemms: GroupedGemms) -> Case:
     inp = experts_inputs(p, ctx)
-    E, H, I = p.local_experts, p.hidden, p.intermediate
-    counts = group_sizes(inp.ids, E, groups)
-    offs = counts.cumsum(0).to(torch.int32)
-    n = int(counts.sum())
+    E, I = p.local_experts, p.intermediate
+    g = _grouping(inp.ids, E, groups)
+    offs, n = g.offs, g.n
     rows = inp.x.index_select(0, sorted_tokens(inp.ids, E))
     w13_t, w2_t = inp.w13.transpose(-2, -1), inp.w2.transpose(-2, -1)
     gemm = gemms.grouped_mm
@@ -120,29 +145,21 @@ def _build_bf16(p, ctx: RunContext, groups: str, gemms: GroupedGemms) -> Case:
     def run():
         return gemm(rows, w13_t, offs=offs), gemm(act, w2_t, offs=offs)
 
-    def check() -> CheckResult:
-        h_got, y_got = run()
-        sample = _sample(n, p.seed, rows.device)
-        return CheckResult.merge(
-            _check_gemm("gate_up", h_got, lambda r: rows.index_select(0, r).float(), lambda g: w13_t[g].float(),
-                        offs, sample),
-            _check_gemm("down", y_got, lambda r: act.index_select(0, r).float(), lambda g: w2_t[g].float(), offs,
-                        sample))
-
-    used = int((counts > 0).sum())
-    flops = 2 * n * 3 * H * I
-    nbytes = used * 3 * H * I * 2 + n * (H * 2 + 2 * I * 2 + I * 2 + H * 2)
+    check = _check_both(run, g, p.seed, rows.device,
+                        gate_up=(lambda r: rows.index_select(0, r).float(), lambda e: w13_t[e].float()),
+                        down=(lambda r: act.index_select(0, r).float(), lambda e: w2_t[e].float()))
+    H = p.hidden
+    nbytes = g.used * 3 * H * I * 2 + n * (H * 2 + 2 * I * 2 + I * 2 + H * 2)
     routing = Routing(inp.global_ids, inp.batch.is_padding, p.num_experts, p.ep_size)
-    return _case(counts, groups, routing, run, check, flops, nbytes, False, {"expert_dtype": "bf16"})
+    return _case(p, g, groups, routing, run, check, nbytes, False, {"expert_dtype": "bf16"})
 
 
 def _build_fp8(p, ctx: RunContext, groups: str, gemms: GroupedGemms) -> Case:
     inp = fp8_inputs(p, ctx)
-    E, H, I = p.local_experts, p.hidden, p.intermediate
-    counts = group_sizes(inp.ids, E, groups)
-    offs = counts.cumsum(0).to(torch.int32)
-    n = int(counts.sum())
-    w13_q, w13_s, w2_q, w2_s = rowwise_expert_weights(E, H, I, seed=p.seed, device=ctx.device)
+    E, I = p.local_experts, p.intermediate
+    g = _grouping(inp.ids, E, groups)
+    offs, n = g.offs, g.n
+    w13_q, w13_s, w2_q, w2_s = rowwise_expert_weights(E, p.hidden, I, seed=p.seed, device=ctx.device)
     x_q, x_s = rowwise_rows(inp.x_q, inp.x_sf, inp.group_size, inp.scale_format)
     token = sorted_tokens(inp.ids, E)
     rows, row_scales = x_q.view(torch.uint8).index_select(0, token).view(x_q.dtype), x_s.index_select(0, token)
@@ -158,20 +175,15 @@ def _build_fp8(p, ctx: RunContext, groups: str, gemms: GroupedGemms) -> Case:
         return (gemm(rows, w13_t, row_scales, w13_s, offs=offs, out_dtype=torch.bfloat16),
                 gemm(act_q, w2_t, act_s, w2_s, offs=offs, out_dtype=torch.bfloat16))
 
-    def check() -> CheckResult:
-        h_got, y_got = run()
-        sample = _sample(n, p.seed, rows.device)
-        return CheckResult.merge(
-            _check_gemm("gate_up", h_got, lambda r: rows.index_select(0, r).float() * row_scales[r][:, None],
-                        lambda g: w13_t[g].float() * w13_s[g][None, :], offs, sample),
-            _check_gemm("down", y_got, lambda r: act_q.index_select(0, r).float() * act_s[r][:, None],
-                        lambda g: w2_t[g].float() * w2_s[g][None, :], offs, sample))
-
-    used = int((counts > 0).sum())
-    flops = 2 * n * 3 * H * I
-    nbytes = used * (3 * H * I + (2 * I + H) * 4) + n * (H + 4 + 2 * I * 2 + I + 4 + H * 2)
+    check = _check_both(run, g, p.seed, rows.device,
+                        gate_up=(lambda r: rows.index_select(0, r).float() * row_scales[r][:, None],
+                                 lambda e: w13_t[e].float() * w13_s[e][None, :]),
+                        down=(lambda r: act_q.index_select(0, r).float() * act_s[r][:, None],
+                              lambda e: w2_t[e].float() * w2_s[e][None, :]))
+    H = p.hidden
+    nbytes = g.used * (3 * H * I + (2 * I + H) * 4) + n * (H + 4 + 2 * I * 2 + I + 4 + H * 2)
     routing = Routing(inp.staged_ids, inp.batch.is_padding, p.num_experts, p.ep_size)
-    return _case(counts, groups, routing, run, check, flops, nbytes, True,
+    return _case(p, g, groups, routing, run, check, nbytes, True,
                  {"expert_dtype": "fp8", "group_size": inp.group_size, "scale_format": inp.scale_format})
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from moebench.bench.experts import wrap_minus_one
+from moebench.bench.experts import oblivious_ids
 from moebench.check import CheckResult, compare_close, poison
 from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
@@ -217,10 +217,7 @@ def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) 
         info["config_detail"] = ws.config.short()
         run_ids = ids
         if variant == "oblivious":
-            wrapped, remap = wrap_minus_one(ids, E)
-            run_ids = wrapped
-            info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
-            routing_ids = torch.where(routing_ids < 0, torch.full_like(routing_ids, E - 1), routing_ids)
+            run_ids, remap, routing_ids = oblivious_ids(ids, routing_ids, E, info)
 
         def run():
             if variant == "oblivious":

@@ -79,6 +79,14 @@ def process_group(layout: EPLayout):
     return layout.group if layout.group is not None else dist.group.WORLD
 
 
+def combined_into(combined_x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A DeepEP combine's output under combine's `out=` contract: as returned, or copied into `out`."""
+    if out is None:
+        return combined_x
+    out.copy_(combined_x)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Legacy Buffer, normal (intranode) mode
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,10 +157,7 @@ class DeepEPNormalPath(DispatchPath):
 
     def combine(self, expert_out, handle: NormalHandle, out=None):
         combined_x, _, _ = self.buffer.combine(expert_out, handle.deepep_handle)
-        if out is None:
-            return combined_x
-        out.copy_(combined_x)
-        return out
+        return combined_into(combined_x, out)
 
     def received(self, d: Dispatched) -> ReceivedRows:
         h = d.handle.deepep_handle
@@ -243,10 +248,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         combined_x, _, _ = self.buffer.low_latency_combine(y, handle.topk_idx, handle.topk_weights,
                                                            handle.deepep_handle, async_finish=False,
                                                            return_recv_hook=False)
-        if out is None:
-            return combined_x
-        out.copy_(combined_x)
-        return out
+        return combined_into(combined_x, out)
 
     def received(self, d: Dispatched) -> ReceivedRows:
         lay = self.layout

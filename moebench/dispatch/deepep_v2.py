@@ -25,7 +25,7 @@ from moebench.dispatch.base import (
     effective_ids,
     token_in_rank,
 )
-from moebench.dispatch.deepep import available_here, deep_ep, process_group, require, topk_idx_dtype
+from moebench.dispatch.deepep import available_here, combined_into, deep_ep, process_group, require, topk_idx_dtype
 
 
 @dataclass
@@ -100,10 +100,7 @@ class DeepEPV2Path(DispatchPath):
 
     def combine(self, expert_out, handle: V2Handle, out=None):
         combined_x, _, _ = self.buffer.combine(expert_out, handle=handle.ep_handle)
-        if out is None:
-            return combined_x
-        out.copy_(combined_x)
-        return out
+        return combined_into(combined_x, out)
 
     def received(self, d: Dispatched) -> ReceivedRows:
         h = d.handle.ep_handle

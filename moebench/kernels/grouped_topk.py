@@ -66,6 +66,7 @@ from moebench.kernels._details.router_tiles import (
     orderable_key,
     pack_keys,
     pick_topk,
+    program_rows,
     row_reduce_max,
     row_reduce_sum,
     rows_to_tile,
@@ -173,11 +174,7 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
                          TOPK_GROUP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr,
                          RENORMALIZE: tl.constexpr, Q_AXIS: tl.constexpr, PACKED: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = rows < num_tokens
-    live = in_range
-    if HAS_PAD:
-        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    rows, in_range, live = program_rows(pad_ptr, num_tokens, BLOCK_T, HAS_PAD)
     grouped_rows(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rows, in_range, live, stride_logits,
                  routed_scaling_factor, G, GS, G_PAD, GS_PAD, TOPK_GROUP, K, K_PAD, BLOCK_T, SIGMOID, HAS_BIAS,
                  RENORMALIZE, Q_AXIS, PACKED)
@@ -316,11 +313,7 @@ def _grouped_topk_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
     # experts), then the experts as in topk_softmax's cand kernel; any failed row: grouped_rows for the program.
     NONE: tl.constexpr = 8 * LANES
     CA: tl.constexpr = 1 - ROW_AXIS
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = rows < num_tokens
-    live = in_range
-    if HAS_PAD:
-        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    rows, in_range, live = program_rows(pad_ptr, num_tokens, BLOCK_T, HAS_PAD)
     base2 = tl.expand_dims(logits_ptr + rows.to(tl.int64) * stride_logits, CA)
     live2 = tl.expand_dims(live, CA)
     slot = tl.expand_dims(tl.arange(0, LANES), ROW_AXIS) + 0 * tl.expand_dims(rows, CA)

@@ -100,6 +100,7 @@ from moebench.kernels._details.router_tiles import (
     Q_AXIS,
     orderable_key,
     pick_topk,
+    program_rows,
     row_reduce_max,
     row_reduce_sum,
     rows_to_tile,
@@ -201,12 +202,7 @@ def _topk_softmax_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_ptr, nu
     # Tile: E_PAD // W slices of W experts (expert = q * W + w) by BLOCK_T rows, W at most one warp's worth of
     # 16-byte vectors, so a row never spans two warps (see Q_AXIS).
     NQ: tl.constexpr = E_PAD // W
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = rows < num_tokens
-    live = in_range
-    if HAS_PAD:
-        # a padded row's logits are never read; it only gets -1 / 0.0 written
-        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    rows, in_range, live = program_rows(pad_ptr, num_tokens, BLOCK_T, HAS_PAD)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
     cols = slice_index(NQ, Q_AXIS) * W + tl.arange(0, W)[None, None, :]
     ptrs = rows_to_tile(row_base, Q_AXIS) + cols
@@ -234,11 +230,7 @@ def _topk_softmax_cand_kernel(logits_ptr, bias_ptr, pad_ptr, weights_ptr, ids_pt
     MASKED: tl.constexpr = E != 8 * LANES
     NONE: tl.constexpr = 8 * LANES
     CA: tl.constexpr = 1 - ROW_AXIS
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = rows < num_tokens
-    live = in_range
-    if HAS_PAD:
-        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    rows, in_range, live = program_rows(pad_ptr, num_tokens, BLOCK_T, HAS_PAD)
     row_base = logits_ptr + rows.to(tl.int64) * stride_logits
     base2 = tl.expand_dims(row_base, CA)
     live2 = tl.expand_dims(live, CA)

@@ -373,12 +373,10 @@ def config_problem(impl_name: str, config: str | None) -> str | None:
     kernel = registry.get(impl_name).tuned_kernel
     if kernel is None:
         return f"config: {config!r} given, but {impl_name} has no launch configs (only a tuned kernel's impls do)"
-    from moebench.kernels._details.tuning import candidates
+    from moebench.kernels._details.tuning import config_name_problem
 
-    names = candidates(kernel)
-    if config not in names:
-        return f"config: {config!r} is not a {kernel} config (one of {', '.join(names)}, or auto)"
-    return None
+    why = config_name_problem(kernel, config)
+    return f"config: {why}" if why else None
 
 
 def expand(sweep: Sweep) -> list[Point]:

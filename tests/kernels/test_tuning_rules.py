@@ -1,15 +1,22 @@
 """The rules (the launch where no tuned table has an entry) are the defaults the kernels launched before the
 tuning mechanism: the pre-tables code of choose_config / choose_fp8_config, written out here literally, gives the
-same launch at every shape (what keeps GPU behaviour unchanged until a table is committed)."""
+same launch at every shape (what keeps GPU behaviour unchanged until a table is committed). And every tunable's
+rule names what it launches honestly: a candidate's name only where `config: <name>` launches the same, else
+"rule:<label>", which no config selects."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
 
 from moebench.kernels import fused_experts_fp8, grouped_gemm
-from moebench.kernels._details import experts_config
+from moebench.kernels._details import experts_config, tuning
+from moebench.kernels._details.align_config import align_choice
+from moebench.kernels.grouped_topk import grouped_choice
+from moebench.kernels.masked_moe_sum import sum_choice
+from moebench.kernels.topk_softmax import softmax_choice
 from moebench.kernels.fused_experts_fp8 import Fp8ExpertsConfig, Fp8GemmConfig
 from moebench.kernels.grouped_gemm import ExpertsConfig, GemmConfig
 
@@ -87,3 +94,65 @@ def test_precision_is_part_of_the_config():
     assert ws.act.dtype == fused_experts_fp8.E4M3 and ws.act_scales.shape[1] == 1 and ws.y.dtype.itemsize == 2
     with pytest.raises(ValueError, match="made for fp8_block"):
         grouped_gemm.launch_config(ws, None, "cpu")
+
+
+# Each tunable's choice function (the kernel's own: fused_experts and fused_experts_fp8 fit a named candidate to the
+# shape there), called with the bucket's dims as keywords.
+CHOICE_OF = {
+    "masked_moe_sum": sum_choice,
+    "moe_align_block_size": align_choice,
+    "topk_softmax": softmax_choice,
+    "grouped_topk": grouped_choice,
+    "fused_experts": grouped_gemm.experts_choice,
+    "fused_experts_fp8": fused_experts_fp8.fp8_choice,
+}
+# A spread of values per shape dim (small H below every candidate's block, top_k 1, one route, huge counts).
+DIM_VALUES = {
+    "num_tokens": (1, 16, 128, 4096, 65536), "num_rows": (1, 6, 128, 8192, 65536),
+    "num_routes": (1, 100, 8192, 524288), "top_k": (1, 2, 6, 8), "num_experts": (8, 64, 256),
+    "hidden": (64, 128, 256, 512, 2048, 7168), "intermediate": (128, 1408, 2048), "num_expert_group": (1, 8),
+}
+
+
+def _shapes(kernel: str):
+    dims = list(inspect.signature(tuning.tunable(kernel).bucket).parameters)
+    for values in itertools.product(*(DIM_VALUES[d] for d in dims)):
+        yield dict(zip(dims, values))
+
+
+@pytest.fixture
+def no_tables(tmp_path, monkeypatch):
+    """No tuned table anywhere (every choice is the rule's) and no choice cached from another interpreter mode."""
+    monkeypatch.setattr(tuning, "TABLES_DIR", tmp_path)
+    tuning.clear_cache()
+    yield
+    tuning.clear_cache()
+
+
+def test_choice_functions_cover_every_tunable():
+    assert set(CHOICE_OF) == set(tuning.TUNABLE_KERNELS)
+
+
+@pytest.mark.parametrize("kernel", list(tuning.TUNABLE_KERNELS))
+@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "compiled"])
+def test_every_rule_names_a_candidate_or_says_it_is_none(kernel, interpreted, no_tables, monkeypatch):
+    monkeypatch.setattr(experts_config, "interpreting", lambda: interpreted)  # where the experts' rules look
+    names = tuning.candidates(kernel)
+    choose = CHOICE_OF[kernel]
+    outside = 0
+    for dims in _shapes(kernel):
+        rule = choose(**dims, device="cpu")
+        assert rule.source == "rule", (kernel, dims)
+        if rule.name in names:  # a sweep's `config: <name>` launches the very same
+            assert choose(**dims, device="cpu", config=rule.name).config == rule.config, (kernel, dims, rule.name)
+            continue
+        outside += 1
+        label = rule.name[len(tuning.RULE_PREFIX):]
+        assert rule.name.startswith(tuning.RULE_PREFIX) and label and label not in names, (kernel, dims, rule.name)
+        assert rule.record()["config"] == rule.name
+        with pytest.raises(ValueError, match="rule that is none of its candidates"):
+            tuning.check_config_name(kernel, rule.name)
+    if kernel in ("fused_experts", "fused_experts_fp8"):  # the interpreter's small tiles are no candidate
+        assert (outside > 0) == interpreted, kernel
+    if kernel == "masked_moe_sum":  # H 64..256: narrower than every candidate
+        assert outside > 0

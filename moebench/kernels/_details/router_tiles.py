@@ -43,6 +43,18 @@ def zero_non_finite(x):
 
 
 @triton.jit
+def program_rows(pad_ptr, num_tokens, BLOCK_T: tl.constexpr, HAS_PAD: tl.constexpr):
+    """(rows, in_range, live) of this program's BLOCK_T rows: live = in range and not padded (a padded row's
+    logits are never read; it only gets -1 / 0.0 written)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < num_tokens
+    live = in_range
+    if HAS_PAD:
+        live = in_range & (tl.load(pad_ptr + rows, mask=in_range, other=1) == 0)
+    return rows, in_range, live
+
+
+@triton.jit
 def rows_to_tile(v, Q_AXIS: tl.constexpr):
     """A per-row vector [R] as [R, 1, 1] or [1, R, 1], to broadcast against a tile whose slice axis is Q_AXIS."""
     return tl.expand_dims(tl.expand_dims(v, Q_AXIS), 2)

@@ -10,7 +10,10 @@ the launch chosen before any tuning). `choose(kernel, device, config, **dims)` p
   3. rule:     otherwise the kernel's documented rule (the defaults measured before the tables existed).
 
 The returned `Choice` says which (name, source, bucket, GPU), so a caller can record it; the launchers call the same
-function, so what is recorded is what runs. A CPU (the Triton interpreter) is the GPU name "cpu": no table is
+function, so what is recorded is what runs. A name a record carries is either a candidate (`config: <name>` launches
+it again) or, for a rule's launch that is none of them (the interpreter's small tiles, a block narrower than every
+candidate at a small H), "rule:<the rule's own label>" (RULE_PREFIX): no `config` names it, and check_config_name
+refuses it saying so. A CPU (the Triton interpreter) is the GPU name "cpu": no table is
 shipped for it, so the rule applies there unless a test points TABLES_DIR at one.
 
 Buckets: each kernel's `bucket` function documents its key; the token (or route) count is rounded up to the next
@@ -39,13 +42,14 @@ import torch
 from moebench.kernels._details.jit import interpreting, next_pow2
 
 __all__ = ["Tunable", "Choice", "register_tunable", "tunable", "candidates", "choose", "lookup", "gpu_name",
-           "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "pow2_bucket",
-           "TUNABLE_KERNELS", "TABLES_DIR", "TABLE_FORMAT", "SOURCES"]
+           "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "config_name_problem",
+           "rule_name", "pow2_bucket", "TUNABLE_KERNELS", "TABLES_DIR", "TABLE_FORMAT", "SOURCES", "RULE_PREFIX"]
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tuned"  # shipped with the package
 TABLE_FORMAT = 1
 SOURCES = ("explicit", "table", "rule")
 AUTO = "auto"  # the same as no config: table, else rule
+RULE_PREFIX = "rule:"  # a rule's launch that is no candidate is named RULE_PREFIX + its label (never a config)
 
 # kernel name -> the module that registers it (imported on first use, so the table is one lookup away)
 TUNABLE_KERNELS = {
@@ -63,7 +67,9 @@ class Tunable:
     kernel: str
     candidates: Mapping[str, Any]
     bucket: Callable[..., str]  # shape dims (keywords) -> bucket key
-    rule: Callable[..., tuple[str, Any]]  # shape dims -> (name, config): the launch without a table entry
+    # shape dims -> (name, config): the launch without a table entry; a name outside `candidates` is recorded as
+    # RULE_PREFIX + name (rule_name)
+    rule: Callable[..., tuple[str, Any]]
     rule_doc: str = ""
 
 
@@ -184,10 +190,29 @@ def tables_digest(tables_dir: Path | str | None = None) -> dict:
     return {"sha256": h.hexdigest(), "files": [p.name for p in files]}
 
 
+def rule_name(kernel: str, name: str) -> str:
+    """The name a launch of the kernel's rule is recorded under: `name` when it is one of the kernel's candidates,
+    else RULE_PREFIX + name (a launch of the rule's own, which no `config` can name)."""
+    return name if name in candidates(kernel) else RULE_PREFIX + name
+
+
+def config_name_problem(kernel: str, name: str) -> str | None:
+    """Why `name` cannot be given as the kernel's config, or None: a candidate's name or "auto" can; a
+    "rule:..." name (a rule's launch that is no candidate) and any other name cannot."""
+    names = candidates(kernel)
+    if name == AUTO or name in names:
+        return None
+    if name.startswith(RULE_PREFIX):
+        return (f"{name!r} names a launch of {kernel}'s rule that is none of its candidates: no config selects it "
+                "(leave config out, or auto, for the rule)")
+    return f"{name!r} is not a {kernel} config (one of {', '.join(names)}, or auto)"
+
+
 def check_config_name(kernel: str, name: str) -> None:
-    """ValueError (one line) unless `name` is one of the kernel's candidates (or "auto")."""
-    if name != AUTO and name not in candidates(kernel):
-        raise ValueError(f"{kernel} config {name!r}: one of {', '.join(candidates(kernel))} (or auto)")
+    """ValueError (one line, config_name_problem's) unless `name` is one of the kernel's candidates (or "auto")."""
+    why = config_name_problem(kernel, name)
+    if why:
+        raise ValueError(f"config: {why}")
 
 
 def choose(kernel: str, device: torch.device | str | None, config: Any = None, **dims) -> Choice:
@@ -214,4 +239,4 @@ def _choose_named(t: Tunable, kernel: str, gpu: str, config: str | None, dims: d
     if name is not None:
         return Choice(kernel, name, "table", bucket, gpu, t.candidates[name])
     name, cfg = t.rule(**dims)
-    return Choice(kernel, name, "rule", bucket, gpu, cfg)
+    return Choice(kernel, rule_name(kernel, name), "rule", bucket, gpu, cfg)
