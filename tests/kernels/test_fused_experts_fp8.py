@@ -243,7 +243,7 @@ def test_fp8_rule_and_candidates(monkeypatch):
         assert 2 * cfg.block_m * 2 * cfg.gate_up.block_n // (32 * cfg.gate_up.num_warps) <= 128
         assert 2 * cfg.block_m * cfg.down.block_n // (32 * cfg.down.num_warps) <= 128
     assert fp8_choice(4096, 8, 128, 7168 - 128, 2048, "cpu", "bm64_s4").config.down.block_n == 128  # H % 256 != 0
-    with pytest.raises(ValueError, match="fused_experts_fp8 config 'nope': one of bm16"):
+    with pytest.raises(ValueError, match="'nope' is not a fused_experts_fp8 config \\(one of bm16"):
         fp8_choice(4096, 8, 128, 7168, 2048, "cpu", "nope")
 
 

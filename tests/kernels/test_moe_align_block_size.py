@@ -297,7 +297,7 @@ def test_align_config_by_name_and_default_launch(device):
     ws = align_workspace(ids.numel(), 16, ids.device, config="tight_br256")
     assert ws.numel() == 2 * 2 * 16 + 16  # 240 routes, 2 blocks of 128: counts and prefixes, then the totals
     assert_same(moe_align_block_size(ids, 16, 16, workspace=ws, config="tight_br256"), want)
-    with pytest.raises(ValueError, match="moe_align_block_size config 'no_such_config': one of first"):
+    with pytest.raises(ValueError, match="'no_such_config' is not a moe_align_block_size config \\(one of first"):
         moe_align_block_size(ids, 16, 16, config="no_such_config")
     shapes = align_launch_shapes(524288, 256, 64, 1024, "first")
     assert (shapes["num_bins"], shapes["scan_grid"], shapes["scan_groups"], shapes["tile_blocks"],
