@@ -13,6 +13,8 @@ its max / RMS relative limits are that bound's, per shape. Measured on the CPU (
 under the interpreter GEMM 1 differs by ~1e-6, so almost no re-quantised element can flip.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -297,17 +299,32 @@ def test_gpu_quantisers_bitwise_at_scale():
     assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
 
 
+# The default launch under both activation-scale layouts, each candidate under one of them, alternating (only the
+# gate/up kernel reads the activation scales: the down kernel compiles once per candidate either way); BM 64 (four
+# tilings, TMA and not) meets both layouts, as does the default (the rule's bm64_s4 at 1024 routes per expert).
+GPU_FP8_FORMATS = [(128, "fp32"), (32, "ue8m0_packed")]
+GPU_FP8_CASES = [(None, fmt) for fmt in GPU_FP8_FORMATS] + [
+    (name, GPU_FP8_FORMATS[i % 2]) for i, name in enumerate(FP8_CANDIDATES)]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_problem(G, fmt):
+    """The GPU problem of one scale layout and its reference with the bound, made once for all candidates."""
+    h, i = 2048, 512
+    args = _problem("cuda", 1024, 4, G, fmt, seed=1, h=h, i=i, pad_rows=256)
+    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
+                                          model=error_model(torch.device("cuda"), h, i))
+    return args, ref, bound
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("candidate", [None, *FP8_CANDIDATES])
-@pytest.mark.parametrize("G,fmt", [(128, "fp32"), (32, "ue8m0_packed")])
+@pytest.mark.parametrize("candidate,G,fmt", [(c, G, fmt) for c, (G, fmt) in GPU_FP8_CASES])
 def test_gpu_fused_experts_fp8_within_bound(G, fmt, candidate):
     T, K, h, i = 1024, 4, 2048, 512
-    args = _problem("cuda", T, K, G, fmt, seed=1, h=h, i=i, pad_rows=256)
+    args, ref, bound = _gpu_problem(G, fmt)
     ids = args[2]
     ws = make_fp8_workspace(T, K, E, h, i, config=candidate, device="cuda")
     out = fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
-    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
-                                          model=error_model(torch.device("cuda"), h, i))
     res = check_within_bound("out", out.float(), ref, bound)
     assert res.ok, res.detail
     assert (out[~((ids >= 0) & (ids < E)).any(dim=1)] == 0).all()

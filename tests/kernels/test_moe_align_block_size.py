@@ -1,6 +1,7 @@
 """moe_align_block_size: Triton kernels vs the torch reference vs a literal per-expert loop (docs/contracts.md)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -306,25 +307,63 @@ def test_align_config_by_name_and_default_launch(device):
     assert (tight["num_bins"], tight["scan_grid"], tight["scan_groups"], tight["route_warps"]) == (256, 32, 4, 1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", [
-    (1, 8, 256, 64), (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128),
-    (131072, 8, 256, 16), (3000, 8, 384, 32), (777, 6, 1024, 64)])
-def test_align_gpu_large_exact(num_tokens, top_k, num_experts, block_size):
+# GPU: every shape class under the default launch (tuned table or rule): T=1 (one block, fill-only programs), 64,
+# 8192 and 65536 (buckets of the H200 table), E not a power of two (160, 384), E=1024 (the widest histogram) and
+# 131072 x 8 at block 16 (1M routes: every candidate's scan loops over several tiles or row groups).
+GPU_SHAPES = [(1, 8, 256, 64), (64, 8, 256, 64), (8192, 8, 256, 64), (65536, 8, 256, 64), (4096, 6, 160, 128),
+              (131072, 8, 256, 16), (3000, 8, 384, 32), (777, 6, 1024, 64)]
+# the oblivious wrap and the expert map (their own constexprs, HAS_MAP also a halved E) each at half of the shapes,
+# each half holding T=1 or 64, a non-power-of-two E and a large T; the map also under candidates below
+GPU_WRAP = {(1, 8, 256, 64), (8192, 8, 256, 64), (4096, 6, 160, 128), (777, 6, 1024, 64)}
+GPU_MAP = {(64, 8, 256, 64), (65536, 8, 256, 64), (3000, 8, 384, 32), (131072, 8, 256, 16)}
+# Candidates where they differ: at 1M routes each has its own routes per block (128..1024), warps and scan groups
+# (with the expert map under the three kernel paths: 1-D scan, grouped scan, tight bins); at E=1024 (4662 routes,
+# 128 per block for all) only bins and scan differ (first / grouped_scan 2048 bins, the tight ones 1024), both ways.
+GPU_CANDIDATE_SHAPES = {(131072, 8, 256, 16): ("first", "grouped_scan", "tight"),
+                        (777, 6, 1024, 64): tuple(ALIGN_CANDIDATES)}  # shape: the candidates also run with the map
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_case(num_tokens, top_k, num_experts, block_size):
+    """The ids of one GPU shape and their reference layouts (plain, expert map over the lower half), made once."""
     g = torch.Generator().manual_seed(num_tokens + top_k)
     ids = random_ids(num_tokens, top_k, num_experts, generator=g, padded_rows=num_tokens // 4).cuda()
-    want = moe_align_block_size_torch(ids, num_experts, block_size)
-    assert_same(run_triton_poisoned(ids, num_experts, block_size), want)
-    assert_same(run_triton_poisoned(ids, num_experts, block_size, wrap_negative=True),
-                moe_align_block_size_torch(ids, num_experts, block_size, wrap_negative=True))
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
     expert_map[: num_experts // 2] = torch.arange(num_experts // 2, dtype=torch.int32)
     expert_map = expert_map.cuda()
-    assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map),
-                moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
-    for block_routes in (32, 128, 512, 2048):  # other splits into blocks (the GPU script sweeps them)
-        assert_same(run_triton_poisoned(ids, num_experts, block_size, block_routes=block_routes), want)
-    for name in ALIGN_CANDIDATES:  # the tuning candidates, each at its own split
+    return (ids, moe_align_block_size_torch(ids, num_experts, block_size), expert_map,
+            moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}_K{}_E{}_bs{}".format(*s))
+def test_align_gpu_large_exact(shape):
+    num_tokens, top_k, num_experts, block_size = shape
+    ids, want, expert_map, want_map = gpu_case(*shape)
+    assert_same(run_triton_poisoned(ids, num_experts, block_size), want)
+    if shape in GPU_WRAP:
+        assert_same(run_triton_poisoned(ids, num_experts, block_size, wrap_negative=True),
+                    moe_align_block_size_torch(ids, num_experts, block_size, wrap_negative=True))
+    if shape in GPU_MAP:
+        assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map), want_map)
+
+
+@pytest.mark.gpu
+def test_align_gpu_block_routes_splits():
+    """Other splits into blocks (the GPU script sweeps them) at 24000 routes over 384 experts: 750 to 12 blocks,
+    the last one partial, route programs of 1 to 8 warps (tl.histogram's GPU lowering depends on the CTA size)."""
+    ids, want, _, _ = gpu_case(3000, 8, 384, 32)
+    for block_routes in (32, 128, 512, 2048):
+        assert_same(run_triton_poisoned(ids, 384, 32, block_routes=block_routes), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_CANDIDATE_SHAPES), ids=lambda s: "T{}_K{}_E{}_bs{}".format(*s))
+def test_align_gpu_candidates_exact(shape):
+    """The tuning candidates, each at its own split, with and without an expert map."""
+    num_tokens, top_k, num_experts, block_size = shape
+    ids, want, expert_map, want_map = gpu_case(*shape)
+    for name in ALIGN_CANDIDATES:
         assert_same(run_triton_poisoned(ids, num_experts, block_size, config=name), want)
-        assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map, config=name),
-                    moe_align_block_size_torch(ids, num_experts // 2, block_size, expert_map))
+        if name in GPU_CANDIDATE_SHAPES[shape]:
+            assert_same(run_triton_poisoned(ids, num_experts // 2, block_size, expert_map, config=name), want_map)

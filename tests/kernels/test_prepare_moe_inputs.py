@@ -5,6 +5,7 @@ On the CPU the kernel runs in Triton's interpreter, whose fp32 -> e4m3 cast roun
 values are compared within those known deviations, everything else bitwise. The GPU tests at the end are bitwise
 for all four outputs."""
 
+import functools
 import math
 
 import pytest
@@ -269,13 +270,27 @@ def test_oblivious_keeps_router_ids_on_padded_rows():
     assert rows_differing(got[2], got[3], fixed[2], fixed[3]) == num_padded
 
 
+# Pairwise over (shape, group size, scale layout): the serving shape under all four layouts, each edge shape (one
+# row, a short tail program, K=6, odd T with K=1) under two that differ in both group size and layout.
+GPU_SHAPE_FORMATS = [((8192, 7168, 8), fmt) for fmt in FORMATS] + [
+    ((1, 7168, 8), (32, "ue8m0_packed")), ((1, 7168, 8), (128, "fp32")),
+    ((3, 512, 6), (128, "ue8m0_packed")), ((3, 512, 6), (32, "fp32")),
+    ((1000, 2048, 6), (32, "ue8m0_packed")), ((1000, 2048, 6), (128, "fp32")),
+    ((4097, 4096, 1), (128, "ue8m0_packed")), ((4097, 4096, 1), (32, "fp32"))]
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_inputs(T, H, K):
+    """make_inputs on the GPU, once per shape (the layouts of a shape share them; nothing writes them)."""
+    return make_inputs(T, H, K, num_experts=256, seed=T + H, device="cuda")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,K", [(8192, 7168, 8), (1, 7168, 8), (3, 512, 6), (1000, 2048, 6), (4097, 4096, 1)])
-@pytest.mark.parametrize("group_size,scale_format", FORMATS)
+@pytest.mark.parametrize("T,H,K,group_size,scale_format", [(*shape, *fmt) for shape, fmt in GPU_SHAPE_FORMATS])
 def test_gpu_bitwise(T, H, K, group_size, scale_format):
     if H % (4 * group_size) and scale_format == "ue8m0_packed":
         pytest.skip("not a valid packed shape")
-    hidden, topk_weights, topk_ids, is_padding = make_inputs(T, H, K, num_experts=256, seed=T + H, device="cuda")
+    hidden, topk_weights, topk_ids, is_padding = gpu_inputs(T, H, K)
     outs = poisoned_outputs(T, H, K, group_size, scale_format, "cuda")
     got = prepare_moe_inputs(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format, out=outs)
     ref = prepare_moe_inputs_torch(hidden, topk_weights, topk_ids, is_padding, group_size, scale_format)

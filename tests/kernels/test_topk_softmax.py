@@ -261,32 +261,52 @@ def test_router_zero_tokens(device):
         assert w.shape == (0, 8) and ids.shape == (0, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
 
 
+# The default launch (tuned table, else rule) on the GPU, one compile per case. T is no constexpr (do_not_specialize)
+# and runs 1 / 8192 / 65536 wherever the config stays; only at E=256, K=8 does the bucket change it (on the H200:
+# rule cand4 at T=1, table cand4 at 8192, cand2 at 65536), so there the T list picks the configs. Each (E, K) class
+# and each dtype runs: bf16 at every T of E=256 (the config test's compiles), fp32 / fp16 each once at E=256 and
+# once with a bias elsewhere (E=160: masked row tail; K=32, the slowest router compile, once; E=1024 at bf16).
+# Every dtype at every shape runs on the CPU (test_topk_softmax_matches_reference).
+ALL_T = (1, 8192, 65536)
+GPU_SOFTMAX_CASES = [  # (dtype, num_experts, top_k, num_tokens to run)
+    ("bf16", 256, 8, ALL_T), ("fp32", 256, 8, (65536,)), ("fp16", 256, 8, (1, 8192)),
+    ("fp16", 160, 6, ALL_T), ("fp32", 384, 32, ALL_T), ("bf16", 1024, 8, ALL_T),
+]
+# grouped_topk (E=256, 8 groups keep 4, K=8, bias, scale 2.5, mask): every (dtype, scoring), (dtype, config) and
+# (scoring, config) pair (rule cand4 at T=1, table cand2 at T >= 8192); bf16 sigmoid is the config test's launch.
+GPU_GROUPED_CASES = [  # (dtype, scoring, num_tokens to run)
+    ("bf16", "sigmoid", ALL_T), ("bf16", "softmax", (8192, 65536)), ("fp32", "softmax", (1,)),
+    ("fp16", "sigmoid", (8192, 65536)),
+]
+
+
 @pytest.mark.gpu
 def test_routers_match_reference_gpu():
     device = torch.device("cuda")
     near_ties = 0
-    for num_tokens in (1, 8192, 65536):
-        for dtype in DTYPES.values():
-            for num_experts, top_k in ((256, 8), (160, 6), (384, 32), (1024, 8)):
-                seed = num_tokens + num_experts
-                logits = make_logits(num_tokens, num_experts, dtype, seed, device)
-                bias = make_bias(num_experts, seed, device) if num_experts != 256 else None
-                mask = make_mask(num_tokens, 0.3, seed, device)
-                w, ids = topk_softmax(logits, top_k, True, is_padding=mask, bias=bias,
-                                      out=poisoned_out(num_tokens, top_k, device))
-                res = compare_routing(w, ids, topk_softmax_reference(logits, top_k, True, is_padding=mask,
-                                                                     bias=bias))
-                assert res.ok, (num_tokens, dtype, num_experts, res.detail)
-                near_ties += res.metrics["ids.near_tie_rows"]
-            for scoring in ("sigmoid", "softmax"):
-                logits = make_logits(num_tokens, 256, dtype, num_tokens, device)
-                bias = make_bias(256, num_tokens, device)
-                kwargs = dict(scoring=scoring, bias=bias, routed_scaling_factor=2.5,
-                              is_padding=make_mask(num_tokens, 0.3, 9, device))
-                w, ids = grouped_topk(logits, 8, 8, 4, out=poisoned_out(num_tokens, 8, device), **kwargs)
-                res = compare_routing(w, ids, grouped_topk_reference(logits, 8, 8, 4, **kwargs))
-                assert res.ok, (num_tokens, dtype, scoring, res.detail)
-                near_ties += res.metrics["ids.near_tie_rows"]
+    for dtype_name, num_experts, top_k, tokens in GPU_SOFTMAX_CASES:
+        dtype = DTYPES[dtype_name]
+        for num_tokens in tokens:
+            seed = num_tokens + num_experts
+            logits = make_logits(num_tokens, num_experts, dtype, seed, device)
+            bias = make_bias(num_experts, seed, device) if num_experts != 256 else None
+            mask = make_mask(num_tokens, 0.3, seed, device)
+            w, ids = topk_softmax(logits, top_k, True, is_padding=mask, bias=bias,
+                                  out=poisoned_out(num_tokens, top_k, device))
+            res = compare_routing(w, ids, topk_softmax_reference(logits, top_k, True, is_padding=mask, bias=bias))
+            assert res.ok, (num_tokens, dtype, num_experts, res.detail)
+            near_ties += res.metrics["ids.near_tie_rows"]
+    for dtype_name, scoring, tokens in GPU_GROUPED_CASES:
+        dtype = DTYPES[dtype_name]
+        for num_tokens in tokens:
+            logits = make_logits(num_tokens, 256, dtype, num_tokens, device)
+            bias = make_bias(256, num_tokens, device)
+            kwargs = dict(scoring=scoring, bias=bias, routed_scaling_factor=2.5,
+                          is_padding=make_mask(num_tokens, 0.3, 9, device))
+            w, ids = grouped_topk(logits, 8, 8, 4, out=poisoned_out(num_tokens, 8, device), **kwargs)
+            res = compare_routing(w, ids, grouped_topk_reference(logits, 8, 8, 4, **kwargs))
+            assert res.ok, (num_tokens, dtype, scoring, res.detail)
+            near_ties += res.metrics["ids.near_tie_rows"]
     print(f"near-tie rows accepted: {near_ties}")
     # CUDA-graph capture and replay give the eager result
     logits = make_logits(4096, 256, torch.bfloat16, 5, device)
