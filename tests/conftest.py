@@ -47,3 +47,13 @@ def device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def gloo_ranks():
+    """One pool of gloo ranks (up to 4) for this test process, started at its first use (tests/gloo_pool.py)."""
+    from gloo_pool import GlooPool
+
+    pool = GlooPool()
+    yield pool
+    pool.close()

@@ -186,8 +186,9 @@ def test_validation():
 
 
 def test_layer_point_through_runner(tmp_path):
+    # 8 tokens (4 padded): through the runner each point runs the layer four times or more in the interpreter
     raw = {"name": "layer_t", "target": "layer", "impls": ["layer.masked", "layer.oblivious"],
-           "fixed": {**SMALL, "padding_fill": "repeat", "padding_ratio": 0.5},
+           "fixed": {**SMALL, "num_tokens": 8, "padding_fill": "repeat", "padding_ratio": 0.5},
            "timing": {"mode": "auto", "warmup": 0, "iters": 1}}
     sweep = sweep_from_dict(raw)
     code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", make_plots=False,

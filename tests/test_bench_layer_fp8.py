@@ -198,8 +198,9 @@ def test_expert_dtype_param():
 
 
 def test_fp8_layer_points_through_runner(tmp_path):
+    # 8 tokens (4 padded): through the runner each point runs the layer four times or more in the interpreter
     raw = {"name": "layer_fp8_t", "target": "layer", "impls": ["layer.masked", "layer.oblivious"],
-           "fixed": {**SMALL, "padding_fill": "repeat", "padding_ratio": 0.5},
+           "fixed": {**SMALL, "num_tokens": 8, "padding_fill": "repeat", "padding_ratio": 0.5},
            "axes": {"expert_dtype": ["bf16", "fp8"]},
            "timing": {"mode": "auto", "warmup": 0, "iters": 1}}
     code, run_dir = run_sweep(sweep_from_dict(raw), out_base=tmp_path / "results", device="cpu", make_plots=False,

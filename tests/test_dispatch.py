@@ -1,8 +1,8 @@
-"""Dispatch paths (agrs, a2a, a2a_fixed; Triton and torch-reference variants) on spawned gloo ranks against the
-single-process reference; the Triton kernels (interpreter) against their torch references, exactly: the send plan,
-pack/combine in fixed-capacity and exact-block modes on wire-row views, id localisation; the wire row layout;
-capacity policies; the stage timer; buffer reuse; the registered dispatch impls end to end; DeepEP detection.
-GPU (2 GPUs): NCCL paths and a2a_fixed in a CUDA graph.
+"""Dispatch paths (agrs, a2a, a2a_fixed; Triton and torch-reference variants) on gloo ranks (the session's pool of
+tests/gloo_pool.py) against the single-process reference; the Triton kernels (interpreter) against their torch
+references, exactly: the send plan, pack/combine in fixed-capacity and exact-block modes on wire-row views, id
+localisation; the wire row layout; capacity policies; the stage timer; buffer reuse; the registered dispatch impls
+end to end; DeepEP detection. GPU (2 GPUs): NCCL paths and a2a_fixed in a CUDA graph.
 """
 
 import os
@@ -142,16 +142,16 @@ POLICIES = ("exact", "pow2", "max")
 PATHS = ("agrs", "a2a", "agrs.torch", "a2a.torch") + tuple(f"a2a_fixed.{p}" for p in POLICIES) + \
     ("a2a_fixed.torch",)
 BENCH_IMPLS = ("dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed")
-BENCH_PARAMS = {"num_tokens": 16, "hidden": 64, "num_experts": 8, "top_k": 3, "padding_ratio": 0.25,
+BENCH_PARAMS = {"num_tokens": 8, "hidden": 64, "num_experts": 8, "top_k": 3, "padding_ratio": 0.25,
                 "padding_fill": "repeat", "num_max_tokens_per_rank": 16, "capacity_policy": "pow2"}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return {R: mdist.spawn(_paths_worker, R, backend="gloo",
-                           args=(POLICIES, (BENCH_IMPLS, BENCH_PARAMS)) if R == 2 else (("exact",),),
-                           timeout_s=240)
-            for R in (2, 4)}
+def runs(gloo_ranks):
+    """Both world sizes on the session's pool of gloo ranks (tests/gloo_pool.py: no spawn per module)."""
+    return {R: gloo_ranks.run(_paths_worker, R, args=(POLICIES, (BENCH_IMPLS, BENCH_PARAMS)) if R == 2 else
+                              (("exact",),), timeout_s=240)
+            for R in (4, 2)}  # the larger first: the pool starts at 4 ranks instead of growing
 
 
 def _cases():

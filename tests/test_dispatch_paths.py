@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebench.run import dist as mdist
 from moebench import registry
 from moebench.bench import dispatch as bench_dispatch
 from moebench.check import CheckResult, compare_close
@@ -124,8 +123,8 @@ def _two_rank_worker(ctx):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return mdist.spawn(_two_rank_worker, 2, backend="gloo", timeout_s=240, pg_timeout_s=120)
+def two_ranks(gloo_ranks):
+    return gloo_ranks.run(_two_rank_worker, 2, timeout_s=240)  # the session's pool of gloo ranks (gloo_pool.py)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ downloaded. The install has no build isolation (pip checks the build requirement
 no index, and the commands run from a folder outside the copy, with no PYTHONPATH, so they can only find the
 installed package."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +31,24 @@ def _env():
     return env
 
 
+# One interpreter of the venv answers where moebench was found and runs the two dry runs through moebench.cli.main,
+# each with its exit code and output (an interpreter start is most of a dry run's time): the same installed copy,
+# from the same folder, as `python -m moebench run ... --dry-run` would be.
+PROBE = """\
+import contextlib, io, json, sys
+import moebench, moebench.run.paths as p
+from moebench.cli import main
+
+out = {"where": [moebench.__file__, str(p.bundled_sweep_dir()), str(p.resolve_sweep_path("sp_padding_straggler"))]}
+for name, argv in json.loads(sys.argv[1]).items():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    out[name] = {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+print(json.dumps(out))
+"""
+
+
 def _bare_venv_over_this_environment(env_dir: Path) -> Path:
     """A venv without system site-packages whose .pth appends this environment's site-packages to its own."""
     venv.create(env_dir, with_pip=False)
@@ -45,26 +64,26 @@ def test_pip_install_runs_bundled_quickstart(tmp_path):
     env_dir = tmp_path / "venv"
     python = _bare_venv_over_this_environment(env_dir)
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--check-build-dependencies", "--no-cache-dir", str(src)], capture_output=True,
-                          text=True, timeout=240, env=_env(), cwd=tmp_path)
+                           "--check-build-dependencies", "--no-cache-dir", "--no-compile", str(src)],
+                          capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
-    where = subprocess.run([str(python), "-c", "import moebench, moebench.run.paths as p; print(moebench.__file__); "
-                            "print(p.bundled_sweep_dir()); print(p.resolve_sweep_path('sp_padding_straggler'))"],
-                           capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
-    module_file, sweep_dir, scenario = where.stdout.split()
-    assert Path(module_file).is_relative_to(env_dir), where.stdout  # the installed copy, not the checkout
+    runs = {"dry": ["run", "sp_padding_straggler", "--dry-run", "--device", "cpu"],
+            # the bundled example trace is package data: the installed copy finds it by name
+            "trace": ["run", "padding_tax", "--dry-run", "--device", "cpu", "--set",
+                      "trace_file=example_chat_dp2.csv"]}
+    probe = subprocess.run([str(python), "-c", PROBE, json.dumps(runs)], capture_output=True, text=True, timeout=120,
+                           env=_env(), cwd=work)
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-3000:]
+    got = json.loads(probe.stdout.splitlines()[-1])
+    module_file, sweep_dir, scenario = got["where"]
+    assert Path(module_file).is_relative_to(env_dir), got["where"]  # the installed copy, not the checkout
     assert Path(sweep_dir) == Path(module_file).parent / "_sweeps"
     assert Path(scenario) == Path(sweep_dir) / "scenarios" / "sp_padding_straggler.yaml"  # a scenario, by name
-    dry = subprocess.run([str(python), "-m", "moebench", "run", "sp_padding_straggler", "--dry-run", "--device",
-                          "cpu"], capture_output=True, text=True, timeout=120, env=_env(), cwd=work)
-    assert dry.returncode == 0 and "planned" in dry.stdout, dry.stdout[-2000:] + dry.stderr[-3000:]
-    # the bundled example trace is package data: the installed copy finds it by name
-    trace = subprocess.run([str(python), "-m", "moebench", "run", "padding_tax", "--dry-run", "--device", "cpu",
-                            "--set", "trace_file=example_chat_dp2.csv"], capture_output=True, text=True,
-                           timeout=120, env=_env(), cwd=work)
-    assert trace.returncode == 0 and "planned" in trace.stdout, trace.stdout[-2000:] + trace.stderr[-3000:]
+    for name in runs:
+        res = got[name]
+        assert res["code"] == 0 and "planned" in res["stdout"], name + res["stdout"][-2000:] + res["stderr"][-3000:]
     run = subprocess.run([str(python), "-m", "moebench", "run", "quickstart", "--out", str(tmp_path / "runs"),
                           "--device", "cpu", "--no-plots", "--set", "axes.num_tokens=[64]", "--set",
                           "axes.padding_ratio=[0.5]", "--set", "timing.iters=1", "--set", "timing.warmup=0"],

@@ -6,7 +6,6 @@ import io
 import pytest
 import torch
 
-from moebench.run import dist as mdist
 from moebench.inputs import padding
 from moebench.inputs.padding import (cudagraph_pad, cudagraph_padded_size, dbo_split, default_capture_sizes, dp_pad,
                               pcp_gather, producer_mask, sp_pad_and_chunk)
@@ -99,8 +98,8 @@ def _gloo_worker(ctx):
     return buf.getvalue()
 
 
-def test_dp_pad_and_pcp_gather_with_gloo_group():
-    res = [torch.load(io.BytesIO(b)) for b in mdist.spawn(_gloo_worker, 2, backend="gloo", timeout_s=120)]
+def test_dp_pad_and_pcp_gather_with_gloo_group(gloo_ranks):
+    res = [torch.load(io.BytesIO(b)) for b in gloo_ranks.run(_gloo_worker, 2, timeout_s=120)]
     for r in range(2):
         x, xp, mask = res[r]["dp"]
         assert xp.shape == (5, 3) and torch.equal(xp[:x.shape[0]], x) and not xp[x.shape[0]:].any()

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from moebench.run import dist as mdist
 from moebench.measure import nvtx
 from moebench.measure.timing import measure, percentile, reduce_over_ranks, resolve_mode, summarize
 from moebench.params import Timing
@@ -68,8 +67,8 @@ def _rank_main(ctx):
     return reduce_over_ranks(samples, ctx.group, torch.device("cpu"))
 
 
-def test_reduce_over_ranks_per_iteration_max_gloo():
-    for maxed, info in mdist.spawn(_rank_main, 2, backend="gloo", timeout_s=120):
+def test_reduce_over_ranks_per_iteration_max_gloo(gloo_ranks):
+    for maxed, info in gloo_ranks.run(_rank_main, 2, timeout_s=120):
         # common prefix of 4 samples; per iteration the max over ranks
         assert maxed == [1.0, 11.0, 100.0, 31.0]
         assert info["world_size"] == 2

@@ -1,5 +1,5 @@
 """Test-suite only (tests/conftest.py puts this folder on PYTHONPATH, so the pytest process, the point worker and
-spawned gloo ranks all load it): two cheaper evaluations inside Triton's CPU interpreter, same results.
+spawned gloo ranks all load it): cheaper evaluations inside Triton's CPU interpreter, same results.
 
 Triton 3.x's interpreter evaluates `tl.reduce` in numpy for sum/min/max/argmin/argmax but falls back to a Python
 loop over every element (`ReduceOps.generic_reduce`, one combine_fn call per element) for any other combine. The
@@ -8,8 +8,10 @@ stage, so that loop is most of an interpreted sort. xor is associative and commu
 `np.bitwise_xor.reduce` gives the same bits; kernel source, launch and compiled (GPU) behaviour are untouched,
 and nothing is imported early: the patch is applied when triton.runtime.interpreter itself is first imported.
 Second, the interpreter's _patch_builtin lists each package's builtins once instead of per call (see _patch).
-MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns both off (to compare, or to rule them out). A subprocess started with
-its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same."""
+Third, a device-function call inside a launch skips re-patching what the launch already patched
+(_patch_device_calls); fourth, _get_np_dtype's fixed table is looked up once per dtype (_memoize_np_dtype).
+MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns them all off (to compare, or to rule them out). A subprocess started
+with its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same."""
 
 import importlib.abc
 import importlib.util
@@ -71,6 +73,84 @@ def _patch(mod) -> None:
                 patch_attr(pkg, name, member, builder, scope)
 
     mod._patch_builtin = _patch_builtin
+    _patch_device_calls(mod, tl)
+    _memoize_np_dtype(mod, tl)
+
+
+def _patch_device_calls(mod, tl) -> None:
+    """Third: a @jit device-function call inside a launch re-runs _patch_lang (every builtin of tl, tl.core,
+    tl.tensor, tl.math looked at again, the tensor and core attributes set again) and drops the scope it returns,
+    so it changes nothing that the launch's own _patch_lang did not already do when the function sees only the
+    language modules the launch patched: the builtins are already the interpreter's (none left to patch), the
+    other attributes get equal replacements that the launch's restore undoes all the same. That call is skipped;
+    any other (a launch, a device function seeing another language module, a call outside a launch) runs as
+    before. About a fifth of an interpreted router kernel's time."""
+    patch_lang, executor = getattr(mod, "_patch_lang", None), getattr(mod, "GridExecutor", None)
+    if patch_lang is None or executor is None or getattr(executor, "_moebench_launch_scope", False):
+        return
+    launches: list = []  # per launch in progress: the language modules patched in it (None: not yet)
+
+    class _Unchanged:
+        def restore(self) -> None:
+            pass
+
+    def langs_of(fn) -> frozenset:
+        core = tl.core
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is core)
+
+    def _patch_lang(fn):
+        if launches and launches[-1] is not None:
+            langs = langs_of(fn)
+            if langs and langs <= launches[-1]:
+                return _Unchanged()
+            scope = patch_lang(fn)
+            launches[-1] = launches[-1] | langs
+            return scope
+        scope = patch_lang(fn)
+        if launches:
+            launches[-1] = langs_of(fn)
+        return scope
+
+    launch = executor.__call__
+
+    def __call__(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    mod._patch_lang = _patch_lang
+    executor.__call__ = __call__
+    executor._moebench_launch_scope = True
+
+
+def _memoize_np_dtype(mod, tl) -> None:
+    """Fourth: _get_np_dtype builds its 19-entry dict of triton -> numpy dtypes on every call (hashing each key);
+    the table is fixed, so each scalar dtype's answer is kept after its first lookup (pointers and blocks are
+    unwrapped exactly as there)."""
+    slow = getattr(mod, "_get_np_dtype", None)
+    if slow is None or getattr(slow, "_moebench_memo", False):
+        return
+    import numpy as np
+
+    uint64 = np.dtype(np.uint64)
+    memo: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return uint64
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return uint64
+            tt_dtype = tt_dtype.element_ty
+        got = memo.get(tt_dtype)
+        if got is None:
+            got = memo[tt_dtype] = slow(tt_dtype)
+        return got
+
+    _get_np_dtype._moebench_memo = True
+    mod._get_np_dtype = _get_np_dtype
 
 
 class _Finder(importlib.abc.MetaPathFinder):
