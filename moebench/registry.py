@@ -44,6 +44,8 @@ class RunContext:
     world_size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when world_size > 1
     simulated: bool = False  # EP ranks beyond the processes present are computed, not measured
+    # one per run (None: a point on its own): what a case caches across points must not outlive its run
+    run_token: Any = None
 
     @property
     def is_cuda(self) -> bool:

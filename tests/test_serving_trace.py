@@ -325,7 +325,8 @@ def test_build_records_the_trace(monkeypatch):
                 trace_replay=1)
     impl = get("serving_trace.layer")
     assert impl.validate(p) is None
-    case = impl.build(p, RunContext(device=torch.device("cpu")))
+    run = RunContext(device=torch.device("cpu"), run_token=object())
+    case = impl.build(p, run)
     info = case.info
     assert [s["cudagraph_rows"] for s in info["trace_steps"]] == [[4, 4], [8, 8], [4, 4]]
     assert [s["padded_rows"] for s in info["trace_steps"]] == [2, 6, 2]
@@ -339,9 +340,13 @@ def test_build_records_the_trace(monkeypatch):
     for key in ("composed_padding_us", "replayed_padding_us", "composed_tax", "replayed_tax"):
         assert set(info["replay"][key]) == set(SIDES), key
     assert case.check().ok
-    # a second point at the same layer parameters reuses the measured shapes
-    again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), RunContext(device=torch.device("cpu")))
+    # a second point of the same run at the same layer parameters reuses the measured shapes
+    again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), run)
     assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
+    # a new run in the same process measures again (nothing timed in an earlier run is reused)
+    fresh = impl.build(replace(p, capture_sizes=[8], trace_replay=0),
+                       RunContext(device=torch.device("cpu"), run_token=object()))
+    assert fresh.info["shapes_measured"] == 4 and fresh.info["shapes_reused"] == 0
 
 
 def test_point_check_fails_when_the_step_padding_is_not_the_producers(monkeypatch):

@@ -71,7 +71,7 @@ _TRACE_KEYS = ("capture_sizes", "dp_size", "sp_size", "dbo", "trace", "trace_fil
                "num_max_tokens_per_rank", "repeat", "num_tokens", "padding_ratio", "padding_producer",
                "trace_real_points")
 # one layer point's shapes by (rows, real), routed, timed or both (exact shapes and grid points share entries); a
-# new layer point clears it
+# new layer point or a new run clears it
 _SHAPES: dict[tuple[int, int], ShapeFigures] = {}
 _SHAPES_OWNER: list = [None]
 
@@ -96,9 +96,11 @@ def engine_of(p: Params) -> Engine:
     return Engine(tuple(resolve_capture_sizes(p.capture_sizes)), p.dp_size, p.sp_size, p.dbo)
 
 
-def _layer_key(p: Params, device: torch.device) -> tuple:
+def _layer_key(p: Params, ctx: RunContext) -> tuple:
     d = p.to_dict()
-    return (str(device), tuple(sorted((k, repr(v)) for k, v in d.items() if k not in _TRACE_KEYS)))
+    # the token itself (kept alive here, compared by identity); a point on its own shares nothing
+    return (ctx.run_token if ctx.run_token is not None else object(), str(ctx.device),
+            tuple(sorted((k, repr(v)) for k, v in d.items() if k not in _TRACE_KEYS)))
 
 
 def _cached(shape: tuple[int, int]) -> ShapeFigures:
@@ -108,10 +110,10 @@ def _cached(shape: tuple[int, int]) -> ShapeFigures:
 
 
 def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], timed: list[tuple[int, int]],
-                   device: torch.device) -> tuple[dict[tuple[int, int], ShapeFigures], dict, int]:
+                   ctx: RunContext) -> tuple[dict[tuple[int, int], ShapeFigures], dict, int]:
     """The routing figures of every `routed` shape, the timing table {(side, rows, real): us} of every `timed`
-    one (reusing this process's earlier work at the same layer point), and the count of shapes timed now."""
-    owner = _layer_key(p, device)
+    one (reusing this run's earlier work at the same layer point), and the count of shapes timed now."""
+    owner = _layer_key(p, ctx)
     if _SHAPES_OWNER[0] != owner:
         _SHAPES.clear()
         _SHAPES_OWNER[0] = owner
@@ -247,7 +249,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
     n = p.trace_real_points
     timed = interpolation_shapes(paddings, n) if n else shapes
-    figures, table, measured = measure_shapes(p, bench, shapes, timed, dev)
+    figures, table, measured = measure_shapes(p, bench, shapes, timed, ctx)
     time_of = interpolated_timer(table, n) if n else table
     timed_set = set(timed)
     per_step = compose(paddings, time_of)

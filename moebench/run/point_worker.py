@@ -176,6 +176,7 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
             try:
                 _apply_run(*msg[1:])
                 sweep = msg[1]
+                ctx = RunContext(device=dev, run_token=object())
                 conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001
                 conn.send(("error", error_line(e)))

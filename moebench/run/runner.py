@@ -313,7 +313,7 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
 
 
 def _in_process_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
-    ctx = RunContext(device=dev)
+    ctx = RunContext(device=dev, run_token=object())
     return lambda pt: execute_point(pt, sweep, ctx)
 
 
