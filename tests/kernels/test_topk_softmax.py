@@ -281,34 +281,42 @@ GPU_GROUPED_CASES = [  # (dtype, scoring, num_tokens to run)
 
 
 @pytest.mark.gpu
-def test_routers_match_reference_gpu():
+@pytest.mark.parametrize("dtype_name,num_experts,top_k,tokens", GPU_SOFTMAX_CASES,
+                         ids=[f"{d}-E{e}-K{k}" for d, e, k, _ in GPU_SOFTMAX_CASES])
+def test_topk_softmax_matches_reference_gpu(dtype_name, num_experts, top_k, tokens):
+    # one case a test, so a parallel GPU run (`-n 4 --dist load`) spreads the compiles over its workers
     device = torch.device("cuda")
-    near_ties = 0
-    for dtype_name, num_experts, top_k, tokens in GPU_SOFTMAX_CASES:
-        dtype = DTYPES[dtype_name]
-        for num_tokens in tokens:
-            seed = num_tokens + num_experts
-            logits = make_logits(num_tokens, num_experts, dtype, seed, device)
-            bias = make_bias(num_experts, seed, device) if num_experts != 256 else None
-            mask = make_mask(num_tokens, 0.3, seed, device)
-            w, ids = topk_softmax(logits, top_k, True, is_padding=mask, bias=bias,
-                                  out=poisoned_out(num_tokens, top_k, device))
-            res = compare_routing(w, ids, topk_softmax_reference(logits, top_k, True, is_padding=mask, bias=bias))
-            assert res.ok, (num_tokens, dtype, num_experts, res.detail)
-            near_ties += res.metrics["ids.near_tie_rows"]
-    for dtype_name, scoring, tokens in GPU_GROUPED_CASES:
-        dtype = DTYPES[dtype_name]
-        for num_tokens in tokens:
-            logits = make_logits(num_tokens, 256, dtype, num_tokens, device)
-            bias = make_bias(256, num_tokens, device)
-            kwargs = dict(scoring=scoring, bias=bias, routed_scaling_factor=2.5,
-                          is_padding=make_mask(num_tokens, 0.3, 9, device))
-            w, ids = grouped_topk(logits, 8, 8, 4, out=poisoned_out(num_tokens, 8, device), **kwargs)
-            res = compare_routing(w, ids, grouped_topk_reference(logits, 8, 8, 4, **kwargs))
-            assert res.ok, (num_tokens, dtype, scoring, res.detail)
-            near_ties += res.metrics["ids.near_tie_rows"]
-    print(f"near-tie rows accepted: {near_ties}")
-    # CUDA-graph capture and replay give the eager result
+    dtype = DTYPES[dtype_name]
+    for num_tokens in tokens:
+        seed = num_tokens + num_experts
+        logits = make_logits(num_tokens, num_experts, dtype, seed, device)
+        bias = make_bias(num_experts, seed, device) if num_experts != 256 else None
+        mask = make_mask(num_tokens, 0.3, seed, device)
+        w, ids = topk_softmax(logits, top_k, True, is_padding=mask, bias=bias,
+                              out=poisoned_out(num_tokens, top_k, device))
+        res = compare_routing(w, ids, topk_softmax_reference(logits, top_k, True, is_padding=mask, bias=bias))
+        assert res.ok, (num_tokens, dtype, num_experts, res.detail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name,scoring,tokens", GPU_GROUPED_CASES,
+                         ids=[f"{d}-{s}" for d, s, _ in GPU_GROUPED_CASES])
+def test_grouped_topk_matches_reference_gpu(dtype_name, scoring, tokens):
+    device = torch.device("cuda")
+    dtype = DTYPES[dtype_name]
+    for num_tokens in tokens:
+        logits = make_logits(num_tokens, 256, dtype, num_tokens, device)
+        bias = make_bias(256, num_tokens, device)
+        kwargs = dict(scoring=scoring, bias=bias, routed_scaling_factor=2.5,
+                      is_padding=make_mask(num_tokens, 0.3, 9, device))
+        w, ids = grouped_topk(logits, 8, 8, 4, out=poisoned_out(num_tokens, 8, device), **kwargs)
+        res = compare_routing(w, ids, grouped_topk_reference(logits, 8, 8, 4, **kwargs))
+        assert res.ok, (num_tokens, dtype, scoring, res.detail)
+
+
+@pytest.mark.gpu
+def test_router_cuda_graph_replay_gives_the_eager_result():
+    device = torch.device("cuda")
     logits = make_logits(4096, 256, torch.bfloat16, 5, device)
     mask = make_mask(4096, 0.5, 5, device)
     out = poisoned_out(4096, 8, device)
@@ -328,9 +336,8 @@ def test_routers_match_reference_gpu():
     assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
 
 
-@pytest.mark.gpu
-def test_router_configs_match_reference_gpu():
-    # every router config at a serving size, on both routers (the H200 trial's correctness side)
+@pytest.fixture(scope="module")
+def serving_logits_gpu():
     device = torch.device("cuda")
     logits = make_logits(65536, 256, torch.bfloat16, 3, device)
     bias = make_bias(256, 3, device)
@@ -338,11 +345,19 @@ def test_router_configs_match_reference_gpu():
     ref = topk_softmax_reference(logits, 8, True, is_padding=mask)
     gref = grouped_topk_reference(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
                                   is_padding=mask)
-    for config in sorted(ROUTER_CONFIGS):
-        w, ids = topk_softmax(logits, 8, True, is_padding=mask, config=config)
-        res = compare_routing(w, ids, ref)
-        assert res.ok, (config, res.detail)
-        w, ids = grouped_topk(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
-                              is_padding=mask, config=config)
-        res = compare_routing(w, ids, gref)
-        assert res.ok, (config, res.detail)
+    return logits, bias, mask, ref, gref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(ROUTER_CONFIGS))
+def test_router_configs_match_reference_gpu(config, serving_logits_gpu):
+    # every router config at a serving size, on both routers (the H200 trial's correctness side); one config a
+    # test, for a parallel GPU run
+    logits, bias, mask, ref, gref = serving_logits_gpu
+    w, ids = topk_softmax(logits, 8, True, is_padding=mask, config=config)
+    res = compare_routing(w, ids, ref)
+    assert res.ok, (config, res.detail)
+    w, ids = grouped_topk(logits, 8, 8, 4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5,
+                          is_padding=mask, config=config)
+    res = compare_routing(w, ids, gref)
+    assert res.ok, (config, res.detail)
