@@ -11,6 +11,7 @@ gets a `slimmed` entry naming what went. Idempotent; each file is replaced atomi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -36,29 +37,40 @@ def _replace(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _problem(run_dir: Path) -> str | None:
+    for name in ("records.jsonl", "manifest.json"):
+        if not (run_dir / name).is_file():
+            return f"{run_dir}: not a run directory (no {name})"
+    return None
+
+
 def slim_run(run_dir: Path) -> tuple[int, int]:
     """(bytes before, bytes after) of records.jsonl."""
     records_path, manifest_path = run_dir / "records.jsonl", run_dir / "manifest.json"
-    if not records_path.is_file() or not manifest_path.is_file():
-        raise SystemExit(f"{run_dir}: not a run directory (needs records.jsonl and manifest.json)")
     before = records_path.read_text()
     lines = [json.dumps(slim_record(json.loads(line)), separators=(",", ":"), allow_nan=False)
              for line in before.splitlines() if line.strip()]
     after = "".join(line + "\n" for line in lines)
-    _replace(records_path, after)
     manifest = json.loads(manifest_path.read_text())
     manifest["slimmed"] = {"dropped": DROPPED, "by": "scripts/slim_run.py"}
+    _replace(records_path, after)
     _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return len(before.encode()), len(after.encode())
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+    parser = argparse.ArgumentParser(prog="slim_run.py", description="Slim finished run directories for committing "
+                                     "them as references (drops samples_us, jit.kernels, a trace's per-shape "
+                                     "rank_loads).")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    args = parser.parse_args(argv)
+    problems = [why for why in map(_problem, args.run_dirs) if why]
+    if problems:  # nothing is written unless every directory is a run
+        print(f"slim_run.py: {problems[0]}", file=sys.stderr)
         return 2
-    for arg in argv:
-        before, after = slim_run(Path(arg))
-        print(f"{arg}: records {before / 1e3:.0f} -> {after / 1e3:.0f} kB")
+    for run_dir in args.run_dirs:
+        before, after = slim_run(run_dir)
+        print(f"{run_dir}: records {before / 1e3:.0f} -> {after / 1e3:.0f} kB")
     return 0
 
 

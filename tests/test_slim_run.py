@@ -1,0 +1,57 @@
+"""scripts/slim_run.py: a slimmed run loads, compares and reports as before (only the raw samples, JIT compile keys
+and a trace's per-shape EP loads go), a second slim changes nothing, and a directory that is no run is refused
+with nothing written."""
+
+import json
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moebench.report.compare import compare_records
+from moebench.run.results import load_manifest, load_records
+
+REPO = Path(__file__).resolve().parent.parent
+SLIM = runpy.run_path(str(REPO / "scripts" / "slim_run.py"))
+TRACE_RUN = REPO / "results" / "h200" / "scenarios" / "padding_tax-20261202T042459Z"
+
+
+def _fat_run(tmp_path: Path) -> Path:
+    """A copy of a committed run with the fields slim_run drops put back in."""
+    run = tmp_path / "run"
+    shutil.copytree(TRACE_RUN, run)
+    recs = load_records(run)
+    for rec in recs:
+        rec["samples_us"] = [1.0, 2.0, 3.0]
+        rec["jit"]["kernels"] = [{"kernel": "k", "key": "x" * 50}]
+        for shape in rec["info"]["shapes"]:
+            shape["rank_loads"] = {"masked": [1, 2], "oblivious": [3, 4]}
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def test_slim_keeps_what_is_read_and_drops_the_rest(tmp_path):
+    run = _fat_run(tmp_path)
+    fat = load_records(run)
+    assert SLIM["main"]([str(run)]) == 0
+    slim = load_records(run)
+    assert len(slim) == len(fat) >= 1
+    for a, b in zip(fat, slim):
+        assert "samples_us" not in b and "kernels" not in b["jit"]
+        assert all("rank_loads" not in s for s in b["info"]["shapes"])
+        assert b["stats"] == a["stats"] and b["jit"]["compiles"] == a["jit"]["compiles"]
+        assert b["info"]["headline"] == a["info"]["headline"] and b["info"]["trace_steps"] == a["info"]["trace_steps"]
+    assert load_manifest(run)["slimmed"]["by"] == "scripts/slim_run.py"
+    text = (run / "records.jsonl").read_text()
+    assert SLIM["main"]([str(run)]) == 0 and (run / "records.jsonl").read_text() == text  # idempotent
+    rows = compare_records(load_records(TRACE_RUN), load_records(run))
+    assert rows and all(abs(r["ratio"] - 1.0) < 1e-12 for r in rows)
+
+
+def test_slim_refuses_a_directory_that_is_no_run_and_writes_nothing(tmp_path, capsys):
+    run = _fat_run(tmp_path)
+    before = (run / "records.jsonl").read_text()
+    assert SLIM["main"]([str(run), str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert (run / "records.jsonl").read_text() == before
