@@ -18,8 +18,24 @@ def compare_records(records_a: list[dict], records_b: list[dict]) -> list[dict]:
             continue
         a, b = ra["stats"]["p50"], rb["stats"]["p50"]
         rows.append({"impl": rb["impl"], "params": rb["params"], "a_p50_us": a, "b_p50_us": b,
-                     "ratio": b / a if a else float("nan")})
+                     "ratio": b / a if a else float("nan"),
+                     "a_gpu_state": ra.get("gpu_state"), "b_gpu_state": rb.get("gpu_state")})
     return rows
+
+
+def clock_line(rows: list[dict]) -> str | None:
+    """One line on the GPU's SM clock at the end of each side's timed regions (median over the matched points) and
+    how many points were throttled (a reason other than idle), when the records carry gpu_state; else None."""
+    parts = []
+    for side in ("a", "b"):
+        ends = [(r[f"{side}_gpu_state"] or {}).get("stop") or {} for r in rows]
+        mhz = sorted(e["sm_clock_mhz"] for e in ends if "sm_clock_mhz" in e)
+        if not mhz:
+            continue
+        throttled = sum(1 for e in ends if set(e.get("throttle") or ()) - {"gpu_idle"})
+        parts.append(f"{side.upper()} median {mhz[len(mhz) // 2]} MHz (range {mhz[0]}-{mhz[-1]}), "
+                     f"{throttled} of {len(mhz)} points throttled")
+    return "# SM clock at the end of the timed regions: " + "; ".join(parts) if parts else None
 
 
 def compare_runs(run_a: Path, run_b: Path) -> int:
@@ -38,6 +54,9 @@ def compare_runs(run_a: Path, run_b: Path) -> int:
     for r in rows:
         line = f"  {r['impl'][:32]:<32}" + "".join(f"{str(r['params'].get(k))[:10]:>11}" for k in axes)
         print(line + f"{r['a_p50_us']:>12.2f}{r['b_p50_us']:>12.2f}{r['ratio']:>8.3f}")
+    clocks = clock_line(rows)
+    if clocks:
+        print(clocks)
     finite = [r["ratio"] for r in rows if r["ratio"] > 0 and math.isfinite(r["ratio"])]
     if finite:
         gm = math.exp(sum(math.log(x) for x in finite) / len(finite))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from moebench import registry
+from moebench.measure.gpu_state import around_timing
 from moebench.measure.roofline import roofline_us
 from moebench.params import Point, Timing
 from moebench.registry import Case, CheckResult, RunContext
@@ -102,11 +103,13 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                 rec.update(status="wrong", reason=check.detail or "another rank's check failed")
             else:
                 name = f"moebench/{_stage_name(impl, case)}/{impl.name}"
+                gpu_state, read_gpu_state = around_timing(ctx.device)
 
                 def _hook(event: str) -> None:
                     nonlocal compiles_before_timed
                     if event == "start" and counter is not None:
                         compiles_before_timed = counter.count
+                    read_gpu_state(event)
                     if hook and not profile_iters:
                         hook(event)
 
@@ -117,6 +120,8 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                     rec["timing_note"] = res.note
                 rec["samples_us"] = res.samples_us
                 rec["stats"] = res.stats
+                if ctx.is_cuda:  # clocks, temperature, power, throttle reasons at the timed region's edges
+                    rec["gpu_state"] = gpu_state
                 if res.ranks:
                     rec["ranks"] = {**res.ranks, "simulated": ctx.simulated}
                 stages = {}
