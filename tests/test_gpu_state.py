@@ -22,6 +22,7 @@ def fake_nvml(monkeypatch):
         nvmlDeviceGetMaxClockInfo=lambda h, kind: 1980,
         nvmlDeviceGetTemperature=lambda h, kind: 41,
         nvmlDeviceGetPowerUsage=lambda h: 512345,
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700000,
         nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4 | 0x1,
     )
     monkeypatch.setitem(sys.modules, "pynvml", nv)
@@ -33,8 +34,10 @@ def test_read_names_clocks_power_and_throttle_reasons(fake_nvml, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     state = gpu_state.read(torch.device("cuda", 1))
     assert state == {"sm_clock_mhz": 1755, "mem_clock_mhz": 3201, "max_sm_clock_mhz": 1980, "temperature_c": 41,
-                     "power_w": 512.3, "throttle": ["gpu_idle", "sw_power_cap"]}
+                     "power_w": 512.3, "power_limit_w": 700.0, "throttle": ["gpu_idle", "sw_power_cap"]}
     assert fake_nvml == [5]  # NVML's own numbering behind CUDA_VISIBLE_DEVICES
+    del sys.modules["pynvml"].nvmlDeviceGetEnforcedPowerLimit  # refused on some boards: None, the rest still read
+    assert gpu_state.read(torch.device("cuda", 1))["power_limit_w"] is None
 
 
 def test_around_timing_fills_start_and_stop(fake_nvml):

@@ -53,8 +53,17 @@ _REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x
             0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
 
 
+def _optional(query):
+    """A query some drivers or boards refuse (a power limit under a hypervisor): None then, not an error."""
+    try:
+        return query()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def read(device: torch.device) -> dict[str, Any] | None:
-    """{sm_clock_mhz, mem_clock_mhz, max_sm_clock_mhz, temperature_c, power_w, throttle: [names]} now, or None."""
+    """{sm_clock_mhz, mem_clock_mhz, max_sm_clock_mhz, temperature_c, power_w, power_limit_w, throttle: [names]}
+    now, or None."""
     if unavailable(device) is not None:
         return None
     nv = _NVML["module"]
@@ -68,6 +77,7 @@ def read(device: torch.device) -> dict[str, Any] | None:
                 "max_sm_clock_mhz": int(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
                 "temperature_c": int(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                 "power_w": round(nv.nvmlDeviceGetPowerUsage(h) / 1000.0, 1),
+                "power_limit_w": _optional(lambda: round(nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, 1)),
                 "throttle": [name for bit, name in _REASONS.items() if bits & bit]}
     except Exception as e:  # noqa: BLE001 - a query the driver refuses: say so rather than fail the point
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
