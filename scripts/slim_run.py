@@ -4,7 +4,10 @@ Drops what no table, compare, headline, report or plot reads back: each record's
 n, p10/p50/p90, min, max, mean, cv), `jit.kernels` (the per-kernel compile keys; `jit.compiles` and
 `jit.compile_s` stay), and for serving_trace records the per-shape `rank_loads` of `info.shapes` (each step's EP
 excess, computed from them, stays in `info.trace_steps`). Records are rewritten with compact separators; the manifest
-gets a `slimmed` entry naming what went. Idempotent; each file is replaced atomically.
+gets a `slimmed` entry naming what went. Idempotent. Each directory is locked (a run still writing it is refused)
+and every one is read and slimmed in memory before any file is replaced (each atomically): a directory that is no
+run, a torn or non-JSON line, or a locked run is one line on stderr, exit 2, nothing written. For finished runs:
+a slimmed run that is resumed appends whole records beside the slim ones.
 
     python3 scripts/slim_run.py RUN_DIR [RUN_DIR ...]
 """
@@ -16,6 +19,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from moebench.run.lock import RunLock
 
 DROPPED = ["samples_us", "jit.kernels", "info.shapes[].rank_loads (serving_trace)"]
 
@@ -33,29 +38,38 @@ def slim_record(rec: dict) -> dict:
 
 def _replace(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".slim-tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def _problem(run_dir: Path) -> str | None:
+def slimmed(run_dir: Path) -> tuple[str, str, int]:
+    """(records text, manifest text, bytes before) of run_dir slimmed, in memory; ValueError naming what is wrong."""
     for name in ("records.jsonl", "manifest.json"):
         if not (run_dir / name).is_file():
-            return f"{run_dir}: not a run directory (no {name})"
-    return None
-
-
-def slim_run(run_dir: Path) -> tuple[int, int]:
-    """(bytes before, bytes after) of records.jsonl."""
-    records_path, manifest_path = run_dir / "records.jsonl", run_dir / "manifest.json"
-    before = records_path.read_text()
-    lines = [json.dumps(slim_record(json.loads(line)), separators=(",", ":"), allow_nan=False)
-             for line in before.splitlines() if line.strip()]
-    after = "".join(line + "\n" for line in lines)
-    manifest = json.loads(manifest_path.read_text())
+            raise ValueError(f"{run_dir}: not a run directory (no {name})")
+    try:
+        before = (run_dir / "records.jsonl").read_text()
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{run_dir}: cannot read it ({type(e).__name__}: {e})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{run_dir}/manifest.json: not a JSON object")
+    lines = []
+    for n, line in enumerate(before.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+            lines.append(json.dumps(slim_record(rec), separators=(",", ":"), allow_nan=False))
+        except ValueError as e:  # a torn line (a killed run), NaN, not a record: a reference must be whole
+            raise ValueError(f"{run_dir}/records.jsonl: line {n}: {e}") from None
     manifest["slimmed"] = {"dropped": DROPPED, "by": "scripts/slim_run.py"}
-    _replace(records_path, after)
-    _replace(manifest_path, json.dumps(manifest, indent=2) + "\n")
-    return len(before.encode()), len(after.encode())
+    return "".join(x + "\n" for x in lines), json.dumps(manifest, indent=2) + "\n", len(before.encode())
 
 
 def main(argv: list[str]) -> int:
@@ -64,13 +78,25 @@ def main(argv: list[str]) -> int:
                                      "rank_loads).")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     args = parser.parse_args(argv)
-    problems = [why for why in map(_problem, args.run_dirs) if why]
-    if problems:  # nothing is written unless every directory is a run
-        print(f"slim_run.py: {problems[0]}", file=sys.stderr)
-        return 2
-    for run_dir in args.run_dirs:
-        before, after = slim_run(run_dir)
-        print(f"{run_dir}: records {before / 1e3:.0f} -> {after / 1e3:.0f} kB")
+    locks = []
+    try:
+        # every directory locked (no run may be writing it) and slimmed in memory first: nothing is written unless
+        # all of them can be
+        try:
+            for run_dir in args.run_dirs:
+                if (run_dir / "records.jsonl").is_file():
+                    locks.append(RunLock(run_dir).acquire())
+            done = [(run_dir, *slimmed(run_dir)) for run_dir in args.run_dirs]
+        except ValueError as e:  # RunLocked is one
+            print(f"slim_run.py: {e}", file=sys.stderr)
+            return 2
+        for run_dir, records, manifest, before in done:
+            _replace(run_dir / "records.jsonl", records)
+            _replace(run_dir / "manifest.json", manifest)
+            print(f"{run_dir}: records {before / 1e3:.0f} -> {len(records.encode()) / 1e3:.0f} kB")
+    finally:
+        for lock in locks:
+            lock.release()
     return 0
 
 

@@ -480,3 +480,25 @@ def test_a_padded_shape_holds_the_real_rows_of_its_real_only_shape():
     assert torch.equal(padded.logits[:3], alone.logits) and torch.equal(padded.hidden[:3], alone.hidden)
     assert torch.equal(padded.logits[3:], alone.logits[:1].expand(5, -1))
     assert torch.equal(padded.bias, alone.bias)
+
+
+def test_a_second_run_in_one_process_measures_its_shapes_again(tmp_path):
+    """The shape cache lives for one run (RunContext.run_token): two in-process runs of the same sweep each time
+    every shape; within a run, the second capture list reuses the first's."""
+    from moebench.run.runner import run_sweep
+    from moebench.run.results import load_records
+    from moebench.run.sweep import load_sweep
+
+    sets = [f"{k}={v}" for k, v in SMALL.items()] + [
+        "num_expert_group=1", "topk_group=1", "dp_size=1", "sp_size=1", "trace=[3,5]", "axes.capture_sizes=[pow2,dense]",
+        "trace_replay=0", "timing.iters=1", "timing.warmup=0"]
+    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "padding_tax.yaml", sets)
+    infos = []
+    for n in range(2):
+        code, run_dir = run_sweep(sweep, out_base=tmp_path / f"r{n}", device="cpu", make_plots=False, isolate=False,
+                                  out=open(os.devnull, "w"))
+        assert code == 0
+        infos.append({r["params"]["capture_sizes"]: r["info"] for r in load_records(run_dir)})
+    for info in infos:
+        assert info["pow2"]["shapes_measured"] == info["pow2"]["timed_shapes"] and info["pow2"]["shapes_reused"] == 0
+        assert info["dense"]["shapes_reused"] > 0

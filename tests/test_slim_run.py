@@ -14,7 +14,9 @@ from moebench.run.results import load_manifest, load_records
 
 REPO = Path(__file__).resolve().parent.parent
 SLIM = runpy.run_path(str(REPO / "scripts" / "slim_run.py"))
-TRACE_RUN = REPO / "results" / "h200" / "scenarios" / "padding_tax-20261202T042459Z"
+# the smallest committed serving_trace reference (a trace record carries every field slim_run drops)
+TRACE_RUN = min((REPO / "results" / "h200" / "scenarios").glob("padding_tax-*"),
+                key=lambda d: (d / "records.jsonl").stat().st_size)
 
 
 def _fat_run(tmp_path: Path) -> Path:
@@ -49,9 +51,33 @@ def test_slim_keeps_what_is_read_and_drops_the_rest(tmp_path):
     assert rows and all(abs(r["ratio"] - 1.0) < 1e-12 for r in rows)
 
 
-def test_slim_refuses_a_directory_that_is_no_run_and_writes_nothing(tmp_path, capsys):
-    run = _fat_run(tmp_path)
-    before = (run / "records.jsonl").read_text()
-    assert SLIM["main"]([str(run), str(tmp_path / "nothing")]) == 2
-    assert "not a run directory" in capsys.readouterr().err
-    assert (run / "records.jsonl").read_text() == before
+def _state(run: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(run.iterdir())}
+
+
+@pytest.mark.parametrize("spoil", ["no_run", "torn_line", "nan", "not_a_record", "locked"])
+def test_slim_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, capsys, spoil):
+    from moebench.run.lock import RunLock
+
+    good, bad = _fat_run(tmp_path), tmp_path / "bad"
+    if spoil == "no_run":
+        bad.mkdir()
+    else:
+        shutil.copytree(good, bad)
+        records = bad / "records.jsonl"
+        extra = {"torn_line": '{"key": "x", "stats": {"p5', "nan": '{"key": "x", "stats": {"p50": NaN}}',
+                 "not_a_record": "[1, 2]", "locked": ""}[spoil]
+        records.write_text(records.read_text() + extra + "\n")
+    before = {d: _state(d) for d in (good, bad)}
+    lock = RunLock(bad).acquire() if spoil == "locked" else None
+    try:
+        assert SLIM["main"]([str(good), str(bad)]) == 2
+    finally:
+        if lock:
+            lock.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("slim_run.py: "), err
+    want = {"no_run": "not a run directory", "torn_line": "line ", "nan": "line ", "not_a_record": "not a JSON object",
+            "locked": "in use by"}[spoil]
+    assert want in err[0]
+    assert {d: _state(d) for d in (good, bad)} == before  # the good run beside it untouched too, no tmp file left

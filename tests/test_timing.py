@@ -88,12 +88,16 @@ def test_choose_unroll_hides_the_replay_launch():
 
 
 @pytest.mark.gpu
-def test_auto_mode_unrolls_a_short_kernel_and_says_so():
+def test_auto_mode_unrolls_a_short_kernel_and_says_so(monkeypatch):
     import torch
 
+    from moebench.measure import timing
     from moebench.measure.timing import measure
     from moebench.params import Timing
 
+    # the call's measured length is pinned short: the GPU suite runs on workers sharing one card, where another
+    # worker's kernels can stretch an event-timed call (the choice itself is tested on the CPU: choose_unroll)
+    monkeypatch.setattr(timing, "_one_call_us", lambda fn, device: 5.0)
     x = torch.randn(1024, device="cuda")
     res = measure(lambda: x.mul_(1.0), Timing(mode="auto", warmup=2, iters=5), torch.device("cuda"))
     assert res.mode == "cuda_graph" and res.unroll > 1 and f"{res.unroll} calls per replay" in res.note

@@ -13,8 +13,9 @@ divisibility), giving its layer calls (rows, real). Every distinct shape's routi
 (_trace_shapes: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
 trace_real_points: 0 times every distinct shape; N > 0 times each padded row count at N + 1 real counts and the
 real-tokens-alone curve at a few points, and interpolates the rest (_trace_compose, which composes the trace).
-Shapes already routed or timed by an earlier point of the same process at the same layer parameters (a what-if
-axis over capture lists shares most of them) are reused; the record says how many.
+Shapes already routed or timed by the point before, in the same run and at the same layer parameters (a what-if
+axis over capture lists shares most of them), are reused; the record says how many. A new run, or a point at other
+layer parameters in between, starts afresh; `repeat` is a layer parameter here, so repeats are measured anew.
 `trace_replay: N` also replays the first N steps one call at a time (each built and timed afresh) and records the
 composed and replayed totals. EP: the per-rank loads are computed from the routing (the slowest-rank excess), the
 time is this rank's layer; real EP ranks are not run by this target. JIT: the fixed-capacity dispatch's compiles
@@ -66,9 +67,10 @@ SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, 
                 "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
 # Parameters that shape the trace or the engine, not the layer: shapes measured at one layer point are reused
 # across points differing only by these.
+# (`repeat` is not one of them: a repeat point measures its shapes again, as repeats are meant to)
 _TRACE_KEYS = ("capture_sizes", "dp_size", "sp_size", "dbo", "trace", "trace_file", "trace_steps",
                "trace_distribution", "trace_max_tokens", "trace_replay", "capacity_policy",
-               "num_max_tokens_per_rank", "repeat", "num_tokens", "padding_ratio", "padding_producer",
+               "num_max_tokens_per_rank", "num_tokens", "padding_ratio", "padding_producer",
                "trace_real_points")
 # one layer point's shapes by (rows, real), routed, timed or both (exact shapes and grid points share entries); a
 # new layer point or a new run clears it
