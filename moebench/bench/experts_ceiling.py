@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moebench.bench.experts import experts_inputs
+from moebench.bench.experts import experts_inputs, row_tiles
 from moebench.bench.experts_fp8 import fp8_inputs, fp8_layout_problem, rowwise_expert_weights
 from moebench.bench.torch_grouped_gemm import (
     TORCH_GEMMS,
@@ -119,7 +119,7 @@ def _check_both(run, g: _Groups, seed: int, device: torch.device, gate_up: tuple
 def _case(p, g: _Groups, groups: str, routing: Routing, run, check, nbytes: int, fp8: bool, info: dict) -> Case:
     counts = g.counts
     mean = float(counts.float().mean()) if counts.numel() else 0.0
-    info.update({"groups": groups, "rows": g.n, "experts_used": g.used,
+    info.update({"groups": groups, "rows": g.n, "experts_used": g.used, "row_tiles": row_tiles(counts),
                  "group_max_over_mean": float(counts.max()) / mean if mean > 0 else 0.0})
     note = ("weights of non-empty groups + A rows (+ scales) + gate/up out written + SwiGLU out read + down out "
             "written (the GEMMs alone)")

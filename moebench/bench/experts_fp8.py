@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from moebench.bench.experts import oblivious_ids
+from moebench.bench.experts import oblivious_ids, row_tiles
 from moebench.check import CheckResult, compare_close, poison
 from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
@@ -196,6 +196,7 @@ def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) 
     n_valid = int(valid.sum())
     experts_used = int(torch.unique(ids[valid]).numel())
     info = {"valid_routes": n_valid, "skipped_routes": int((~valid).sum()), "experts_used": experts_used,
+            "row_tiles": row_tiles(torch.bincount(ids[valid].long().flatten(), minlength=E)),
             "expert_dtype": "fp8", "group_size": G, "scale_format": fmt}
     tokens_read = int(valid.any(dim=1).sum())
     flops = 2 * n_valid * 3 * H * I
