@@ -36,7 +36,7 @@ from moebench.kernels.fused_experts import (
 )
 from moebench.registry import Case, Routing, RunContext, register_impl
 
-__all__ = ["reference_rows", "check_experts_out", "experts_info", "row_tiles", "triton_available", "ExpertsInputs",
+__all__ = ["reference_rows", "check_experts_out", "experts_info", "expert_rows", "equal_rows", "row_tiles", "triton_available", "ExpertsInputs",
            "experts_inputs", "oblivious_ids"]
 
 
@@ -79,7 +79,18 @@ def experts_info(ids: torch.Tensor, num_experts: int) -> dict:
     valid = (ids >= 0) & (ids < num_experts)
     return {"valid_routes": int(valid.sum()), "skipped_routes": int((~valid).sum()),
             "experts_used": int(torch.unique(ids[valid]).numel()),
-            "row_tiles": row_tiles(torch.bincount(ids[valid].long().flatten(), minlength=num_experts))}
+            "row_tiles": row_tiles(expert_rows(ids, num_experts))}
+
+
+def expert_rows(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: the valid routes (ids in [0, E)) per expert: each expert's rows in the grouped GEMMs."""
+    flat = ids.reshape(-1).long()
+    return torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+
+
+def equal_rows(num_rows: int, num_experts: int, device=None) -> torch.Tensor:
+    """int64 [E]: num_rows split as evenly as E groups allow (the equal-group ceiling's groups)."""
+    return num_rows // num_experts + (torch.arange(num_experts, device=device) < num_rows % num_experts).long()
 
 
 ROW_TILE_SIZES = (64, 128)  # the row tiles of the expert GEMMs' wgmma configs
@@ -87,16 +98,17 @@ ROW_TILE_SIZES = (64, 128)  # the row tiles of the expert GEMMs' wgmma configs
 
 def row_tiles(counts: torch.Tensor) -> dict:
     """Where uneven experts lose GEMM work, per row-tile size BM: {BM: {tiles: sum_e ceil(c_e / BM), equal_tiles:
-    the same rows over the same experts in equal groups, efficiency: rows / (tiles * BM)}} from per-expert row
-    counts. A grouped GEMM of BM-row tiles computes tiles * BM rows for `rows` useful ones: efficiency is the
-    ceiling on its speed against full tiles, and tiles / equal_tiles what the uneven sizes cost at that BM."""
-    c = [int(v) for v in counts.tolist() if v > 0]
-    rows, used = sum(c), len(c)
+    the same for equal_rows (the same rows over the same E groups, evenly), efficiency: rows / (tiles * BM)}} from
+    per-expert row counts. A grouped GEMM of BM-row tiles computes tiles * BM rows for `rows` useful ones:
+    efficiency is the ceiling on its speed against full tiles, and tiles / equal_tiles what the uneven sizes cost
+    at that BM."""
+    c = counts.tolist()
+    rows = sum(c)
+    equal = equal_rows(rows, len(c)).tolist()
     out = {}
     for bm in ROW_TILE_SIZES:
         tiles = sum(-(-v // bm) for v in c)
-        per_group = -(-rows // used) if used else 0
-        out[str(bm)] = {"tiles": tiles, "equal_tiles": used * -(-per_group // bm),
+        out[str(bm)] = {"tiles": tiles, "equal_tiles": sum(-(-v // bm) for v in equal),
                         "efficiency": round(rows / (tiles * bm), 4) if tiles else None}
     return out
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moebench.bench.experts import experts_inputs, row_tiles
+from moebench.bench.experts import equal_rows, expert_rows, experts_inputs, row_tiles
 from moebench.bench.experts_fp8 import fp8_inputs, fp8_layout_problem, rowwise_expert_weights
 from moebench.bench.torch_grouped_gemm import (
     TORCH_GEMMS,
@@ -54,12 +54,8 @@ SAMPLE_ROWS = 256  # rows per GEMM compared with the fp32 definition
 
 def group_sizes(ids: torch.Tensor, num_experts: int, groups: str) -> torch.Tensor:
     """int64 [E]: the valid routes per expert ("routed"), or their total split as evenly as E groups allow."""
-    flat = ids.reshape(-1).long()
-    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
-    if groups == "routed":
-        return counts
-    n = int(counts.sum())
-    return n // num_experts + (torch.arange(num_experts, device=ids.device) < n % num_experts).long()
+    counts = expert_rows(ids, num_experts)
+    return counts if groups == "routed" else equal_rows(int(counts.sum()), num_experts, ids.device)
 
 
 def sorted_tokens(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

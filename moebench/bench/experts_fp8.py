@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from moebench.bench.experts import oblivious_ids, row_tiles
+from moebench.bench.experts import experts_info, oblivious_ids
 from moebench.check import CheckResult, compare_close, poison
 from moebench.inputs.weights import make_expert_weights
 from moebench.kernels._details.jit import interpreting
@@ -193,11 +193,8 @@ def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) 
     E, H, I = p.local_experts, p.hidden, p.intermediate
     M, K = ids.shape
     valid = (ids >= 0) & (ids < E)
-    n_valid = int(valid.sum())
-    experts_used = int(torch.unique(ids[valid]).numel())
-    info = {"valid_routes": n_valid, "skipped_routes": int((~valid).sum()), "experts_used": experts_used,
-            "row_tiles": row_tiles(torch.bincount(ids[valid].long().flatten(), minlength=E)),
-            "expert_dtype": "fp8", "group_size": G, "scale_format": fmt}
+    info = {**experts_info(ids, E), "expert_dtype": "fp8", "group_size": G, "scale_format": fmt}
+    n_valid, experts_used = info["valid_routes"], info["experts_used"]
     tokens_read = int(valid.any(dim=1).sum())
     flops = 2 * n_valid * 3 * H * I
     bytes_moved = (experts_used * (3 * H * I + 3 * H * I // WEIGHT_BLOCK ** 2 * 4)
