@@ -38,6 +38,9 @@ def test_row_tiles_count_the_partial_tiles_of_uneven_experts():
     assert uneven["64"] == {"tiles": 4, "equal_tiles": 3, "efficiency": round(131 / 256, 4)}
     assert row_tiles(torch.tensor([300, 0]))["128"] == {"tiles": 3, "equal_tiles": 4, "efficiency": round(300 / 384, 4)}
     assert row_tiles(torch.zeros(4, dtype=torch.long))["64"] == {"tiles": 0, "equal_tiles": 0, "efficiency": None}
+    # paired: 300 rows = 5 blocks of 64 -> 2 full tiles + 1 half; 130 = 3 blocks -> 1 + 1; 64 = 1 block -> 1 half
+    assert row_tiles(torch.tensor([300, 130, 64, 0]))["64x2"] == {
+        "tiles": 6, "half_tiles": 3, "equal_tiles": 4, "efficiency": round(494 / (9 * 64), 4)}
 
 
 def test_records_carry_the_row_tiles_of_their_routing(device):

@@ -101,7 +101,7 @@ def row_tiles(counts: torch.Tensor) -> dict:
     the same for equal_rows (the same rows over the same E groups, evenly), efficiency: rows / (tiles * BM)}} from
     per-expert row counts. A grouped GEMM of BM-row tiles computes tiles * BM rows for `rows` useful ones:
     efficiency is the ceiling on its speed against full tiles, and tiles / equal_tiles what the uneven sizes cost
-    at that BM."""
+    at that BM; "64x2" is the paired launch's tiling (its tiles, half_tiles among them)."""
     c = counts.tolist()
     rows = sum(c)
     equal = equal_rows(rows, len(c)).tolist()
@@ -110,6 +110,13 @@ def row_tiles(counts: torch.Tensor) -> dict:
         tiles = sum(-(-v // bm) for v in c)
         out[str(bm)] = {"tiles": tiles, "equal_tiles": sum(-(-v // bm) for v in equal),
                         "efficiency": round(rows / (tiles * bm), 4) if tiles else None}
+    # the paired launch (kernels.row_tiles): 64-row blocks two a tile, an expert's odd last block alone; it
+    # computes the 64-row tiles' rows on half_tiles narrow tiles and tiles - half_tiles full 128-row ones
+    def pairs(counts):
+        return sum(-(-(-(-v // 64)) // 2) for v in counts)  # ceil(ceil(v / 64) / 2)
+
+    out["64x2"] = {"tiles": pairs(c), "half_tiles": sum(-(-v // 64) % 2 for v in c), "equal_tiles": pairs(equal),
+                   "efficiency": out["64"]["efficiency"]}
     return out
 
 

@@ -3,8 +3,9 @@ no GEMM cost.
 
     out[m] = sum over valid k of topk_weights[m,k] * (silu(x[m] @ w13[e,:I].T) * (x[m] @ w13[e,I:].T)) @ w2[e].T
 
-`fused_experts` is the Triton path (align (moe_align_block_size's kernels) -> gate/up + SwiGLU grouped GEMM -> down
-grouped GEMM with the top-k weight -> deterministic slot sum (masked_moe_sum's kernel); see `grouped_gemm`).
+`fused_experts` is the Triton path (align (moe_align_block_size's kernels) -> [paired configs: the row tile map,
+kernels.row_tiles] -> gate/up + SwiGLU grouped GEMM -> down grouped GEMM with the top-k weight -> deterministic slot
+sum (masked_moe_sum's kernel); see `grouped_gemm`).
 `fused_experts_torch` is the literal reference (fp32 by default; bf16 compute for the eager peer); the
 torch._grouped_mm peer is not a kernel of this library (moebench.peers.torch_grouped). `expert_work` is the work
 (FLOPs, bytes) the op must do, the one formula every benchmark of expert computation declares.
@@ -29,6 +30,7 @@ from moebench.kernels.grouped_gemm import (
     launch_config,
     make_workspace,
     routes_alignment,
+    row_tiles,
     sum_slots,
 )
 
@@ -74,8 +76,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         topk_weights = topk_weights.float().contiguous()
     ws = workspace
     sorted_ids, expert_ids, num_post = routes_alignment(topk_ids, E, cfg.block_m, ws, alignment)
-    gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act)
-    down_proj(ws.act, w2, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.down, ws.y)
+    tiles = row_tiles(cfg, expert_ids, num_post, ws.tiles)
+    gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act, tiles)
+    down_proj(ws.act, w2, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.down, ws.y, tiles)
     return sum_slots(ws.y, topk_ids, E, out, block_h=cfg.reduce_block_h)
 
 

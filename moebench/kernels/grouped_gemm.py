@@ -12,7 +12,10 @@ Data flow (E local experts, R = M*K flat routes, route index i = token*K + k):
                     (masked_moe_sum's kernel, with ids >= E skipped too).
 The GEMM kernels are persistent: a fixed number of programs (what fits on the GPU) walk the tiles of the blocks
 that exist, num_post_padded being read on the device, so skipped routes cost no GEMM work, no program launch, and
-nothing synchronises with the host (CUDA-graph capturable).
+nothing synchronises with the host (CUDA-graph capturable). A tile is one BLOCK_M block, or, for a paired config
+(bf16), two: full tiles of 2*BLOCK_M rows and an expert's odd last block on a BLOCK_M-row tile, listed by
+row_tile_map (kernels.row_tiles) on the device, so an expert's partial tile costs the narrower tile's rows while its
+full tiles keep the wider tile's weight reuse.
 
 What both precisions share lives here, once: the config (`ExpertsConfig.precision`, kernels._details.experts_config:
 tables, rules, `experts_choice`), the alignment, the workspace (`make_workspace(precision=)`), the operand checks,
@@ -41,10 +44,11 @@ from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3
 from moebench.kernels.masked_moe_sum import sum_slots, sum_slots_torch
 from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
+from moebench.kernels.row_tiles import row_tile_buffers, row_tile_map
 
 __all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config",
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
-           "routes_alignment", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
+           "routes_alignment", "row_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
            "check_routes", "expert_operand_shapes", "swizzle", "tile_prologue", "persistent_programs",
            "weight_operand", "launch_persistent", "gate_up_swiglu", "down_proj", "gate_up_swiglu_torch",
            "down_proj_torch", "sum_slots", "sum_slots_torch"]
@@ -113,6 +117,17 @@ def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, wor
     return sorted_ids, expert_ids, num_post
 
 
+def row_tiles(cfg: ExpertsConfig, expert_ids: torch.Tensor, num_post: torch.Tensor,
+              buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GEMMs' `tiles` argument for config `cfg`: a paired config's row tile map built into `buffers`
+    (row_tile_buffers) from this alignment, else None (one alignment block a tile)."""
+    if not cfg.paired:
+        return None
+    if buffers is None:
+        raise ValueError("a paired config needs row tile buffers (row_tile_buffers)")
+    return row_tile_map(expert_ids, num_post, cfg.block_m, out=buffers)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Workspace and argument checks (both precisions)
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,6 +150,13 @@ class ExpertsWorkspace:
     y: torch.Tensor  # [R, H] weighted expert output per route (fp8_block: bf16)
     choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
     act_scales: torch.Tensor | None = None  # fp8_block: fp32 [max_blocks*BM, I/128], one per 128 columns of act
+    tile_map: torch.Tensor | None = None  # paired configs: row_tile_map's int32 [max_blocks] and count [1]
+    num_tiles: torch.Tensor | None = None
+
+    @property
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tile_map, num_tiles) of a paired workspace, else None."""
+        return None if self.tile_map is None else (self.tile_map, self.num_tiles)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -153,14 +175,19 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     R = num_tokens * top_k
     choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=precision)
     cfg = choice.config
-    rows = max_blocks(R, num_experts, cfg.block_m) * cfg.block_m
+    blocks = max_blocks(R, num_experts, cfg.block_m)
+    rows = blocks * cfg.block_m
     fp8 = precision == FP8_BLOCK
+    if cfg.paired and fp8:
+        raise ValueError("paired row tiles are a bf16 launch; fp8 configs are unpaired")
+    tile_map, num_tiles = row_tile_buffers(blocks, device) if cfg.paired else (None, None)
     return ExpertsWorkspace(
         cfg, num_tokens, top_k, num_experts, hidden, intermediate,
         **alignment_buffers(R, num_experts, cfg.block_m, device),
         act=torch.empty(rows, intermediate, dtype=E4M3 if fp8 else dtype, device=device),
         y=torch.empty(R, hidden, dtype=torch.bfloat16 if fp8 else dtype, device=device), choice=choice,
-        act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device) if fp8 else None)
+        act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device) if fp8 else None,
+        tile_map=tile_map, num_tiles=num_tiles)
 
 
 def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
@@ -183,6 +210,8 @@ def launch_config(workspace: ExpertsWorkspace, config: ExpertsConfig | str | Non
     cfg = experts_choice(*workspace.shape, device, config, precision=precision).config
     if cfg.block_m != workspace.config.block_m:
         raise ValueError("config.block_m differs from the workspace's")
+    if cfg.paired and workspace.tile_map is None:
+        raise ValueError("a paired config needs a workspace made for one (its row tile map)")
     return cfg
 
 
@@ -236,15 +265,24 @@ def swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr):
+    """A tile's expert (int64, the owner of its first ALIGN_M-row alignment block), its BLOCK_M sorted positions
+    from first_row, the route at each and row_ok (False for the pad entries of an expert's last block)."""
+    expert = tl.load(expert_ids_ptr + first_row // ALIGN_M).to(tl.int64)
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_ptr + offs_m)
+    row_ok = route < num_routes
+    return expert, offs_m, route, row_ok
+
+
+@triton.jit
 def tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr, num_routes,
                   BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
     """Tile -> (pid_n, expert (int64), offs_m: its BLOCK_M sorted positions, route at each, row_ok): the start of
-    every tile of every grouped-GEMM kernel. row_ok is False for the pad entries of an expert's last block."""
+    every tile of an unpaired grouped-GEMM kernel (one alignment block a tile)."""
     pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_ptr + offs_m)
-    row_ok = route < num_routes
+    expert, offs_m, route, row_ok = tile_rows(pid_m * BLOCK_M, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
+                                              BLOCK_M)
     return pid_n, expert, offs_m, route, row_ok
 
 
@@ -287,25 +325,27 @@ def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_d
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[rows_per_box, cfg.block_k]), True
 
 def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, alignment, num_routes: int,
-                      num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int,
-                      **args) -> bool:
+                      num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int, *,
+                      paired: bool = False, **args) -> bool:
     """One persistent grouped-GEMM launch of `kernel` (a gate/up or down kernel of `precision`) over the tiles of
     the aligned blocks: tile_dim output columns per expert (I or H) in BLOCK_N tiles; weight = (the kernel's
     argument name, w13 or w2), passed as a TMA descriptor where gemm asks and the layout allows, `weight_tiles`
-    weight tiles per K step (gate/up: 2). Every kernel takes the arguments named here; `args` holds the rest of
-    its own. False (nothing launched) when there is no route."""
-    num_pid_m = max_blocks(num_routes, num_experts, block_m)
+    weight tiles per K step (gate/up: 2). `paired`: the kernel walks a row tile map (kernels.row_tiles) whose full
+    tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. Every kernel takes the arguments named here;
+    `args` holds the rest of its own. False (nothing launched) when there is no route."""
+    num_pid_m = max_blocks(num_routes, num_experts, block_m)  # tiles <= blocks, paired or not
     if num_routes == 0 or num_pid_m == 0:
         return False
+    tile_m = 2 * block_m if paired else block_m
     sorted_ids, expert_ids, num_post = alignment
     w_name, w = weight
-    programs = persistent_programs(w.device, num_pid_m * triton.cdiv(tile_dim, gemm.block_n), block_m, gemm,
+    programs = persistent_programs(w.device, num_pid_m * triton.cdiv(tile_dim, gemm.block_n), tile_m, gemm,
                                    weight_tiles, operand_bytes(precision))
     w_arg, tma = weight_operand(w, gemm.block_n, gemm, tile_dim)
     kernel[(programs,)](
         sorted_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_ptr=num_post, num_routes=num_routes,
         num_programs=programs, **{w_name: w_arg}, **args,
-        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, WEIGHT_TMA=tma,
+        BLOCK_M=tile_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, WEIGHT_TMA=tma,
         UPCAST_DOT=interpreting(), num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return True
 
@@ -315,119 +355,182 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                           num_routes, top_k, hidden, inter, num_programs,
-                           stride_xm, stride_we, stride_wn, stride_am,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                           UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded is
-    read on the device), so skipped routes cost no program at all.
-    w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
-    [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary)."""
-    num_pid_m = tl.load(num_post_ptr) // BLOCK_M
-    num_pid_n = tl.cdiv(inter, BLOCK_N)
+def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k, hidden,
+                  inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One [BLOCK_M, 2*BLOCK_N] tile of the gate/up GEMM and its SwiGLU: act rows first_row .. + BLOCK_M."""
+    expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, ALIGN_M)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
-                                                             num_routes, BLOCK_M, GROUP_M)
-        token = (route // top_k).to(tl.int64)
-        # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
-        offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n = offs_n_store % inter
-        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-        if WEIGHT_TMA:
-            gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
+    token = (route // top_k).to(tl.int64)
+    # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
+    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = offs_n_store % inter
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    if WEIGHT_TMA:
+        gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-            u_ptrs = g_ptrs + inter * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < hidden - kb * BLOCK_K
-                a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
-                g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
-                u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
-            elif EVEN_K:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
-            x_ptrs += BLOCK_K
-            if not WEIGHT_TMA:
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
-        tl.store(a_ptrs, round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
-                 mask=(offs_n_store < inter)[None, :])
+            k_ok = offs_k < hidden - kb * BLOCK_K
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
+            g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
+            u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        x_ptrs += BLOCK_K
+        if not WEIGHT_TMA:
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
+    tl.store(a_ptrs, round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
+             mask=(offs_n_store < inter)[None, :])
 
 
 @triton.jit
-def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                      num_routes, hidden, inter, num_programs,
+def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, tile_map_ptr,
+                           num_tiles_ptr, num_routes, top_k, hidden, inter, num_programs,
+                           stride_xm, stride_we, stride_wn, stride_am,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                           UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
+                           ALIGN_M: tl.constexpr):
+    """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded, or
+    PAIRED the tile map's count, is read on the device), so skipped routes cost no program at all.
+    w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
+    [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary).
+    PAIRED: BLOCK_M is two alignment blocks; a tile of one block (an expert's odd last) runs BLOCK_M // 2 rows."""
+    if PAIRED:
+        num_pid_m = tl.load(num_tiles_ptr)
+    else:
+        num_pid_m = tl.load(num_post_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(inter, BLOCK_N)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        if PAIRED:
+            code = tl.load(tile_map_ptr + pid_m)  # 2 * first block + (two blocks)
+            if (code & 1) != 0:
+                _gate_up_tile((code >> 1) * ALIGN_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr,
+                              num_routes, top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M,
+                              ALIGN_M, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            else:
+                _gate_up_tile((code >> 1) * ALIGN_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr,
+                              num_routes, top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, ALIGN_M,
+                              ALIGN_M, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+        else:
+            _gate_up_tile(pid_m * BLOCK_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes,
+                          top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+
+
+@triton.jit
+def _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes, hidden,
+               inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+               UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of the down GEMM: y at the routes of sorted positions first_row .. + BLOCK_M."""
+    expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, ALIGN_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = offs_n_store % hidden
+    # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
+    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if WEIGHT_TMA:
+        w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            k_ok = offs_k < inter - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if WEIGHT_TMA:
+            w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        if not WEIGHT_TMA:
+            w_ptrs += BLOCK_K
+    weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
+    tl.store(y_ptrs, round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
+             mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+
+
+@triton.jit
+def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, tile_map_ptr,
+                      num_tiles_ptr, num_routes, hidden, inter, num_programs,
                       stride_am, stride_we, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                      UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """Persistent like the gate/up kernel. w2: a pointer to [E, H, I], or (WEIGHT_TMA) a descriptor over its
-    [E*H, I] view (H % BLOCK_N == 0)."""
-    num_pid_m = tl.load(num_post_ptr) // BLOCK_M
+                      UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
+                      ALIGN_M: tl.constexpr):
+    """Persistent like the gate/up kernel, over the same tiles. w2: a pointer to [E, H, I], or (WEIGHT_TMA) a
+    descriptor over its [E*H, I] view (H % BLOCK_N == 0)."""
+    if PAIRED:
+        num_pid_m = tl.load(num_tiles_ptr)
+    else:
+        num_pid_m = tl.load(num_post_ptr) // BLOCK_M
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
-                                                             num_routes, BLOCK_M, GROUP_M)
-        offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n = offs_n_store % hidden
-        # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
-        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        if WEIGHT_TMA:
-            w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        if PAIRED:
+            code = tl.load(tile_map_ptr + pid_m)
+            if (code & 1) != 0:
+                _down_tile((code >> 1) * ALIGN_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
+                           num_routes, hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, ALIGN_M,
+                           BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            else:
+                _down_tile((code >> 1) * ALIGN_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
+                           num_routes, hidden, inter, stride_am, stride_we, stride_wn, stride_ym, ALIGN_M, ALIGN_M,
+                           BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
         else:
-            w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                k_ok = offs_k < inter - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            if WEIGHT_TMA:
-                w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
-            elif EVEN_K:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc)
-            a_ptrs += BLOCK_K
-            if not WEIGHT_TMA:
-                w_ptrs += BLOCK_K
-        weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
-        y_ptrs = y_ptr + route.to(tl.int64)[:, None] * stride_ym + offs_n_store[None, :]
-        tl.store(y_ptrs, round_store_value(acc, y_ptr.dtype.element_ty, SOFT_BF16),
-                 mask=row_ok[:, None] & (offs_n_store < hidden)[None, :])
+            _down_tile(pid_m * BLOCK_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
+                       hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
+                       EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+
+
+def _tile_args(tiles, sorted_ids: torch.Tensor, block_m: int) -> dict:
+    """The bf16 kernels' tile-map arguments: `tiles` = (tile_map, num_tiles) of row_tile_map for a paired launch,
+    None for one block a tile (then the pointers are unused placeholders)."""
+    if tiles is None:
+        return dict(tile_map_ptr=sorted_ids, num_tiles_ptr=sorted_ids, PAIRED=False, paired=False, ALIGN_M=block_m)
+    tile_map, num_tiles = tiles
+    return dict(tile_map_ptr=tile_map, num_tiles_ptr=num_tiles, PAIRED=True, paired=True, ALIGN_M=block_m)
 
 
 def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                   num_post: torch.Tensor, top_k: int, block_m: int, cfg: GemmConfig, act: torch.Tensor
-                   ) -> torch.Tensor:
-    """act[j, :] for every sorted position j < num_post (rows of pad entries are zeros)."""
+                   num_post: torch.Tensor, top_k: int, block_m: int, cfg: GemmConfig, act: torch.Tensor,
+                   tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """act[j, :] for every sorted position j < num_post (rows of pad entries are zeros). `tiles`: row_tile_map's
+    (tile_map, num_tiles) for these blocks: a paired launch (two blocks a tile); None: one block a tile."""
     M, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -436,22 +539,24 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     launch_persistent(_gate_up_swiglu_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), M * top_k, E,
                       ("w13", w13), inter, 2, x_ptr=x, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
                       stride_xm=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
-                      stride_am=act.stride(0), EVEN_K=H % cfg.block_k == 0, SOFT_BF16=soft_bf16(act))
+                      stride_am=act.stride(0), EVEN_K=H % cfg.block_k == 0, SOFT_BF16=soft_bf16(act),
+                      **_tile_args(tiles, sorted_ids, block_m))
     return act
 
 
 def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
-              expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int, cfg: GemmConfig, y: torch.Tensor
-              ) -> torch.Tensor:
+              expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int, cfg: GemmConfig, y: torch.Tensor,
+              tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y[i, :] = topk_weights.flat[i] * act[j] @ w2[e].T for each placed route i (sorted position j); the rows of
-    skipped routes are not written."""
+    skipped routes are not written. `tiles`: as gate_up_swiglu's."""
     E, H, inter = w2.shape
     num_routes = topk_weights.numel()
     assert num_routes == 0 or (y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous())
     launch_persistent(_down_proj_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), num_routes, E,
                       ("w2", w2), H, 1, act_ptr=act, y_ptr=y, topk_w_ptr=topk_weights, hidden=H, inter=inter,
                       stride_am=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_ym=y.stride(0),
-                      EVEN_K=inter % cfg.block_k == 0, SOFT_BF16=soft_bf16(y))
+                      EVEN_K=inter % cfg.block_k == 0, SOFT_BF16=soft_bf16(y),
+                      **_tile_args(tiles, sorted_ids, block_m))
     return y
 
 

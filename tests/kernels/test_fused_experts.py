@@ -90,6 +90,67 @@ def test_other_configs(device, cfg_i):
     assert _frob(out, ref) < 1e-2
 
 
+PAIRED_CONFIGS = [
+    # full tiles of 32 rows on 16-row blocks; BLOCK_N < I and > I; pointer and TMA weights
+    ExpertsConfig(16, GemmConfig(16, 32, 2, 4, 2), GemmConfig(32, 32, 3, 4, 2), reduce_block_h=64, paired=True),
+    ExpertsConfig(16, GemmConfig(64, 32, 8, 4, 2, weight_tma=True), GemmConfig(64, 32, 1, 4, 2, weight_tma=True),
+                  paired=True),
+]
+
+
+@pytest.mark.parametrize("cfg_i", range(len(PAIRED_CONFIGS)))
+def test_paired_tiles_match_one_block_tiles(device, cfg_i):
+    """A paired launch (two alignment blocks a tile, an expert's odd last block alone) writes what the launch of one
+    block a tile writes: act and y bitwise in the interpreter (fp32 dots, K in the same order), the same rows
+    untouched; experts with odd and even block counts, an empty one, -1 and ids >= E."""
+    import dataclasses
+
+    from moebench.kernels.grouped_gemm import row_tiles
+    from moebench.kernels.row_tiles import row_tile_buffers
+
+    paired = PAIRED_CONFIGS[cfg_i]
+    single = dataclasses.replace(paired, paired=False)
+    m, K, e = 48, 4, 6
+    x, w13, w2, w, ids = _problem(device, K, seed=30 + cfg_i, m=m, e=e, skip_frac=0.15)
+    ids = torch.where(ids == 3, 0, ids)  # expert 3 empty, expert 0 many blocks
+    ws = make_workspace(m, K, e, H, I, config=paired, device=device)
+    s, ex, n = align_routes(ids, e, 16, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
+    blocks = torch.bincount(ex[: int(n) // 16].long().cpu(), minlength=e)
+    assert (blocks % 2 == 1).any() and ((blocks % 2 == 0) & (blocks > 0)).any() and blocks[3] == 0
+    tiles = row_tiles(paired, ex, n, ws.tiles)
+    assert row_tiles(single, ex, n, row_tile_buffers(ex.numel(), device)) is None
+    outs = []
+    for cfg, t in ((paired, tiles), (single, None)):
+        act, y = poison(torch.empty_like(ws.act)), poison(torch.empty_like(ws.y))
+        gate_up_swiglu(x, w13, s, ex, n, K, 16, cfg.gate_up, act, t)
+        down_proj(act, w2, w, s, ex, n, 16, cfg.down, y, t)
+        outs.append((act, y))
+    (act_p, y_p), (act_1, y_1) = outs
+    exact = device.type == "cpu"
+    for a, b in ((act_p, act_1), (y_p, y_1)):
+        assert torch.equal(torch.isnan(a.float()).cpu(), torch.isnan(b.float()).cpu())  # same rows written
+        same = torch.nan_to_num(a.float()) - torch.nan_to_num(b.float())
+        assert (same == 0).all() if exact else _frob(torch.nan_to_num(a), torch.nan_to_num(b)) < 1e-3
+    act_ref = gate_up_swiglu_torch(x, w13, s, ex, n, K, 16)
+    assert _frob(act_p[: int(n)], act_ref) < 5e-3
+    out = poison(torch.empty(m, H, dtype=torch.bfloat16, device=device))
+    fused_experts(x, w13, w2, w, ids, workspace=ws, out=out)
+    assert _frob(out, fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)) < 1e-2
+
+
+def test_paired_config_needs_a_paired_workspace(device):
+    import dataclasses
+
+    x, w13, w2, w, ids = _problem(device, 2, seed=2)
+    single = make_workspace(M, 2, E, H, I, config=dataclasses.replace(PAIRED_CONFIGS[0], paired=False), device=device)
+    assert single.tiles is None
+    with pytest.raises(ValueError, match="paired"):
+        fused_experts(x, w13, w2, w, ids, workspace=single, config=PAIRED_CONFIGS[0])
+    with pytest.raises(ValueError, match="paired"):
+        make_workspace(M, 2, E, 128, 128, config=dataclasses.replace(PAIRED_CONFIGS[0], precision="fp8_block"),
+                       device=device, precision="fp8_block")
+
+
 @pytest.mark.parametrize("K,num_experts,block_m,m", [(6, 4, 16, 16), (2, 5, 4, 9), (8, 3, 32, 40), (1, 7, 16, 3)])
 def test_align_routes_exact(device, K, num_experts, block_m, m):
     g = torch.Generator().manual_seed(K * 100 + m)
@@ -276,9 +337,11 @@ def test_shape_errors(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, "bm64x2_tma"])
 @pytest.mark.parametrize("skip_frac", [0.0, 0.5])
-def test_target_shape_gpu(skip_frac):
-    """128 local experts, 4096 tokens x top-8, H=7168, I=2048 vs the fp32 reference on 256 sampled rows."""
+def test_target_shape_gpu(skip_frac, config):
+    """128 local experts, 4096 tokens x top-8, H=7168, I=2048 vs the fp32 reference on 256 sampled rows; the
+    default launch and the paired one (whose output a CUDA graph's replay repeats bitwise)."""
     dev = torch.device("cuda")
     m, k, e, h, i = 4096, 8, 128, 7168, 2048
     g = torch.Generator(device=dev).manual_seed(0)
@@ -288,8 +351,18 @@ def test_target_shape_gpu(skip_frac):
     ids = torch.where(torch.rand(m, k, generator=g, device=dev) < skip_frac, -1, ids).to(torch.int32)
     w = torch.softmax(torch.randn(m, k, generator=g, device=dev), dim=1)
     out = poison(torch.empty(m, h, dtype=torch.bfloat16, device=dev))
-    fused_experts(x, w13, w2, w, ids, out=out)
+    ws = make_workspace(m, k, e, h, i, config=config, device=dev)
+    fused_experts(x, w13, w2, w, ids, workspace=ws, out=out)
     assert torch.isfinite(out).all()
+    if config is not None:
+        replayed = poison(torch.empty_like(out))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused_experts(x, w13, w2, w, ids, workspace=ws, out=replayed)
+        poison(replayed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed.view(torch.int16), out.view(torch.int16))
     rows = torch.randperm(m, generator=torch.Generator().manual_seed(1))[:256].sort().values.to(dev)
     ref = fused_experts_torch(x[rows], w13, w2, w[rows], ids[rows], out_dtype=torch.float32)
     assert _frob(out[rows], ref) < 1e-2

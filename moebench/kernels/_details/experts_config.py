@@ -58,11 +58,19 @@ class ExpertsConfig:
     reduce_block_h: int = 1024
     name: str = field(default="", compare=False)  # the candidate it came from (a label: launches compare equal)
     precision: str = BF16
+    # bf16: full row tiles of two alignment blocks (2*block_m rows), an expert's odd last block on a block_m-row
+    # tile (kernels.row_tiles): block_m's padding with 2*block_m's weight reuse per row
+    paired: bool = False
+
+    @property
+    def tile_m(self) -> int:
+        """Rows of a full GEMM tile."""
+        return 2 * self.block_m if self.paired else self.block_m
 
     def short(self) -> str:
         g, d = self.gate_up, self.down
         if self.precision == BF16:
-            return f"BM{self.block_m} up:{g.short()} down:{d.short()}"
+            return f"BM{self.block_m}{'x2' if self.paired else ''} up:{g.short()} down:{d.short()}"
         # fp8's BLOCK_K is always 128: left out (the records' config_detail as before the precisions merged)
         return f"{self.name + ' ' if self.name else ''}BM{self.block_m} up:{g.short(False)} down:{d.short(False)}"
 
@@ -103,6 +111,11 @@ EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
     ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
                   name="bm64_tma"),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
+    # Paired (kernels.row_tiles): bm128_tma's tiles on 64-row alignment blocks, an expert's odd last block on a
+    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert.
+    ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
+                  name="bm64x2_tma", paired=True),
+    ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm32x2", paired=True),
 )}
 
 
