@@ -355,6 +355,16 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _release_tile_counter(counter_ptr, num_programs):
+    """A paired launch's last act per program: counter_ptr = (next tile, programs done); the last program to finish
+    (all have taken their final tile by then) zeroes both, so the next launch on the same tile map starts at 0."""
+    done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel")
+    if done == num_programs - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+        tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed")
+
+
+@triton.jit
 def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k, hidden,
                   inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
@@ -418,24 +428,29 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
     w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
     [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary).
     PAIRED: BLOCK_M is two alignment blocks; a tile of one block (an expert's odd last) runs BLOCK_M // 2 rows."""
+    num_pid_n = tl.cdiv(inter, BLOCK_N)
     if PAIRED:
+        # tiles of two sizes: taken in order from the counter num_tiles[1] (kernels.row_tiles says why)
         num_pid_m = tl.load(num_tiles_ptr)
+        tile = tl.atomic_add(num_tiles_ptr + 1, 1, sem="relaxed")
+        while tile < num_pid_m * num_pid_n:
+            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+            code = tl.load(tile_map_ptr + pid_m)  # 2 * first block + (two blocks)
+            first_row = tl.multiple_of((code >> 1) * ALIGN_M, ALIGN_M)
+            if (code & 1) != 0:
+                _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
+                              hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, ALIGN_M, BLOCK_N,
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            else:
+                _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
+                              hidden, inter, stride_xm, stride_we, stride_wn, stride_am, ALIGN_M, ALIGN_M, BLOCK_N,
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            tile = tl.atomic_add(num_tiles_ptr + 1, 1, sem="relaxed")
+        _release_tile_counter(num_tiles_ptr + 1, num_programs)
     else:
         num_pid_m = tl.load(num_post_ptr) // BLOCK_M
-    num_pid_n = tl.cdiv(inter, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        if PAIRED:
-            code = tl.load(tile_map_ptr + pid_m)  # 2 * first block + (two blocks)
-            if (code & 1) != 0:
-                _gate_up_tile((code >> 1) * ALIGN_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr,
-                              num_routes, top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M,
-                              ALIGN_M, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
-            else:
-                _gate_up_tile((code >> 1) * ALIGN_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr,
-                              num_routes, top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, ALIGN_M,
-                              ALIGN_M, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
-        else:
+        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
             _gate_up_tile(pid_m * BLOCK_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                           top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, BLOCK_M, BLOCK_N,
                           BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
@@ -494,24 +509,28 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
                       ALIGN_M: tl.constexpr):
     """Persistent like the gate/up kernel, over the same tiles. w2: a pointer to [E, H, I], or (WEIGHT_TMA) a
     descriptor over its [E*H, I] view (H % BLOCK_N == 0)."""
-    if PAIRED:
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    if PAIRED:  # the counter num_tiles[3]
         num_pid_m = tl.load(num_tiles_ptr)
+        tile = tl.atomic_add(num_tiles_ptr + 3, 1, sem="relaxed")
+        while tile < num_pid_m * num_pid_n:
+            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+            code = tl.load(tile_map_ptr + pid_m)
+            first_row = tl.multiple_of((code >> 1) * ALIGN_M, ALIGN_M)
+            if (code & 1) != 0:
+                _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
+                           hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, ALIGN_M, BLOCK_N,
+                           BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            else:
+                _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
+                           hidden, inter, stride_am, stride_we, stride_wn, stride_ym, ALIGN_M, ALIGN_M, BLOCK_N,
+                           BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+            tile = tl.atomic_add(num_tiles_ptr + 3, 1, sem="relaxed")
+        _release_tile_counter(num_tiles_ptr + 3, num_programs)
     else:
         num_pid_m = tl.load(num_post_ptr) // BLOCK_M
-    num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        if PAIRED:
-            code = tl.load(tile_map_ptr + pid_m)
-            if (code & 1) != 0:
-                _down_tile((code >> 1) * ALIGN_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
-                           num_routes, hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, ALIGN_M,
-                           BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
-            else:
-                _down_tile((code >> 1) * ALIGN_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
-                           num_routes, hidden, inter, stride_am, stride_we, stride_wn, stride_ym, ALIGN_M, ALIGN_M,
-                           BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
-        else:
+        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
             _down_tile(pid_m * BLOCK_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                        hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
                        EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)

@@ -9,7 +9,12 @@ runs them together and they share the expert's weight tiles in L2.
 
     tile_map[t] = 2 * first_block(t) + (1 if tile t spans two blocks else 0),  t < num_tiles[0]
 
-first_block counts block_m-row blocks (the tile's first sorted position is first_block * block_m). A block starts
+first_block counts block_m-row blocks (the tile's first sorted position is first_block * block_m). The GEMMs take
+their tiles from a counter (num_tiles[1] for gate/up, [3] for down; zeroed here, and again by each launch's last
+program, so a launch can be repeated on the same map), not in a fixed round-robin: a program that finishes a narrow
+tile early takes the next tile in order, so the tiles in flight stay a contiguous window of the grouped order (the
+weight tiles they share stay in L2) and no program is left with more full tiles than another. With a fixed
+round-robin the narrow tiles made the H200's gate/up GEMM slower, not faster. A block starts
 a tile when its offset from its expert's first block is even; blocks past num_post_padded / block_m do not exist
 and are never read. One program (the block count is a few thousand at most per 10^5 routes), a chunked scan:
 no host synchronisation (CUDA-graph capturable). `row_tile_map_torch` is the reference.
@@ -40,6 +45,9 @@ def _row_tile_map_kernel(expert_ids_ptr, num_post_ptr, tile_map_ptr, num_tiles_p
     zero = tl.program_id(0) * 0  # an int32 scalar tensor: the loop-carried values below are tensors
     seg = zero  # first block of the expert whose blocks the previous chunk ended in
     tiles = zero
+    # the GEMMs' tile counters (gate/up: next tile, programs done; down: the same) start at 0
+    for c in tl.static_range(1, 5):
+        tl.store(num_tiles_ptr + c, zero)
     for start in range(0, num_blocks, CHUNK):
         b = start + tl.arange(0, CHUNK)
         inb = b < num_blocks
@@ -59,9 +67,11 @@ def _row_tile_map_kernel(expert_ids_ptr, num_post_ptr, tile_map_ptr, num_tiles_p
 
 
 def row_tile_buffers(max_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_map int32 [max_blocks], num_tiles int32 [1]): row_tile_map's outputs, for a workspace."""
+    """(tile_map int32 [max_blocks], num_tiles int32 [5]): row_tile_map's outputs, for a workspace: num_tiles[0] the
+    count; [1:3] and [3:5] the gate/up and down GEMMs' tile counters (next tile, programs done), zeroed by
+    row_tile_map and by each launch's last program."""
     return (torch.empty(max(1, max_blocks), dtype=torch.int32, device=device),
-            torch.empty(1, dtype=torch.int32, device=device))
+            torch.empty(5, dtype=torch.int32, device=device))
 
 
 def row_tile_map(expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int, *,
@@ -70,9 +80,11 @@ def row_tile_map(expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int,
     see the module docstring. expert_ids / num_post: moe_align_block_size's, at block size block_m."""
     check_triton_device(expert_ids, num_post)
     tile_map, num_tiles = out
-    if tile_map.dtype != torch.int32 or num_tiles.dtype != torch.int32 or tile_map.numel() < expert_ids.numel():
+    if (tile_map.dtype != torch.int32 or num_tiles.dtype != torch.int32 or tile_map.numel() < expert_ids.numel()
+            or num_tiles.numel() < 5):
         raise ValueError(f"row_tile_map: out needs int32 tile_map with >= {expert_ids.numel()} elements and int32 "
-                         f"num_tiles, got {tile_map.dtype} [{tile_map.numel()}], {num_tiles.dtype}")
+                         f"num_tiles [5], got {tile_map.dtype} [{tile_map.numel()}], {num_tiles.dtype} "
+                         f"[{num_tiles.numel()}]")
     _row_tile_map_kernel[(1,)](expert_ids, num_post, tile_map, num_tiles, BLOCK_M=block_m, CHUNK=_CHUNK,
                                num_warps=4)
     return tile_map, num_tiles

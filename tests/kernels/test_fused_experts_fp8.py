@@ -234,10 +234,11 @@ def test_fp8_rule_and_candidates(monkeypatch):
     import moebench.kernels._details.experts_config as mod  # the rules of both precisions
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
-    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm64_s4"
+    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm128_w16_down128"  # 256 rows per expert
+    assert choose_fp8_config(32767, 128, 7168, 2048).name == "bm64_s4"
     assert choose_fp8_config(256, 128, 7168, 2048).block_m == 16
     rule = fp8_choice(4096, 8, 128, 7168, 2048, "cpu")
-    assert (rule.name, rule.source, rule.bucket) == ("bm64_s4", "rule", "T=4096,K=8,E=128,H=7168,I=2048")
+    assert (rule.name, rule.source, rule.bucket) == ("bm128_w16_down128", "rule", "T=4096,K=8,E=128,H=7168,I=2048")
     for name, cfg in FP8_CANDIDATES.items():
         choice = fp8_choice(4096, 8, 128, 7168, 2048, "cpu", name)
         assert cfg.gate_up.block_n == 128 and (choice.name, choice.source) == (name, "explicit")
@@ -301,7 +302,8 @@ def test_gpu_quantisers_bitwise_at_scale():
 
 # The default launch under both activation-scale layouts, each candidate under one of them, alternating (only the
 # gate/up kernel reads the activation scales: the down kernel compiles once per candidate either way); BM 64 (four
-# tilings, TMA and not) meets both layouts, as does the default (the rule's bm64_s4 at 1024 routes per expert).
+# tilings, TMA and not) meets both layouts, as does the default (at 1024 routes per expert the rule's
+# bm128_w16_down128, where no tuned table has the bucket).
 GPU_FP8_FORMATS = [(128, "fp32"), (32, "ue8m0_packed")]
 GPU_FP8_CASES = [(None, fmt) for fmt in GPU_FP8_FORMATS] + [
     (name, GPU_FP8_FORMATS[i % 2]) for i, name in enumerate(FP8_CANDIDATES)]

@@ -1,6 +1,7 @@
 """The rules (the launch where no tuned table has an entry) are the defaults the kernels launched before the
 tuning mechanism: the pre-tables code of choose_config / choose_fp8_config, written out here literally, gives the
-same launch at every shape (what keeps GPU behaviour unchanged until a table is committed). And every tunable's
+same launch at every shape (what keeps GPU behaviour unchanged until a table is committed); the fp8 rule has one
+tier more since (>= 256 rows per expert: 128-row tiles), written into the literal code below. And every tunable's
 rule names what it launches honestly: a candidate's name only where `config: <name>` launches the same, else
 "rule:<label>", which no config selects."""
 
@@ -51,8 +52,10 @@ def old_choose_fp8_config(num_routes, num_experts, hidden, intermediate) -> Fp8E
         cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
     elif rows_per_expert <= 48:
         cfg = Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
-    else:
+    elif rows_per_expert < 256:
         cfg = Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4))
+    else:  # the one tier added since the tables (ninth session: 128-row tiles, measured faster from 256 rows up)
+        cfg = Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 4), Fp8GemmConfig(128, 8, 8, 4))
     if hidden % cfg.down.block_n:
         cfg = Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, Fp8GemmConfig(128, *_rest(cfg.down)), cfg.reduce_block_h)
     return Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, cfg.down, min(cfg.reduce_block_h, _fit(1 << 30, hidden)))

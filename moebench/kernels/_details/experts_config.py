@@ -112,7 +112,11 @@ EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
                   name="bm64_tma"),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
     # Paired (kernels.row_tiles): bm128_tma's tiles on 64-row alignment blocks, an expert's odd last block on a
-    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert.
+    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert. Measured on an H200 against
+    # bm128_tma (256 experts, top-8, H=7168, I=2048; T=4096 / 8192 with 32, 128, 256 local): 1.00 / 1.01, 1.06 /
+    # 0.99, 1.07 / 1.00 of its time: no gain. A 64-row tile streams the same weight tiles as a 128-row one
+    # (0.64 of its time, not 0.5) and the second inlined tile body costs the full tiles ~5% (docs/benchmarks.md,
+    # ninth session). Kept as candidates for `moebench tune`, not chosen by the rule.
     ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
                   name="bm64x2_tma", paired=True),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm32x2", paired=True),
@@ -171,6 +175,10 @@ FP8_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
     Fp8ExpertsConfig(64, Fp8GemmConfig(128, 16, 8, 4), Fp8GemmConfig(128, 16, 4, 4), name="bm64_g16_down128"),
     Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4, weight_tma=False), Fp8GemmConfig(256, 8, 8, 4, weight_tma=False),
                      name="bm64_s4_notma"),
+    # 128-row tiles: twice the MMA work per weight tile streamed; the gate/up program's [128, 2*128] accumulator and
+    # step result (256 fp32 a thread over 8 warps) spread over 16 warps (128 registers a thread, a few spilled)
+    Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 4), Fp8GemmConfig(128, 8, 8, 4), name="bm128_w16_down128"),
+    Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 3), Fp8GemmConfig(256, 8, 16, 3), name="bm128_w16"),
 )}
 
 
@@ -183,14 +191,16 @@ def fit_fp8_config(cfg: ExpertsConfig, hidden: int) -> ExpertsConfig:
 
 def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
     """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
-    `choose_config`): BM16 / BM32 / bm64_s4 by rows per expert (<= 24, <= 48, more)."""
+    `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more;
+    the 128-row tiles measured 11-12% faster than the best 64-row one at 256 and 512 rows per expert on an H200)."""
     if interpreting():
         # the interpreter's cost is per program and op: small M blocks, whole-ish N
         return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
                                 Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
                                 reduce_block_h=min(1024, triton.next_power_of_2(hidden)), name="interp")
     rows_per_expert = num_routes / max(1, num_experts)
-    name = "bm16" if rows_per_expert <= 24 else "bm32" if rows_per_expert <= 48 else "bm64_s4"
+    name = ("bm16" if rows_per_expert <= 24 else "bm32" if rows_per_expert <= 48 else
+            "bm64_s4" if rows_per_expert < 256 else "bm128_w16_down128")
     return fit_fp8_config(FP8_CANDIDATES[name], hidden)
 
 
