@@ -31,7 +31,9 @@ class Fp8LayerExperts:
         self.top_k = p.top_k
         self.w13_q, self.w13_scales, self.w2_q, self.w2_scales = quantized_expert_weights(
             E, H, I, seed=p.seed, device=device)
-        self.workspace = make_fp8_workspace(num_tokens, p.top_k, E, H, I, device=device)  # tuned table, else rule
+        # tuned table, else rule; fitted to the staged activation scales' layout
+        self.workspace = make_fp8_workspace(num_tokens, p.top_k, E, H, I, device=device, group_size=p.group_size,
+                                            scale_format=p.scale_format)
         self.config = self.workspace.config
         self.block_m = self.config.block_m
         self.model = error_model(device, H, I)

@@ -209,7 +209,8 @@ def _build(p, ctx: RunContext, variant: str, outside: OutsideFp8 | None = None) 
     model = error_model(dev, H, I)
 
     if variant in ("triton", "oblivious"):
-        ws = make_fp8_workspace(M, K, E, H, I, config=p.config if variant == "triton" else None, device=dev)
+        ws = make_fp8_workspace(M, K, E, H, I, config=p.config if variant == "triton" else None, device=dev,
+                                group_size=p.group_size, scale_format=p.scale_format)
         state["ws"] = ws
         info.update(ws.choice.record())
         info["config_detail"] = ws.config.short()

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from moebench.kernels._details.experts_config import (FP8_BLOCK, FP8_BLOCK_K, FP8_CANDIDATES, ExpertsConfig,
                                                       Fp8ExpertsConfig, Fp8GemmConfig, choose_fp8_config,
-                                                      experts_choice, fit_fp8_config)
+                                                      experts_choice, fit_fp8_config, fit_fp8_layout)
 from moebench.kernels._details.jit import check_triton_device
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels._details.tuning import Choice
@@ -69,17 +69,23 @@ Fp8ExpertsWorkspace = ExpertsWorkspace  # the one workspace type; fp8's has act 
 
 
 def fp8_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,
-               config: str | ExpertsConfig | None = None) -> Choice:
+               config: str | ExpertsConfig | None = None, *, group_size: int | None = None,
+               scale_format: str | None = None) -> Choice:
     """fused_experts_fp8's launch config: experts_choice with precision "fp8_block" (an FP8_CANDIDATES name,
-    fitted to H, or an fp8 ExpertsConfig launched as given; else the tuned table; else choose_fp8_config)."""
-    return experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=FP8_BLOCK)
+    fitted to H, or an fp8 ExpertsConfig launched as given; else the tuned table; else choose_fp8_config), fitted
+    to the activation-scale layout when it is given (experts_config.fit_fp8_layout)."""
+    choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=FP8_BLOCK)
+    return fit_fp8_layout(choice, hidden, group_size, scale_format)
 
 
 def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, *,
-                       config: ExpertsConfig | str | None = None, device: torch.device | str = "cuda"
-                       ) -> ExpertsWorkspace:
-    """`config`: an fp8 ExpertsConfig, an FP8_CANDIDATES name, or None ("auto"): fp8_choice's."""
-    return make_workspace(num_tokens, top_k, num_experts, hidden, intermediate, config=config, device=device,
+                       config: ExpertsConfig | str | None = None, device: torch.device | str = "cuda",
+                       group_size: int | None = None, scale_format: str | None = None) -> ExpertsWorkspace:
+    """`config`: an fp8 ExpertsConfig, an FP8_CANDIDATES name, or None ("auto"): fp8_choice's, for the activation
+    scale layout (group_size, scale_format) the workspace will run when given."""
+    choice = fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, group_size=group_size,
+                        scale_format=scale_format)
+    return make_workspace(num_tokens, top_k, num_experts, hidden, intermediate, config=choice, device=device,
                           precision=FP8_BLOCK)
 
 
@@ -261,7 +267,8 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
     if M == 0:
         return out
     ws = checked_workspace(workspace, (M, K, E, H, I),
-                           lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device))
+                           lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device,
+                                                      group_size=group_size, scale_format=scale_format))
     cfg = launch_config(ws, config, x_q.device, FP8_BLOCK)
     x_q, x_scales, w13_q, w2_q = (t if t.is_contiguous() else t.contiguous() for t in (x_q, x_scales, w13_q, w2_q))
     w13_scales, w2_scales = w13_scales.contiguous(), w2_scales.contiguous()

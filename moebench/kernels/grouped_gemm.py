@@ -40,6 +40,7 @@ from moebench.kernels._details.align_config import align_workspace_size
 from moebench.kernels._details.experts_config import (BF16, EXPERTS_CANDIDATES, FP8_BLOCK, ExpertsConfig, GemmConfig,
                                                       choose_config, experts_choice, operand_bytes)
 from moebench.kernels._details.jit import check_triton_device, interpreting
+from moebench.kernels._details.tuning import Choice
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3
 from moebench.kernels.masked_moe_sum import sum_slots, sum_slots_torch
@@ -170,10 +171,14 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
                    config: ExpertsConfig | str | None = None, dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str = "cuda", precision: str = BF16) -> ExpertsWorkspace:
     """`config`: an ExpertsConfig, a candidate name of the precision's table, or None ("auto"): the tuned table,
-    else the rule (experts_choice); the workspace keeps the choice. `dtype`: act and y of bf16 (fp8_block: e4m3 act
+    else the rule (experts_choice), or a Choice already made; the workspace keeps the choice. `dtype`: act and y of bf16 (fp8_block: e4m3 act
     with fp32 scales, bf16 y)."""
     R = num_tokens * top_k
-    choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config, precision=precision)
+    if isinstance(config, Choice):  # already chosen (fp8_choice: fitted to the activation-scale layout)
+        choice = config
+    else:
+        choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config,
+                                precision=precision)
     cfg = choice.config
     blocks = max_blocks(R, num_experts, cfg.block_m)
     rows = blocks * cfg.block_m

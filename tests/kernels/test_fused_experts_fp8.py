@@ -300,6 +300,26 @@ def test_gpu_quantisers_bitwise_at_scale():
     assert torch.equal(_bits(s), _bits(s_ref)) and torch.equal(_bits(q), _bits(q_ref))
 
 
+
+def test_16_warp_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
+    """The table / rule's 16-warp gate/up tiles spill under the group-32 ue8m0 layout's per-element alignment: the
+    launch for that layout is LAYOUT_FALLBACK, said in the record; other layouts, unknown layouts and explicit
+    names launch what was chosen."""
+    import moebench.kernels._details.experts_config as mod
+
+    monkeypatch.setattr(mod, "interpreting", lambda: False)
+    shape = (4096, 8, 128, 7168, 2048)  # 256 routes per expert: the rule's bm128_w16_down128
+    assert fp8_choice(*shape, "cpu").name == "bm128_w16_down128"
+    assert fp8_choice(*shape, "cpu", group_size=128, scale_format="fp32").name == "bm128_w16_down128"
+    v4 = fp8_choice(*shape, "cpu", group_size=32, scale_format="ue8m0_packed")
+    assert (v4.name, v4.source, v4.config.block_m, v4.config.gate_up.num_warps) == ("bm64_g16_down128", "rule", 64, 8)
+    assert v4.record()["config_note"] == "bm128_w16_down128 refit for ue8m0 group-32 activation scales"
+    assert "config_note" not in fp8_choice(*shape, "cpu").record()
+    explicit = fp8_choice(*shape, "cpu", "bm128_w16", group_size=32, scale_format="ue8m0_packed")
+    assert (explicit.name, explicit.config.block_m) == ("bm128_w16", 128)
+    ws = make_fp8_workspace(*shape, device="cpu", group_size=32, scale_format="ue8m0_packed")
+    assert (ws.choice.name, ws.config.block_m) == ("bm64_g16_down128", 64)
+
 # The default launch under both activation-scale layouts, each candidate under one of them, alternating (only the
 # gate/up kernel reads the activation scales: the down kernel compiles once per candidate either way); BM 64 (four
 # tilings, TMA and not) meets both layouts, as does the default (at 1024 routes per expert the rule's

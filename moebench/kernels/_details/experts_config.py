@@ -21,7 +21,7 @@ from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucke
 
 __all__ = ["BF16", "FP8_BLOCK", "PRECISIONS", "FP8_BLOCK_K", "GemmConfig", "ExpertsConfig", "Fp8GemmConfig",
            "Fp8ExpertsConfig", "EXPERTS_CANDIDATES", "FP8_CANDIDATES", "fit_config", "fit_fp8_config",
-           "choose_config", "choose_fp8_config", "experts_choice", "operand_bytes"]
+           "choose_config", "choose_fp8_config", "experts_choice", "operand_bytes", "fit_fp8_layout", "LAYOUT_FALLBACK"]
 
 BF16, FP8_BLOCK = "bf16", "fp8_block"
 PRECISIONS = (BF16, FP8_BLOCK)
@@ -204,6 +204,27 @@ def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermedia
     return fit_fp8_config(FP8_CANDIDATES[name], hidden)
 
 
+# The launch for the group-32 ue8m0 activation scales (DeepSeek-V4 staging) where the table or the rule names a
+# 16-warp gate/up program: the per-element exponent alignment of that layout (fused_experts_fp8's X_SCALE 2) does not
+# fit its 128 registers a thread (Triton 3.6, sm_90: 168 bytes a thread spilled, against 32 for fp32 scales), and the
+# H200's layer_fp8 ran 1.5-1.8x slower on it. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where
+# this candidate was the runner-up in every bucket the 16-warp tiles won.
+LAYOUT_FALLBACK = "bm64_g16_down128"
+
+
+def fit_fp8_layout(choice: Choice, hidden: int, group_size: int | None, scale_format: str | None) -> Choice:
+    """`choice` (fp8) for the activation-scale layout it will launch on: a table or rule choice with a 16-warp
+    gate/up program becomes LAYOUT_FALLBACK (with a note) for group-32 ue8m0 scales; explicit choices, other layouts
+    and an unknown layout (None) are left as they are."""
+    cfg = choice.config
+    if (choice.source == "explicit" or group_size != 32 or scale_format != "ue8m0_packed"
+            or cfg.gate_up.num_warps <= 8):
+        return choice
+    fallback = fit_fp8_config(FP8_CANDIDATES[LAYOUT_FALLBACK], hidden)
+    return dataclasses.replace(choice, name=LAYOUT_FALLBACK, config=fallback,
+                               note=f"{choice.name} refit for ue8m0 group-32 activation scales")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Registration and the one choice
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,8 +251,8 @@ register_tunable(Tunable(
     "the interpreter: small tiles"))
 register_tunable(Tunable(
     "fused_experts_fp8", FP8_CANDIDATES, _bucket, _rule_of(FP8_BLOCK),
-    "choose_fp8_config: bm16 / bm32 / bm64_s4 by rows per expert (<= 24, <= 48, more); the "
-    "interpreter: small tiles"))
+    "choose_fp8_config: bm16 / bm32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more); "
+    "the interpreter: small tiles"))
 
 
 def experts_choice(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, device=None,

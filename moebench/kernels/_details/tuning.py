@@ -81,11 +81,15 @@ class Choice:
     bucket: str
     gpu: str
     config: Any
+    note: str = ""  # why the launch differs from what the source named (e.g. a layout refit), else empty
 
     def record(self) -> dict[str, str]:
-        """The fields every record of a point launching this kernel carries."""
-        return {"config": self.name, "config_source": self.source, "config_bucket": self.bucket,
-                "config_gpu": self.gpu}
+        """The fields every record of a point launching this kernel carries (config_note only when there is one)."""
+        rec = {"config": self.name, "config_source": self.source, "config_bucket": self.bucket,
+               "config_gpu": self.gpu}
+        if self.note:
+            rec["config_note"] = self.note
+        return rec
 
 
 _TUNABLES: dict[str, Tunable] = {}
