@@ -110,8 +110,9 @@ def row_tiles(counts: torch.Tensor) -> dict:
         tiles = sum(-(-v // bm) for v in c)
         out[str(bm)] = {"tiles": tiles, "equal_tiles": sum(-(-v // bm) for v in equal),
                         "efficiency": round(rows / (tiles * bm), 4) if tiles else None}
-    # the paired launch (kernels.row_tiles): 64-row blocks two a tile, an expert's odd last block alone; it
-    # computes the 64-row tiles' rows on half_tiles narrow tiles and tiles - half_tiles full 128-row ones
+    # the paired launch bm64x2_tma (kernels.row_tiles): 64-row blocks two a tile, an expert's odd last block alone;
+    # as many tiles as 128-row ones (ceil(ceil(c / 64) / 2) = ceil(c / 128)), half_tiles of them narrow, so it
+    # computes the 64-row tiles' rows
     def pairs(counts):
         return sum(-(-(-(-v // 64)) // 2) for v in counts)  # ceil(ceil(v / 64) / 2)
 

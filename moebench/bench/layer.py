@@ -50,7 +50,7 @@ from moebench.kernels.apply_expert_map import (
     build_expert_map,
 )
 from moebench.kernels.fused_experts import expert_work, fused_experts_torch
-from moebench.kernels.grouped_gemm import down_proj, experts_choice, gate_up_swiglu, max_blocks, row_tiles
+from moebench.kernels.grouped_gemm import down_proj, experts_choice, gate_up_swiglu, launch_tiles, max_blocks
 from moebench.kernels.row_tiles import row_tile_buffers
 from moebench.kernels.grouped_topk import grouped_args_problem, grouped_choice, grouped_topk
 from moebench.kernels.masked_moe_sum import masked_moe_sum, moe_sum_oblivious, sum_choice
@@ -146,7 +146,8 @@ class LayerPipeline:
         else:
             blocks = max_blocks(self.R, L, self.block_m)
             self.act = torch.empty(blocks * self.block_m, I, dtype=torch.bfloat16, device=dev)
-            self.tile_buffers = row_tile_buffers(blocks, dev) if self.config.paired else None
+            self.tile_buffers = (row_tile_buffers(self.align_out[1].numel(), dev) if self.config.paired
+                                 else None)
             self.y = torch.empty(self.R, H, dtype=torch.bfloat16, device=dev)
             self.expert_buffers = (self.act, self.y)
         self.out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
@@ -195,7 +196,7 @@ class LayerPipeline:
             self.fp8.run(self.staged, self.align_out)
             return
         sorted_ids, expert_ids, num_post = self.align_out
-        tiles = row_tiles(self.config, expert_ids, num_post, self.tile_buffers)
+        tiles = launch_tiles(self.config, expert_ids, num_post, self.tile_buffers)
         gate_up_swiglu(self.batch.hidden, self.w13, sorted_ids, expert_ids, num_post, self.K, self.block_m,
                        self.config.gate_up, self.act, tiles)
         down_proj(self.act, self.w2, self.staged[3], sorted_ids, expert_ids, num_post, self.block_m,

@@ -26,11 +26,15 @@ so a program owns whole 128-column groups): act is written once as e4m3 + one fp
 bytes per element) instead of bf16 written, read and re-written as fp8 by a separate kernel (5 bytes).
 The per-route output y is bf16, summed over slots in fp32 by the bf16 path's sum_slots.
 
-Register budget (why BLOCK_M 64 for the gate/up GEMM): the promotion keeps the step's MMA result beside the
-accumulator, so a [BM, 2*BN] program holds 2 x BM x 256 fp32; 64 x 256 over 8 warps is 128 registers a thread.
+Register budget: the promotion keeps the step's MMA result beside the accumulator, so a [BM, 2*BN] program holds
+2 x BM x 256 fp32: 64 rows over 8 warps or 128 rows over 16 warps (bm128_w16_down128, the prefill default) is 128
+registers a thread. At 16 warps the group-32 ue8m0 layout's in-register exponent alignment spills (168 B a thread
+on Triton 3.6), so that layout launches 64-row tiles (experts_config.fit_fp8_layout).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -269,6 +273,13 @@ def fused_experts_fp8(x_q: torch.Tensor, x_scales: torch.Tensor, topk_ids: torch
     ws = checked_workspace(workspace, (M, K, E, H, I),
                            lambda: make_fp8_workspace(M, K, E, H, I, config=config, device=x_q.device,
                                                       group_size=group_size, scale_format=scale_format))
+    if workspace is not None and ws.choice is not None:
+        fitted = fit_fp8_layout(ws.choice, H, group_size, scale_format)
+        if fitted.name != ws.choice.name:  # correct, but the launch that spills (fit_fp8_layout)
+            warnings.warn(f"fused_experts_fp8: the workspace's {ws.choice.name} was chosen without the activation "
+                          f"scales' layout; make_fp8_workspace(..., group_size={group_size}, "
+                          f"scale_format={scale_format!r}) launches {fitted.name} for it", RuntimeWarning,
+                          stacklevel=2)
     cfg = launch_config(ws, config, x_q.device, FP8_BLOCK)
     x_q, x_scales, w13_q, w2_q = (t if t.is_contiguous() else t.contiguous() for t in (x_q, x_scales, w13_q, w2_q))
     w13_scales, w2_scales = w13_scales.contiguous(), w2_scales.contiguous()

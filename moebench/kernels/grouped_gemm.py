@@ -19,7 +19,8 @@ full tiles keep the wider tile's weight reuse.
 
 What both precisions share lives here, once: the config (`ExpertsConfig.precision`, kernels._details.experts_config:
 tables, rules, `experts_choice`), the alignment, the workspace (`make_workspace(precision=)`), the operand checks,
-the tile prologue every kernel starts its tiles with (`tile_prologue`, a @triton.jit helper Triton inlines), the
+the tile start every kernel begins a tile with (`tile_rows`, and `tile_prologue` = swizzle + tile_rows for the
+one-block-a-tile kernels; @triton.jit helpers Triton inlines), the
 persistent-program sizing and the launch (`launch_persistent`). The kernels differ only in their K loop and
 epilogue: the bf16 ones below, the fp8 ones (scale promotion, re-quantisation) in kernels.fused_experts_fp8.
 
@@ -49,7 +50,7 @@ from moebench.kernels.row_tiles import row_tile_buffers, row_tile_map
 
 __all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config",
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
-           "routes_alignment", "row_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
+           "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
            "check_routes", "expert_operand_shapes", "swizzle", "tile_prologue", "persistent_programs",
            "weight_operand", "launch_persistent", "gate_up_swiglu", "down_proj", "gate_up_swiglu_torch",
            "down_proj_torch", "sum_slots", "sum_slots_torch"]
@@ -118,15 +119,16 @@ def routes_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int, wor
     return sorted_ids, expert_ids, num_post
 
 
-def row_tiles(cfg: ExpertsConfig, expert_ids: torch.Tensor, num_post: torch.Tensor,
-              buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def launch_tiles(cfg: ExpertsConfig, expert_ids: torch.Tensor, num_post: torch.Tensor,
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The GEMMs' `tiles` argument for config `cfg`: a paired config's row tile map built into `buffers`
-    (row_tile_buffers) from this alignment, else None (one alignment block a tile)."""
+    (row_tile_buffers of the alignment's block capacity) from this alignment, else None (one block a tile). An
+    alignment with a larger expert_ids buffer is read up to the map's size: the blocks that exist fit in it."""
     if not cfg.paired:
         return None
     if buffers is None:
         raise ValueError("a paired config needs row tile buffers (row_tile_buffers)")
-    return row_tile_map(expert_ids, num_post, cfg.block_m, out=buffers)
+    return row_tile_map(expert_ids[: buffers[0].numel()], num_post, cfg.block_m, out=buffers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class ExpertsWorkspace:
     y: torch.Tensor  # [R, H] weighted expert output per route (fp8_block: bf16)
     choice: Any = None  # the tuning.Choice `config` came from (name, explicit | table | rule), for the records
     act_scales: torch.Tensor | None = None  # fp8_block: fp32 [max_blocks*BM, I/128], one per 128 columns of act
-    tile_map: torch.Tensor | None = None  # paired configs: row_tile_map's int32 [max_blocks] and count [1]
+    tile_map: torch.Tensor | None = None  # paired configs: row_tile_map's int32 [block capacity] and counts [5]
     num_tiles: torch.Tensor | None = None
 
     @property
@@ -185,7 +187,9 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     fp8 = precision == FP8_BLOCK
     if cfg.paired and fp8:
         raise ValueError("paired row tiles are a bf16 launch; fp8 configs are unpaired")
-    tile_map, num_tiles = row_tile_buffers(blocks, device) if cfg.paired else (None, None)
+    # the tile map holds one entry per alignment block the buffers can hold (>= any launch's tiles)
+    tile_map, num_tiles = (row_tile_buffers(align_capacity(R, num_experts, cfg.block_m)[1], device) if cfg.paired
+                           else (None, None))
     return ExpertsWorkspace(
         cfg, num_tokens, top_k, num_experts, hidden, intermediate,
         **alignment_buffers(R, num_experts, cfg.block_m, device),
@@ -428,8 +432,9 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
                            ALIGN_M: tl.constexpr):
-    """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded, or
-    PAIRED the tile map's count, is read on the device), so skipped routes cost no program at all.
+    """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded is
+    read on the device; PAIRED: the tile map's count, the tiles taken in order from its counter), so skipped routes
+    cost no program at all.
     w13: a pointer to [E, 2I, H], or (WEIGHT_TMA) a TMA descriptor over its [E*2I, H] view with
     [BLOCK_N, BLOCK_K] boxes (then I % BLOCK_N == 0, so a box never crosses the gate/up or expert boundary).
     PAIRED: BLOCK_M is two alignment blocks; a tile of one block (an expert's odd last) runs BLOCK_M // 2 rows."""

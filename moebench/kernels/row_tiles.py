@@ -67,9 +67,9 @@ def _row_tile_map_kernel(expert_ids_ptr, num_post_ptr, tile_map_ptr, num_tiles_p
 
 
 def row_tile_buffers(max_blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_map int32 [max_blocks], num_tiles int32 [5]): row_tile_map's outputs, for a workspace: num_tiles[0] the
-    count; [1:3] and [3:5] the gate/up and down GEMMs' tile counters (next tile, programs done), zeroed by
-    row_tile_map and by each launch's last program."""
+    """(tile_map int32 [max_blocks], num_tiles int32 [5]): row_tile_map's outputs, for a workspace (max_blocks: the
+    alignment's block capacity, align_capacity(...)[1]). num_tiles[0] is the count; [1:3] and [3:5] the gate/up and
+    down GEMMs' tile counters (next tile, programs done), zeroed by row_tile_map and by each launch's last program."""
     return (torch.empty(max(1, max_blocks), dtype=torch.int32, device=device),
             torch.empty(5, dtype=torch.int32, device=device))
 

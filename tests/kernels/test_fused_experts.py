@@ -105,7 +105,7 @@ def test_paired_tiles_match_one_block_tiles(device, cfg_i):
     untouched; experts with odd and even block counts, an empty one, -1 and ids >= E."""
     import dataclasses
 
-    from moebench.kernels.grouped_gemm import row_tiles
+    from moebench.kernels.grouped_gemm import launch_tiles
     from moebench.kernels.row_tiles import row_tile_buffers
 
     paired = PAIRED_CONFIGS[cfg_i]
@@ -117,8 +117,8 @@ def test_paired_tiles_match_one_block_tiles(device, cfg_i):
     s, ex, n = align_routes(ids, e, 16, out=(ws.sorted_ids, ws.expert_ids, ws.num_post, ws.align_scratch))
     blocks = torch.bincount(ex[: int(n) // 16].long().cpu(), minlength=e)
     assert (blocks % 2 == 1).any() and ((blocks % 2 == 0) & (blocks > 0)).any() and blocks[3] == 0
-    tiles = row_tiles(paired, ex, n, ws.tiles)
-    assert row_tiles(single, ex, n, row_tile_buffers(ex.numel(), device)) is None
+    tiles = launch_tiles(paired, ex, n, ws.tiles)
+    assert launch_tiles(single, ex, n, row_tile_buffers(ex.numel(), device)) is None
     outs = []
     for cfg, t in ((paired, tiles), (single, None)):
         act, y = poison(torch.empty_like(ws.act)), poison(torch.empty_like(ws.y))
@@ -141,6 +141,26 @@ def test_paired_tiles_match_one_block_tiles(device, cfg_i):
     out = poison(torch.empty(m, H, dtype=torch.bfloat16, device=device))
     fused_experts(x, w13, w2, w, ids, workspace=ws, out=out)
     assert _frob(out, fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)) < 1e-2
+
+
+def test_paired_with_fewer_routes_than_experts_and_an_outside_alignment(device):
+    """R < E (decode on many experts: the alignment's block capacity exceeds the blocks routes can fill) and an
+    alignment passed in, with buffers larger than it needs: the paired launch still matches the reference."""
+    m, K, e = 3, 2, 16
+    x, w13, w2, w, ids = _problem(device, K, seed=40, m=m, e=e, skip_frac=0.0, high_ids=False)
+    ref = fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)
+    out = poison(torch.empty(m, H, dtype=torch.bfloat16, device=device))
+    fused_experts(x, w13, w2, w, ids, config=PAIRED_CONFIGS[0], out=out)
+    assert _frob(out, ref) < 1e-2
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, e, 16)
+    big_sorted = torch.full((4096,), m * K, dtype=torch.int32, device=device)
+    big_experts = torch.full((512,), -5, dtype=torch.int32, device=device)
+    big_sorted[: sorted_ids.numel()] = sorted_ids
+    big_experts[: expert_ids.numel()] = expert_ids
+    alignment = (big_sorted, big_experts, num_post)
+    out2 = poison(torch.empty_like(out))
+    fused_experts(x, w13, w2, w, ids, config=PAIRED_CONFIGS[0], out=out2, alignment=alignment)
+    assert torch.equal(out2.view(torch.int16), out.view(torch.int16))
 
 
 def test_paired_config_needs_a_paired_workspace(device):

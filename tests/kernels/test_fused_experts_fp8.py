@@ -308,7 +308,7 @@ def test_16_warp_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
     import moebench.kernels._details.experts_config as mod
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
-    shape = (4096, 8, 128, 7168, 2048)  # 256 routes per expert: the rule's bm128_w16_down128
+    shape = (256, 4, E, 256, 128)  # 256 routes per expert: the rule's bm128_w16_down128 (small buffers)
     assert fp8_choice(*shape, "cpu").name == "bm128_w16_down128"
     assert fp8_choice(*shape, "cpu", group_size=128, scale_format="fp32").name == "bm128_w16_down128"
     v4 = fp8_choice(*shape, "cpu", group_size=32, scale_format="ue8m0_packed")
@@ -319,6 +319,11 @@ def test_16_warp_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
     assert (explicit.name, explicit.config.block_m) == ("bm128_w16", 128)
     ws = make_fp8_workspace(*shape, device="cpu", group_size=32, scale_format="ue8m0_packed")
     assert (ws.choice.name, ws.config.block_m) == ("bm64_g16_down128", 64)
+    # a workspace chosen without the layout still computes, and the call says which launch the layout wants
+    args = _problem("cpu", 256, 4, 32, "ue8m0_packed", seed=2, h=256, i=128)
+    unfitted = make_fp8_workspace(*shape, device="cpu")
+    with pytest.warns(RuntimeWarning, match="launches bm64_g16_down128"):
+        fused_experts_fp8(*args, group_size=32, scale_format="ue8m0_packed", workspace=unfitted)
 
 # The default launch under both activation-scale layouts, each candidate under one of them, alternating (only the
 # gate/up kernel reads the activation scales: the down kernel compiles once per candidate either way); BM 64 (four
@@ -345,7 +350,7 @@ def test_gpu_fused_experts_fp8_within_bound(G, fmt, candidate):
     T, K, h, i = 1024, 4, 2048, 512
     args, ref, bound = _gpu_problem(G, fmt)
     ids = args[2]
-    ws = make_fp8_workspace(T, K, E, h, i, config=candidate, device="cuda")
+    ws = make_fp8_workspace(T, K, E, h, i, config=candidate, device="cuda", group_size=G, scale_format=fmt)
     out = fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws)
     res = check_within_bound("out", out.float(), ref, bound)
     assert res.ok, res.detail

@@ -54,12 +54,23 @@ def test_tiles_cover_every_block_once_in_expert_order(device, case):
     assert covered == list(range(len(owners)))
 
 
-def test_needs_int32_buffers_of_the_block_capacity():
-    expert_ids, num_post = torch.zeros(8, dtype=torch.int32), torch.tensor([16], dtype=torch.int32)
+def test_needs_int32_buffers_of_the_block_capacity(device):
+    expert_ids = torch.zeros(8, dtype=torch.int32, device=device)
+    num_post = torch.tensor([16], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="tile_map"):
-        row_tile_map(expert_ids, num_post, 16, out=row_tile_buffers(4, "cpu"))
+        row_tile_map(expert_ids, num_post, 16, out=row_tile_buffers(4, device))
     with pytest.raises(ValueError, match="num_tiles"):
-        row_tile_map(expert_ids, num_post, 16, out=(row_tile_buffers(8, "cpu")[0], torch.zeros(1, dtype=torch.int32)))
+        row_tile_map(expert_ids, num_post, 16,
+                     out=(row_tile_buffers(8, device)[0], torch.zeros(1, dtype=torch.int32, device=device)))
+
+
+def test_no_block_no_tile(device):
+    """num_post_padded 0 (every route skipped): no tile, the counters zeroed, the map untouched."""
+    expert_ids = torch.zeros(8, dtype=torch.int32, device=device)
+    tile_map, num_tiles = (poison(t) for t in row_tile_buffers(8, device))
+    row_tile_map(expert_ids, torch.zeros(1, dtype=torch.int32, device=device), 16, out=(tile_map, num_tiles))
+    assert num_tiles.tolist() == [0, 0, 0, 0, 0]
+    assert torch.equal(tile_map.cpu(), poison(torch.empty_like(tile_map)).cpu())
 
 
 @pytest.mark.gpu

@@ -52,7 +52,7 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    block_m: int  # alignment block size: rows of one GEMM program, all owned by one expert
+    block_m: int  # alignment block size: rows of one GEMM tile (paired: of a narrow one), all owned by one expert
     gate_up: GemmConfig  # block_n counts columns of *each* half (gate and up): the program computes 2*block_n
     down: GemmConfig
     reduce_block_h: int = 1024
@@ -61,11 +61,6 @@ class ExpertsConfig:
     # bf16: full row tiles of two alignment blocks (2*block_m rows), an expert's odd last block on a block_m-row
     # tile (kernels.row_tiles): block_m's padding with 2*block_m's weight reuse per row
     paired: bool = False
-
-    @property
-    def tile_m(self) -> int:
-        """Rows of a full GEMM tile."""
-        return 2 * self.block_m if self.paired else self.block_m
 
     def short(self) -> str:
         g, d = self.gate_up, self.down
@@ -112,11 +107,11 @@ EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
                   name="bm64_tma"),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
     # Paired (kernels.row_tiles): bm128_tma's tiles on 64-row alignment blocks, an expert's odd last block on a
-    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert. Measured on an H200 against
-    # bm128_tma (256 experts, top-8, H=7168, I=2048; T=4096 / 8192 with 32, 128, 256 local): 1.00 / 1.01, 1.06 /
-    # 0.99, 1.07 / 1.00 of its time: no gain. A 64-row tile streams the same weight tiles as a 128-row one
-    # (0.64 of its time, not 0.5) and the second inlined tile body costs the full tiles ~5% (docs/benchmarks.md,
-    # ninth session). Kept as candidates for `moebench tune`, not chosen by the rule.
+    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert. bm64x2_tma measured on an
+    # H200 against bm128_tma (256 experts, top-8, H=7168, I=2048; T=4096 / 8192 with 32, 128, 256 local): 1.00 /
+    # 1.01, 1.06 / 0.99, 1.07 / 1.00 of its time: no gain. A 64-row tile streams the same weight tiles as a
+    # 128-row one (0.70 of its time, not 0.5) and the second inlined tile body costs the full tiles ~5%
+    # (docs/benchmarks.md, ninth session). bm32x2 is not measured. Candidates for `moebench tune`, not the rule's.
     ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
                   name="bm64x2_tma", paired=True),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm32x2", paired=True),
