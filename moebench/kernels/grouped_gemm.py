@@ -177,6 +177,8 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     with fp32 scales, bf16 y)."""
     R = num_tokens * top_k
     if isinstance(config, Choice):  # already chosen (fp8_choice: fitted to the activation-scale layout)
+        if config.config.precision != precision:
+            raise ValueError(f"config is a {config.config.precision} choice, the workspace is {precision}")
         choice = config
     else:
         choice = experts_choice(num_tokens, top_k, num_experts, hidden, intermediate, device, config,
@@ -364,6 +366,14 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _paired_tile(tile, num_pid_m, num_pid_n, tile_map_ptr, GROUP_M: tl.constexpr, ALIGN_M: tl.constexpr):
+    """A paired launch's tile -> (pid_n, first sorted position, whether it spans two blocks) from the tile map."""
+    pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+    code = tl.load(tile_map_ptr + pid_m)  # 2 * first block + (two blocks)
+    return pid_n, tl.multiple_of((code >> 1) * ALIGN_M, ALIGN_M), (code & 1) != 0
+
+
+@triton.jit
 def _release_tile_counter(counter_ptr, num_programs):
     """A paired launch's last act per program: counter_ptr = (next tile, programs done); the last program to finish
     (all have taken their final tile by then) zeroes both, so the next launch on the same tile map starts at 0."""
@@ -444,10 +454,8 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
         num_pid_m = tl.load(num_tiles_ptr)
         tile = tl.atomic_add(num_tiles_ptr + 1, 1, sem="relaxed")
         while tile < num_pid_m * num_pid_n:
-            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-            code = tl.load(tile_map_ptr + pid_m)  # 2 * first block + (two blocks)
-            first_row = tl.multiple_of((code >> 1) * ALIGN_M, ALIGN_M)
-            if (code & 1) != 0:
+            pid_n, first_row, two_blocks = _paired_tile(tile, num_pid_m, num_pid_n, tile_map_ptr, GROUP_M, ALIGN_M)
+            if two_blocks:
                 _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
                               hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, ALIGN_M, BLOCK_N,
                               BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
@@ -524,10 +532,8 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
         num_pid_m = tl.load(num_tiles_ptr)
         tile = tl.atomic_add(num_tiles_ptr + 3, 1, sem="relaxed")
         while tile < num_pid_m * num_pid_n:
-            pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-            code = tl.load(tile_map_ptr + pid_m)
-            first_row = tl.multiple_of((code >> 1) * ALIGN_M, ALIGN_M)
-            if (code & 1) != 0:
+            pid_n, first_row, two_blocks = _paired_tile(tile, num_pid_m, num_pid_n, tile_map_ptr, GROUP_M, ALIGN_M)
+            if two_blocks:
                 _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                            hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, ALIGN_M, BLOCK_N,
                            BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)

@@ -93,6 +93,9 @@ def test_precision_is_part_of_the_config():
     assert (bf16.precision, fp8.precision) == ("bf16", "fp8_block") and fp8.gate_up.block_k == 128
     with pytest.raises(ValueError, match="fp8_block config"):
         grouped_gemm.experts_choice(16, 2, 4, 256, 128, device="cpu", config=fp8)
+    fp8_made = fused_experts_fp8.fp8_choice(16, 2, 4, 256, 128, device="cpu")
+    with pytest.raises(ValueError, match="fp8_block choice, the workspace is bf16"):
+        grouped_gemm.make_workspace(16, 2, 4, 256, 128, config=fp8_made, device="cpu")
     ws = fused_experts_fp8.make_fp8_workspace(16, 2, 4, 256, 128, device="cpu")
     assert ws.act.dtype == fused_experts_fp8.E4M3 and ws.act_scales.shape[1] == 1 and ws.y.dtype.itemsize == 2
     with pytest.raises(ValueError, match="made for fp8_block"):
