@@ -29,8 +29,36 @@ def _interpreter_fastpath():
 _interpreter_fastpath()
 
 
+# xdist groups (`--dist loadgroup`, pyproject's addopts): one file a group, so a module fixture runs once, except
+# files that share a per-process warm-up, which go to one worker together: torch.compile's first compile (inductor's
+# start, 8-20 s on a CI core) and the session's pool of gloo ranks (four interpreter starts, tests/gloo_pool.py).
+SHARED_GROUPS = {
+    "inductor": ("test_bench_contract.py", "test_peers.py", "test_peers_torch_grouped.py"),
+    "gloo_pool": ("test_dispatch.py", "test_dispatch_paths.py", "test_padding.py", "test_timing.py"),
+}
+_GROUP_OF_FILE = {f: g for g, files in SHARED_GROUPS.items() for f in files}
+# The longest groups first (seconds of test time on a 2-core CI machine, measured 2026-12-02), so that the two
+# workers finish together: xdist hands out groups in this order (`--no-loadscope-reorder`); the rest follow in file
+# order. A stale list costs only balance.
+LONGEST_FIRST = ("test_faults.py", "test_point_isolation.py", "gloo_pool", "inductor", "test_serving_trace.py",
+                 "kernels/test_topk_softmax.py", "test_bench_layer_fp8.py", "test_scenarios.py", "test_install.py",
+                 "test_plots.py", "test_runner_multirank.py", "kernels/test_router_cand.py", "test_bench_ep_sim.py",
+                 "test_dist.py", "kernels/test_fused_experts_fp8.py", "test_bench_layer.py")
+
+
+def _xdist_group(item) -> str:
+    rel = os.path.relpath(str(item.path), os.path.dirname(os.path.abspath(__file__)))
+    return _GROUP_OF_FILE.get(os.path.basename(rel), rel)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable: file order within a rank
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

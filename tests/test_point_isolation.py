@@ -193,9 +193,8 @@ def _misbehaving(what, at):
     return Path
 
 
-register_dispatch_path("isolation_abort_once", _misbehaving("abort", (24,)))
-register_dispatch_path("isolation_abort_thrice", _misbehaving("abort", (16, 24, 32)))
-register_dispatch_path("isolation_hang", _misbehaving("hang", (24,)))
+register_dispatch_path("isolation_abort_twice", _misbehaving("abort", (16, 24)))
+register_dispatch_path("isolation_hang", _misbehaving("hang", (16,)))
 '''
 
 MULTI_RANK = """\
@@ -205,15 +204,15 @@ plugins: [moebench_test_isolation_path]
 impls: [dispatch.isolation_{what}]
 fixed: {{num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}}
 axes:
-  num_tokens: [8, 16, 24, 32, 40]
+  num_tokens: [8, 16, 24, 32]
 timing: {{mode: wall, warmup: 0, iters: 3, point_timeout_s: {timeout}}}
 """
 
 
 @pytest.mark.parametrize("what, lost, reason", [
-    ("abort_once", [24], "rank 1 of 2 failed: killed by SIGABRT"),
-    ("abort_thrice", [16, 24, 32], "rank 1 of 2 failed: killed by SIGABRT"),  # a crash at a group's first point
-    ("hang", [24], "timeout after 3 s (rank group killed)"),  # the clock starts with the point, not the group
+    # a crash after a point of the group went well (16), then one at a fresh group's first point (24)
+    ("abort_twice", [16, 24], "rank 1 of 2 failed: killed by SIGABRT"),
+    ("hang", [16], "timeout after 3 s (rank group killed)"),  # the clock starts with the point, not the group
 ])
 def test_a_rank_that_crashes_or_hangs_costs_its_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys, what,
                                                                                      lost, reason):
@@ -224,7 +223,7 @@ def test_a_rank_that_crashes_or_hangs_costs_its_point_and_a_fresh_group_runs_the
     assert main(["run", str(sweep), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
     (run_dir,) = out.iterdir()
     recs = {r["params"]["num_tokens"]: r for r in load_records(run_dir)}
-    assert sorted(recs) == [8, 16, 24, 32, 40]  # each once
+    assert sorted(recs) == [8, 16, 24, 32]  # each once
     for n, rec in recs.items():
         if n in lost:
             assert rec["status"] == "failed" and reason in rec["reason"] and rec["worker_restarted"], rec

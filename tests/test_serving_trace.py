@@ -344,9 +344,10 @@ def test_build_records_the_trace(monkeypatch):
     again = impl.build(replace(p, capture_sizes=[8], trace_replay=0), run)
     assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
     # a new run in the same process measures again (nothing timed in an earlier run is reused)
-    fresh = impl.build(replace(p, capture_sizes=[8], trace_replay=0),
+    fresh = impl.build(replace(p, trace=[3], capture_sizes=[4], trace_replay=0),
                        RunContext(device=torch.device("cpu"), run_token=object()))
-    assert fresh.info["shapes_measured"] == 4 and fresh.info["shapes_reused"] == 0
+    assert fresh.info["distinct_shapes"] == 2  # (4, 3) and (3, 3), both measured by the first run
+    assert fresh.info["shapes_measured"] == 2 and fresh.info["shapes_reused"] == 0
 
 
 def test_point_check_fails_when_the_step_padding_is_not_the_producers(monkeypatch):
