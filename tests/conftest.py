@@ -29,36 +29,58 @@ def _interpreter_fastpath():
 _interpreter_fastpath()
 
 
-# xdist groups (`--dist loadgroup`, pyproject's addopts): one file a group, so a module fixture runs once, except
-# files that share a per-process warm-up, which go to one worker together: torch.compile's first compile (inductor's
-# start, 8-20 s on a CI core) and the session's pool of gloo ranks (four interpreter starts, tests/gloo_pool.py).
+# How pyproject's `-n 2 --dist loadfile` shares the files between the two workers (pytest_xdist_make_scheduler below):
+# one file a unit of work, so a module fixture runs once, except files that share a per-process warm-up, which go to
+# one worker together: torch.compile's first compile (inductor's start, 8-20 s on a CI core) and the session's pool
+# of gloo ranks (four interpreter starts, tests/gloo_pool.py). Paths relative to tests/.
 SHARED_GROUPS = {
     "inductor": ("test_bench_contract.py", "test_peers.py", "test_peers_torch_grouped.py"),
     "gloo_pool": ("test_dispatch.py", "test_dispatch_paths.py", "test_padding.py", "test_timing.py"),
 }
 _GROUP_OF_FILE = {f: g for g, files in SHARED_GROUPS.items() for f in files}
-# The longest groups first (seconds of test time on a 2-core CI machine, measured 2026-12-02), so that the two
-# workers finish together: xdist hands out groups in this order (`--no-loadscope-reorder`); the rest follow in file
-# order. A stale list costs only balance.
+# The longest units first (seconds of test time on a 2-core CI machine, measured 2026-12-02), so that the two
+# workers finish together: each worker takes the next unit in this order when it runs dry (xdist hands each two at
+# the start); the rest follow in file order. A stale list costs only balance.
 LONGEST_FIRST = ("test_faults.py", "test_point_isolation.py", "gloo_pool", "inductor", "test_serving_trace.py",
                  "kernels/test_topk_softmax.py", "test_bench_layer_fp8.py", "test_scenarios.py", "test_install.py",
                  "test_plots.py", "test_runner_multirank.py", "kernels/test_router_cand.py", "test_bench_ep_sim.py",
                  "test_dist.py", "kernels/test_fused_experts_fp8.py", "test_bench_layer.py")
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _xdist_group(item) -> str:
-    rel = os.path.relpath(str(item.path), os.path.dirname(os.path.abspath(__file__)))
-    return _GROUP_OF_FILE.get(os.path.basename(rel), rel)
+def _work_unit(config, nodeid: str) -> str:
+    """The unit of work of a test id: its file relative to tests/, or the shared group that file belongs to."""
+    path = os.path.relpath(os.path.join(str(config.rootpath), nodeid.split("::", 1)[0]), _TESTS_DIR)
+    return _GROUP_OF_FILE.get(path.replace(os.sep, "/"), path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into the node ids
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: only called where pytest-xdist is installed
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler
+    from xdist.scheduler import LoadFileScheduling
+
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+
+    class SharedWarmupScheduling(LoadFileScheduling):
+        """xdist's loadfile with SHARED_GROUPS as single units, handed out in LONGEST_FIRST order. The test ids stay
+        xdist's plain ones (`--lf` and a pasted failing id work); `-n 0` and `--dist load` keep the file order."""
+
+        def _split_scope(self, nodeid):
+            return _work_unit(self.config, nodeid)
+
+        def schedule(self):
+            if self.collection is None:  # the first call: order every worker's collection the same way (stable)
+                for node, ids in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(
+                        ids, key=lambda nodeid: rank.get(_work_unit(self.config, nodeid), len(rank)))
+            super().schedule()
+
+    return SharedWarmupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable: file order within a rank
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

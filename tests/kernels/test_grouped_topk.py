@@ -19,9 +19,10 @@ GROUPED = [  # num_experts, num_expert_group, topk_group, top_k
 ]
 
 
-# two of the four (scoring, bias) pairs a shape, alternating: each pair meets four or three shapes
+# two of the four (scoring, bias) pairs a shape, alternating in runs of three shapes, so that each pair meets
+# every dtype (case % 3), with and without padding and renormalisation
 PAIRS = ((("softmax", False), ("sigmoid", True)), (("softmax", True), ("sigmoid", False)))
-SCORED = [(scoring, with_bias, shape) for case, shape in enumerate(GROUPED) for scoring, with_bias in PAIRS[case % 2]]
+SCORED = [(scoring, with_bias, shape) for case, shape in enumerate(GROUPED) for scoring, with_bias in PAIRS[case // 3 % 2]]
 
 
 @pytest.mark.parametrize("scoring,with_bias,shape", SCORED)
@@ -34,7 +35,7 @@ def test_grouped_topk_matches_reference(device, scoring, with_bias, shape):
     logits = make_logits(num_tokens, num_experts, dtype, seed, device)
     bias = make_bias(num_experts, seed, device) if with_bias else None
     is_padding = make_mask(num_tokens, 0.25, seed, device) if case % 2 == 0 else None
-    renormalize = case != 3
+    renormalize = case not in (3, 6)
     scale = 2.5 if case % 3 == 1 else 1.0
     kwargs = dict(scoring=scoring, bias=bias, renormalize=renormalize, routed_scaling_factor=scale,
                   is_padding=is_padding)
