@@ -54,34 +54,44 @@ def _work_unit(config, nodeid: str) -> str:
     return _GROUP_OF_FILE.get(path.replace(os.sep, "/"), path)
 
 
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: only called where pytest-xdist is installed
+def _grouped(config) -> bool:
+    return config.getvalue("dist") == "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks: only called where pytest-xdist is installed
+def pytest_configure_node(node):
+    # xdist sends a worker indices into the worker's own collection, so the order must be the workers' own: they
+    # sort what they collect (pytest_collection_modifyitems), and the scheduler keeps that order
+    node.workerinput["moebench_longest_first"] = _grouped(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadfile":
+    if not _grouped(config):
         return None  # xdist's own scheduler
     from xdist.scheduler import LoadFileScheduling
 
-    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-
     class SharedWarmupScheduling(LoadFileScheduling):
-        """xdist's loadfile with SHARED_GROUPS as single units, handed out in LONGEST_FIRST order. The test ids stay
-        xdist's plain ones (`--lf` and a pasted failing id work); `-n 0` and `--dist load` keep the file order."""
+        """xdist's loadfile with SHARED_GROUPS as single units, taken in the workers' collection order (LONGEST_FIRST,
+        with `--no-loadscope-reorder`). The test ids stay xdist's plain ones (`--lf` and a pasted failing id work);
+        `-n 0` and `--dist load` keep the file order."""
 
         def _split_scope(self, nodeid):
             return _work_unit(self.config, nodeid)
 
-        def schedule(self):
-            if self.collection is None:  # the first call: order every worker's collection the same way (stable)
-                for node, ids in self.registered_collections.items():
-                    self.registered_collections[node] = sorted(
-                        ids, key=lambda nodeid: rank.get(_work_unit(self.config, nodeid), len(rank)))
-            super().schedule()
-
     return SharedWarmupScheduling(config, log)
+
+
+def _longest_first(config, items) -> None:
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_work_unit(config, item.nodeid), len(rank)))  # stable: file order after
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if getattr(config, "workerinput", {}).get("moebench_longest_first"):
+        _longest_first(config, items)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_gpu2 = pytest.mark.skip(reason="needs two CUDA GPUs")
