@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from moebench.measure.roofline import current_roofs
+from moebench.records import MANIFEST, RECORDS, load_manifest, load_records  # noqa: F401 (re-exported)
 
-RECORDS = "records.jsonl"
-MANIFEST = "manifest.json"
 SUMMARY = "summary.csv"
 
 
@@ -106,22 +105,6 @@ class RecordWriter:
             os.close(fd)
 
 
-def load_records(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / RECORDS
-    out: list[dict] = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn line from a killed run
-    return out
-
-
 def unique_records(records: Iterable[dict]) -> list[dict]:
     """The first record of each point key (records without a key are kept): what the summary and footer count."""
     seen: set = set()
@@ -134,11 +117,6 @@ def unique_records(records: Iterable[dict]) -> list[dict]:
             seen.add(key)
         out.append(r)
     return out
-
-
-def load_manifest(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def command_line() -> str:
