@@ -77,6 +77,15 @@ class Params:
     trace_file: Optional[str] = None  # CSV of per-step token counts (one column, or one per DP rank)
     trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
     trace_real_points: int = 0  # 0: time every distinct (rows, real); N: time N + 1 real counts per rows, interpolate
+    # EP step: the wire model (moebench.dispatch.wire_model): the deployment's GPUs per node, the links' figures
+    # (None: the model's own), the dispatch run it is calibrated from, and the path whose overheads it takes
+    ranks_per_node: int = 8
+    wire_intra_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank within a node (NVLink)
+    wire_intra_latency_us: Optional[float] = None
+    wire_inter_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank between nodes (the NIC)
+    wire_inter_latency_us: Optional[float] = None
+    dispatch_calibration: Optional[str] = None  # a run directory of `moebench run sweeps/dispatch.yaml`
+    wire_path: str = "dispatch.a2a"  # the dispatch impl of that run whose fit models dispatch and combine
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
@@ -179,5 +188,7 @@ class Point:
 # Parameters added after reference runs were recorded, with their defaults (see Point.key).
 _LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None,
                    "config": None, "dp_size": 1, "sp_size": 1, "dbo": False, "trace_file": None,
-                   "trace_replay": 0, "trace_real_points": 0}
+                   "trace_replay": 0, "trace_real_points": 0, "ranks_per_node": 8, "wire_intra_gbps": None,
+                   "wire_intra_latency_us": None, "wire_inter_gbps": None, "wire_inter_latency_us": None,
+                   "dispatch_calibration": None, "wire_path": "dispatch.a2a"}
 _NO_DEFAULT = object()

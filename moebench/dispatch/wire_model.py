@@ -1,0 +1,403 @@
+"""The EP wire model: how long an expert-parallel step's dispatch and combine take, from the bytes each EP rank sends
+to each other rank. A MODEL, named as one in every record (`WireModel.record()`, `"kind": "model"`), with figures
+measured by moebench on 2 x H200 (NVLink), a public figure for the link between nodes, and `calibrate()` to fit it
+to a user's own dispatch run. Plain Python: nothing here needs torch or a process group.
+
+One phase (a dispatch or a combine) is a collective: every EP rank waits for every other. For rank r, on node
+r // ranks_per_node, the off-rank bytes it sends and receives split into those to / from ranks of its own node
+(intra: NVLink) and of other nodes (inter: the NIC); its own rows never touch a wire (the diagonal is ignored).
+
+    t_link(r)  = latency + max(out, in) / bandwidth     when out + in > 0 on that link, else 0
+    t(r)       = max(t_intra(r), t_inter(r))            (NVLink and the NIC carry in parallel)
+    phase_us   = overhead + max over r of t(r)          (dispatch_overhead_us or combine_overhead_us)
+
+The overheads are the dispatch path's fixed cost per phase beyond the link: its plan, count exchange and host sync.
+
+Not modelled: congestion (a rank's link bandwidth is its own whatever the others do), DeepEP's forwarding of
+inter-node traffic through NVLink (one RDMA copy per destination node, not per destination rank), and any
+overlap of the wire with compute. The defaults' NVLink figures come from 2 GPUs of one node: no wire beyond that
+was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from moebench.params import Params
+from moebench.records import MANIFEST, RECORDS, load_manifest, load_records
+
+DEFAULT_PATH = "dispatch.a2a"
+# The committed 2 x H200 dispatch run the intra-node defaults are calibrated on (tests/test_wire_model.py checks
+# that calibrate() on it gives DEFAULT_WIRE_MODEL's figures, rounded as below).
+DEFAULT_CALIBRATION_RUN = "results/h200/dispatch_ref-20261130T062359Z"
+DEFAULT_RANKS_PER_NODE = 8  # an HGX H200 node
+MIN_FIT_POINTS = 3
+
+
+class WireCalibrationError(ValueError):
+    """A run the wire model cannot be calibrated from. str() is one line: the file, then the reason."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One kind of link as one EP rank sees it: `bandwidth_gbps` in GB/s (1e9 bytes/s) of the off-rank bytes that
+    leave (or enter) the rank over it, and `latency_us` paid once per phase when the rank uses it."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+    def __post_init__(self):
+        if not (self.bandwidth_gbps > 0 and math.isfinite(self.bandwidth_gbps)):
+            raise ValueError(f"bandwidth_gbps: must be > 0, got {self.bandwidth_gbps}")
+        if not (self.latency_us >= 0 and math.isfinite(self.latency_us)):
+            raise ValueError(f"latency_us: must be >= 0, got {self.latency_us}")
+
+    def time_us(self, out_bytes: float, in_bytes: float) -> float:
+        if out_bytes + in_bytes <= 0:
+            return 0.0
+        return self.latency_us + max(out_bytes, in_bytes) / (self.bandwidth_gbps * 1e3)  # 1 GB/s = 1e3 bytes/us
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """One phase under a wire model: `rank_us[r]` = t(r) (the link time, overhead excluded), the slowest rank,
+    the off-rank bytes summed over every sender that cross NVLink (`intra_bytes`) and the NIC (`inter_bytes`),
+    and `us` = overhead_us + rank_us[slowest_rank]."""
+
+    rank_us: tuple[float, ...]
+    slowest_rank: int
+    intra_bytes: float
+    inter_bytes: float
+    overhead_us: float
+    us: float
+
+
+@dataclass(frozen=True)
+class WireModel:
+    """The wire of an EP deployment (see the module docstring for the formula). `source` names, per figure (keys
+    `intra.bandwidth_gbps`, `intra.latency_us`, `inter.bandwidth_gbps`, `inter.latency_us`, `ranks_per_node`,
+    `dispatch_overhead_us`, `combine_overhead_us`), where it came from."""
+
+    name: str
+    intra: LinkModel
+    inter: LinkModel
+    ranks_per_node: int
+    dispatch_overhead_us: float
+    combine_overhead_us: float
+    source: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
+        for k in ("dispatch_overhead_us", "combine_overhead_us"):
+            if not (getattr(self, k) >= 0 and math.isfinite(getattr(self, k))):
+                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+
+    def record(self) -> dict[str, Any]:
+        """JSON-able: the model named as a model, every figure and its source."""
+        return {"kind": "model", "name": self.name,
+                "formula": "phase_us = overhead + max_r max(t_intra(r), t_inter(r)), t_link = latency + "
+                           "max(out, in) / bandwidth over the rank's off-rank bytes on that link (0 without any)",
+                "intra": dataclasses.asdict(self.intra), "inter": dataclasses.asdict(self.inter),
+                "ranks_per_node": self.ranks_per_node, "dispatch_overhead_us": self.dispatch_overhead_us,
+                "combine_overhead_us": self.combine_overhead_us, "source": dict(self.source)}
+
+    def phase_us(self, bytes_matrix: Sequence[Sequence[float]], overhead_us: float = 0.0) -> PhaseTime:
+        """One phase: `bytes_matrix[src][dst]` = bytes EP rank src sends to EP rank dst (a square list of lists,
+        or anything with .tolist(): a numpy array, a tensor); the diagonal (a rank's own rows) is ignored."""
+        rows = _square(bytes_matrix)
+        n, per_node = len(rows), self.ranks_per_node
+        cols = [list(c) for c in zip(*rows)]
+        rank_us, intra_total, inter_total = [], 0.0, 0.0
+        for r in range(n):
+            lo = (r // per_node) * per_node
+            hi = min(lo + per_node, n)
+            own = rows[r][r]
+            intra_out = sum(rows[r][lo:hi]) - own
+            intra_in = sum(cols[r][lo:hi]) - own
+            inter_out = sum(rows[r]) - own - intra_out
+            inter_in = sum(cols[r]) - own - intra_in
+            intra_total += intra_out
+            inter_total += inter_out
+            rank_us.append(max(self.intra.time_us(intra_out, intra_in), self.inter.time_us(inter_out, inter_in)))
+        slowest = max(range(n), key=rank_us.__getitem__) if n else 0
+        return PhaseTime(tuple(rank_us), slowest, intra_total, inter_total, overhead_us,
+                         overhead_us + (rank_us[slowest] if n else 0.0))
+
+    def dispatch_us(self, bytes_matrix: Sequence[Sequence[float]]) -> PhaseTime:
+        return self.phase_us(bytes_matrix, self.dispatch_overhead_us)
+
+    def combine_us(self, bytes_matrix: Sequence[Sequence[float]]) -> PhaseTime:
+        return self.phase_us(bytes_matrix, self.combine_overhead_us)
+
+
+def _square(matrix: Any) -> list[list[float]]:
+    rows = matrix.tolist() if hasattr(matrix, "tolist") else matrix
+    out = [[float(v) for v in row] for row in rows]
+    for i, row in enumerate(out):
+        if len(row) != len(out):
+            raise ValueError(f"bytes_matrix: row {i} has {len(row)} entries, expected {len(out)} (square)")
+        if any(not (v >= 0 and math.isfinite(v)) for v in row):
+            raise ValueError(f"bytes_matrix: row {i} holds a negative or non-finite byte count")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Payload sizes (bytes per row that crosses a wire)
+# ---------------------------------------------------------------------------------------------------------------
+
+FP8_SCALE_BLOCK = 128  # columns per fp32 scale in fp8 dispatch
+
+
+def dispatch_row_bytes(hidden: int, top_k: int, payload_dtype: str = "bf16") -> int:
+    """One dispatched row: the hidden state plus, per top-k slot, an int32 expert id and an fp32 weight (what
+    moebench's dispatch paths count as payload: 14400 bytes at H=7168, top-8, bf16).
+    bf16: hidden * 2. fp8: hidden * 1 + one fp32 scale per 128 columns, ceil(hidden / 128) * 4, as DeepEP's fp8
+    dispatch sends it (DeepEP v1.2.1: tests/utils.py per_token_cast_to_fp8 makes scales [tokens, hidden / 128];
+    tests/test_intranode.py counts fp8 bytes as (1 + 4 / 128) / 2 of bf16's)."""
+    if payload_dtype == "bf16":
+        x = hidden * 2
+    elif payload_dtype == "fp8":
+        x = hidden + math.ceil(hidden / FP8_SCALE_BLOCK) * 4
+    else:
+        raise ValueError(f"payload_dtype: {payload_dtype!r} is not one of bf16, fp8")
+    return x + top_k * (4 + 4)
+
+
+def combine_row_bytes(hidden: int) -> int:
+    """One combined row: the expert output in bf16, back to the rank that owns the token."""
+    return hidden * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The defaults
+# ---------------------------------------------------------------------------------------------------------------
+
+_DEFAULT_SOURCE = f"default: {DEFAULT_CALIBRATION_RUN} (2 x H200, NVLink, path a2a), calibrate() rounded"
+# Between nodes, one 400 Gb/s ConnectX-7 InfiniBand NDR NIC per GPU (an HGX H200 node's usual fabric, ~50 GB/s
+# line rate). Bandwidth: what DeepEP measured over it, DeepEP v1.2.1 README, "Performance", "Normal kernels with
+# NVLink and RDMA forwarding" (H800, CX7 InfiniBand 400 Gb/s): internode EP 16 (two nodes of 8), dispatch and
+# combine bottleneck bandwidth 43 GB/s (RDMA). Latency: NCCL's own model of one network hop, NCCL v2.28.9 (the
+# NCCL torch ships on the H200 machines) src/graph/tuning.cc, hwLatencies[NET][Ring][Simple] = 14 us.
+INTER_NODE_DEFAULT = LinkModel(bandwidth_gbps=43.0, latency_us=14.0)
+_INTER_SOURCE = {
+    "inter.bandwidth_gbps": "public: DeepEP v1.2.1 README, Performance, normal kernels, internode EP 16 bottleneck "
+                            "bandwidth 43 GB/s (RDMA) on H800 with CX7 InfiniBand 400 Gb/s (~50 GB/s line rate)",
+    "inter.latency_us": "public: NCCL v2.28.9 src/graph/tuning.cc, hwLatencies[NET][Ring][Simple] = 14 us",
+}
+
+DEFAULT_WIRE_MODEL = WireModel(
+    name="h200-nvlink-a2a+ib-ndr",
+    intra=LinkModel(bandwidth_gbps=379.0, latency_us=0.0),
+    inter=INTER_NODE_DEFAULT,
+    ranks_per_node=DEFAULT_RANKS_PER_NODE,
+    dispatch_overhead_us=224.0,
+    combine_overhead_us=175.0,
+    source={"intra.bandwidth_gbps": _DEFAULT_SOURCE,
+            "intra.latency_us": _DEFAULT_SOURCE + ": not separable from the path overhead on one node (in the "
+                                                  "overheads)",
+            **_INTER_SOURCE,
+            "ranks_per_node": "default: an HGX H200 node (8 GPUs)",
+            "dispatch_overhead_us": _DEFAULT_SOURCE, "combine_overhead_us": _DEFAULT_SOURCE},
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration from a dispatch run
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Observation:
+    phase: str  # "dispatch" | "combine"
+    off_rank_bytes: float  # max(out, in) of the recording rank's off-rank bytes
+    us: float  # the phase's p50 (per-iteration max over ranks)
+
+
+def _point_observations(rec: dict) -> list[_Observation] | None:
+    """The record's two observations, or None when it lacks a figure the fit needs. The record is rank 0's: its
+    own traffic stands for every rank's (exact on 2 ranks, where rank 1 sends what rank 0 receives and back)."""
+    info, stages, params = rec.get("info"), rec.get("stages"), rec.get("params")
+    try:
+        rank = 0
+        sent, recv_rows, own = info["rows_sent_per_dest"], int(info["recv_rows"]), int(info["recv_rows_own"])
+        sent_off = sum(int(v) for d, v in enumerate(sent) if d != rank)
+        recv_off = recv_rows - own
+        dispatch_row = info["dispatch_payload_bytes"] / recv_rows if recv_rows else 0.0
+        combine_row = info["combine_payload_bytes"] / sum(sent) if sum(sent) else 0.0
+        d_us, c_us = float(stages["dispatch"]["p50"]), float(stages["combine"]["p50"])
+        int(params["ep_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not (math.isfinite(d_us) and math.isfinite(c_us)):
+        return None
+    # dispatch: out = rows sent off-rank, in = rows received off-rank; combine carries them back the other way
+    return [_Observation("dispatch", max(sent_off, recv_off) * dispatch_row, d_us),
+            _Observation("combine", max(sent_off, recv_off) * combine_row, c_us)]
+
+
+def _fit(obs: list[_Observation]) -> tuple[dict[str, float], float, float]:
+    """Least squares of us = c[phase] + s * bytes with one slope s for both phases and c[phase] >= 0: the
+    unconstrained fit, or with a negative intercept held at 0 (every such subset tried, the best feasible kept).
+    Returns (intercepts, slope in us per byte, rms residual in us)."""
+    phases = sorted({o.phase for o in obs})
+    best = None
+    for held in range(1 << len(phases)):
+        zero = {p for i, p in enumerate(phases) if held >> i & 1}
+        num = den = 0.0
+        means = {}
+        for p in phases:
+            xs = [o.off_rank_bytes for o in obs if o.phase == p]
+            ts = [o.us for o in obs if o.phase == p]
+            mx, mt = (0.0, 0.0) if p in zero else (sum(xs) / len(xs), sum(ts) / len(ts))
+            means[p] = (mx, mt)
+            num += sum((x - mx) * (t - mt) for x, t in zip(xs, ts))
+            den += sum((x - mx) ** 2 for x in xs)
+        if den <= 0:
+            continue
+        slope = num / den
+        c = {p: 0.0 if p in zero else means[p][1] - slope * means[p][0] for p in phases}
+        if any(v < 0 for v in c.values()):
+            continue
+        sse = sum((o.us - c[o.phase] - slope * o.off_rank_bytes) ** 2 for o in obs)
+        if best is None or sse < best[2]:
+            best = (c, slope, sse)
+    if best is None:
+        raise ValueError("no byte count differs between the points")
+    c, slope, sse = best
+    return c, slope, math.sqrt(sse / len(obs))
+
+
+def calibrate(run_dir: str | Path, path: str = DEFAULT_PATH) -> WireModel:
+    """Fit the intra-node link and the path overheads of `path` (an impl name, `dispatch.a2a`) to a run of
+    `moebench run sweeps/dispatch.yaml` (manifest.json + records.jsonl).
+
+    Each ok point of `path` whose EP group fits on the run's host (ep_size >= 2 and <= its GPUs) gives two
+    observations, its dispatch and combine p50 (`stages`, per-iteration max over ranks) against the off-rank
+    payload bytes of the recording rank, max(sent, received) (`info`: rows sent per destination, rows received,
+    the own rows, payload bytes per row; combine: the same rows back at hidden * 2 bytes). They are fitted by least
+    squares to us = overhead[phase] + bytes / bandwidth: one bandwidth, an intercept per phase (>= 0).
+    What the fit cannot separate: within one node the link latency and the path's overhead are one intercept, so
+    the intercepts are the overheads and the intra latency is 0; the path's own wire overhead (a2a's row metadata,
+    a2a_fixed's capacity blocks) is folded into the bandwidth, since the bytes are payload bytes (what phase_us is
+    given); on more than 2 ranks, rank 0's traffic stands for every rank's. The link between nodes keeps its
+    public default (a run on one host has no such link), and ranks_per_node is the host's GPU count.
+
+    Refused with WireCalibrationError (one line: the file, the reason): a directory that is not a run, a run whose
+    target is not dispatch or that ran on no GPU, fewer than MIN_FIT_POINTS usable points of `path` or no spread
+    of bytes among them, and a fit whose bandwidth is not positive."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise WireCalibrationError(f"{run}: no such run directory")
+    if not (run / MANIFEST).is_file():
+        raise WireCalibrationError(f"{run}: not a moebench run (no {MANIFEST})")
+    try:
+        manifest = load_manifest(run)
+    except (OSError, ValueError) as e:
+        raise WireCalibrationError(f"{run / MANIFEST}: not readable as JSON ({e})".splitlines()[0]) from None
+    sweep = manifest.get("sweep") if isinstance(manifest, dict) else None
+    target = sweep.get("target") if isinstance(sweep, dict) else None
+    if target != "dispatch":
+        raise WireCalibrationError(f"{run / MANIFEST}: target {target!r} is not dispatch (calibrate from a run of "
+                                   "sweeps/dispatch.yaml)")
+    env = manifest.get("env") if isinstance(manifest.get("env"), dict) else {}
+    gpus = env.get("gpu_count")
+    if manifest.get("device") != "cuda" or not isinstance(gpus, int) or gpus < 2:
+        raise WireCalibrationError(f"{run / MANIFEST}: not a run on 2 or more GPUs of one host (device "
+                                   f"{manifest.get('device')!r}, gpu_count {gpus!r}): its times are no GPU link's")
+    records = [r for r in load_records(run) if r.get("impl") == path and r.get("status") == "ok"]
+    obs: list[_Observation] = []
+    points = 0
+    for rec in records:
+        ep = rec.get("params", {}).get("ep_size") if isinstance(rec.get("params"), dict) else None
+        if not isinstance(ep, int) or not 2 <= ep <= gpus:
+            continue
+        got = _point_observations(rec)
+        if got:
+            obs.extend(got)
+            points += 1
+    where = run / RECORDS
+    if points < MIN_FIT_POINTS:
+        held = sorted({r.get("impl") for r in load_records(run) if r.get("status") == "ok"} - {None})
+        raise WireCalibrationError(f"{where}: {points} usable ok points of {path} (ep_size 2..{gpus}), the fit needs "
+                                   f"{MIN_FIT_POINTS} (ok points of: {', '.join(held) or 'none'})")
+    try:
+        intercepts, slope, rms = _fit(obs)
+    except ValueError as e:
+        raise WireCalibrationError(f"{where}: {path}: {e}") from None
+    if slope <= 0:
+        raise WireCalibrationError(f"{where}: {path}: the fit gives no positive bandwidth (more bytes are not "
+                                   "slower over these points)")
+    said = f"calibrated: {run}, {points} points, {path}"
+    return WireModel(
+        name=f"calibrated:{run.name}:{path}",
+        intra=LinkModel(bandwidth_gbps=1e-3 / slope, latency_us=0.0),
+        inter=INTER_NODE_DEFAULT,
+        ranks_per_node=gpus,
+        dispatch_overhead_us=intercepts.get("dispatch", 0.0),
+        combine_overhead_us=intercepts.get("combine", 0.0),
+        source={"intra.bandwidth_gbps": said,
+                "intra.latency_us": f"{said}: not separable from the path overhead on one node (in the overheads)",
+                **{k: f"{v} (the calibration run has no link between nodes)" for k, v in _INTER_SOURCE.items()},
+                "ranks_per_node": f"calibrated: {run / MANIFEST} (GPUs on its host)",
+                "dispatch_overhead_us": said, "combine_overhead_us": said,
+                "fit": f"rms residual {rms:.1f} us over {len(obs)} phase times"},
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _calibrate_cached(run_dir: str, path: str, stamp: tuple) -> WireModel:
+    return calibrate(run_dir, path)
+
+
+def _calibration(run_dir: str, path: str) -> WireModel:
+    """calibrate(), read once per state of the run's files (a sweep validates it at every point)."""
+    run = Path(run_dir)
+    stamp = tuple(f.stat().st_mtime_ns if f.is_file() else None for f in (run / MANIFEST, run / RECORDS))
+    return _calibrate_cached(str(run.resolve()) if run.exists() else str(run), path, stamp)
+
+
+def calibration_problem(run_dir: str, path: str = DEFAULT_PATH) -> str | None:
+    """Why `run_dir` cannot calibrate the wire for `path` (calibrate()'s one line), or None."""
+    try:
+        _calibration(run_dir, path)
+    except WireCalibrationError as e:
+        return str(e)
+    return None
+
+
+# Sweep keys over the model's figures: (Params field, figure, source key).
+_SWEEP_KEYS = (("wire_intra_gbps", "intra", "bandwidth_gbps"), ("wire_intra_latency_us", "intra", "latency_us"),
+               ("wire_inter_gbps", "inter", "bandwidth_gbps"), ("wire_inter_latency_us", "inter", "latency_us"))
+
+
+def wire_model_of(p: Params) -> WireModel:
+    """The wire model of point p: DEFAULT_WIRE_MODEL, replaced by calibrate(p.dispatch_calibration, p.wire_path)
+    when a calibration run is set (p.wire_path other than the default needs one), then each sweep key that is set
+    (wire_intra_gbps, wire_intra_latency_us, wire_inter_gbps, wire_inter_latency_us). ranks_per_node is always
+    the sweep's (the modelled deployment's; a calibration run's own host only decides which of its points ran
+    within one node)."""
+    if p.dispatch_calibration is not None:
+        model = _calibration(p.dispatch_calibration, p.wire_path)
+    elif p.wire_path != DEFAULT_PATH:
+        raise ValueError(f"wire_path: {p.wire_path!r} needs dispatch_calibration (the defaults model "
+                         f"{DEFAULT_PATH})")
+    else:
+        model = DEFAULT_WIRE_MODEL
+    source = dict(model.source)
+    links = {"intra": model.intra, "inter": model.inter}
+    for key, link, figure in _SWEEP_KEYS:
+        value = getattr(p, key)
+        if value is not None:
+            links[link] = dataclasses.replace(links[link], **{figure: float(value)})
+            source[f"{link}.{figure}"] = f"sweep key {key}"
+    if p.ranks_per_node != DEFAULT_RANKS_PER_NODE:
+        source["ranks_per_node"] = "sweep key ranks_per_node"
+    else:
+        source["ranks_per_node"] = DEFAULT_WIRE_MODEL.source["ranks_per_node"]
+    return dataclasses.replace(model, intra=links["intra"], inter=links["inter"], ranks_per_node=p.ranks_per_node,
+                               source=source)
