@@ -245,6 +245,8 @@ def _fit(obs: list[_Observation]) -> tuple[dict[str, float], float, float]:
     unconstrained fit, or with a negative intercept held at 0 (every such subset tried, the best feasible kept).
     Returns (intercepts, slope in us per byte, rms residual in us)."""
     phases = sorted({o.phase for o in obs})
+    if any(len({o.off_rank_bytes for o in obs if o.phase == p}) < 2 for p in phases):
+        raise ValueError("no byte count differs between the points")
     best = None
     for held in range(1 << len(phases)):
         zero = {p for i, p in enumerate(phases) if held >> i & 1}
@@ -266,8 +268,6 @@ def _fit(obs: list[_Observation]) -> tuple[dict[str, float], float, float]:
         sse = sum((o.us - c[o.phase] - slope * o.off_rank_bytes) ** 2 for o in obs)
         if best is None or sse < best[2]:
             best = (c, slope, sse)
-    if best is None:
-        raise ValueError("no byte count differs between the points")
     c, slope, sse = best
     return c, slope, math.sqrt(sse / len(obs))
 
