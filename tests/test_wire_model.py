@@ -186,6 +186,8 @@ def test_calibrate_on_the_committed_run_gives_the_defaults():
 @pytest.mark.parametrize("case,message", [
     ("missing", "no such run directory"),
     ("not a run", "not a moebench run (no manifest.json)"),
+    ("bad manifest", "manifest.json: not readable as JSON"),
+    ("bad records", "records.jsonl: not readable"),
     ("layer run", "target 'layer' is not dispatch"),
     ("cpu run", "not a run on 2 or more GPUs"),
     ("too few points", "2 usable ok points of dispatch.a2a (ep_size 2..2), the fit needs 3"),
@@ -198,6 +200,12 @@ def test_calibrate_refuses(tmp_path, case, message):
     path = "dispatch.a2a"
     if case == "not a run":
         run.mkdir()
+    elif case == "bad manifest":
+        _write_run(run, [(1, 1, 1, 2)] * 3)
+        (run / "manifest.json").write_text("{not json")
+    elif case == "bad records":
+        _write_run(run, [(1, 1, 1, 2)] * 3)
+        (run / "records.jsonl").write_bytes(b"\xff\xfe\n")
     elif case == "layer run":
         _write_run(run, [(1, 1, 1, 2)] * 3, target="layer")
     elif case == "cpu run":

@@ -37,6 +37,7 @@ DEFAULT_PATH = "dispatch.a2a"
 DEFAULT_CALIBRATION_RUN = "results/h200/dispatch_ref-20261130T062359Z"
 DEFAULT_RANKS_PER_NODE = 8  # an HGX H200 node
 MIN_FIT_POINTS = 3
+RECORDING_RANK = 0  # the rank whose record a multi-rank point stores (moebench.run.multirank)
 
 
 class WireCalibrationError(ValueError):
@@ -219,19 +220,18 @@ class _Observation:
 
 
 def _point_observations(rec: dict) -> list[_Observation] | None:
-    """The record's two observations, or None when it lacks a figure the fit needs. The record is rank 0's: its
-    own traffic stands for every rank's (exact on 2 ranks, where rank 1 sends what rank 0 receives and back)."""
-    info, stages, params = rec.get("info"), rec.get("stages"), rec.get("params")
+    """The record's two observations, or None when it lacks a figure the fit needs. The record is the recording
+    rank's: its traffic stands for every rank's (exact on 2 ranks, where rank 1 sends what rank 0 receives and
+    back)."""
+    info, stages = rec.get("info"), rec.get("stages")
     try:
-        rank = 0
         sent, recv_rows, own = info["rows_sent_per_dest"], int(info["recv_rows"]), int(info["recv_rows_own"])
-        sent_off = sum(int(v) for d, v in enumerate(sent) if d != rank)
+        sent_off = sum(int(v) for d, v in enumerate(sent) if d != RECORDING_RANK)
         recv_off = recv_rows - own
         dispatch_row = info["dispatch_payload_bytes"] / recv_rows if recv_rows else 0.0
         combine_row = info["combine_payload_bytes"] / sum(sent) if sum(sent) else 0.0
         d_us, c_us = float(stages["dispatch"]["p50"]), float(stages["combine"]["p50"])
-        int(params["ep_size"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError):
         return None
     if not (math.isfinite(d_us) and math.isfinite(c_us)):
         return None
@@ -309,10 +309,14 @@ def calibrate(run_dir: str | Path, path: str = DEFAULT_PATH) -> WireModel:
     if manifest.get("device") != "cuda" or not isinstance(gpus, int) or gpus < 2:
         raise WireCalibrationError(f"{run / MANIFEST}: not a run on 2 or more GPUs of one host (device "
                                    f"{manifest.get('device')!r}, gpu_count {gpus!r}): its times are no GPU link's")
-    records = [r for r in load_records(run) if r.get("impl") == path and r.get("status") == "ok"]
+    where = run / RECORDS
+    try:
+        ok = [r for r in load_records(run) if isinstance(r, dict) and r.get("status") == "ok"]
+    except (OSError, ValueError) as e:
+        raise WireCalibrationError(f"{where}: not readable ({e})".splitlines()[0]) from None
     obs: list[_Observation] = []
     points = 0
-    for rec in records:
+    for rec in (r for r in ok if r.get("impl") == path):
         ep = rec.get("params", {}).get("ep_size") if isinstance(rec.get("params"), dict) else None
         if not isinstance(ep, int) or not 2 <= ep <= gpus:
             continue
@@ -320,9 +324,8 @@ def calibrate(run_dir: str | Path, path: str = DEFAULT_PATH) -> WireModel:
         if got:
             obs.extend(got)
             points += 1
-    where = run / RECORDS
     if points < MIN_FIT_POINTS:
-        held = sorted({r.get("impl") for r in load_records(run) if r.get("status") == "ok"} - {None})
+        held = sorted({str(r.get("impl")) for r in ok if r.get("impl")})
         raise WireCalibrationError(f"{where}: {points} usable ok points of {path} (ep_size 2..{gpus}), the fit needs "
                                    f"{MIN_FIT_POINTS} (ok points of: {', '.join(held) or 'none'})")
     try:
