@@ -373,6 +373,29 @@ def calibration_problem(run_dir: str, path: str = DEFAULT_PATH) -> str | None:
     return None
 
 
+def wire_params_problem(p: Params) -> str | None:
+    """Why the wire keys of p cannot make a model (a bandwidth <= 0, a latency < 0, ranks_per_node not dividing
+    ep_size, wire_path without a calibration, a calibration calibrate() refuses), or None; moebench.run.sweep asks
+    it of every point."""
+    if p.ranks_per_node < 1:
+        return f"ranks_per_node: must be >= 1, got {p.ranks_per_node}"
+    for k in ("wire_intra_gbps", "wire_inter_gbps"):
+        if getattr(p, k) is not None and not getattr(p, k) > 0:
+            return f"{k}: must be > 0 GB/s, got {getattr(p, k)}"
+    for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
+        if getattr(p, k) is not None and not getattr(p, k) >= 0:
+            return f"{k}: must be >= 0 us, got {getattr(p, k)}"
+    if p.ep_size > p.ranks_per_node and p.ep_size % p.ranks_per_node:
+        return (f"ranks_per_node: {p.ranks_per_node} does not divide ep_size {p.ep_size} (the EP ranks fill whole "
+                "nodes; set ranks_per_node to the deployment's GPUs per node)")
+    if p.dispatch_calibration is None:
+        if p.wire_path != DEFAULT_PATH:
+            return f"wire_path: {p.wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_PATH})"
+        return None
+    why = calibration_problem(p.dispatch_calibration, p.wire_path)
+    return f"dispatch_calibration: {why}" if why else None
+
+
 # Sweep keys over the model's figures: (Params field, figure, source key).
 _SWEEP_KEYS = (("wire_intra_gbps", "intra", "bandwidth_gbps"), ("wire_intra_latency_us", "intra", "latency_us"),
                ("wire_inter_gbps", "inter", "bandwidth_gbps"), ("wire_inter_latency_us", "inter", "latency_us"))

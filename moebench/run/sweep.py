@@ -25,8 +25,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from moebench import registry
-from moebench.dispatch.wire_model import DEFAULT_PATH as DEFAULT_WIRE_PATH
-from moebench.dispatch.wire_model import calibration_problem
+from moebench.dispatch.wire_model import wire_params_problem
 from moebench.params import Params, Point, Timing, ep_split_problem
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
@@ -106,7 +105,7 @@ def params_problem(p: Params) -> str | None:
     """Why a combination of parameters is impossible, or None. Impl-specific limits live in Impl.validate."""
     positive = ("num_tokens", "num_experts", "top_k", "hidden", "intermediate", "group_size", "block_size",
                 "ep_size", "num_expert_group", "topk_group", "producer_size", "num_max_tokens_per_rank",
-                "trace_steps", "trace_max_tokens", "hot_experts", "dp_size", "sp_size", "ranks_per_node")
+                "trace_steps", "trace_max_tokens", "hot_experts", "dp_size", "sp_size")
     for k in positive:
         if getattr(p, k) < 1:
             return f"{k}: must be >= 1, got {getattr(p, k)}"
@@ -143,7 +142,7 @@ def params_problem(p: Params) -> str | None:
     why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
     if why:
         return f"trace_file: {why}"
-    why = wire_problem(p)
+    why = wire_params_problem(p)
     if why:
         return why
     # pcp_mask / dbo_mask (moebench.inputs.router_mask) only mean something with their producer
@@ -154,54 +153,40 @@ def params_problem(p: Params) -> str | None:
     return None
 
 
-def wire_problem(p: Params) -> str | None:
-    """Why the EP step's wire model (moebench.dispatch.wire_model) cannot be made for p, or None."""
-    for k in ("wire_intra_gbps", "wire_inter_gbps"):
-        if getattr(p, k) is not None and not getattr(p, k) > 0:
-            return f"{k}: must be > 0 GB/s, got {getattr(p, k)}"
-    for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
-        if getattr(p, k) is not None and not getattr(p, k) >= 0:
-            return f"{k}: must be >= 0 us, got {getattr(p, k)}"
-    if p.ep_size > p.ranks_per_node and p.ep_size % p.ranks_per_node:
-        return (f"ranks_per_node: {p.ranks_per_node} does not divide ep_size {p.ep_size} (the EP ranks fill whole "
-                "nodes; set ranks_per_node to the deployment's GPUs per node)")
-    if p.dispatch_calibration is None:
-        if p.wire_path != DEFAULT_WIRE_PATH:
-            return f"wire_path: {p.wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_WIRE_PATH})"
-        return None
-    why = calibration_problem(p.dispatch_calibration, p.wire_path)
-    return f"dispatch_calibration: {why}" if why else None
+def _calibration_bases(src: str) -> list[tuple[str, Path]]:
+    """Where a relative dispatch_calibration is looked for, in order: beside the sweep file (none for a sweep that
+    is no file), then the current directory."""
+    bases = [] if not src or src.startswith("<") else [("beside the sweep", Path(src).parent.absolute())]
+    return bases + [("in the current directory", Path.cwd())]
 
 
-def _beside_sweep(value: str, src: str) -> Path | None:
-    """A path a sweep names: as given when absolute, else beside the sweep file first, then in the current
-    directory (absolute once found, so that the run's stored sweep still finds it from elsewhere); None: neither."""
+def _find_calibration(value: str, src: str) -> str | None:
+    """The absolute path dispatch_calibration `value` names (as given when absolute, else the first of
+    _calibration_bases that holds it), or None."""
     given = Path(value).expanduser()
     if given.is_absolute():
-        return given if given.exists() else None
-    bases = ([Path(src).parent] if src != "<memory>" else []) + [Path.cwd()]
-    for base in bases:
+        return str(given) if given.exists() else None
+    for _, base in _calibration_bases(src):
         if (base / given).exists():
-            return (base / given).resolve()
+            return str((base / given).resolve())
     return None
 
 
-def _resolve_paths(src: str, section: str, table: dict) -> dict:
-    """`table` (fixed, or axes) with its dispatch_calibration values resolved by _beside_sweep."""
+def _resolve_calibration(src: str, section: str, table: dict) -> dict:
+    """`table` (fixed, or axes) with each dispatch_calibration made the absolute path of its directory (so that the
+    run's stored sweep still finds it from elsewhere); one found nowhere is refused naming where it was looked for."""
     key = "dispatch_calibration"
     if key not in table:
         return table
     values = table[key] if section == "axes" else [table[key]]
     out = []
     for v in values:
-        if v is None:
-            out.append(v)
-            continue
-        found = _beside_sweep(v, src)
-        if found is None:
-            where = " and ".join(str(b) for b in ([Path(src).parent] if src != "<memory>" else []) + [Path.cwd()])
-            raise _fail(src, f"{section}.{key}", f"{v}: no such directory (looked in {where})")
-        out.append(str(found))
+        found = None if v is None else _find_calibration(v, src)
+        if v is not None and found is None:
+            places = "" if Path(v).expanduser().is_absolute() else " " + " or ".join(
+                f"{place} ({base})" for place, base in _calibration_bases(src))
+            raise _fail(src, f"{section}.{key}", f"{v}: no such directory{places}")
+        out.append(found)
     return {**table, key: out if section == "axes" else out[0]}
 
 
@@ -363,7 +348,7 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
                 why = check_param_value(k, val) or (_model_problem(val) if k == "model" else None)
                 if why:
                     raise _fail(src, f"{section}.{k}", why)
-    fixed, axes = _resolve_paths(src, "fixed", fixed), _resolve_paths(src, "axes", axes)
+    fixed, axes = _resolve_calibration(src, "fixed", fixed), _resolve_calibration(src, "axes", axes)
     both = set(fixed) & set(axes)
     if both:
         k = sorted(both)[0]
