@@ -86,6 +86,9 @@ class Params:
     wire_inter_latency_us: Optional[float] = None
     dispatch_calibration: Optional[str] = None  # a run directory of `moebench run sweeps/dispatch.yaml`
     wire_path: str = "dispatch.a2a"  # the dispatch impl of that run whose fit models dispatch and combine
+    # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
+    # (None: moebench.bench._trace_ep.DEFAULT_RANK_TIMINGS for the device)
+    ep_rank_timings: Optional[int] = None
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
@@ -190,5 +193,6 @@ _LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype":
                    "config": None, "dp_size": 1, "sp_size": 1, "dbo": False, "trace_file": None,
                    "trace_replay": 0, "trace_real_points": 0, "ranks_per_node": 8, "wire_intra_gbps": None,
                    "wire_intra_latency_us": None, "wire_inter_gbps": None, "wire_inter_latency_us": None,
-                   "dispatch_calibration": None, "wire_path": "dispatch.a2a"}
+                   "dispatch_calibration": None, "wire_path": "dispatch.a2a",
+                   "ep_rank_timings": None}
 _NO_DEFAULT = object()

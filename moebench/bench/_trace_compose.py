@@ -157,9 +157,12 @@ def replay(paddings: Sequence[StepPadding], time_call: ShapeTimer) -> list[dict[
     return [_step_times(step, time_call) for step in paddings]
 
 
-def totals(per_step: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Sums over the steps: {layer_us: {side}, real_only_us: {side}, padding_us: {side}}."""
-    out = {what: {side: sum(s[what][side] for s in per_step) for side in SIDES}
+def totals(per_step: Sequence[dict[str, dict[str, float]]], counts: Sequence[int] | None = None
+           ) -> dict[str, dict[str, float]]:
+    """Sums over the steps, each weighted by its count when given (a distinct step standing for `count` steps):
+    {layer_us: {side}, real_only_us: {side}, padding_us: {side}}."""
+    counts = counts if counts is not None else [1] * len(per_step)
+    out = {what: {side: sum(n * s[what][side] for s, n in zip(per_step, counts)) for side in SIDES}
            for what in ("layer_us", "real_only_us")}
     out["padding_us"] = {side: out["layer_us"][side] - out["real_only_us"][side] for side in SIDES}
     return out

@@ -18,7 +18,7 @@ Figures from the reference routing of the batch, per side (padding routed when o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,11 +26,13 @@ from moebench.bench.layer import LayerPipeline, check_pipeline
 from moebench.check import CheckResult
 from moebench.inputs import cached_expert_weights, make_batch, route
 from moebench.inputs.padding import fill_rows
-from moebench.measure.imbalance import per_rank_loads
+from moebench.bench._ep_step import CallRoutes
+from moebench.measure.imbalance import per_rank_loads, rank_rows
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
 
 SIDES = ("masked", "oblivious")
+MIN_SPREAD_SAMPLES = 5  # fewer samples give no p10-p90 spread worth the name
 
 
 def shape_params(p: Params, rows: int, real: int) -> Params:
@@ -46,6 +48,9 @@ def shape_seed_offset(rows: int, real: int) -> int:
     return 7_919 * rows + real
 
 
+SLOT_SEED = 104_729 * 7_919  # an EP step's source slots: seed offsets past every shape's
+
+
 @dataclass
 class ShapeFigures:
     """What one shape costs, per side (dicts keyed by SIDES); a dict left empty was not measured (layer_us: not
@@ -57,9 +62,12 @@ class ShapeFigures:
     padding_gemm_rows: dict[str, int]
     rank_loads: dict[str, list[int]]
     max_rows_per_rank: dict[str, int]
+    # half the p10-p90 spread of each side's samples (None: too few samples to tell)
+    layer_spread_us: dict[str, float | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"rows": self.rows, "real": self.real, "layer_us": {k: round(v, 3) for k, v in self.layer_us.items()},
+                "layer_spread_us": {k: None if v is None else round(v, 3) for k, v in self.layer_spread_us.items()},
                 "padding_gemm_rows": self.padding_gemm_rows, "rank_loads": self.rank_loads,
                 "max_rows_per_rank": self.max_rows_per_rank}
 
@@ -84,22 +92,35 @@ def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int]
     return gemm_rows, loads, int(in_rank.sum(dim=0).max().item())
 
 
+def call_routes(ids: torch.Tensor, num_experts: int, ep_size: int) -> CallRoutes:
+    """A routing [T, K] (-1: none) as routes per expert and rows with a route to each EP rank (measure.imbalance)."""
+    ids = ids.to(torch.int64)
+    expert_routes = torch.bincount(ids[ids >= 0], minlength=num_experts)
+    ranks = rank_rows(ids, EPLayout(0, ep_size, num_experts))
+    return CallRoutes(tuple(int(v) for v in expert_routes.tolist()), tuple(ranks))
+
+
 class ShapeBench:
     """Builds, times and measures shapes of one layer point (the sweep's layer parameters)."""
 
     def __init__(self, p: Params, device: torch.device, timing: Timing):
         self.p, self.device, self.timing = p, device, timing
         self.w13, self.w2 = _weights(p, device)
+        self.last_spread_us: float | None = None
+        self.last_spreads_us: dict[str, float | None] = {}
 
-    def batch(self, rows: int, real: int):
+    def batch(self, rows: int, real: int, slot: int = 0):
         """The shape's batch. Its real rows are those of the real tokens alone, (real, real): the padded call and
         its real-only baseline differ only by the padding (with independent real rows, which of this rank's
-        experts a few decode tokens reach, not the padding, would decide their difference)."""
+        experts a few decode tokens reach, not the padding, would decide their difference). `slot`: the source
+        rank of an EP step (slot 0 is the single-rank view's batch): each source has its own real tokens."""
         sp = shape_params(self.p, rows, real)
-        padded = make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
+        base = slot * SLOT_SEED
+        padded = make_batch(sp, self.device, seed_offset=base + shape_seed_offset(rows, real))
         if real == 0 or rows == real:
             return sp, padded
-        alone = make_batch(shape_params(self.p, real, real), self.device, seed_offset=shape_seed_offset(real, real))
+        alone = make_batch(shape_params(self.p, real, real), self.device,
+                           seed_offset=base + shape_seed_offset(real, real))
         padded.logits[:real] = alone.logits
         if padded.hidden is not None:
             padded.hidden[:real] = alone.hidden
@@ -113,12 +134,16 @@ class ShapeBench:
         return LayerPipeline(sp, batch, self.w13, self.w2, masked=side == "masked", mask=batch.is_padding)
 
     def time_side(self, sp: Params, batch, side: str) -> float:
-        """p50 microseconds of one side's layer on this batch (its pipeline built here and freed)."""
+        """p50 microseconds of one side's layer on this batch (its pipeline built here and freed); the samples'
+        half p10-p90 spread is left in `last_spread_us` (None under MIN_SPREAD_SAMPLES samples)."""
         pipe = self.pipeline(sp, batch, side)
         try:
-            return float(measure(pipe.run, self.timing, self.device, graph_capturable=True).stats["p50"])
+            stats = measure(pipe.run, self.timing, self.device, graph_capturable=True).stats
         finally:
             del pipe
+        self.last_spread_us = (float(stats["p90"] - stats["p10"]) / 2 if stats["n"] >= MIN_SPREAD_SAMPLES
+                               else None)
+        return float(stats["p50"])
 
     def shape_figures(self, rows: int, real: int) -> ShapeFigures:
         """The routing's figures of one shape (layer_us left empty): make_batch and route only, no timing."""
@@ -130,15 +155,30 @@ class ShapeBench:
         return ShapeFigures(rows, real, {}, {s: f[0] for s, f in figures.items()},
                             {s: f[1] for s, f in figures.items()}, {s: f[2] for s, f in figures.items()})
 
+    def call_routes(self, rows: int, real: int, slot: int) -> dict[str, CallRoutes]:
+        """Per side, the routes to each expert and the rows sent to each EP rank of source `slot`'s call."""
+        sp, batch = self.batch(rows, real, slot)
+        out = {}
+        for side in SIDES:
+            _, ids = route(sp, batch, use_mask=side == "masked")
+            out[side] = call_routes(ids, self.p.num_experts, self.p.ep_size)
+        return out
+
     def time_shape(self, rows: int, real: int) -> dict[str, float]:
-        """Both sides' p50 microseconds at one shape (the same seeded batch as its figures)."""
+        """Both sides' p50 microseconds at one shape (the same seeded batch as its figures); their spreads are
+        left in `last_spreads_us`."""
         sp, batch = self.batch(rows, real)
-        return {side: self.time_side(sp, batch, side) for side in SIDES}
+        out, self.last_spreads_us = {}, {}
+        for side in SIDES:
+            out[side] = self.time_side(sp, batch, side)
+            self.last_spreads_us[side] = self.last_spread_us
+        return out
 
     def measure_shape(self, rows: int, real: int) -> ShapeFigures:
         """Figures and timings of one shape."""
         f = self.shape_figures(rows, real)
         f.layer_us = self.time_shape(rows, real)
+        f.layer_spread_us = dict(self.last_spreads_us)
         return f
 
     def check_shape(self, rows: int, real: int) -> CheckResult:

@@ -47,6 +47,8 @@ from moebench.bench._trace_compose import (
     share,
     totals,
 )
+from moebench.bench._ep_step import placement_problem
+from moebench.bench._trace_ep import ep_step
 from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
@@ -71,10 +73,13 @@ SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, 
 _TRACE_KEYS = ("capture_sizes", "dp_size", "sp_size", "dbo", "trace", "trace_file", "trace_steps",
                "trace_distribution", "trace_max_tokens", "trace_replay", "capacity_policy",
                "num_max_tokens_per_rank", "num_tokens", "padding_ratio", "padding_producer",
-               "trace_real_points")
+               "trace_real_points", "ep_rank_timings", "ranks_per_node", "wire_intra_gbps",
+               "wire_intra_latency_us", "wire_inter_gbps", "wire_inter_latency_us", "dispatch_calibration",
+               "wire_path")
 # one layer point's shapes by (rows, real), routed, timed or both (exact shapes and grid points share entries); a
 # new layer point or a new run clears it
 _SHAPES: dict[tuple[int, int], ShapeFigures] = {}
+STEP_RECORDS_MAX = 5_000  # longer traces keep one record per distinct step (with its count) instead of every step
 _SHAPES_OWNER: list = [None]
 
 
@@ -92,6 +97,21 @@ def trace_tokens(p: Params) -> tuple[list[list[int]], dict[str, Any]]:
         else:  # jit_trace's own distributions, one seeded stream per DP rank
             per_rank.append(jit_trace.trace_batch_sizes(replace(p, seed=p.seed * 131 + rank)))
     return [list(step) for step in zip(*per_rank)], {"source": p.trace_distribution}
+
+
+def distinct_steps(tokens: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+    """(the distinct steps in first-appearance order, how often each occurs, which one each step is)."""
+    first: dict[tuple[int, ...], int] = {}
+    counts: list[int] = []
+    index = []
+    for step in tokens:
+        key = tuple(step)
+        j = first.setdefault(key, len(first))
+        if j == len(counts):
+            counts.append(0)
+        counts[j] += 1
+        index.append(j)
+    return list(first), counts, index
 
 
 def engine_of(p: Params) -> Engine:
@@ -130,6 +150,7 @@ def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], 
         entry = _cached(shape)
         if not entry.layer_us:
             entry.layer_us = bench.time_shape(*shape)
+            entry.layer_spread_us = dict(bench.last_spreads_us)
             timed_now += 1
     table = {(side, *shape): _SHAPES[shape].layer_us[side] for shape in timed for side in SIDES}
     return {s: _SHAPES[s] for s in routed}, table, timed_now
@@ -160,11 +181,13 @@ def _ep_excess(step: StepPadding, figures: dict, side: str) -> float:
     return excess
 
 
-def step_records(p: Params, tokens, paddings, per_step, figures) -> list[dict[str, Any]]:
+def step_records(p: Params, paddings, per_step, figures) -> list[dict[str, Any]]:
+    """One record per distinct step (its real tokens, the rows each producer added, both sides' single-rank
+    layer times, padded GEMM rows, EP excess routes and fixed-capacity capacities)."""
     out = []
-    for i, (real, step, times) in enumerate(zip(tokens, paddings, per_step)):
+    for step, times in zip(paddings, per_step):
         rec: dict[str, Any] = {
-            "step": i, "real": list(real), "cudagraph_rows": list(step.cudagraph_rows), "dp_rows": step.dp_rows,
+            "real": list(step.real), "cudagraph_rows": list(step.cudagraph_rows), "dp_rows": step.dp_rows,
             "micro_batch_rows": list(step.micro_batch_rows), "sp_rows": list(step.sp_rows),
             "chunk_rows": list(step.chunk_rows), "calls": len(step.calls),
             "rows": sum(c.rows for c in step.calls), "padded_rows": step.padded_rows,
@@ -180,30 +203,89 @@ def step_records(p: Params, tokens, paddings, per_step, figures) -> list[dict[st
     return out
 
 
-def trace_headline(p: Params, steps: list[dict], tot: dict) -> dict[str, Any]:
+def _ep_fields(ep: dict) -> dict[str, Any]:
+    """A step's EP-step figures, per side (the per-step records and the step file's columns)."""
+    return {"ep_step_us": {s: round(v.step_us, 3) for s, v in ep.items()},
+            "ep_experts_us": {s: round(v.experts_us, 3) for s, v in ep.items()},
+            "ep_mean_rank_us": {s: round(v.mean_rank_us, 3) for s, v in ep.items()},
+            "ep_dispatch_us": {s: round(v.dispatch_us, 3) for s, v in ep.items()},
+            "ep_combine_us": {s: round(v.combine_us, 3) for s, v in ep.items()},
+            "ep_slowest_rank": {s: v.slowest_rank for s, v in ep.items()}}
+
+
+def trace_headline(p: Params, distinct: list[dict], counts: list[int], tot: dict) -> dict[str, Any]:
+    """The single-rank headline over the trace (each distinct step weighted by how often it occurs)."""
     head = headline(tot)
-    real_rows = sum(sum(s["real"]) for s in steps)
-    padded = sum(s["padded_rows"] for s in steps)
-    head.update(real_tokens=real_rows, padded_rows=padded,
+    real_rows = sum(n * sum(s["real"]) for s, n in zip(distinct, counts))
+    padded = sum(n * s["padded_rows"] for s, n in zip(distinct, counts))
+    head.update(view="single_rank: this EP rank's layer over its own calls (router, align, its local experts, "
+                     "reduce); no straggler, no wire",
+                real_tokens=real_rows, padded_rows=padded,
                 padding_row_share=padded / (padded + real_rows) if padded + real_rows else None,
-                padding_gemm_rows={s: sum(st["padding_gemm_rows"][s] for st in steps) for s in SIDES},
-                ep_excess_routes={s: sum(st["ep_excess_routes"][s] for st in steps) for s in SIDES})
+                padding_gemm_rows={s: sum(n * st["padding_gemm_rows"][s] for st, n in zip(distinct, counts))
+                                   for s in SIDES},
+                ep_excess_routes={s: sum(n * st["ep_excess_routes"][s] for st, n in zip(distinct, counts))
+                                  for s in SIDES})
     head["ep_excess_from_padding"] = head["ep_excess_routes"]["oblivious"] - head["ep_excess_routes"]["masked"]
     if p.ep_size > 1:
-        head["jit_compiles"] = {s: len({c for st in steps for c in st["capacity"][s]}) for s in SIDES}
+        head["jit_compiles"] = {s: len({c for st in distinct for c in st["capacity"][s]}) for s in SIDES}
     else:
         head["jit_compiles"] = {s: None for s in SIDES}  # one rank: no dispatch to size
     return head
+
+
+def noise(calls: Counter, figures: dict, tot: dict) -> dict[str, Any]:
+    """How far the trace's padding time and the masks' saving could move with the timings' spread: per shape, half
+    its samples' p10-p90 spread times the calls that read it (one shape's error repeats in every call of it),
+    summed in quadrature over shapes (their errors are independent); a conservative bound (the p50's own error is
+    smaller than the samples' spread). None where a shape has no spread (too few samples, or not timed)."""
+    padding_var = {side: 0.0 for side in SIDES}
+    recovered_var = 0.0
+    reads: Counter = Counter()
+    for (rows, real), n in calls.items():
+        reads[(rows, real)] += n
+        if real:
+            reads[(real, real)] += n
+    for shape, n in reads.items():
+        spread = figures[shape].layer_spread_us if shape in figures else {}
+        if any(spread.get(side) is None for side in SIDES):
+            return {"padding_us": {side: None for side in SIDES}, "recovered_us": None,
+                    "within_noise": {"padding_tax": {side: None for side in SIDES}, "recovered": None}}
+        for side in SIDES:
+            padding_var[side] += (n * spread[side]) ** 2
+        if shape[0] != shape[1]:
+            recovered_var += sum((n * spread[side]) ** 2 for side in SIDES)
+    pad = {side: padding_var[side] ** 0.5 for side in SIDES}
+    rec = recovered_var ** 0.5
+    recovered = tot["layer_us"]["oblivious"] - tot["layer_us"]["masked"]
+    return {"padding_us": {side: round(v, 3) for side, v in pad.items()}, "recovered_us": round(rec, 3),
+            "within_noise": {"padding_tax": {side: abs(tot["padding_us"][side]) <= pad[side] for side in SIDES},
+                             "recovered": abs(recovered) <= rec}}
+
+
+def ep_headline(ep_info: dict) -> dict[str, Any]:
+    """The EP step's headline: step time per side, the tax of padding and its split, the straggler wait."""
+    tot, tax = ep_info["totals"], ep_info["tax"]
+    step = {s: tot[s]["step_us"] for s in SIDES}
+    return {"step_us": step, "experts_us": {s: tot[s]["experts_us"] for s in SIDES},
+            "mean_rank_us": {s: tot[s]["mean_rank_us"] for s in SIDES},
+            "straggler_wait_us": tax["straggler_wait_us"],
+            "wire_us": {s: round(tot[s]["dispatch_us"] + tot[s]["combine_us"], 3) for s in SIDES},
+            "dispatch_us": {s: tot[s]["dispatch_us"] for s in SIDES},
+            "combine_us": {s: tot[s]["combine_us"] for s in SIDES},
+            "padding_tax": share(tax["total_us"], step["oblivious"]),
+            "tax_split_us": {k: tax[k] for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us", "total_us")},
+            "slowest_rank_padded_route_share": ep_info["slowest_rank_padded_route_share"],
+            "rank_times": ep_info["rank_times"]}
 
 
 def _time(time_of, side: str, rows: int, real: int) -> float:
     return time_of(side, rows, real) if callable(time_of) else time_of[(side, rows, real)]
 
 
-def _replay_check(p: Params, bench: ShapeBench, paddings, time_of) -> dict[str, Any]:
-    """The first p.trace_replay steps replayed call by call (fresh batches and pipelines, the exact call shapes),
+def _replay_check(bench: ShapeBench, steps, time_of) -> dict[str, Any]:
+    """The trace's first steps replayed call by call (fresh batches and pipelines, the exact call shapes),
     against the composition of the same steps (in interpolated mode: what validates the interpolation)."""
-    steps = paddings[:p.trace_replay]
 
     def fresh(side: str, rows: int, real: int) -> float:
         sp, batch = bench.batch(rows, real)
@@ -230,6 +312,8 @@ def _validate(p: Params) -> str | None:
         return why
     if p.ep_mode != "real":
         return "ep_mode: serving_trace computes the EP ranks' loads itself (leave ep_mode: real)"
+    if p.ep_size > 1 and (why := placement_problem(p.ep_size, p.dp_size, p.sp_size)):
+        return why
     if p.trace_real_points < 0:
         return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
     if p.trace_replay and p.trace_file is None and p.trace is None and p.trace_replay > p.trace_steps:
@@ -246,20 +330,25 @@ def build(p: Params, ctx: RunContext) -> Case:
     t0 = time.perf_counter()
     tokens, source = trace_tokens(p)
     engine = engine_of(p)
-    paddings = [step_padding(real, engine) for real in tokens]
-    shapes = distinct_shapes(paddings)
+    distinct_real, counts, index = distinct_steps(tokens)
+    paddings = [step_padding(real, engine) for real in distinct_real]  # one per distinct step
+    replay_steps = [step_padding(real, engine) for real in tokens[:p.trace_replay]]
+    shapes = distinct_shapes(paddings + replay_steps)
     bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
     n = p.trace_real_points
-    timed = interpolation_shapes(paddings, n) if n else shapes
+    timed = interpolation_shapes(paddings + replay_steps, n) if n else shapes
     figures, table, measured = measure_shapes(p, bench, shapes, timed, ctx)
     time_of = interpolated_timer(table, n) if n else table
     timed_set = set(timed)
     per_step = compose(paddings, time_of)
-    steps = step_records(p, tokens, paddings, per_step, figures)
-    tot = totals(per_step)
-    calls = Counter((c.rows, c.real) for s in paddings for c in s.calls)
+    distinct = step_records(p, paddings, per_step, figures)
+    tot = totals(per_step, counts)
+    calls: Counter = Counter()
+    for step, count in zip(paddings, counts):
+        for c in step.calls:
+            calls[(c.rows, c.real)] += count
     info: dict[str, Any] = {
-        "trace": {**source, "steps": len(tokens), "dp_size": p.dp_size},
+        "trace": {**source, "steps": len(tokens), "distinct_steps": len(paddings), "dp_size": p.dp_size},
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
                    "dp_size": p.dp_size, "sp_size": p.sp_size, "dbo": p.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
@@ -268,16 +357,28 @@ def build(p: Params, ctx: RunContext) -> Case:
         "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
         "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
         "shape_timing": {"mode": bench.timing.mode, "iters": bench.timing.iters, "stat": "p50"},
-        "headline": trace_headline(p, steps, tot),
-        "trace_steps": steps,
+        "headline": {**trace_headline(p, distinct, counts, tot), "noise": noise(calls, figures, tot)},
         # each distinct shape's routing figures and the layer time the composition used (measured, or read off
         # the interpolation where the shape was not timed)
         "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(_time(time_of, side, *s), 3) for side in SIDES},
                     "timed": s in timed_set} for s in shapes],
         "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
     }
+    if p.ep_size > 1:
+        ep_info, ep_steps = ep_step(p, bench, "cuda" if dev.type == "cuda" else "cpu", bench.timing, paddings,
+                                    counts, replay_steps)
+        info["ep_step"] = ep_info
+        info["headline"]["ep_step"] = ep_headline(ep_info)
+        for rec, ep in zip(distinct, ep_steps):
+            rec.update(_ep_fields(ep))
+    # every step's figures in the record while the trace is short; a long trace keeps its distinct steps
+    if len(tokens) <= STEP_RECORDS_MAX:
+        info["trace_steps"] = [{"step": i, **distinct[j]} for i, j in enumerate(index)]
+    else:
+        info["trace_steps"] = None
+        info["distinct_step_records"] = [{"count": c, **rec} for rec, c in zip(distinct, counts)]
     if p.trace_replay:
-        info["replay"] = _replay_check(p, bench, paddings, time_of)
+        info["replay"] = _replay_check(bench, replay_steps, time_of)
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
 
     busiest = calls.most_common(1)[0][0] if calls else shapes[0] if shapes else (1, 1)
@@ -294,7 +395,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         # every distinct step is what the tensor producers make of its real tokens, the composition reads back
         # every timed shape as measured, and the most padded shape's layers are right
         problems = []
-        for step in {st.real: st for st in paddings}.values():
+        for step in paddings:
             why = padding_problem(step, engine)
             if why:
                 problems.append(why)

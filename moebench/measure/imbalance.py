@@ -59,6 +59,12 @@ def per_rank_loads(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> to
     return counts.view(ep_size, layout.experts_per_rank).sum(dim=1)
 
 
+def rank_rows(topk_ids: torch.Tensor, layout: EPLayout) -> list[int]:
+    """Rows with at least one route to each EP rank's experts: the rows a token dispatch sends each rank."""
+    ids = _check_routing(topk_ids, layout)
+    return _rank_tokens(ids, torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device), layout)
+
+
 def _rank_tokens(ids: torch.Tensor, rows: torch.Tensor, layout: EPLayout) -> list[int]:
     """Distinct (token, rank) pairs among the selected rows: the rows a dispatch sends to each rank."""
     num_tokens, ep_size = ids.shape[0], layout.ep_size

@@ -139,6 +139,8 @@ def params_problem(p: Params) -> str | None:
         return f"trace_replay: must be >= 0, got {p.trace_replay}"
     if p.trace_real_points < 0:
         return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
+    if p.ep_rank_timings is not None and p.ep_rank_timings < 1:
+        return f"ep_rank_timings: must be >= 1, got {p.ep_rank_timings}"
     why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
     if why:
         return f"trace_file: {why}"

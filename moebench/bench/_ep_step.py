@@ -1,0 +1,205 @@
+"""The EP step of a serving trace: the slowest EP rank's expert work plus the wire, per step and side; arithmetic.
+
+Placement. Every layer call of a step (a DP rank x SP rank x micro-batch, moebench.inputs.engine_padding) is a
+source on one EP rank: with DP attention and expert parallelism every GPU holds one DP x SP source. When the EP
+group is larger than DP x SP, the trace's DP ranks stand for each of ep_size / (DP x SP) such groups (`replicas`:
+the same token counts, each source its own routing); when smaller, source `slot` sits on rank slot mod ep_size.
+A source's slot is replica * DP * SP + dp_rank * sp_size + sp_rank.
+Per micro-batch m and side (masked: padded rows route nowhere; oblivious: they are routed like real rows), from
+each call's routing (`CallRoutes`: routes per expert, rows sent to each EP rank; exact, measure.imbalance's counts):
+  rank r's workload  the rows it receives from every source and the routes to each of its experts (_rank_cost)
+  experts_us(m)      max over r of T_r, T_r its workload's time; mean_us(m) the mean over r; slowest its argmax
+  dispatch_us(m)     the wire model's time for bytes[src][dst] = rows src sends dst x dispatch row bytes
+  combine_us(m)      the same with the matrix transposed x combine row bytes (every received row goes back)
+The step: sum over m of dispatch + experts + combine; with DBO (two micro-batches) one micro-batch's wire overlaps
+the other's experts:  step = d0 + max(c0, d1) + max(x0, c1) + x1  (d dispatch, c experts, x combine).
+The tax of padding (oblivious minus masked: masked padded rows add no route, no row, no byte) splits into
+  gemm_us       sum over m of the mean rank's added time (expert work on padded routes, spread evenly)
+  straggler_us  sum over m of the added wait for the slowest rank: (max - mean) oblivious - (max - mean) masked
+  wire_us       sum over m of the added dispatch + combine time
+  overlap_us    with DBO, what the overlap hides of those (the rest of the step difference; 0 without DBO)
+which add up to the step difference. The router and the per-source reduce are not in the step (the single-rank
+layer view times them); `compose_steps` is tested against stand-in timers in tests/test_ep_step.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from moebench.bench._rank_cost import Workload
+from moebench.inputs.engine_padding import StepPadding
+
+SIDES = ("masked", "oblivious")
+RankTime = Callable[[Workload], float]
+# (phase "dispatch" | "combine", bytes[src][dst]) -> microseconds
+WireTime = Callable[[str, list[list[int]]], float]
+
+
+@dataclass(frozen=True)
+class CallRoutes:
+    """One layer call's routing, one side: routes to each of the E experts, rows sent to each EP rank."""
+
+    expert_routes: tuple[int, ...]
+    rank_rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    ep_size: int
+    num_experts: int
+    sp_size: int
+    dispatch_row_bytes: int
+    combine_row_bytes: int
+    dbo: bool
+    replicas: int = 1  # DP x SP groups the EP group holds (ep_size / (DP x SP) when larger)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def sources(self, dp_size: int) -> int:
+        return dp_size * self.sp_size
+
+    def slot(self, replica: int, dp_size: int, dp_rank: int, sp_rank: int) -> int:
+        return replica * dp_size * self.sp_size + dp_rank * self.sp_size + sp_rank
+
+
+def placement_problem(ep_size: int, dp_size: int, sp_size: int) -> str | None:
+    """Why DP x SP sources do not tile ep_size EP ranks, or None."""
+    sources = dp_size * sp_size
+    if ep_size % sources and sources % ep_size:
+        return (f"ep_size: the EP step places DP x SP = {sources} sources on {ep_size} EP ranks; one must divide "
+                f"the other")
+    return None
+
+
+# routes of a call: (rows, real, slot, side) -> CallRoutes
+RoutesOf = Callable[[int, int, int, str], CallRoutes]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of one side: its ranks' workloads and the bytes on the wire."""
+
+    workloads: list[Workload]
+    dispatch_bytes: list[list[int]]  # [src][dst]
+    combine_bytes: list[list[int]]
+
+    def off_rank_bytes(self, phase: str) -> int:
+        m = self.dispatch_bytes if phase == "dispatch" else self.combine_bytes
+        return sum(b for s, row in enumerate(m) for d, b in enumerate(row) if s != d)
+
+
+def micro_batches(step: StepPadding, layout: Layout, routes_of: RoutesOf, side: str) -> list[MicroBatch]:
+    """The step's micro-batches (those with calls) as rank workloads and byte matrices."""
+    R, epr = layout.ep_size, layout.experts_per_rank
+    dp_size = len(step.real)
+    out = []
+    for m in sorted({c.micro_batch for c in step.calls}):
+        experts = torch.zeros(layout.num_experts, dtype=torch.int64)
+        sent = [[0] * R for _ in range(R)]  # rows [src][dst]
+        for c in step.calls:
+            if c.micro_batch != m:
+                continue
+            for q in range(layout.replicas):
+                slot = layout.slot(q, dp_size, c.dp_rank, c.sp_rank)
+                cr = routes_of(c.rows, c.real, slot, side)
+                experts += torch.tensor(cr.expert_routes, dtype=torch.int64)
+                src = slot % R
+                for dst, rows in enumerate(cr.rank_rows):
+                    sent[src][dst] += rows
+        per_rank = experts.view(R, epr).tolist()
+        received = [sum(sent[s][d] for s in range(R)) for d in range(R)]
+        out.append(MicroBatch([Workload(received[r], tuple(per_rank[r])) for r in range(R)],
+                              [[n * layout.dispatch_row_bytes for n in row] for row in sent],
+                              [[sent[d][s] * layout.combine_row_bytes for d in range(R)] for s in range(R)]))
+    return out
+
+
+def dbo_step_us(parts: Sequence[tuple[float, float, float]]) -> float:
+    """A step of (dispatch, experts, combine) micro-batches: serial, or the DBO overlap of two."""
+    if len(parts) == 2:
+        (d0, c0, x0), (d1, c1, x1) = parts
+        return d0 + max(c0, d1) + max(x0, c1) + x1
+    return sum(d + c + x for d, c, x in parts)
+
+
+@dataclass
+class SideStep:
+    """One step, one side."""
+
+    step_us: float = 0.0
+    experts_us: float = 0.0  # sum over micro-batches of the slowest rank's time
+    mean_rank_us: float = 0.0  # sum over micro-batches of the mean rank's time
+    dispatch_us: float = 0.0
+    combine_us: float = 0.0
+    dispatch_bytes: int = 0  # off-rank bytes, summed over ranks and micro-batches
+    combine_bytes: int = 0
+    slowest_rank: int = -1  # of the micro-batch with the longest expert time
+    slowest_us: float = 0.0
+    rank_us: list[float] = field(default_factory=list)  # that micro-batch's per-rank times
+    rank_routes: list[int] = field(default_factory=list)  # routes to each rank, summed over micro-batches
+
+    @property
+    def serial_us(self) -> float:
+        return self.dispatch_us + self.experts_us + self.combine_us
+
+
+def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTime, dbo: bool) -> SideStep:
+    out = SideStep()
+    parts = []
+    for mb in mbs:
+        times = [rank_time(w) for w in mb.workloads]
+        slowest = max(range(len(times)), key=lambda r: times[r])
+        d, x = wire_time("dispatch", mb.dispatch_bytes), wire_time("combine", mb.combine_bytes)
+        parts.append((d, times[slowest], x))
+        out.experts_us += times[slowest]
+        out.mean_rank_us += sum(times) / len(times)
+        out.dispatch_us += d
+        out.combine_us += x
+        out.dispatch_bytes += mb.off_rank_bytes("dispatch")
+        out.combine_bytes += mb.off_rank_bytes("combine")
+        routes = [w.routes for w in mb.workloads]
+        out.rank_routes = [a + b for a, b in zip(out.rank_routes, routes)] if out.rank_routes else routes
+        if times[slowest] >= out.slowest_us:
+            out.slowest_rank, out.slowest_us, out.rank_us = slowest, times[slowest], times
+    out.step_us = dbo_step_us(parts) if dbo else sum(d + c + x for d, c, x in parts)
+    return out
+
+
+def compose_steps(steps: Sequence[StepPadding], layout: Layout, routes_of: RoutesOf, rank_time: RankTime,
+                  wire_time: WireTime) -> list[dict[str, SideStep]]:
+    """Per step {side: SideStep}."""
+    return [{side: side_step(micro_batches(s, layout, routes_of, side), rank_time, wire_time, layout.dbo)
+             for side in SIDES} for s in steps]
+
+
+def tax_split(masked: SideStep, oblivious: SideStep) -> dict[str, float]:
+    """What padding adds to a step (oblivious - masked), split into GEMM work, straggler wait, wire and overlap."""
+    gemm = oblivious.mean_rank_us - masked.mean_rank_us
+    straggler = (oblivious.experts_us - oblivious.mean_rank_us) - (masked.experts_us - masked.mean_rank_us)
+    wire = (oblivious.dispatch_us + oblivious.combine_us) - (masked.dispatch_us + masked.combine_us)
+    total = oblivious.step_us - masked.step_us
+    return {"gemm_us": gemm, "straggler_us": straggler, "wire_us": wire,
+            "overlap_us": total - (gemm + straggler + wire), "total_us": total}
+
+
+SUMMED = ("step_us", "experts_us", "mean_rank_us", "dispatch_us", "combine_us", "dispatch_bytes", "combine_bytes")
+
+
+def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | None = None) -> dict:
+    """Sums over the steps (each weighted by its count: a distinct step stands for `counts[i]` steps) per side,
+    and the tax split of the sums."""
+    counts = counts if counts is not None else [1] * len(per_step)
+    sums = {side: {k: 0.0 for k in SUMMED} for side in SIDES}
+    for st, n in zip(per_step, counts):
+        for side in SIDES:
+            for k in SUMMED:
+                sums[side][k] += n * getattr(st[side], k)
+    m, o = (SideStep(**{k: sums[s][k] for k in SUMMED}) for s in SIDES)
+    split = tax_split(m, o)
+    split["straggler_wait_us"] = {s: sums[s]["experts_us"] - sums[s]["mean_rank_us"] for s in SIDES}
+    return {"sums": sums, "tax": split}

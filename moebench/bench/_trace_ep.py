@@ -1,0 +1,194 @@
+"""The EP step over a serving trace, measured: every source call's routing, every EP rank's expert time (each
+distinct workload timed, or a cost model fitted to timed ones), the wire model, the composition per distinct step
+(moebench.bench._ep_step) and the replay check of its first steps (every rank timed directly, no model, no cache).
+
+Rank times. The distinct rank workloads of the trace (rows received, routes per local expert) are collected; when
+there are at most `ep_rank_timings` of them each is timed (`rank_times: timed`), else that many, spread over their
+range (_rank_cost.fit_sample), are timed and a non-negative linear cost model is fitted to them
+(`rank_times: model`). The replay check composes the first `trace_replay` steps again with every rank's workload
+timed afresh and compares the expert time (the part the model reads) and the step time per side: within 5%.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from moebench.bench._ep_step import SIDES, Layout, SideStep, compose_steps, dbo_step_us, micro_batches, totals
+from moebench.bench._rank_cost import RankCostModel, RankTimer, Workload, fit_sample
+from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes, wire_model_of
+from moebench.inputs.engine_padding import StepPadding
+from moebench.params import Params, Timing
+
+# distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
+# ep_rank_timings unset; the interpreter's budget is a smoke test's
+DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
+# the distinct workloads collected for the choice above and the fit's sample (a bound on memory, not a figure)
+MAX_COLLECTED = 200_000
+REPLAY_TOLERANCE = 0.05
+
+
+def layout_of(p: Params) -> Layout:
+    payload = "fp8" if p.expert_dtype == "fp8" else "bf16"
+    return Layout(p.ep_size, p.num_experts, p.sp_size, dispatch_row_bytes(p.hidden, p.top_k, payload),
+                  combine_row_bytes(p.hidden), p.dbo, max(1, p.ep_size // (p.dp_size * p.sp_size)))
+
+
+def placement(p: Params) -> str:
+    sources = p.dp_size * p.sp_size
+    if sources == p.ep_size:
+        return f"one source (DP rank x SP rank) on each of the {p.ep_size} EP ranks"
+    if sources < p.ep_size:
+        return (f"{p.ep_size // sources} DP groups of DP x SP = {sources} sources, one on each of the {p.ep_size} EP "
+                f"ranks: each group the trace's token counts, its own routing")
+    return f"{sources} sources (DP x SP) on {p.ep_size} EP ranks, source s on rank s mod {p.ep_size}"
+
+
+class StepRoutes:
+    """Routes of every (rows, real, slot) call the steps hold, per side, computed once."""
+
+    def __init__(self, bench, layout: Layout):
+        self.bench, self.layout = bench, layout
+        self.cache: dict[tuple[int, int, int], dict] = {}
+
+    def prepare(self, steps: Sequence[StepPadding], progress: Callable[[int, int], None] | None = None) -> int:
+        lay = self.layout
+        needed = sorted({(c.rows, c.real, lay.slot(q, len(s.real), c.dp_rank, c.sp_rank))
+                         for s in steps for c in s.calls for q in range(lay.replicas)} - set(self.cache))
+        for i, key in enumerate(needed):
+            self.cache[key] = self.bench.call_routes(*key)
+            if progress:
+                progress(i + 1, len(needed))
+        return len(needed)
+
+    def __call__(self, rows: int, real: int, slot: int, side: str):
+        return self.cache[(rows, real, slot)][side]
+
+
+def _workloads(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes) -> set[Workload]:
+    seen: set[Workload] = set()
+    for s in steps:
+        for side in SIDES:
+            for mb in micro_batches(s, layout, routes, side):
+                seen.update(mb.workloads)
+        if len(seen) > MAX_COLLECTED:
+            break
+    return seen
+
+
+def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], budget: int
+               ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
+    """(rank time lookup, its record): every workload timed when there are at most `budget`, else a cost model."""
+    t0 = time.perf_counter()
+    busy = [w for w in workloads if w.rows]
+    if len(busy) <= budget:
+        table = {w: timer(w) for w in busy}
+        return (lambda w: table[w] if w.rows else 0.0), {
+            "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+    sample = fit_sample(busy, budget)
+    model = RankCostModel.fit(sample, [timer(w) for w in sample])
+    return model.predict, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
+                           "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def _wire_time(model) -> Callable[[str, list[list[int]]], float]:
+    def wire(phase: str, matrix: list[list[int]]) -> float:
+        return float((model.dispatch_us if phase == "dispatch" else model.combine_us)(matrix).us)
+    return wire
+
+
+def _replayed_sums(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes, timer, wire) -> dict:
+    """Per side, the steps' expert and step time with every rank of every micro-batch timed by `timer` and the
+    slowest taken: written out here, apart from _ep_step's composition, so that the check holds that too."""
+    sums = {side: {"experts_us": 0.0, "step_us": 0.0} for side in SIDES}
+    for s in steps:
+        for side in SIDES:
+            parts = []
+            for mb in micro_batches(s, layout, routes, side):
+                slowest = max(timer(w) for w in mb.workloads)
+                parts.append((wire("dispatch", mb.dispatch_bytes), slowest, wire("combine", mb.combine_bytes)))
+                sums[side]["experts_us"] += slowest
+            sums[side]["step_us"] += dbo_step_us(parts) if layout.dbo else sum(map(sum, parts))
+    return sums
+
+
+def replay_check(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes, composed_time, timer,
+                 wire) -> dict[str, Any]:
+    """The first steps as the run composes them (its rank times) against a replay with every rank timed afresh."""
+    t0 = time.perf_counter()
+    composed = totals(compose_steps(steps, layout, routes, composed_time, wire))["sums"]
+    replayed = _replayed_sums(steps, layout, routes, timer, wire)
+    out: dict[str, Any] = {"steps": len(steps), "composed": {}, "replayed": {}, "rel_diff": {}, "within_5pct": {}}
+    for side in SIDES:
+        out["composed"][side] = {k: round(composed[side][k], 3) for k in ("experts_us", "step_us")}
+        out["replayed"][side] = {k: round(replayed[side][k], 3) for k in ("experts_us", "step_us")}
+        rel = {k: abs(composed[side][k] - replayed[side][k]) / replayed[side][k] if replayed[side][k] else None
+               for k in ("experts_us", "step_us")}
+        out["rel_diff"][side] = rel
+        out["within_5pct"][side] = all(v is not None and v <= REPLAY_TOLERANCE for v in rel.values())
+    out["wall_s"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _largest(steps: Sequence[StepPadding], per_step: Sequence[dict[str, SideStep]]) -> dict[str, Any]:
+    """The step with the most rows: per side its slowest rank, that rank's time, the mean's, every rank's."""
+    if not steps:
+        return {}
+    i = max(range(len(steps)), key=lambda j: (sum(c.rows for c in steps[j].calls), -j))
+    out: dict[str, Any] = {"real": list(steps[i].real), "rows": sum(c.rows for c in steps[i].calls)}
+    for side in SIDES:
+        s = per_step[i][side]
+        out[side] = {"slowest_rank": s.slowest_rank, "slowest_us": round(s.slowest_us, 3),
+                     "mean_rank_us": round(sum(s.rank_us) / len(s.rank_us), 3) if s.rank_us else 0.0,
+                     "rank_us": [round(t, 3) for t in s.rank_us], "rank_routes": s.rank_routes}
+    return out
+
+
+def padded_route_share(per_step: Sequence[dict[str, SideStep]], counts: Sequence[int]) -> float | None:
+    """Of the padded routes over the trace (oblivious routes minus masked, per rank), the share that went to each
+    step's slowest oblivious rank."""
+    to_slowest = total = 0
+    for st, n in zip(per_step, counts):
+        o, m = st["oblivious"], st["masked"]
+        if not o.rank_routes:
+            continue
+        padded = [a - b for a, b in zip(o.rank_routes, m.rank_routes or [0] * len(o.rank_routes))]
+        total += n * sum(padded)
+        to_slowest += n * padded[o.slowest_rank] if o.slowest_rank >= 0 else 0
+    return to_slowest / total if total else None
+
+
+def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequence[StepPadding],
+            counts: Sequence[int], replay_steps: Sequence[StepPadding],
+            progress: Callable[[str, int, int], None] | None = None
+            ) -> tuple[dict[str, Any], list[dict[str, SideStep]]]:
+    """(info.ep_step, per distinct step {side: SideStep})."""
+    t0 = time.perf_counter()
+    layout = layout_of(p)
+    routes = StepRoutes(bench, layout)
+    routed = routes.prepare(list(distinct) + list(replay_steps),
+                            (lambda i, n: progress("EP routes", i, n)) if progress else None)
+    timer = RankTimer(p, bench.device, timing)
+    budget = p.ep_rank_timings if p.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_type]
+    rank_time, times_info = rank_times(_workloads(distinct, layout, routes), timer, budget)
+    wire_model = wire_model_of(p)
+    wire = _wire_time(wire_model)
+    per_step = compose_steps(distinct, layout, routes, rank_time, wire)
+    tot = totals(per_step, counts)
+    info: dict[str, Any] = {
+        "view": "ep_step: the slowest EP rank's expert kernel plus dispatch and combine, per step",
+        "placement": placement(p), "ranks_per_node": wire_model.ranks_per_node,
+        "payload": {"dtype": "fp8" if p.expert_dtype == "fp8" else "bf16",
+                    "dispatch_row_bytes": layout.dispatch_row_bytes, "combine_row_bytes": layout.combine_row_bytes},
+        "wire": wire_model.record(), **times_info, "routed_calls": routed,
+        "totals": {side: {k: round(v, 3) for k, v in tot["sums"][side].items()} for side in SIDES},
+        "tax": {k: ({s: round(x, 3) for s, x in v.items()} if isinstance(v, dict) else round(v, 3))
+                for k, v in tot["tax"].items()},
+        "largest_step": _largest(distinct, per_step),
+        "slowest_rank_padded_route_share": padded_route_share(per_step, counts),
+    }
+    if replay_steps:
+        info["replay"] = replay_check(replay_steps, layout, routes, rank_time, timer, wire)
+    info["wall_s"] = round(time.perf_counter() - t0, 3)
+    return info, per_step

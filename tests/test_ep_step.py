@@ -1,0 +1,289 @@
+"""The EP step of a serving trace with stand-in timers: rank workloads and wire bytes exactly the routes' (masked:
+real routes only), the step time as the slowest rank plus the wire, the DBO overlap formula, the tax split, the
+replay check (which fails on a composition taking the mean rank), and the rank cost model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moebench.bench import _ep_step, _trace_ep
+from moebench.bench._ep_step import (CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
+                                     side_step, tax_split, totals)
+from moebench.bench._rank_cost import (RankCostModel, Workload, features, fit_sample, nnls, workload_ids)
+from moebench.bench._trace_shapes import ShapeBench, call_routes
+from moebench.inputs.engine_padding import Engine, step_padding
+
+ROW, BACK = 100, 10  # dispatch / combine bytes a row
+
+
+def layout(ep_size=2, num_experts=4, sp_size=1, dbo=False):
+    return Layout(ep_size, num_experts, sp_size, ROW, BACK, dbo)
+
+
+def bytes_wire(phase, matrix):
+    """A stand-in wire: 1 us per off-rank byte of the busiest sender."""
+    return float(max(sum(b for d, b in enumerate(row) if d != s) for s, row in enumerate(matrix)))
+
+
+def test_micro_batch_workloads_and_bytes_are_the_routes():
+    # two DP ranks (sources on EP ranks 0 and 1), 4 experts over 2 EP ranks (experts 0-1 on rank 0, 2-3 on 1)
+    step = step_padding([2, 1], Engine((2,), dp_size=2))  # calls (2, 2) on dp 0 and (2, 1) on dp 1
+    ids = {0: torch.tensor([[0, 2], [1, 3]]),  # source 0: both rows reach both ranks
+           1: torch.tensor([[1, 0], [-1, -1]])}  # source 1: its real row reaches rank 0 only; its padding masked
+
+    def routes_of(rows, real, slot, side):
+        return call_routes(ids[slot], 4, 2)
+
+    (mb,) = micro_batches(step, layout(), routes_of, "masked")
+    assert mb.workloads == [Workload(3, (2, 2)), Workload(2, (1, 1))]  # rank 0: 2 + 1 rows, rank 1: 2 rows
+    assert mb.dispatch_bytes == [[2 * ROW, 2 * ROW], [1 * ROW, 0]]
+    assert mb.combine_bytes == [[2 * BACK, 1 * BACK], [2 * BACK, 0]]  # transposed: rows go back where they came from
+    assert mb.off_rank_bytes("dispatch") == 3 * ROW and mb.off_rank_bytes("combine") == 3 * BACK
+
+
+def test_masked_side_sends_real_routes_only():
+    """A source's padded rows: masked, they route nowhere and send nothing; oblivious, every padded row (identical,
+    all on the same experts) is a route and a row on the wire."""
+    real = torch.tensor([[0, 2], [1, 3], [3, 0]])
+    pad = torch.tensor([[2, 3]]).expand(5, 2)
+    masked = call_routes(torch.cat([real, torch.full((5, 2), -1)]), 4, 2)
+    oblivious = call_routes(torch.cat([real, pad]), 4, 2)
+    assert masked.expert_routes == (2, 1, 1, 2) and masked.rank_rows == (3, 3)
+    assert oblivious.expert_routes == (2, 1, 6, 7) and oblivious.rank_rows == (3, 8)
+    step = step_padding([3], Engine((8,), dp_size=1))
+    mbs = {side: micro_batches(step, layout(), lambda r, q, s, side=side: {"masked": masked,
+                                                                           "oblivious": oblivious}[side], side)[0]
+           for side in ("masked", "oblivious")}
+    # source 0 is rank 0: only rows sent to rank 1 cross the wire
+    assert mbs["masked"].off_rank_bytes("dispatch") == 3 * ROW
+    assert mbs["oblivious"].off_rank_bytes("dispatch") == 8 * ROW
+
+
+def test_the_step_waits_for_its_slowest_rank():
+    mb = _ep_step.MicroBatch([Workload(1, (1, 0)), Workload(4, (4, 4)), Workload(2, (2, 0))],
+                             [[0] * 3] * 3, [[0] * 3] * 3)
+    s = side_step([mb], lambda w: 10.0 * w.routes, lambda phase, m: 5.0, dbo=False)
+    assert s.experts_us == 80.0 and s.slowest_rank == 1 and s.rank_us == [10.0, 80.0, 20.0]
+    assert s.mean_rank_us == pytest.approx((10 + 80 + 20) / 3)
+    assert s.step_us == 5.0 + 80.0 + 5.0
+
+
+@pytest.mark.parametrize("parts, want", [
+    ([(3, 10, 2), (4, 8, 1)], 3 + max(10, 4) + max(2, 8) + 1),  # compute hides the wire
+    ([(20, 5, 15), (25, 6, 10)], 20 + 25 + 15 + 10),  # the wire dominates: compute hidden
+    ([(1, 2, 3)], 6),
+])
+def test_dbo_overlap_formula(parts, want):
+    assert dbo_step_us(parts) == want
+    assert dbo_step_us(parts) <= sum(map(sum, parts))
+
+
+def test_tax_split_adds_up():
+    m = SideStep(step_us=100, experts_us=60, mean_rank_us=50, dispatch_us=20, combine_us=20)
+    o = SideStep(step_us=190, experts_us=120, mean_rank_us=70, dispatch_us=30, combine_us=25)
+    split = tax_split(m, o)
+    assert split == {"gemm_us": 20, "straggler_us": 40, "wire_us": 15, "overlap_us": 15, "total_us": 90}
+    assert tax_split(m, m)["total_us"] == 0 and tax_split(m, m)["straggler_us"] == 0
+
+
+def _trace_setup(dbo=False):
+    """Two DP ranks x 2 SP ranks on 4 EP ranks, 8 experts; oblivious padding piles onto experts 6 and 7."""
+    engine = Engine((4, 8), dp_size=2, sp_size=2, dbo=dbo)
+    steps = [step_padding(r, engine) for r in ([3, 1], [7, 2], [1, 1])]
+    lay = Layout(4, 8, 2, ROW, BACK, dbo)
+    rng = random.Random(0)
+    cache = {}
+
+    def routes_of(rows, real, slot, side):
+        if (rows, real, slot) not in cache:
+            ids = torch.tensor([rng.sample(range(8), 2) for _ in range(real)] or torch.empty(0, 2).tolist(),
+                               dtype=torch.int64).reshape(real, 2)
+            pad = torch.tensor([[6, 7]]).expand(rows - real, 2)
+            cache[(rows, real, slot)] = {"masked": call_routes(torch.cat([ids, torch.full_like(pad, -1)]), 8, 4),
+                                         "oblivious": call_routes(torch.cat([ids, pad]), 8, 4)}
+        return cache[(rows, real, slot)][side]
+    return steps, lay, routes_of
+
+
+def rank_cost(w):
+    return 0.0 if not w.rows else 5.0 + 2.0 * w.routes + 1.5 * features(w)[2]
+
+
+def test_replay_check_passes_the_composition_and_fails_a_mean_rank_one(monkeypatch):
+    steps, lay, routes_of = _trace_setup()
+    for s in steps:
+        for side in ("masked", "oblivious"):
+            for mb in micro_batches(s, lay, routes_of, side):
+                pass  # fill the routes cache in a fixed order
+    good = _trace_ep.replay_check(steps, lay, routes_of, rank_cost, rank_cost, bytes_wire)
+    assert good["within_5pct"] == {"masked": True, "oblivious": True}
+    assert good["rel_diff"]["oblivious"]["experts_us"] == 0.0
+
+    real_side_step = _ep_step.side_step
+
+    def mean_rank_step(mbs, rank_time, wire_time, dbo):
+        s = real_side_step(mbs, rank_time, wire_time, dbo)
+        s.step_us -= s.experts_us - s.mean_rank_us  # the mean rank's time in place of the slowest's
+        s.experts_us = s.mean_rank_us
+        return s
+
+    monkeypatch.setattr(_ep_step, "side_step", mean_rank_step)
+    bad = _trace_ep.replay_check(steps, lay, routes_of, rank_cost, rank_cost, bytes_wire)
+    assert bad["within_5pct"]["oblivious"] is False  # the padding's straggler is what the mean misses
+
+
+def test_composition_totals_weight_distinct_steps_and_split_the_tax():
+    steps, lay, routes_of = _trace_setup(dbo=True)
+    per_step = compose_steps(steps, lay, routes_of, rank_cost, bytes_wire)
+    tot = totals(per_step, [3, 1, 2])
+    for side in ("masked", "oblivious"):
+        assert tot["sums"][side]["step_us"] == pytest.approx(
+            sum(n * st[side].step_us for st, n in zip(per_step, [3, 1, 2])))
+    tax = tot["tax"]
+    assert tax["gemm_us"] + tax["straggler_us"] + tax["wire_us"] + tax["overlap_us"] == pytest.approx(
+        tax["total_us"])
+    assert tax["straggler_us"] > 0 and tax["wire_us"] > 0 and tax["gemm_us"] > 0
+    assert tax["overlap_us"] <= 0  # DBO hides part of what padding adds
+    assert _trace_ep.padded_route_share(per_step, [3, 1, 2]) > 0.5  # the pile of padding is on the straggler
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rank workloads and the cost model
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_workload_ids_reproduce_the_counts_exactly(seed):
+    rng = random.Random(seed)
+    top_k, experts = rng.choice([1, 2, 8]), rng.randint(1, 12)
+    rows = rng.randint(1, 40)
+    ids = torch.tensor([rng.sample(range(experts + 3), min(top_k, experts + 3)) for _ in range(rows)])
+    local = torch.where(ids < experts, ids, torch.full_like(ids, -1))
+    local = local[(local >= 0).any(dim=1)]
+    w = Workload(local.shape[0], tuple(torch.bincount(local[local >= 0], minlength=experts).tolist()))
+    got = workload_ids(w, local.shape[1])
+    assert got.dtype == torch.int32 and got.shape == local.shape
+    assert torch.bincount(got[got >= 0].long(), minlength=experts).tolist() == list(w.counts)
+    assert bool(((got >= 0).sum(dim=1) >= 1).all())  # every received row has a route
+    for row in got.tolist():
+        kept = [e for e in row if e >= 0]
+        assert len(kept) == len(set(kept))  # an expert at most once a row
+
+
+def test_impossible_workloads_are_refused():
+    for w in (Workload(2, (3, 0)), Workload(3, (1, 1)), Workload(1, (1, 1, 1)), Workload(0, (1,))):
+        with pytest.raises(ValueError):
+            workload_ids(w, 2)
+    assert workload_ids(Workload(0, (0, 0)), 2).shape == (0, 2)
+
+
+def test_nnls_and_the_cost_model_recover_a_linear_cost():
+    coef = [7.0, 0.0, 1.5, 0.25, 0.5]
+    assert nnls([[1, 0], [0, 1], [1, 1]], [1, -1, 0]) == pytest.approx([1 / 2, 0], abs=1e-9)
+    rng = random.Random(3)
+    loads = [Workload(r, tuple(rng.randint(0, r) for _ in range(4))) for r in range(1, 400, 9)]
+    loads = [w for w in loads if w.problem(8) is None]
+    times = [sum(c * f for c, f in zip(coef, features(w))) for w in loads]
+    model = RankCostModel.fit(loads, times)
+    assert model.coef == pytest.approx(coef, abs=1e-6)
+    assert model.fit_max_rel < 1e-9 and model.predict(Workload(0, (0, 0, 0, 0))) == 0.0
+    assert model.record()["features"][2] == "row_tiles"
+
+
+def test_fit_sample_spans_the_workloads():
+    loads = [Workload(r, (r, r // 2)) for r in range(1, 200)]
+    sample = fit_sample(loads, 12)
+    assert len(sample) == 12 and loads[0] in sample and loads[-1] in sample
+    assert fit_sample(loads[:5], 12) == loads[:5]
+
+
+def test_rank_times_time_each_workload_or_fit_a_model():
+    loads = {Workload(r, (r, 1)) for r in range(1, 30)}
+    calls = []
+
+    def timer(w):
+        calls.append(w)
+        return rank_cost(w)
+
+    lookup, rec = _trace_ep.rank_times(loads, timer, budget=64)
+    assert rec["rank_times"] == "timed" and len(calls) == len(loads)
+    calls.clear()
+    lookup, rec = _trace_ep.rank_times(loads, timer, budget=8)
+    assert rec["rank_times"] == "model" and len(calls) == 8 and rec["cost_model"]["fit_workloads"] == 8
+    for w in loads:
+        assert lookup(w) == pytest.approx(rank_cost(w), rel=1e-6)
+
+
+def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():
+    """EP 4 over DP 1 x SP 2: two groups of the trace's token counts, each source its own routing and rank."""
+    step = step_padding([3], Engine((4,), dp_size=1, sp_size=2))  # SP chunks (2, 2) and (2, 1)
+    lay = Layout(4, 8, 2, ROW, BACK, False, replicas=2)
+    asked = []
+
+    def routes_of(rows, real, slot, side):
+        asked.append(slot)
+        ids = torch.tensor([[slot * 2, slot * 2 + 1]] * real + [[-1, -1]] * (rows - real))
+        return call_routes(ids, 8, 4)
+
+    (mb,) = micro_batches(step, lay, routes_of, "masked")
+    assert sorted(asked) == [0, 1, 2, 3]
+    # source slot s sends its real rows to its own rank (experts 2s, 2s+1 live on rank s): nothing crosses the wire
+    assert [w.rows for w in mb.workloads] == [2, 1, 2, 1] and mb.off_rank_bytes("dispatch") == 0
+    assert _ep_step.placement_problem(6, 2, 2) and _ep_step.placement_problem(8, 2, 2) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The EP step in a serving_trace point (the rank timer stood in: the interpreter's timings are noise)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_serving_trace_records_the_ep_step(monkeypatch):
+    from dataclasses import replace
+
+    from moebench.bench import _rank_cost, serving_trace
+    from moebench.params import Params
+    from moebench.registry import RunContext, get
+
+    timed = []
+
+    def stand_in(self, w):
+        timed.append(w)
+        return rank_cost(w)
+
+    monkeypatch.setattr(_rank_cost.RankTimer, "__call__", stand_in)
+    # the single-rank layer's timings stood in as well (tests/test_serving_trace.py times them)
+    monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
+    serving_trace._SHAPES.clear()
+    p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
+                ep_size=4, dp_size=2, sp_size=1, padding_fill="zeros", trace=[3, 5, 3, 1], capture_sizes=[4, 8],
+                trace_replay=2, ep_rank_timings=200)
+    impl = get("serving_trace.layer")
+    assert impl.validate(p) is None
+    run = RunContext(device=torch.device("cpu"), run_token=object())
+    info = impl.build(p, run).info
+    ep, head = info["ep_step"], info["headline"]["ep_step"]
+    assert ep["rank_times"] == "timed" and ep["distinct_workloads"] == ep["rank_timings"] > 0
+    assert ep["wire"]["kind"] == "model" and ep["payload"] == {"dtype": "bf16", "dispatch_row_bytes": 64 * 2 + 16,
+                                                               "combine_row_bytes": 128}
+    assert "2 DP groups" in ep["placement"]
+    assert ep["replay"]["within_5pct"] == {"masked": True, "oblivious": True}
+    assert head["step_us"]["oblivious"] > head["step_us"]["masked"] > 0
+    split = head["tax_split_us"]
+    assert split["gemm_us"] + split["straggler_us"] + split["wire_us"] + split["overlap_us"] == pytest.approx(
+        split["total_us"], abs=1e-2)
+    assert split["straggler_us"] > 0  # identical zero rows pile onto the same experts
+    # per step, and the distinct steps weighted: [3, 5, 3, 1] holds 3 distinct steps, (3, 3) twice
+    assert info["trace"]["distinct_steps"] == 3 and len(info["trace_steps"]) == 4
+    assert info["trace_steps"][0]["ep_step_us"] == info["trace_steps"][2]["ep_step_us"]
+    total = sum(s["ep_step_us"]["oblivious"] for s in info["trace_steps"])
+    assert total == pytest.approx(head["step_us"]["oblivious"], rel=1e-4)
+    largest = ep["largest_step"]
+    assert largest["rows"] == max(s["rows"] for s in info["trace_steps"])
+    assert len(largest["oblivious"]["rank_us"]) == 4
+    assert largest["oblivious"]["slowest_us"] == max(largest["oblivious"]["rank_us"])
+    # the model path: fewer timings allowed than distinct workloads (the layer's shapes reused: same run)
+    info = impl.build(replace(p, ep_rank_timings=3), run).info
+    assert info["shapes_measured"] == 0
+    assert info["ep_step"]["rank_times"] == "model" and info["ep_step"]["rank_timings"] == 3
+    assert info["ep_step"]["cost_model"]["fit_workloads"] <= info["ep_step"]["rank_timings"]
