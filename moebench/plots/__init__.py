@@ -30,7 +30,7 @@ from moebench.plots.roof import roof_fraction
 from moebench.plots.saving import saving_vs_padding
 from moebench.plots.scaling import ep_scaling
 from moebench.plots.stages import layer_stages
-from moebench.plots.trace import trace_cumulative, trace_tax, trace_tokens
+from moebench.plots.trace import ep_step_bars, ep_timeline, trace_cumulative, trace_tax, trace_tokens
 
 __all__ = ["FIGURES", "KINDS", "Figure", "Plot", "Run", "default_plot_dir", "load_run", "make_plots", "ok_records",
            "plot_index"]
@@ -90,6 +90,15 @@ FIGURES: tuple[Figure, ...] = (
            "Serving trace: the padding tax (layer time on padded rows over the layer time) per capture list, "
            "oblivious vs masked.",
            trace_tax),
+    Figure("ep_step_bars",
+           "Serving trace, EP step: the mean rank's expert time, the wait for the slowest rank, dispatch and combine "
+           "over the trace, stacked, masked vs oblivious per EP size; a black tick marks the step time (below the "
+           "stack by the DBO overlap).",
+           ep_step_bars),
+    Figure("ep_timeline",
+           "Serving trace, EP step: the step time and the wait for the slowest rank per step, masked vs oblivious, "
+           "over a stretch of the trace.",
+           ep_timeline),
 )
 
 KINDS: dict[str, str] = {f.kind: f.blurb for f in FIGURES}  # kind -> blurb

@@ -105,3 +105,82 @@ def trace_tax(run: Run, out: Path) -> list[Plot]:
         save(fig, path, title)
         plots.append(Plot("trace_tax", path, title, len(rs), group))
     return plots
+
+
+def _ep_records(run: Run) -> list[dict]:
+    return [r for r in run.ok if r.get("target") == "serving_trace"
+            and isinstance(((r.get("info") or {}).get("headline") or {}).get("ep_step"), dict)]
+
+
+_EP_PARTS = (("mean rank's experts", "#4c72b0"), ("wait for the slowest rank", "#c44e52"),
+             ("dispatch", "#8172b2"), ("combine", "#ccb974"))
+
+
+def ep_step_bars(run: Run, out: Path) -> list[Plot]:
+    """The EP step over the trace per EP size, masked vs oblivious: the mean rank's expert time, the wait for the
+    slowest rank, dispatch and combine, stacked (seconds over the trace; with DBO the step is shorter than the
+    stack by the overlap, marked with a tick)."""
+    recs = _ep_records(run)
+    plots = []
+    for group, rs in split(recs, ("ep_size", "ranks_per_node")):
+        rs = sorted(rs, key=lambda r: r["params"].get("ep_size", 0))
+        fig, axes = new_figure(1, 1, panel_w=max(5.0, 1.6 * len(rs) + 2), panel_h=3.8)
+        ax = axes[0, 0]
+        xs, labels = [], []
+        for i, r in enumerate(rs):
+            ep = r["info"]["headline"]["ep_step"]
+            for k, side in enumerate(("masked", "oblivious")):
+                x = i + (k - 0.5) * 0.4
+                parts = [ep["mean_rank_us"][side], ep["straggler_wait_us"][side], ep["dispatch_us"][side],
+                         ep["combine_us"][side]]
+                bottom = 0.0
+                for (name, color), v in zip(_EP_PARTS, parts):
+                    ax.bar(x, v / 1e6, 0.36, bottom=bottom, color=color, hatch="//" if side == "oblivious" else None,
+                           edgecolor="white", label=name if (i, k) == (0, 0) else None)
+                    bottom += v / 1e6
+                ax.plot([x - 0.18, x + 0.18], [ep["step_us"][side] / 1e6] * 2, color="black", lw=1.5)
+                xs.append(x)
+                labels.append(f"EP {r['params'].get('ep_size')}\n{side}")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("time over the trace (s)")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(True, axis="y", alpha=0.3)
+        title = figure_title(run, "EP step: slowest rank's experts, its wait and the wire, masked vs oblivious (hatched)",
+                             rs, ("ep_size", "ranks_per_node"), group)
+        path = out / f"ep_step_bars{slug(group)}.png"
+        save(fig, path, title)
+        plots.append(Plot("ep_step_bars", path, title, len(rs), group))
+    return plots
+
+
+TIMELINE_STEPS = 200  # the stretch of the trace a timeline shows
+
+
+def ep_timeline(run: Run, out: Path) -> list[Plot]:
+    """Per step, for a stretch of the trace: the EP step time masked vs oblivious and its slowest rank's wait."""
+    plots = []
+    for r in _ep_records(run):
+        steps = (r["info"].get("trace_steps") or [])[:TIMELINE_STEPS]
+        if not steps or "ep_step_us" not in steps[0]:
+            continue
+        xs = [s["step"] for s in steps]
+        fig, axes = new_figure(2, 1, panel_w=9.0, panel_h=2.6, sharex=True)
+        top, bottom = axes[0, 0], axes[1, 0]
+        for side, c, ls in (("masked", "#55a868", "-"), ("oblivious", "#c44e52", "--")):
+            top.plot(xs, [s["ep_step_us"][side] / 1e3 for s in steps], color=c, ls=ls, lw=1, label=side)
+            bottom.plot(xs, [(s["ep_experts_us"][side] - s["ep_mean_rank_us"][side]) / 1e3 for s in steps],
+                        color=c, ls=ls, lw=1, label=side)
+        top.set_ylabel("EP step (ms)")
+        bottom.set_ylabel("wait for the\nslowest rank (ms)")
+        bottom.set_xlabel("trace step")
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="upper right")
+        group = {"capture_sizes": _list_label(r), "ep_size": r["params"].get("ep_size")}
+        title = figure_title(run, f"EP step per step, the first {len(steps)} steps", [r],
+                             ("capture_sizes", "ep_size"), group)
+        path = out / f"ep_timeline{slug(group)}.png"
+        save(fig, path, title)
+        plots.append(Plot("ep_timeline", path, title, 1, group))
+    return plots

@@ -278,10 +278,14 @@ def render_html(runs: list[RunView], title: str) -> str:
                                       for i, r in enumerate(runs)) + "</ul>")
     for i, run in enumerate(runs):
         parts.append(f'<h2 id="run-{i}">{e(run.name)}</h2>')
-        tax_head, tax_rows = trace_tax.table(run.records)
-        if tax_rows:  # a serving_trace run: its headline comes first
-            parts.append("<h3>Padding tax over the trace</h3>")
+        lead_plots = [png for png in run.plots if png.name.split("__")[0].removesuffix(".png") in trace_tax.LEAD_PLOTS]
+        for tax_title, tax_head, tax_rows in trace_tax.sections(run.records):  # a serving_trace run: first
+            parts.append(f"<h3>{e(tax_title)}</h3>")
             parts.append(_html_table(tax_head, tax_rows, cls="headlines"))
+        if lead_plots:
+            parts.append('<div class="plots">' + "".join(
+                f'<figure><img alt="{e(png.name)}" src="{_data_uri(png)}"><figcaption>{e(png.name)}</figcaption>'
+                f"</figure>" for png in lead_plots) + "</div>")
         if not profile_only(run):
             parts.append("<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in manifest_items(run))
                          + "</dl>")
@@ -302,6 +306,8 @@ def render_html(runs: list[RunView], title: str) -> str:
         if run.plots:
             parts.append('<h3>Plots</h3><div class="plots">')
             for png in run.plots:
+                if png in lead_plots:
+                    continue
                 parts.append(f'<figure><img alt="{e(png.name)}" src="{_data_uri(png)}">'
                              f"<figcaption>{e(png.name)}</figcaption></figure>")
             parts.append("</div>")
@@ -329,9 +335,8 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
     parts = [f"# {title}", ""]
     for run in runs:
         parts += [f"## {run.name}", ""]
-        tax_head, tax_rows = trace_tax.table(run.records)
-        if tax_rows:  # a serving_trace run: its headline comes first
-            parts += ["### Padding tax over the trace", "", _md_table(tax_head, tax_rows), ""]
+        for tax_title, tax_head, tax_rows in trace_tax.sections(run.records):  # a serving_trace run: first
+            parts += [f"### {tax_title}", "", _md_table(tax_head, tax_rows), ""]
         if not profile_only(run):
             parts += [f"- **{k}**: `{v}`" if k in ("commit", "command") else f"- **{k}**: {v}"
                       for k, v in manifest_items(run)]

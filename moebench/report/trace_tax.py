@@ -1,7 +1,10 @@
-"""The headline of a serving_trace run, from its stored records: per engine configuration and capture list, the
-MoE layer's time over the trace masked and oblivious, the padding tax, what the masks recover, the expert-GEMM rows
-computed for padding, the slowest EP rank's excess caused by padding and the predicted fixed-capacity compiles;
-and, where the run sweeps capture lists, the list with the least tax for each configuration.
+"""The headline of a serving_trace run, from its stored records. The EP step (where the run has EP ranks): the step
+time masked and oblivious, the tax of padding and its split (GEMM work, the wait for the straggler, the wire), the
+slowest rank's share of the padded routes and how the rank times and the wire were had. The single-rank view: per
+engine configuration and capture list, this rank's MoE layer over the trace masked and oblivious, the padding tax,
+what the masks recover (a figure inside the timings' noise says so instead of a share), the expert-GEMM rows
+computed for padding, the slowest EP rank's excess routes and the predicted fixed-capacity compiles; and, where the
+run sweeps capture lists, the list with the least tax for each configuration.
 
 Every figure is read from a record's `info.headline` (moebench.bench.serving_trace writes it); nothing is re-run.
 The runner prints `footer_lines` under its table and `moebench report` shows `table` before anything else.
@@ -14,6 +17,8 @@ from typing import Any
 from moebench.report.headline import format_value
 
 TARGET = "serving_trace"
+# the figures a serving_trace report shows beside its tables, before everything else (moebench.plots.trace)
+LEAD_PLOTS = ("ep_step_bars", "ep_timeline")
 # The engine parameters a what-if over capture lists holds fixed (records differing in any other way are
 # different configurations, each with its own best list).
 _CONFIG_KEYS = ("model", "num_experts", "top_k", "hidden", "intermediate", "expert_dtype", "ep_size", "dp_size",
@@ -32,6 +37,30 @@ def _pct(v: Any) -> str:
 
 def _ms(v: Any) -> str:
     return "n/a" if v is None else f"{v / 1e3:.4g}"
+
+
+def _within(h: dict, *path: str) -> bool | None:
+    """The headline's noise verdict at `path` under noise.within_noise (None: unknown, or a record without it)."""
+    v: Any = (h.get("noise") or {}).get("within_noise") or {}
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+    return v
+
+
+def _tax(h: dict, side: str) -> str:
+    """The padding tax, or `within noise` when the padding time is inside the timings' spread."""
+    if _within(h, "padding_tax", side):
+        return "within noise"
+    return _pct(h["padding_tax"][side])
+
+
+def _recovered(h: dict) -> str:
+    """What the masks recover, as a share of the oblivious padding time only where both are outside the noise."""
+    if _within(h, "recovered"):
+        return "within noise"
+    if _within(h, "padding_tax", "oblivious"):
+        return f"{_ms(h['recovered_us'])} ms (the padding time is within noise: no share)"
+    return f"{_ms(h['recovered_us'])} ms ({_pct(h.get('recovered_share'))} of the padding time)"
 
 
 def _timed(info: dict) -> str:
@@ -78,17 +107,64 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         info, h = r["info"], r["info"]["headline"]
         label = info["engine"]["capture_list"]
         compiles = h.get("jit_compiles") or {}
-        recovered = h.get("recovered_share")
         rows.append([label, config_label(r), f"{info['distinct_shapes']} / {_timed(info)} / {info['trace']['steps']}",
                      _ms(h["layer_us"]["oblivious"]), _ms(h["layer_us"]["masked"]),
-                     _pct(h["padding_tax"]["oblivious"]), _pct(h["padding_tax"]["masked"]),
-                     f"{_ms(h['recovered_us'])} ms ({_pct(recovered)} of the padding time)",
+                     _tax(h, "oblivious"), _tax(h, "masked"), _recovered(h),
                      f"{h['padded_rows']} ({_pct(h.get('padding_row_share'))})",
                      f"{h['padding_gemm_rows']['oblivious']} / {h['padding_gemm_rows']['masked']}",
                      format_value(h.get("ep_excess_from_padding")),
                      f"{format_value(compiles.get('oblivious'))} / {format_value(compiles.get('masked'))}",
                      "yes" if best.get(_config_key(r)) == label else ""])
     return HEAD, rows
+
+
+def _wire_label(info: dict) -> str:
+    wire = (info.get("ep_step") or {}).get("wire") or {}
+    return f"{wire.get('kind', 'model')} {wire.get('name', '?')}"
+
+
+EP_HEAD = ["capture list", "engine", "trace", "step ms oblivious", "step ms masked", "EP tax",
+           "slowest rank: expert ms obl / masked", "straggler wait ms obl / masked", "wire ms obl / masked",
+           "tax split ms: GEMM / straggler / wire / DBO overlap", "slowest rank's share of padded routes",
+           "rank times", "replay (experts, step) within 5%"]
+
+
+def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): the EP step of every serving_trace record that has one: step time per side, the tax and its
+    split, the straggler's wait, the wire, how the rank times were had and the replay check."""
+    rows = []
+    for r in trace_records(records):
+        info, h = r["info"], r["info"]["headline"]
+        ep = h.get("ep_step")
+        if not ep:
+            continue
+        split = ep["tax_split_us"]
+        replay = (info.get("ep_step") or {}).get("replay")
+        checked = ("/".join("yes" if replay["within_5pct"][s] else "NO" for s in ("oblivious", "masked"))
+                   if replay else "not run")
+        share = ep.get("slowest_rank_padded_route_share")
+        rows.append([info["engine"]["capture_list"], config_label(r),
+                     f"{(info.get('trace') or {}).get('source')}, {info['trace']['steps']} steps",
+                     _ms(ep["step_us"]["oblivious"]), _ms(ep["step_us"]["masked"]), _pct(ep["padding_tax"]),
+                     f"{_ms(ep['experts_us']['oblivious'])} / {_ms(ep['experts_us']['masked'])}",
+                     f"{_ms(ep['straggler_wait_us']['oblivious'])} / {_ms(ep['straggler_wait_us']['masked'])}",
+                     f"{_ms(ep['wire_us']['oblivious'])} / {_ms(ep['wire_us']['masked'])}",
+                     " / ".join(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")),
+                     _pct(share), f"{ep['rank_times']}, wire {_wire_label(info)}", checked])
+    return EP_HEAD, rows
+
+
+def sections(records: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report's serving-trace tables, in order: the EP step (when the run has one), then the single-rank view."""
+    out = []
+    head, rows = ep_table(records)
+    if rows:
+        out.append(("EP step: the padding tax of the slowest rank and the wire", head, rows))
+    head, rows = table(records)
+    if rows:
+        out.append(("Padding tax over the trace, single-rank view" if out else "Padding tax over the trace",
+                    head, rows))
+    return out
 
 
 def footer_lines(records: list[dict]) -> list[str]:
@@ -99,11 +175,21 @@ def footer_lines(records: list[dict]) -> list[str]:
     out = ["padding tax over the trace (oblivious | masked):"]
     for r in recs:
         info, h = r["info"], r["info"]["headline"]
-        out.append(f"  {info['engine']['capture_list']} ({config_label(r)}): layer {_ms(h['layer_us']['oblivious'])}"
-                   f" | {_ms(h['layer_us']['masked'])} ms, tax {_pct(h['padding_tax']['oblivious'])} | "
-                   f"{_pct(h['padding_tax']['masked'])}, masks recover {_pct(h.get('recovered_share'))} of the "
-                   f"padding time, {info['distinct_shapes']} distinct shapes ({_timed(info)} timed) over "
-                   f"{info['trace']['steps']} steps")
+        out.append(f"  {info['engine']['capture_list']} ({config_label(r)}): single-rank layer "
+                   f"{_ms(h['layer_us']['oblivious'])} | {_ms(h['layer_us']['masked'])} ms, tax {_tax(h, 'oblivious')}"
+                   f" | {_tax(h, 'masked')}, masks recover {_recovered(h)}, {info['distinct_shapes']} distinct "
+                   f"shapes ({_timed(info)} timed) over {info['trace']['steps']} steps")
+        ep = h.get("ep_step")
+        if ep:
+            split = ep["tax_split_us"]
+            out.append(f"    EP step: {_ms(ep['step_us']['oblivious'])} | {_ms(ep['step_us']['masked'])} ms, tax "
+                       f"{_pct(ep['padding_tax'])}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
+                       f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
+                       + (f", DBO overlap {_ms(split['overlap_us'])} ms" if split.get("overlap_us") else "")
+                       + f"; rank times {ep['rank_times']}, wire {_wire_label(info)}")
+    if any(((r["info"]["headline"].get("noise") or {}).get("within_noise") or {}).get("recovered") is None
+           for r in recs):
+        out.append("  (a figure's noise is unknown where shapes were timed with fewer than 5 samples or interpolated)")
     for key, label in best_lists(records).items():
         example = next(r for r in recs if _config_key(r) == key)
         out.append(f"  least tax ({config_label(example)}): capture list {label}")
