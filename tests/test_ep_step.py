@@ -287,3 +287,18 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
     assert info["shapes_measured"] == 0
     assert info["ep_step"]["rank_times"] == "model" and info["ep_step"]["rank_timings"] == 3
     assert info["ep_step"]["cost_model"]["fit_workloads"] <= info["ep_step"]["rank_timings"]
+
+
+def test_source_zero_routes_as_the_single_rank_view_and_sources_differ():
+    from dataclasses import replace
+
+    from moebench.params import Params, Timing
+
+    p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
+                ep_size=2)
+    bench = ShapeBench(p, torch.device("cpu"), Timing(mode="wall", warmup=0, iters=1))
+    figures = bench.shape_figures(16, 9)
+    for side in ("masked", "oblivious"):
+        routes = bench.call_routes(16, 9, 0)[side]
+        assert [sum(routes.expert_routes[:4]), sum(routes.expert_routes[4:])] == figures.rank_loads[side]
+    assert bench.call_routes(16, 9, 1)["masked"] != bench.call_routes(16, 9, 0)["masked"]

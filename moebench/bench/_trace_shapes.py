@@ -109,17 +109,19 @@ class ShapeBench:
         self.last_spread_us: float | None = None
         self.last_spreads_us: dict[str, float | None] = {}
 
-    def batch(self, rows: int, real: int, slot: int = 0):
+    def batch(self, rows: int, real: int, slot: int = 0, need_hidden: bool = True):
         """The shape's batch. Its real rows are those of the real tokens alone, (real, real): the padded call and
         its real-only baseline differ only by the padding (with independent real rows, which of this rank's
         experts a few decode tokens reach, not the padding, would decide their difference). `slot`: the source
-        rank of an EP step (slot 0 is the single-rank view's batch): each source has its own real tokens."""
+        rank of an EP step (slot 0 is the single-rank view's batch): each source has its own real tokens.
+        need_hidden=False: the routing's inputs only (make_batch draws the logits first: the same logits)."""
         sp = shape_params(self.p, rows, real)
         base = slot * SLOT_SEED
-        padded = make_batch(sp, self.device, seed_offset=base + shape_seed_offset(rows, real))
+        padded = make_batch(sp, self.device, need_hidden=need_hidden,
+                            seed_offset=base + shape_seed_offset(rows, real))
         if real == 0 or rows == real:
             return sp, padded
-        alone = make_batch(shape_params(self.p, real, real), self.device,
+        alone = make_batch(shape_params(self.p, real, real), self.device, need_hidden=need_hidden,
                            seed_offset=base + shape_seed_offset(real, real))
         padded.logits[:real] = alone.logits
         if padded.hidden is not None:
@@ -157,7 +159,7 @@ class ShapeBench:
 
     def call_routes(self, rows: int, real: int, slot: int) -> dict[str, CallRoutes]:
         """Per side, the routes to each expert and the rows sent to each EP rank of source `slot`'s call."""
-        sp, batch = self.batch(rows, real, slot)
+        sp, batch = self.batch(rows, real, slot, need_hidden=False)
         out = {}
         for side in SIDES:
             _, ids = route(sp, batch, use_mask=side == "masked")
