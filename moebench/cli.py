@@ -184,7 +184,7 @@ def cmd_list(args) -> int:
     if getattr(args, "configs", False):  # the launch configs a sweep's `config` can name (kernels._details.tuning)
         from moebench.kernels._details import tuning
 
-        for kernel in tuning.TUNABLE_KERNELS:
+        for kernel in tuning.tunable_kernels():
             t = tuning.tunable(kernel)
             print(f"# {kernel}: rule {t.rule_doc}")
             print("  " + " ".join(t.candidates))
