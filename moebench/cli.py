@@ -182,7 +182,7 @@ def cmd_list(args) -> int:
     from moebench import registry
 
     if getattr(args, "configs", False):  # the launch configs a sweep's `config` can name (kernels._details.tuning)
-        from moebench.kernels._details import tuning
+        from moebench.kernels.runtime import tuning
 
         for kernel in tuning.tunable_kernels():
             t = tuning.tunable(kernel)

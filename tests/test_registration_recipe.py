@@ -166,7 +166,7 @@ for name, folder in (("moebench.kernels", "kernels"), ("moebench.bench", "bench"
 import moebench.kernels
 from moebench import registry
 from moebench.cli import main
-from moebench.kernels._details import tuning
+from moebench.kernels.runtime import tuning
 from moebench.peers._lib import libraries
 from tests.standins import standins
 

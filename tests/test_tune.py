@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moebench.cli import main
-from moebench.kernels._details import tuning
+from moebench.kernels.runtime import tuning
 from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, sum_choice
 from moebench.run.results import load_manifest, load_records
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from moebench.families import get_family
-from moebench.kernels._details.router_common import mask_padded_rows_torch
+from moebench.kernels.contract import mask_padded_rows_torch
 from moebench.registry import PEERS_PACKAGE, Impl, register
 
 __all__ = ["Library", "libraries", "register_adapter", "accepts", "router_out", "scratch_like", "router_after"]
