@@ -182,9 +182,9 @@ def cmd_list(args) -> int:
     from moebench import registry
 
     if getattr(args, "configs", False):  # the launch configs a sweep's `config` can name (kernels._details.tuning)
-        from moebench.kernels._details import tuning
+        from moebench.kernels.runtime import tuning
 
-        for kernel in tuning.TUNABLE_KERNELS:
+        for kernel in tuning.tunable_kernels():
             t = tuning.tunable(kernel)
             print(f"# {kernel}: rule {t.rule_doc}")
             print("  " + " ".join(t.candidates))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moebench.kernels._details.router_common import DEFAULT_ROUTER_CONFIG
+from moebench.kernels.runtime import tuning
 from moebench.bench.routers import compare_routing, grouped_topk_reference, topk_softmax_reference
 
 
@@ -166,7 +166,7 @@ def test_router_cases_record_the_router_config(device, impl):
     info = registry.get(impl).build(p, ctx).info
     assert info["config_source"] == "rule" if device.type == "cpu" else info["config_source"] in ("rule", "table")
     if info["config_source"] == "rule":  # no tuned table entry (never one on the CPU)
-        assert info["config"] == DEFAULT_ROUTER_CONFIG
+        assert info["config"] == tuning.tunable(impl.split(".")[0]).rule()[0]  # the routers' default launch
     case = registry.get(impl).build(dataclasses.replace(p, config="cand2"), ctx)
     assert (case.info["config"], case.info["config_source"]) == ("cand2", "explicit")
     assert case.info["config_bucket"].startswith("T=32,E=64,K=6")

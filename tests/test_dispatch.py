@@ -15,7 +15,8 @@ from moebench.check import compare_close, compare_exact, poison
 from moebench.dispatch.a2a import A2APath, destination_order
 from moebench.dispatch.a2a_fixed import A2AFixedPath, max_rows_per_pair
 from moebench.dispatch.agrs import AGRSPath
-from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, local_ids, token_in_rank
+from moebench.dispatch.base import (DispatchPath, EPLayout, StageTimer, effective_ids, local_ids, package_paths,
+                                    path_class, token_in_rank)
 from moebench.dispatch.comm import GROW_ROWS, grow_rows
 from moebench.dispatch.pack import (capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch,
                                     send_positions)
@@ -23,6 +24,8 @@ from moebench.dispatch.permute import (RowLayout, localize_ids, localize_ids_tor
                                        plan_sends_torch)
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs, scaled_expert,
                                          scaled_expert_reference)
+from moebench.params import Params
+from moebench.registry import RunContext
 
 T, H, K, E = 12, 32, 3, 8  # K = 3: the Triton kernels pad the slot axis to a power of two
 NUM_PADDING = 4
@@ -51,12 +54,25 @@ def make_inputs(rank: int, device="cpu", seed=0):
     return x.to(device), ids.to(device), w.to(device), is_padding.to(device)
 
 
+def cpu_paths() -> dict[str, type[DispatchPath]]:
+    """The collection function of the path tests: every dispatch path moebench.dispatch registers that can run on
+    CPU gloo ranks (a new path module gets the multi-rank and single-rank tests below without being named here)."""
+    cpu = RunContext(device=torch.device("cpu"))
+    return {name: cls for name, cls in package_paths().items() if cls.available(cpu) is None}
+
+
+def path_point(R: int, capacity_policy: str = "exact") -> Params:
+    """The point a registered path is built for (from_point) at this file's shapes."""
+    return Params(num_tokens=T, hidden=H, top_k=K, num_experts=E, num_max_tokens_per_rank=T, ep_size=R,
+                  capacity_policy=capacity_policy)
+
+
 def round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=None):
-    """Dispatch + expert + combine, then every check; returns a plain dict (picklable)."""
+    """Dispatch + expert + combine, then every check; returns a plain dict (picklable). `garbage_seed`: the path's
+    prepare_check first (a2a_fixed: stale receive buffers full of valid-looking garbage)."""
     mask = is_padding if masked else None
     if garbage_seed is not None:
-        path.fill_garbage(torch.Generator(device=x.device).manual_seed(garbage_seed))
-        path.reset_overflow()
+        path.prepare_check(torch.Generator(device=x.device).manual_seed(garbage_seed))
     out = poison(torch.empty_like(x))
     d = path.dispatch(x, ids, w, mask)
     y = scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights)
@@ -65,8 +81,10 @@ def round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=None):
     recv = check_received(path, d, g)
     ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.experts_per_rank)
     comb = compare_close("combined", out, ref, 2e-2, 5e-3)
+    extra = [c for c in path.extra_checks(d) if not c.ok]
     res = {"recv_ok": recv.ok, "recv_detail": recv.detail, "combined_ok": comb.ok, "combined_detail": comb.detail,
-           **count_padding_received(path, d, g), "stats": path.stats(d).as_info()}
+           "extra_detail": "; ".join(c.detail for c in extra), "receives": path.receives,
+           "sends_weights": path.sends_weights, **count_padding_received(path, d, g), "stats": path.stats(d).as_info()}
     if isinstance(path, A2AFixedPath):
         res["invalid_rows_clean"] = path.invalid_rows_clean()
         res["overflow"] = path.overflowed()
@@ -74,7 +92,10 @@ def round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=None):
     return res
 
 
-def _paths_worker(ctx, policies, bench=None):
+def _paths_worker(ctx, names, policies, bench=None):
+    """Every registered path of `names` (built by its from_point, as the bench builds it), then the variants of
+    moebench's own paths that no point selects: the torch-reference kernels inside them, a2a_fixed's other
+    capacity policies."""
     import torch.distributed as dist
 
     layout = EPLayout(ctx.rank, ctx.world_size, E, ctx.group)
@@ -83,9 +104,10 @@ def _paths_worker(ctx, policies, bench=None):
     for masked in (True, False):
         mask = is_padding if masked else None
         max_rows = max_rows_per_pair(ids, mask, layout)
-        paths = {"agrs": AGRSPath(layout, hidden=H, top_k=K), "a2a": A2APath(layout, hidden=H, top_k=K),
-                 "agrs.torch": AGRSPath(layout, hidden=H, top_k=K, use_triton=False),
-                 "a2a.torch": A2APath(layout, hidden=H, top_k=K, use_triton=False)}
+        paths = {name: path_class(name).from_point(layout, path_point(ctx.world_size), ids, mask, torch.device("cpu"))
+                 for name in names}
+        paths.update({"agrs.torch": AGRSPath(layout, hidden=H, top_k=K, use_triton=False),
+                      "a2a.torch": A2APath(layout, hidden=H, top_k=K, use_triton=False)})
         for policy in policies:
             cap = capacity_for(policy, max_rows, T)
             paths[f"a2a_fixed.{policy}"] = A2AFixedPath(layout, hidden=H, top_k=K, num_tokens=T, capacity=cap)
@@ -93,9 +115,8 @@ def _paths_worker(ctx, policies, bench=None):
         paths["a2a_fixed.torch"] = A2AFixedPath(layout, hidden=H, top_k=K, num_tokens=T,
                                                 capacity=capacity_for("exact", max_rows, T), use_triton=False)
         for name, path in paths.items():
-            seed = 77 + ctx.rank if name.startswith("a2a_fixed") else None
-            res = round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=seed)
-            if name.startswith("a2a_fixed"):
+            res = round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=77 + ctx.rank)
+            if isinstance(path, A2AFixedPath):
                 res["capacity"] = path.capacity
             out[(name, masked)] = res
         out[("max_rows", masked)] = max_rows
@@ -138,10 +159,11 @@ def _bench_worker(ctx, impls, params):
 # Multi-rank (gloo): one spawn per world size, many assertions on its results
 # ---------------------------------------------------------------------------------------------------------------
 
-POLICIES = ("exact", "pow2", "max")
-PATHS = ("agrs", "a2a", "agrs.torch", "a2a.torch") + tuple(f"a2a_fixed.{p}" for p in POLICIES) + \
-    ("a2a_fixed.torch",)
-BENCH_IMPLS = ("dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed")
+# a2a_fixed's policies other than from_point's "exact" (the registered "a2a_fixed"), on two ranks only
+POLICIES = ("pow2", "max")
+VARIANTS = ("agrs.torch", "a2a.torch", "a2a_fixed.torch") + tuple(f"a2a_fixed.{p}" for p in POLICIES)
+PATHS = tuple(cpu_paths())
+BENCH_IMPLS = tuple(f"dispatch.{name}" for name in PATHS)
 BENCH_PARAMS = {"num_tokens": 8, "hidden": 64, "num_experts": 8, "top_k": 3, "padding_ratio": 0.25,
                 "padding_fill": "repeat", "num_max_tokens_per_rank": 16, "capacity_policy": "pow2"}
 
@@ -149,18 +171,27 @@ BENCH_PARAMS = {"num_tokens": 8, "hidden": 64, "num_experts": 8, "top_k": 3, "pa
 @pytest.fixture(scope="module")
 def runs(gloo_ranks):
     """Both world sizes on the session's pool of gloo ranks (tests/gloo_pool.py: no spawn per module)."""
-    return {R: gloo_ranks.run(_paths_worker, R, args=(POLICIES, (BENCH_IMPLS, BENCH_PARAMS)) if R == 2 else
-                              (("exact",),), timeout_s=240)
+    return {R: gloo_ranks.run(_paths_worker, R, args=(PATHS, POLICIES, (BENCH_IMPLS, BENCH_PARAMS)) if R == 2 else
+                              (PATHS, ()), timeout_s=240)
             for R in (4, 2)}  # the larger first: the pool starts at 4 ranks instead of growing
 
 
 def _cases():
     for R in (2, 4):
-        for name in PATHS:
-            if R == 4 and name in ("a2a_fixed.pow2", "a2a_fixed.max"):
+        for name in PATHS + VARIANTS:
+            if R == 4 and name in tuple(f"a2a_fixed.{p}" for p in POLICIES):
                 continue
             for masked in (True, False):
                 yield R, name, masked
+
+
+def test_every_registered_path_is_tested_here_or_says_why_not():
+    """The registry decides what the tests below cover: every path runs on the gloo ranks, unless it says why it
+    cannot run on the CPU (DeepEP: its library and CUDA)."""
+    cpu = RunContext(device=torch.device("cpu"))
+    assert {"agrs", "a2a", "a2a_fixed"} <= set(PATHS)
+    for name, cls in package_paths().items():
+        assert name in PATHS or cls.available(cpu), name
 
 
 @pytest.mark.parametrize("R,name,masked", list(_cases()))
@@ -170,6 +201,7 @@ def test_path_matches_single_process_reference(runs, R, name, masked):
         assert per_rank["interpret"] == os.environ.get("TRITON_INTERPRET")
         assert res["recv_ok"], f"rank {rank}: {res['recv_detail']}"
         assert res["combined_ok"], f"rank {rank}: {res['combined_detail']}"
+        assert not res["extra_detail"], f"rank {rank}: {res['extra_detail']}"
         if name.startswith("a2a_fixed"):
             assert res["invalid_rows_clean"], f"rank {rank}: garbage rows past the counts kept live ids"
             assert not res["overflow"]
@@ -179,7 +211,7 @@ def test_path_matches_single_process_reference(runs, R, name, masked):
 def test_padded_rows_sent_only_when_not_masked(runs, R, name):
     masked = [r[(name, True)] for r in runs[R]]
     unmasked = [r[(name, False)] for r in runs[R]]
-    if name.startswith("agrs"):
+    if masked[0]["receives"] == "all":
         # every row travels (all_gather), but masked padded rows must not carry a route anywhere
         assert sum(r["padded_rows_received"] for r in masked) == R * R * NUM_PADDING
         assert sum(r["padded_routes_received"] for r in masked) == 0
@@ -187,7 +219,10 @@ def test_padded_rows_sent_only_when_not_masked(runs, R, name):
     else:
         assert sum(r["padded_rows_received"] for r in masked) == 0
         # unmasked: each rank's padded rows go to the owners of experts 0 and E-1 (first and last rank)
-        assert sum(r["padded_rows_received"] for r in unmasked) == R * NUM_PADDING * 2
+        if masked[0]["receives"] == "token":
+            assert sum(r["padded_rows_received"] for r in unmasked) == R * NUM_PADDING * 2
+        else:
+            assert sum(r["padded_rows_received"] for r in unmasked) > 0
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -195,7 +230,7 @@ def test_fixed_capacity_layout_and_policies(runs, R):
     for per_rank in runs[R]:
         for masked in (True, False):
             max_rows = per_rank[("max_rows", masked)]
-            res = per_rank[("a2a_fixed.exact", masked)]
+            res = per_rank[("a2a_fixed", masked)]
             assert res["capacity"] == max_rows
             assert res["garbage_rows"] == R * max_rows - sum(res["stats"]["rows_recv_per_src"])
             if R == 2:
@@ -207,23 +242,25 @@ def test_fixed_capacity_layout_and_policies(runs, R):
 @pytest.mark.parametrize("R", [2, 4])
 def test_traffic_accounting_is_consistent_across_ranks(runs, R):
     for masked in (True, False):
-        for name in ("a2a", "a2a_fixed.exact", "agrs"):
+        for name in PATHS:
             stats = [r[(name, masked)]["stats"] for r in runs[R]]
             for src in range(R):
                 for dst in range(R):
                     assert stats[src]["rows_sent_per_dest"][dst] == stats[dst]["rows_recv_per_src"][src]
             for rank, s in enumerate(stats):
                 assert s["bytes_include_own_rank"] is True
-                row = H * 2 + K * 8
+                row = H * 2 + (K * 8 if runs[R][rank][(name, masked)]["sends_weights"] else 0)
                 assert s["dispatch_payload_bytes"] == s["recv_rows"] * row
                 assert s["dispatch_payload_bytes_own"] == s["rows_recv_per_src"][rank] * row
             if name == "a2a":
                 assert stats[0]["dispatch_wire_bytes"] == stats[0]["recv_rows"] * WIRE_ROW
-    fixed = runs[R][0][("a2a_fixed.exact", True)]
+    fixed = runs[R][0][("a2a_fixed", True)]
     assert fixed["stats"]["dispatch_wire_bytes"] == R * fixed["capacity"] * WIRE_ROW
-    # masking removes the padded rows' traffic
-    a2a = [sum(r[("a2a", m)]["stats"]["recv_rows"] for r in runs[R]) for m in (True, False)]
-    assert a2a[0] < a2a[1]
+    # masking removes the padded rows' traffic (a path that receives every row moves them either way)
+    for name in PATHS:
+        if runs[R][0][(name, True)]["receives"] != "all":
+            recv = [sum(r[(name, m)]["stats"]["recv_rows"] for r in runs[R]) for m in (True, False)]
+            assert recv[0] < recv[1], name
 
 
 @pytest.fixture(scope="module")
@@ -231,20 +268,21 @@ def bench_runs(runs):
     return [per_rank["bench"] for per_rank in runs[2]]
 
 
-@pytest.mark.parametrize("impl", ["dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed"])
+@pytest.mark.parametrize("impl", BENCH_IMPLS)
 @pytest.mark.parametrize("mask", [True, False])
 def test_registered_impls_check_on_two_ranks(bench_runs, impl, mask):
+    receives_all = path_class(impl.split(".", 1)[1]).receives == "all"
     for rank, per_rank in enumerate(bench_runs):
         res = per_rank[(impl, mask)]
         assert res["ok"], f"rank {rank}: {res['detail']}"
         info = res["info"]
         assert info["mask_aware"] is mask and info["bytes_include_own_rank"] is True
         assert res["bytes"] == info["dispatch_payload_bytes"] + info["combine_payload_bytes"] > 0
-        if impl != "dispatch.agrs":
+        if not receives_all:
             assert (info["padded_rows_sent"] == 0) if mask else (info["padded_rows_sent"] > 0)
-        if mask and impl != "dispatch.agrs":
+        if mask and not receives_all:
             assert res["metrics"]["padded_rows_received"] == 0.0
-        if impl == "dispatch.a2a_fixed":
+        if issubclass(path_class(impl.split(".", 1)[1]), A2AFixedPath):
             assert res["graph"] and info["capacity_policy"] == "pow2"
             assert info["capacity"] >= info["max_rows_per_pair"]
 
@@ -254,24 +292,21 @@ def test_registered_impls_check_on_two_ranks(bench_runs, impl, mask):
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("masked", [True, False])
-@pytest.mark.parametrize("kind", ["agrs", "a2a", "a2a_fixed"])
-def test_single_rank_paths(kind, masked):
+@pytest.mark.parametrize("name", PATHS)
+def test_single_rank_paths(name, masked):
     layout = EPLayout(0, 1, E)
     x, ids, w, is_padding = make_inputs(0, seed=3)
-    if kind == "agrs":
-        path = AGRSPath(layout, hidden=H, top_k=K)
-    elif kind == "a2a":
-        path = A2APath(layout, hidden=H, top_k=K)
-    else:
-        path = A2AFixedPath(layout, hidden=H, top_k=K, num_tokens=T, capacity=T)
-    res = round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=5 if kind == "a2a_fixed" else None)
+    path = path_class(name).from_point(layout, path_point(1, "max"), ids, is_padding if masked else None,
+                                       torch.device("cpu"))
+    res = round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=5)
     assert res["recv_ok"], res["recv_detail"]
     assert res["combined_ok"], res["combined_detail"]
-    if kind != "agrs":
+    assert not res["extra_detail"], res["extra_detail"]
+    if path.receives != "all":
         assert (res["padded_rows_received"] == 0) == masked
 
 
-@pytest.mark.parametrize("impl", ["dispatch.agrs", "dispatch.a2a", "dispatch.a2a_fixed"])
+@pytest.mark.parametrize("impl", BENCH_IMPLS)
 def test_registered_impls_on_one_rank(impl):
     """ep_size 1: no process group, the paths degenerate to local compute and still check out."""
     from moebench import registry

@@ -318,7 +318,7 @@ def test_resume_with_a_different_sweep_is_refused_naming_the_difference(tmp_path
 def test_resume_under_other_tuned_tables_is_refused(tmp_path, capsys, monkeypatch):
     """A point that names no config launches what the tuned table says: the manifest records the tables' hash, and
     a resume that would mix two tables in one run is refused like a sweep change (one line, exit 2)."""
-    from moebench.kernels._details import tuning
+    from moebench.kernels.runtime import tuning
 
     tables = tmp_path / "tables"
     tables.mkdir()

@@ -181,3 +181,33 @@ def test_point_data_is_imported_from_params():
             if isinstance(node, ast.ImportFrom) and node.module == "moebench.run.sweep":
                 bad = sorted(moved & {a.name for a in node.names})
                 assert not bad, f"{path.relative_to(repo)}:{node.lineno} imports {bad} from moebench.run.sweep"
+
+
+def _details_imports(path: Path, module: str) -> list[int]:
+    """Line numbers of the imports of moebench.kernels._details (or a module of it) in the file of `module`."""
+    lines = []
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            named = [a.name for a in node.names]
+        else:
+            base = _base(module, path.name == "__init__.py", node)
+            named = [base, *(f"{base}.{a.name}" for a in node.names)]
+        if any(n == "moebench.kernels._details" or n.startswith("moebench.kernels._details.") for n in named):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_kernels_details_are_imported_only_inside_kernels(tmp_path):
+    """kernels/_details is private to the library: the rest of moebench, scripts/ and the tests outside tests/kernels
+    take what they use from its public faces, moebench.kernels.runtime and moebench.kernels.contract."""
+    repo = ROOT.parent
+    outside = [(m, p) for m, p in module_files().items() if not m.startswith("moebench.kernels")]
+    outside += [(p.stem, p) for sub in ("tests", "scripts") for p in sorted((repo / sub).rglob("*.py"))
+                if not p.is_relative_to(repo / "tests" / "kernels")]
+    bad = [f"{p.relative_to(repo)}:{line}" for m, p in outside for line in _details_imports(p, m)]
+    assert bad == [], "import moebench.kernels.runtime / contract instead of kernels._details"
+    # the check sees each spelling of such an import
+    probe = tmp_path / "probe.py"
+    probe.write_text("import moebench.kernels._details.jit\nfrom moebench.kernels import _details\n"
+                     "from moebench.kernels._details.args import check_mask\nfrom moebench.kernels import runtime\n")
+    assert _details_imports(probe, "probe") == [1, 2, 3]

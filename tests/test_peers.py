@@ -4,22 +4,46 @@ signatures (tests/standins), and the ratio of every impl to the best peer at the
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from moebench import registry
-from moebench.peers import flashinfer as peers_flashinfer, sglang as peers_sglang, vllm as peers_vllm
-from moebench.peers.compile import compile_available
+from moebench.peers import sglang as peers_sglang, vllm as peers_vllm
+from moebench.peers._lib import libraries
+from moebench.peers.compile import FORMULATIONS, compile_available
 from moebench.params import Params
 from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
 from moebench.registry import RunContext
-from tests.standins import flashinfer_standin, sgl_kernel_standin, vllm_ops
+from tests.standins import sgl_kernel_standin, standins as standin_modules, vllm_ops
 
 CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
              padding_ratio=0.25, num_max_tokens_per_rank=16)
 GROUPED = dict(SMALL, num_expert_group=4, topk_group=2, scoring="sigmoid", bias=True, routed_scaling_factor=2.5)
+TESTS = Path(__file__).resolve().parent
+# A family's own knobs, where SMALL is not a point every peer of it takes.
+FAMILY_POINTS = {"grouped_topk": GROUPED, "apply_expert_map": dict(SMALL, ep_size=2),
+                 "globalize_recv_topk_idx": dict(SMALL, ep_size=2)}
+
+
+def peer_point(impl: registry.Impl) -> dict:
+    """The small point a peer is checked at: its family's, else SMALL."""
+    return FAMILY_POINTS.get(impl.kernel, SMALL)
+
+
+def own_test_file(library: str) -> Path | None:
+    """tests/test_peers_<module>.py of the moebench.peers module holding the library, when it has one of its own (its
+    peers are checked there, at the points its library needs: DeepGEMM's fp8 blocks)."""
+    for info in pkgutil.iter_modules(importlib.import_module(registry.PEERS_PACKAGE).__path__):
+        module = importlib.import_module(f"{registry.PEERS_PACKAGE}.{info.name}")
+        if libraries()[library] in vars(module).values():
+            path = TESTS / f"test_peers_{info.name}.py"
+            return path if path.is_file() else None
+    return None
 
 
 def _params(**over) -> Params:
@@ -38,14 +62,13 @@ def _check(name: str, p: Params):
 # torch.compile peers
 # ---------------------------------------------------------------------------------------------------------------
 
-COMPILE_POINTS = {
-    "topk_softmax.compile": SMALL,
-    "grouped_topk.compile": GROUPED,
-    "prepare_moe_inputs.compile": SMALL,
-    "apply_expert_map.compile": dict(SMALL, ep_size=2),
-    "globalize_recv_topk_idx.compile": dict(SMALL, ep_size=2),
-    "masked_moe_sum.compile": SMALL,
-}
+def compile_points() -> dict[str, dict]:
+    """The collection function of the torch.compile peers: every registered one, at its peer_point."""
+    return {name: peer_point(impl) for name, impl in sorted(registry.all_impls().items())
+            if impl.library == "torch.compile"}
+
+
+COMPILE_POINTS = compile_points()
 
 
 @pytest.mark.skipif(compile_available(CPU) is not None, reason=str(compile_available(CPU)))
@@ -60,21 +83,20 @@ def test_compile_peer_passes_its_check_and_records_compile_time(name):
 
 
 def test_compile_peers_cover_the_plain_torch_families():
-    names = {n for n, i in registry.all_impls().items() if i.library == "torch.compile"}
-    assert names == set(COMPILE_POINTS)
+    assert set(COMPILE_POINTS) == {f"{family}.compile" for family in FORMULATIONS} != set()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Library adapters against stand-ins
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def standins():
-    libs = [(peers_vllm.VLLM, vllm_ops), (peers_sglang.SGLANG, sgl_kernel_standin),
-            (peers_flashinfer.FLASHINFER, flashinfer_standin)]
-    saved = [(lib, lib.lib, lib.reason) for lib, _ in libs]
-    for lib, mod in libs:
-        lib.bind(mod)
+@pytest.fixture(name="standins")
+def bound_standins():
+    """Every peer library with a stand-in (tests/standins) bound to it, for the test."""
+    libs = libraries()
+    saved = [(libs[name], libs[name].lib, libs[name].reason) for name in standin_modules()]
+    for name, module in standin_modules().items():
+        libs[name].bind(module)
     yield
     for lib, mod, reason in saved:
         lib.lib, lib.reason = mod, reason
@@ -82,31 +104,47 @@ def standins():
 
 LARGE_ALIGN = dict(SMALL, num_tokens=512)  # 1024 routes: vLLM's two-block alignment, not its small-batch kernel
 
-ADAPTER_POINTS = {
-    "topk_softmax.vllm": SMALL,
+# Points of particular library code paths, beside each adapter's own point (adapter_points)
+EXTRA_ADAPTER_POINTS = {
     "topk_softmax.vllm@bias": dict(SMALL, bias=True),
     "moe_align_block_size.vllm@large": LARGE_ALIGN,
     "moe_align_block_size.vllm@large_map": dict(LARGE_ALIGN, num_local_experts=4),
     "masked_moe_sum.vllm@top_k4": dict(SMALL, top_k=4),
     "masked_moe_sum.vllm@top_k8": dict(SMALL, top_k=8),
-    "grouped_topk.vllm": GROUPED,
-    "moe_align_block_size.vllm": SMALL,
     "moe_align_block_size.vllm@map": dict(SMALL, num_local_experts=4),
-    "masked_moe_sum.vllm": SMALL,
-    "fused_experts.vllm": SMALL,
-    "topk_softmax.sglang": SMALL,
-    "grouped_topk.sglang": GROUPED,
-    "moe_align_block_size.sglang": SMALL,
     "moe_align_block_size.sglang@map": dict(SMALL, num_local_experts=4),
-    "grouped_topk.flashinfer": GROUPED,
 }
+
+
+def adapter_points() -> dict[str, dict]:
+    """The collection function of the library adapters: label -> point for every registered peer of a library that
+    has a stand-in and no test file of its own (each at its peer_point), then the extra points (`<impl>@<what>`)."""
+    with_standin = {name for name in standin_modules() if own_test_file(name) is None}
+    own = {name: peer_point(impl) for name, impl in sorted(registry.all_impls().items())
+           if impl.library in with_standin}
+    return {**own, **EXTRA_ADAPTER_POINTS}
+
+
+ADAPTER_POINTS = adapter_points()
+
+
+def test_every_peer_library_has_a_standin_and_every_peer_is_checked_here():
+    """A peer is an adapter plus a stand-in: each Library of moebench.peers has one in tests/standins, so each of its
+    registered impls is in adapter_points or in its module's own test file (the torch.compile and torch peers run
+    for real: compile_points, the contract test)."""
+    assert set(libraries()) == set(standin_modules()) >= {"vllm", "sglang", "flashinfer", "deep_gemm"}
+    assert own_test_file("deep_gemm") == TESTS / "test_peers_deepgemm.py" and own_test_file("vllm") is None
+    for name, impl in registry.all_impls().items():
+        if impl.library in libraries():
+            assert name in ADAPTER_POINTS or own_test_file(impl.library), name
+    assert {label.split("@")[0] for label in EXTRA_ADAPTER_POINTS} <= set(ADAPTER_POINTS)
 
 
 @pytest.mark.parametrize("label", sorted(ADAPTER_POINTS))
 def test_adapter_passes_the_reference_check_against_its_standin(standins, label):
     name = label.split("@")[0]
     impl = registry.get(name)
-    assert impl.library in ("vllm", "sglang", "flashinfer")
+    assert impl.library in libraries()
     case, res = _check(name, _params(**ADAPTER_POINTS[label]))
     assert res.ok, res.detail
     case.run()  # what is timed runs again on the same buffers

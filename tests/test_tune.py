@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moebench.cli import main
-from moebench.kernels._details import tuning
+from moebench.kernels.runtime import tuning
 from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, sum_choice
 from moebench.run.results import load_manifest, load_records
 
@@ -112,7 +112,7 @@ def test_tune_writes_a_table_the_kernels_then_use(tmp_path, tables, capsys):
 def test_list_configs_names_every_candidate(capsys):
     assert main(["list", "--configs"]) == 0
     out = capsys.readouterr().out
-    for kernel in tuning.TUNABLE_KERNELS:
+    for kernel in tuning.tunable_kernels():
         assert f"# {kernel}: rule " in out and " ".join(tuning.candidates(kernel)) in out
 
 

@@ -30,7 +30,7 @@ from moebench import inputs
 from moebench.bench.experts import check_experts_out
 from moebench.check import CheckResult, poison
 from moebench.inputs import make_expert_weights
-from moebench.kernels._details.jit import interpreting
+from moebench.kernels.runtime import interpreting
 from moebench.kernels.fused_experts import expert_work, fused_experts, fused_experts_torch, make_workspace
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure

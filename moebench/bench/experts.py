@@ -25,7 +25,7 @@ from moebench.check import CheckResult, compare_close, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch, make_expert_weights, route
 from moebench.inputs.batch import Batch
-from moebench.kernels._details.jit import interpreting
+from moebench.kernels.runtime import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fused_experts import (
     expert_shapes,

@@ -27,7 +27,7 @@ import torch
 from moebench.bench.experts import experts_info, oblivious_ids
 from moebench.check import CheckResult, compare_close, poison
 from moebench.inputs.weights import make_expert_weights
-from moebench.kernels._details.jit import interpreting
+from moebench.kernels.runtime import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block, rowwise_weights
 from moebench.kernels.fused_experts_fp8 import fused_experts_fp8, make_fp8_workspace, x_scale_mode

@@ -60,7 +60,7 @@ from moebench.dispatch.pack import (
     pack_fixed_torch,
     send_positions,
 )
-from moebench.kernels._details.jit import interpreting
+from moebench.kernels.runtime import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl

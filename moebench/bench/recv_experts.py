@@ -31,7 +31,7 @@ STALE_SEED_SALT = 31  # the stale rows' contents draw from their own stream
 
 
 def _available(ctx: RunContext) -> str | None:
-    from moebench.kernels._details.jit import interpreting
+    from moebench.kernels.runtime import interpreting
 
     if ctx.is_cuda or interpreting():
         return None

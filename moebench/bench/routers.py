@@ -15,7 +15,7 @@ import torch
 from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import make_batch
-from moebench.kernels._details.router_common import renormalize_torch, select_desc_torch
+from moebench.kernels.contract import renormalize_torch, select_desc_torch
 from moebench.kernels.grouped_topk import (
     grouped_args_problem,
     grouped_choice,

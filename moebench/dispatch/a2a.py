@@ -41,7 +41,7 @@ from moebench.dispatch.base import Dispatched, DispatchPath, EPLayout, ReceivedR
 from moebench.dispatch.comm import SideStream, all_to_all_single, grow_rows, triton_default
 from moebench.dispatch.pack import combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
-from moebench.kernels._details.args import check_mask
+from moebench.kernels.contract import check_mask
 
 
 @dataclass

@@ -38,7 +38,7 @@ from moebench.dispatch.base import (
 from moebench.dispatch.comm import SideStream, all_to_all_single, max_over_ranks, triton_default
 from moebench.dispatch.pack import capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
-from moebench.kernels._details.args import check_mask
+from moebench.kernels.contract import check_mask
 
 
 def max_rows_per_pair(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, layout: EPLayout) -> int:

@@ -17,7 +17,7 @@ import torch
 from moebench.dispatch.base import Dispatched, DispatchPath, ReceivedRows, dispatch_path, local_ids
 from moebench.dispatch.comm import all_gather_rows, reduce_scatter_rows, triton_default
 from moebench.dispatch.permute import localize_ids
-from moebench.kernels._details.args import check_mask
+from moebench.kernels.contract import check_mask
 
 
 def meta_weights(meta: torch.Tensor, top_k: int) -> torch.Tensor:

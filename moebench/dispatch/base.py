@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 
 from moebench.check import CheckResult
-from moebench.kernels._details.args import check_mask
+from moebench.kernels.contract import check_mask
 from moebench.params import EPLayout, Params  # EPLayout: part of this interface (paths are built on one)
 
 if TYPE_CHECKING:  # pragma: no cover

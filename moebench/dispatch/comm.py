@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from moebench.kernels._details.jit import interpreting
+from moebench.kernels.runtime import interpreting
 
 GROW_ROWS = 256  # a growing buffer is rounded up to this many rows, so slightly larger steps reuse it
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels.runtime import check_triton_device, next_pow2
 
 BLOCK_H = 1024  # hidden columns per program: 2 KB of bf16 (one 16-byte vector per thread), 7 programs per 7168
 NUM_WARPS = 4

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from moebench.dispatch.base import EPLayout
-from moebench.kernels._details.args import check_mask
-from moebench.kernels._details.jit import check_triton_device, next_pow2
+from moebench.kernels.contract import check_mask
+from moebench.kernels.runtime import check_triton_device, next_pow2
 
 ROW_ALIGN = 32  # bytes; see the module docstring
 PLAN_TILE_ELEMENTS = 8192  # most (row, slot[, destination]) elements one plan program holds

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from moebench.kernels._details.args import check_mask  # noqa: F401  (re-exported)
+from moebench.kernels.contract import check_mask  # noqa: F401  (re-exported)
 from moebench.params import Params, padding_rows
 from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
 

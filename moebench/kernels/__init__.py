@@ -4,24 +4,34 @@ Each module is one op: its Triton kernel(s) and launcher, the plain-torch refere
 docs/contracts.md literally, and, where the pre-fix behaviour is a function of its own, the mask-oblivious twin
 `<op>_oblivious`. Helpers shared by several ops' kernels live in `kernels._details`. The benchmark cases that time
 and check these ops are in `moebench.bench`.
+
+The package exports the names of every op module's `__all__` (found by walking this package, so a new op module
+is exported without editing this file); two modules exporting one name for different objects is an ImportError.
 """
 
-from moebench.kernels.apply_expert_map import apply_expert_map, apply_expert_map_torch
-from moebench.kernels.fused_experts import fused_experts, fused_experts_torch
-from moebench.kernels.globalize_recv_topk_idx import globalize_recv_topk_idx, globalize_recv_topk_idx_torch
-from moebench.kernels.grouped_topk import grouped_topk, grouped_topk_torch
-from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch
-from moebench.kernels.moe_align_block_size import moe_align_block_size, moe_align_block_size_torch
-from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs, prepare_moe_inputs_torch
-from moebench.kernels.topk_softmax import topk_softmax, topk_softmax_torch
+import importlib as _importlib
+import pkgutil as _pkgutil
 
-__all__ = [
-    "apply_expert_map", "apply_expert_map_torch",
-    "fused_experts", "fused_experts_torch",
-    "globalize_recv_topk_idx", "globalize_recv_topk_idx_torch",
-    "grouped_topk", "grouped_topk_torch",
-    "masked_moe_sum", "masked_moe_sum_torch",
-    "moe_align_block_size", "moe_align_block_size_torch",
-    "prepare_moe_inputs", "prepare_moe_inputs_torch",
-    "topk_softmax", "topk_softmax_torch",
-]
+
+def _module_exports() -> dict:
+    """name -> object over the `__all__` of every non-underscore module of this package, in module name order."""
+    exports: dict = {}
+    for info in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = _importlib.import_module(f"{__name__}.{info.name}")
+        names = getattr(module, "__all__", None)
+        if names is None:
+            raise ImportError(f"{module.__name__}: a kernel module declares __all__ (the names the package exports)")
+        for name in names:
+            obj = getattr(module, name)
+            if exports.get(name, obj) is not obj:
+                raise ImportError(f"{__name__}: {name!r} is exported by two modules for different objects "
+                                  f"(the second: {module.__name__})")
+            exports[name] = obj
+    return exports
+
+
+_EXPORTS = _module_exports()
+globals().update(_EXPORTS)
+__all__ = sorted(_EXPORTS)

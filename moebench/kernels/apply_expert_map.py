@@ -13,6 +13,9 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device
 
+__all__ = ["apply_expert_map", "apply_expert_map_torch", "apply_expert_map_oblivious",
+           "apply_expert_map_oblivious_torch", "build_expert_map"]
+
 # One elementwise pass: 2048 ids per program (4 warps, 16 per thread) keeps a 65536x8 input at ~256 programs
 # (about two per SM, enough bytes in flight) and a 64x8 input at one program.
 BLOCK = 2048

@@ -19,6 +19,9 @@ import triton.language as tl
 
 from moebench.kernels._details.jit import check_triton_device
 
+__all__ = ["globalize_recv_topk_idx", "globalize_recv_topk_idx_torch", "globalize_recv_topk_idx_oblivious",
+           "globalize_oblivious_reference"]
+
 BLOCK = 2048  # ids per program: one elementwise pass (see apply_expert_map for the sizing)
 NUM_WARPS = 4
 

@@ -26,6 +26,9 @@ from moebench.kernels._details.jit import check_triton_device, next_pow2
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
+__all__ = ["masked_moe_sum", "masked_moe_sum_torch", "moe_sum_oblivious", "SumLaunch", "SUM_CANDIDATES",
+           "sum_launch_config", "sum_choice", "launch_masked_sum", "sum_slots", "sum_slots_torch"]
+
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,
                          out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,9 @@ import triton.language as tl
 from moebench.kernels._details.args import check_mask
 from moebench.kernels._details.jit import check_triton_device
 
+__all__ = ["prepare_moe_inputs", "prepare_moe_inputs_torch", "prepare_moe_inputs_oblivious", "SCALE_FORMATS",
+           "FP8_MAX", "AMAX_FLOOR", "output_shapes", "alloc_outputs", "check_staging_args", "stage_routing_torch"]
+
 SCALE_FORMATS = ("ue8m0_packed", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-4  # keeps an all-zero group from getting a zero scale

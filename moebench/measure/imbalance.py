@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from moebench.kernels._details.args import check_mask
+from moebench.kernels.contract import check_mask
 from moebench.params import EPLayout
 
 

@@ -11,17 +11,19 @@ it lands in the point's record (`case.info`), and what `fn` writes there later (
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
+import pkgutil
 from typing import Any, Callable
 
 import torch
 
 from moebench.families import get_family
-from moebench.kernels._details.router_common import mask_padded_rows_torch
-from moebench.registry import Impl, register
+from moebench.kernels.contract import mask_padded_rows_torch
+from moebench.registry import PEERS_PACKAGE, Impl, register
 
-__all__ = ["Library", "register_adapter", "accepts", "router_out", "scratch_like", "router_after"]
+__all__ = ["Library", "libraries", "register_adapter", "accepts", "router_out", "scratch_like", "router_after"]
 
 
 class Library:
@@ -54,6 +56,19 @@ class Library:
         if not ctx.is_cuda and not getattr(lib, "MOEBENCH_STANDIN", False):
             return f"{self.name} kernels run on CUDA only"
         return None
+
+
+def libraries() -> dict[str, Library]:
+    """Library name -> Library: the module-level Library of every module of moebench.peers, found by walking the
+    package (the tests bind a stand-in to each: tests/standins)."""
+    pkg = importlib.import_module(PEERS_PACKAGE)
+    found: dict[str, Library] = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            for value in vars(importlib.import_module(f"{PEERS_PACKAGE}.{info.name}")).values():
+                if isinstance(value, Library):
+                    found.setdefault(value.name, value)
+    return found
 
 
 def accepts(fn: Callable, name: str) -> bool:

@@ -27,7 +27,7 @@ def bare_record(point: Point, sweep: Sweep, status: str, reason: str, **extra) -
 def interpreting() -> bool:
     """Triton kernels run in the interpreter here (imported late: importing the kernels imports triton, which
     must only happen after the CLI has set TRITON_INTERPRET)."""
-    from moebench.kernels._details.jit import interpreting as _interpreting
+    from moebench.kernels.runtime import interpreting as _interpreting
 
     return _interpreting()
 

@@ -212,7 +212,7 @@ def tuned_tables() -> dict:
     """The tuned launch tables the kernels read when a point names no config ({"sha256", "files"} of
     moebench/kernels/tuned/): recorded in the manifest, so that a resume under other tables is refused
     (moebench.run.resume) and a comparison of two runs can say their tables differ."""
-    from moebench.kernels._details.tuning import tables_digest
+    from moebench.kernels.runtime import tables_digest
 
     return tables_digest()
 

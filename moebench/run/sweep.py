@@ -417,7 +417,7 @@ def config_problem(impl_name: str, config: str | None) -> str | None:
     kernel = registry.get(impl_name).tuned_kernel
     if kernel is None:
         return f"config: {config!r} given, but {impl_name} has no launch configs (only a tuned kernel's impls do)"
-    from moebench.kernels._details.tuning import config_name_problem
+    from moebench.kernels.runtime import config_name_problem
 
     why = config_name_problem(kernel, config)
     return f"config: {why}" if why else None

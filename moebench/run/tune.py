@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moebench import registry
-from moebench.kernels._details import tuning
+from moebench.kernels.runtime import tuning
 from moebench.run.results import load_records, unique_records, write_json_atomic
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict

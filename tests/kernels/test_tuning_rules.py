@@ -12,13 +12,13 @@ import itertools
 
 import pytest
 
-from moebench.kernels import fused_experts_fp8, grouped_gemm
+from moebench.kernels import grouped_gemm
 from moebench.kernels._details import experts_config, tuning
 from moebench.kernels._details.align_config import align_choice
 from moebench.kernels.grouped_topk import grouped_choice
 from moebench.kernels.masked_moe_sum import sum_choice
 from moebench.kernels.topk_softmax import softmax_choice
-from moebench.kernels.fused_experts_fp8 import Fp8ExpertsConfig, Fp8GemmConfig
+from moebench.kernels.fused_experts_fp8 import E4M3, Fp8ExpertsConfig, Fp8GemmConfig, fp8_choice, make_fp8_workspace
 from moebench.kernels.grouped_gemm import ExpertsConfig, GemmConfig
 
 SHAPES = list(itertools.product((1, 16, 128, 512, 4096, 8192, 65536), (1, 6, 8), (8, 32, 128, 256),
@@ -81,7 +81,7 @@ def test_bf16_rule_is_the_old_choose_config(compiled):
 def test_fp8_rule_is_the_old_choose_fp8_config(compiled):
     for num_tokens, top_k, num_experts, hidden, intermediate in SHAPES:
         want = old_choose_fp8_config(num_tokens * top_k, num_experts, hidden, intermediate)
-        got = fused_experts_fp8.fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device="cpu").config
+        got = fp8_choice(num_tokens, top_k, num_experts, hidden, intermediate, device="cpu").config
         assert (got.block_m, got.gate_up, got.down, got.reduce_block_h) == \
                (want.block_m, want.gate_up, want.down, want.reduce_block_h), (num_tokens, top_k, num_experts, hidden)
 
@@ -89,29 +89,38 @@ def test_fp8_rule_is_the_old_choose_fp8_config(compiled):
 def test_precision_is_part_of_the_config():
     """One config type, one choice: a config of the other precision is refused, by the choice and by the launch."""
     bf16 = grouped_gemm.experts_choice(16, 2, 4, 256, 128, device="cpu", config="bm16").config
-    fp8 = fused_experts_fp8.fp8_choice(16, 2, 4, 256, 128, device="cpu", config="bm16").config
+    fp8 = fp8_choice(16, 2, 4, 256, 128, device="cpu", config="bm16").config
     assert (bf16.precision, fp8.precision) == ("bf16", "fp8_block") and fp8.gate_up.block_k == 128
     with pytest.raises(ValueError, match="fp8_block config"):
         grouped_gemm.experts_choice(16, 2, 4, 256, 128, device="cpu", config=fp8)
-    fp8_made = fused_experts_fp8.fp8_choice(16, 2, 4, 256, 128, device="cpu")
+    fp8_made = fp8_choice(16, 2, 4, 256, 128, device="cpu")
     with pytest.raises(ValueError, match="fp8_block choice, the workspace is bf16"):
         grouped_gemm.make_workspace(16, 2, 4, 256, 128, config=fp8_made, device="cpu")
-    ws = fused_experts_fp8.make_fp8_workspace(16, 2, 4, 256, 128, device="cpu")
-    assert ws.act.dtype == fused_experts_fp8.E4M3 and ws.act_scales.shape[1] == 1 and ws.y.dtype.itemsize == 2
+    ws = make_fp8_workspace(16, 2, 4, 256, 128, device="cpu")
+    assert ws.act.dtype == E4M3 and ws.act_scales.shape[1] == 1 and ws.y.dtype.itemsize == 2
     with pytest.raises(ValueError, match="made for fp8_block"):
         grouped_gemm.launch_config(ws, None, "cpu")
 
 
-# Each tunable's choice function (the kernel's own: fused_experts and fused_experts_fp8 fit a named candidate to the
-# shape there), called with the bucket's dims as keywords.
-CHOICE_OF = {
-    "masked_moe_sum": sum_choice,
-    "moe_align_block_size": align_choice,
-    "topk_softmax": softmax_choice,
-    "grouped_topk": grouped_choice,
+# The kernels whose launchers fit a named candidate to the shape (fused_experts, fused_experts_fp8) are asked through
+# their own choice function; every other tunable through tuning.choose, as its launcher does. Called with the bucket's
+# dims as keywords.
+OWN_CHOICE = {
     "fused_experts": grouped_gemm.experts_choice,
-    "fused_experts_fp8": fused_experts_fp8.fp8_choice,
+    "fused_experts_fp8": fp8_choice,
 }
+# The router / sum / align choice functions are tuning.choose under the kernel's name (what the generic call checks).
+THIN_CHOICE = {"masked_moe_sum": sum_choice, "moe_align_block_size": align_choice, "topk_softmax": softmax_choice,
+               "grouped_topk": grouped_choice}
+
+
+def choice_of(kernel: str):
+    """The function the kernel's launcher chooses its launch through."""
+    if kernel in OWN_CHOICE:
+        return OWN_CHOICE[kernel]
+    return lambda device=None, config=None, **dims: tuning.choose(kernel, device, config, **dims)
+
+
 # A spread of values per shape dim (small H below every candidate's block, top_k 1, one route, huge counts).
 DIM_VALUES = {
     "num_tokens": (1, 16, 128, 4096, 65536), "num_rows": (1, 6, 128, 8192, 65536),
@@ -135,16 +144,21 @@ def no_tables(tmp_path, monkeypatch):
     tuning.clear_cache()
 
 
-def test_choice_functions_cover_every_tunable():
-    assert set(CHOICE_OF) == set(tuning.TUNABLE_KERNELS)
+def test_tunables_are_discovered_and_their_thin_choice_functions_are_choose():
+    """Every kernel with a launch table is found by walking moebench.kernels (no list); the kernels' own choice
+    functions that are tuning.choose by another name choose what it chooses."""
+    assert set(tuning.tunable_kernels()) >= set(OWN_CHOICE) | set(THIN_CHOICE)
+    for kernel, own in THIN_CHOICE.items():
+        dims = next(_shapes(kernel))
+        assert own(**dims, device="cpu") == choice_of(kernel)(**dims, device="cpu"), kernel
 
 
-@pytest.mark.parametrize("kernel", list(tuning.TUNABLE_KERNELS))
+@pytest.mark.parametrize("kernel", tuning.tunable_kernels())
 @pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "compiled"])
 def test_every_rule_names_a_candidate_or_says_it_is_none(kernel, interpreted, no_tables, monkeypatch):
     monkeypatch.setattr(experts_config, "interpreting", lambda: interpreted)  # where the experts' rules look
     names = tuning.candidates(kernel)
-    choose = CHOICE_OF[kernel]
+    choose = choice_of(kernel)
     outside = 0
     for dims in _shapes(kernel):
         rule = choose(**dims, device="cpu")

@@ -4,7 +4,7 @@ import torch
 
 from ._common import grouped_select
 
-MOEBENCH_STANDIN = True
+MOEBENCH_STANDIN = "flashinfer"  # the moebench.peers Library it stands in for
 
 
 def fused_topk_deepseek(scores, bias, n_group, topk_group, topk, routed_scaling_factor, topk_values, topk_indices,

@@ -6,7 +6,7 @@ import torch
 
 from ._common import align_segments, grouped_select
 
-MOEBENCH_STANDIN = True
+MOEBENCH_STANDIN = "sglang"  # the moebench.peers Library it stands in for
 
 
 def topk_softmax(topk_weights, topk_ids, gating_output, renormalize=False):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._common import align_segments, grouped_select
 
-MOEBENCH_STANDIN = True
+MOEBENCH_STANDIN = "vllm"  # the moebench.peers Library it stands in for
 
 SMALL_BATCH_ROUTES, SMALL_BATCH_EXPERTS = 1024, 64  # below / up to these, vLLM launches its small-batch kernel
 MOE_SUM_KERNEL_TOPK = (2, 3, 4)  # top_k with a vLLM moe_sum kernel; the others fall back to torch

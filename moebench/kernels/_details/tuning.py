@@ -2,7 +2,8 @@
 
 A tunable kernel registers a `Tunable` when its module is imported: its candidate table (name -> config object),
 its shape bucket (the launch's shape dims -> a bucket key) and its fallback rule (shape dims -> (name, config),
-the launch chosen before any tuning). `choose(kernel, device, config, **dims)` picks one launch:
+the launch chosen before any tuning). No list names them: `tunable_kernels()` imports every module of
+moebench.kernels and returns what registered. `choose(kernel, device, config, **dims)` picks one launch:
 
   1. explicit: `config` names a candidate (or is a config object the caller built);
   2. table:    the tuned table of this GPU (`tuned/<GPU name>.json` beside the kernels) has an entry for the
@@ -32,6 +33,7 @@ import functools
 import hashlib
 import importlib
 import json
+import pkgutil
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,7 @@ from moebench.kernels._details.jit import interpreting, next_pow2
 
 __all__ = ["Tunable", "Choice", "register_tunable", "tunable", "candidates", "choose", "lookup", "gpu_name",
            "table_path", "load_table", "clear_cache", "tables_digest", "check_config_name", "config_name_problem",
-           "rule_name", "pow2_bucket", "TUNABLE_KERNELS", "TABLES_DIR", "TABLE_FORMAT", "SOURCES", "RULE_PREFIX"]
+           "rule_name", "pow2_bucket", "tunable_kernels", "KERNELS_PACKAGE", "TABLES_DIR", "TABLE_FORMAT", "SOURCES", "RULE_PREFIX"]
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tuned"  # shipped with the package
 TABLE_FORMAT = 1
@@ -51,15 +53,7 @@ SOURCES = ("explicit", "table", "rule")
 AUTO = "auto"  # the same as no config: table, else rule
 RULE_PREFIX = "rule:"  # a rule's launch that is no candidate is named RULE_PREFIX + its label (never a config)
 
-# kernel name -> the module that registers it (imported on first use, so the table is one lookup away)
-TUNABLE_KERNELS = {
-    "masked_moe_sum": "moebench.kernels.masked_moe_sum",
-    "moe_align_block_size": "moebench.kernels.moe_align_block_size",
-    "topk_softmax": "moebench.kernels.topk_softmax",
-    "grouped_topk": "moebench.kernels.grouped_topk",
-    "fused_experts": "moebench.kernels._details.experts_config",
-    "fused_experts_fp8": "moebench.kernels._details.experts_config",
-}
+KERNELS_PACKAGE = "moebench.kernels"  # every module of it is imported to find the tunables (tunable_kernels)
 
 
 @dataclass(frozen=True)
@@ -96,17 +90,24 @@ _TUNABLES: dict[str, Tunable] = {}
 
 
 def register_tunable(t: Tunable) -> Tunable:
-    if t.kernel not in TUNABLE_KERNELS:
-        raise ValueError(f"tunable kernel {t.kernel!r}: add it to TUNABLE_KERNELS")
+    """Called by a kernel's module as it is imported (beside its launcher or in the config module it imports)."""
     _TUNABLES[t.kernel] = t
     return t
 
 
+def tunable_kernels() -> tuple[str, ...]:
+    """The tunable kernels' names, sorted: every non-underscore module of moebench.kernels is imported first (its
+    launchers' modules register their Tunables as they are imported), so a new kernel needs no list."""
+    pkg = importlib.import_module(KERNELS_PACKAGE)
+    for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{KERNELS_PACKAGE}.{m.name}")
+    return tuple(sorted(_TUNABLES))
+
+
 def tunable(kernel: str) -> Tunable:
-    if kernel not in TUNABLE_KERNELS:
-        raise ValueError(f"{kernel!r} has no launch configs (tunable kernels: {', '.join(TUNABLE_KERNELS)})")
-    if kernel not in _TUNABLES:
-        importlib.import_module(TUNABLE_KERNELS[kernel])
+    if kernel not in _TUNABLES and kernel not in tunable_kernels():  # the kernel's module was not imported yet
+        raise ValueError(f"{kernel!r} has no launch configs (tunable kernels: {', '.join(tunable_kernels())})")
     return _TUNABLES[kernel]
 
 
