@@ -1,0 +1,55 @@
+"""The docs' relative links resolve: every linked file or folder (results/ runs included) is in the tree, and every
+#anchor names a heading or an `<a id>` of the page it points into."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "plots" / "README.md"])
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```", re.S)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())  # a link in a heading: its text
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = CODE.sub("", page.read_text(encoding="utf-8"))
+    found, seen = set(), {}
+    for m in re.finditer(r"^#{1,6} (.+)$", text, re.M):
+        s = slug(m.group(1))
+        found.add(s if s not in seen else f"{s}-{seen[s]}")
+        seen[s] = seen.get(s, 0) + 1
+    return found | set(re.findall(r"<a id=\"([^\"]+)\"", text))
+
+
+def links(page: Path):
+    for target in LINK.findall(CODE.sub("", page.read_text(encoding="utf-8"))):
+        if not re.match(r"[a-z]+:", target):  # http:, https:, mailto: are not checked here
+            yield target
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    bad = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file or folder")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_results_links_are_checked():
+    """The check sees the reference runs the docs link to (a regex that matched nothing would pass every page)."""
+    targets = [t for page in PAGES for t in links(page)]
+    assert sum("results/h200/" in t for t in targets) >= 10
+    assert slug("Dispatch on 2 x H200 (NVLink)") == "dispatch-on-2-x-h200-nvlink"
+    assert slug("Staging (prepare_moe_inputs)") == "staging-prepare_moe_inputs"
