@@ -53,3 +53,19 @@ def test_results_links_are_checked():
     assert sum("results/h200/" in t for t in targets) >= 10
     assert slug("Dispatch on 2 x H200 (NVLink)") == "dispatch-on-2-x-h200-nvlink"
     assert slug("Staging (prepare_moe_inputs)") == "staging-prepare_moe_inputs"
+
+
+def test_architecture_module_map_matches_the_tree():
+    """docs/architecture.md's package map names every module of moebench/ (a package's __init__ by its folder) and
+    no module that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## Package map", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"([A-Za-z_]\w*\.py)\b", block))
+    folders = set(re.findall(r"([A-Za-z_]\w*)/", block))
+    modules = sorted((ROOT / "moebench").rglob("*.py"))
+    missing = [str(m.relative_to(ROOT)) for m in modules
+               if not (m.parent.name in folders if m.name == "__init__.py" else m.name in named)
+               or any(d not in folders for d in m.relative_to(ROOT / "moebench").parts[:-1])]
+    assert not missing, f"docs/architecture.md's package map lacks {', '.join(missing)}"
+    gone = sorted(n for n in named if not any(m.name == n for m in modules))
+    assert not gone, f"docs/architecture.md's package map names modules that are gone: {', '.join(gone)}"
