@@ -1,5 +1,6 @@
-"""The docs' relative links resolve: every linked file or folder (results/ runs included) is in the tree, and every
-#anchor names a heading or an `<a id>` of the page it points into."""
+"""The docs' #anchors resolve (every `page.md#anchor` and `#anchor` link names a heading or an `<a id>` of its page;
+that the linked files and results/ runs exist is tests/test_committed_results.py's), and docs/architecture.md's
+package map matches the tree."""
 
 import re
 from pathlib import Path
@@ -35,22 +36,20 @@ def links(page: Path):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_resolve(page):
+def test_link_anchors_resolve(page):
     bad = []
     for target in links(page):
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            bad.append(f"{target}: no such file or folder")
-        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+        if anchor and dest.suffix == ".md" and dest.is_file() and anchor not in anchors(dest):
             bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
 
 
-def test_results_links_are_checked():
-    """The check sees the reference runs the docs link to (a regex that matched nothing would pass every page)."""
+def test_anchor_links_are_checked():
+    """The check sees the anchored links of the docs (a regex that matched nothing would pass every page)."""
     targets = [t for page in PAGES for t in links(page)]
-    assert sum("results/h200/" in t for t in targets) >= 10
+    assert sum(".md#" in t for t in targets) >= 10 and any(t.startswith("#") for t in targets)
     assert slug("Dispatch on 2 x H200 (NVLink)") == "dispatch-on-2-x-h200-nvlink"
     assert slug("Staging (prepare_moe_inputs)") == "staging-prepare_moe_inputs"
 
