@@ -23,7 +23,7 @@ actual sizes (no single-program pass, no loop over a fixed maximum):
 Every element of the three outputs is written (pad slots by step 1, routes, expert_ids and the total by step 3),
 so nothing needs a zero-fill launch.
 
-Where the time goes (issue counts per route: two histograms over next_pow2(E + 1) bins, the bitonic sort inside a
+Where the time goes (instructions issued per route: two histograms over next_pow2(E + 1) bins, the bitonic sort inside a
 block, a serial scan on few SMs) and what each candidate of _details/align_config.py changes: "grouped_scan" (a
 2-D scan grid, raw counts kept so the scatter needs one histogram, not two), "tight" (next_pow2(E) bins: half the
 histogram work at E=256), "tight_br512/256/128" (smaller blocks: shorter sorts, more counts rows to scan),
