@@ -3,14 +3,17 @@ bucket keys, a table built from a tiny CPU run and then used by the kernels, and
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from moebench.cli import main
 from moebench.kernels.runtime import tuning
 from moebench.kernels.masked_moe_sum import SUM_CANDIDATES, masked_moe_sum, masked_moe_sum_torch, sum_choice
 from moebench.run.results import load_manifest, load_records
+from moebench.run.tune import tuned_with
 
 TWO = ["r1_h512_w1_none", "r2_h1024_w4_evict_first"]
 SWEEP = textwrap.dedent(f"""\
@@ -93,6 +96,10 @@ def test_tune_writes_a_table_the_kernels_then_use(tmp_path, tables, capsys):
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert run_dir.name.startswith("tiny_tune-masked_moe_sum-")
     assert sorted(r["info"]["config"] for r in load_records(run_dir)) == sorted(TWO * 2)
+    # the entry names the versions it was tuned under, from the run's manifest
+    assert entry["run"] == str(run_dir)
+    assert entry["versions"] == {"triton": triton.__version__, "torch": torch.__version__,
+                                 "cuda": torch.version.cuda, "driver": load_manifest(run_dir)["env"].get("driver")}
     # with that table in place, a point that names no config launches the tuned one and records where it came from
     for f in out.iterdir():
         (tables / f.name).write_bytes(f.read_bytes())
@@ -107,6 +114,17 @@ def test_tune_writes_a_table_the_kernels_then_use(tmp_path, tables, capsys):
     assert [(i["config"], i["config_source"]) for i in infos] == [(entry["config"], "table")] * 2
     assert load_manifest(plain_dir)["tuned_tables"] == tuning.tables_digest(tables)
     assert load_manifest(plain_dir)["tuned_tables"]["files"] == ["cpu.json"]
+
+
+def test_shipped_tables_name_their_runs_and_versions():
+    """Every entry of a shipped table names a committed tune run and the versions of that run's manifest."""
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted(tuning.TABLES_DIR.glob("*.json")):
+        for kernel, entries in json.loads(path.read_text())["kernels"].items():
+            for bucket, entry in entries.items():
+                run = root / entry["run"]
+                assert (run / "manifest.json").is_file(), f"{path.name} {kernel} {bucket}: no run {entry['run']}"
+                assert entry["versions"] == tuned_with(run), f"{path.name} {kernel} {bucket}"
 
 
 def test_list_configs_names_every_candidate(capsys):

@@ -12,8 +12,8 @@ Dispatch, one step:
      exact split sizes moves rows and routing together. The receiver gets views into its receive buffer: nothing
      to unpack, the ids are already local.
 On a GPU, steps 1-3 are captured once per input signature (tensor addresses, shapes, strides, dtypes) as one CUDA
-graph and replayed: one launch instead of five or six, each of which costs 10-40 us of host time on the lent
-machines, and the host is on this path's critical path (it must read the counts before it can launch the
+graph and replayed: one launch instead of five or six, each costing the host tens of microseconds, and the host
+is on this path's critical path (it must read the counts before it can launch the
 payload). The counts' arrival is an external event recorded inside the graph, so the host waits for the count
 exchange only, not for the pack. Replaying a graph on the same addresses reads whatever those tensors hold now,
 so a new batch in the same buffers (what a serving engine does) needs no new capture. `graph=False` runs the
@@ -209,8 +209,8 @@ class A2APath(DispatchPath):
                          self.offsets, block_counts=self.plan_scratch)
                 # The count exchange and its trip to the host come before the pack, in stream order: on a branch
                 # beside the pack, the tiny NCCL kernel found every SM taken by the pack's blocks and finished
-                # only after it (measured: the host got the counts ~50 us later). The host needs the counts
-                # first; the pack (~50 us) is done long before the host has launched the payload.
+                # only after it, delaying the host's counts. The host needs the counts first; the pack is done
+                # long before the host has launched the payload.
                 all_to_all_single(self.counts[1], self.counts[0], group=self.layout.group,
                                   world_size=self.layout.ep_size)
                 self.host_counts.copy_(self.counts, non_blocking=True)

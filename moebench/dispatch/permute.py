@@ -5,8 +5,8 @@ per destination; then each block adds up the earlier blocks' counts and ranks it
 destination rank) pair the row's slot in that destination's block, per-destination row counts (optionally capped
 at a fixed capacity, with a sticky overflow flag) and their exclusive prefix sums (where each block starts in an
 exact-size send buffer). It replaces about fifteen small torch launches (mask, one-hot scatter, cumsum, sums, ...)
-and reads `is_padding` itself, so the step needs no host synchronisation before the count exchange. (A single
-program scanning every row serially took 40+ us at 4096 rows on an H200: one SM's worth of bandwidth.)
+and reads `is_padding` itself, so the step needs no host synchronisation before the count exchange. (It runs over
+blocks of rows because a single program scanning every row serially has one SM's worth of bandwidth.)
 
 `RowLayout`: one wire row is the hidden row followed by its routing metadata (the K ids, the K fp32 weights' bits
 and the source row index), so rows and routing travel in ONE all_to_all instead of two. Both parts start on a

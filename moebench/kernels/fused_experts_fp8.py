@@ -28,8 +28,8 @@ The per-route output y is bf16, summed over slots in fp32 by the bf16 path's sum
 
 Register budget: the promotion keeps the step's MMA result beside the accumulator, so a [BM, 2*BN] program holds
 2 x BM x 256 fp32: 64 rows over 8 warps or 128 rows over 16 warps (bm128_w16_down128, the prefill default) is 128
-registers a thread. At 16 warps the group-32 ue8m0 layout's in-register exponent alignment spills (168 B a thread
-on Triton 3.6), so that layout launches 64-row tiles (experts_config.fit_fp8_layout).
+registers a thread. At 16 warps the group-32 ue8m0 layout's in-register exponent alignment spills, so that layout
+launches 64-row tiles (experts_config.fit_fp8_layout).
 """
 
 from __future__ import annotations

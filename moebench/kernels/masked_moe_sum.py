@@ -123,10 +123,9 @@ class SumLaunch:
 LOAD_HINTS = ("evict_first", "cg", "none")
 
 
-# The candidate table (`config:` of a sweep, `moebench tune sweeps/tune_moe_sum.yaml`). The first default was
-# rows 2, 1024 columns, 4 warps, evict-first (259 us at T=8192, K=8, H=7168: 96% of the copy figure); the first
-# trial's best, one row with no cache hint, took 247 us, where vLLM's moe_sum was measured at 240 us; the others are
-# that one's neighbours, and r1_h512_w1_none the second trial's best (sum_launch_config's choice at H >= 512).
+# The candidate table (`config:` of a sweep, `moebench tune sweeps/tune_moe_sum.yaml`): rows x columns per program,
+# warps, cache hint; r1_h512_w1_none is sum_launch_config's choice at H >= 512, the others its neighbours and the
+# two-row launch top_k 1 keeps.
 SUM_CANDIDATES: dict[str, SumLaunch] = {c.name: c for c in (
     SumLaunch(1, 512, 1, "none"),
     SumLaunch(1, 1024, 4, "none"),
@@ -138,20 +137,18 @@ SUM_CANDIDATES: dict[str, SumLaunch] = {c.name: c for c in (
     SumLaunch(1, 512, 2, "none"),
     SumLaunch(2, 1024, 4, "none"),
     SumLaunch(2, 1024, 4, "cg"),
-    SumLaunch(2, 1024, 4, "evict_first"),  # the first default
+    SumLaunch(2, 1024, 4, "evict_first"),  # the top_k == 1 launch
 )}
 
 
 def sum_launch_config(hidden: int, block_h: int = 512, rows: int = 1, top_k: int = 8) -> SumLaunch:
     """One row x up to 512 columns per program on one warp (16 bytes per lane and slot), loads without a cache
-    hint: the best of SUM_CANDIDATES on the H200 (T=8192, K=8, H=7168: 246.7 us unpadded, 196.1 us with a quarter
-    of the rows padded, against 259.2 / 205.4 us for the first launch, rows 2 x 1024 columns on 4 warps with
-    evict-first; results/h200/tuning/tune_moe_sum-20261201T125900Z in commit 019a522). Many small programs keep the
-    most loads in flight, and a padded row costs one tiny program. Wider blocks (fused_experts' slot sum) get a warp per 512
-    columns.
+    hint: many small programs keep the most loads in flight, and a padded row costs one tiny program (the fastest
+    of SUM_CANDIDATES on the H200, docs/benchmarks.md#top-k-reduction-masked_moe_sum). Wider blocks (fused_experts'
+    slot sum) get a warp per 512 columns.
 
-    top_k == 1 keeps the first launch: with a single slot a 512-column program has only 1 KB in flight, and the
-    kernels_moe_sum run measured it 12-23% slower there (T=8192, H=2048..7168)."""
+    top_k == 1 takes two rows x up to 1024 columns, evict-first: with a single slot a 512-column program has
+    only 1 KB in flight, too little to hide the loads' latency."""
     if top_k == 1:
         block_h = min(max(block_h, 1024), next_pow2(hidden))
         return SumLaunch(2, block_h, max(1, min(4, block_h // 256)), "evict_first")

@@ -23,28 +23,11 @@ actual sizes (no single-program pass, no loop over a fixed maximum):
 Every element of the three outputs is written (pad slots by step 1, routes, expert_ids and the total by step 3),
 so nothing needs a zero-fill launch.
 
-Cost model (H200, T=65536, K=8, E=256, block_size 64: R = 524288 routes; the "first" config; measured 47.8 us, and
-14.6 us at T=8192). Programs: 512 blocks of 1024 routes (4 warps), NUM_BINS = next_pow2(E + 1) = 512.
-  count   512 programs: tl.histogram lowers to per-lane ballots: for each element slot a warp issues
-          log2(bins) ballots + (bins / 32) bins x ~10 ops ~ 200 instructions per 32 routes ~ 6 warp-instr/route
-          (~3 at 256 bins); plus the pad fill (2.1 MB stores). ~ R * 6 / (132 SMs * 4 issue/clk) ~ 3 us + fill.
-  scan    8 programs (chunks of 32 experts) each loop 4 serial tiles of [128 rows, 32] over the 512 x 256 counts
-          (0.5 MB in L2): latency-bound on 8 SMs, ~ 4 x (load + cross-warp cumsum + store) ~ 4-6 us.
-  scatter 2111 programs (512 route blocks + expert_ids slices of 4 m-blocks): a second histogram (~3 us as
-          above), the bitonic tl.sort of 1024 keys: log2(n)(log2(n)+1)/2 = 55 compare-swap stages, each ~7
-          instructions per element of 8 per lane -> ~12 warp-instr/route ~ 10 us issue time, 3 of the stages
-          through shared memory; the gather of bases and the 2.1 MB scattered route stores.
-  launches 3 in the graph, ~2-3 us of fixed cost and tail each.
-Issue counts add up to ~30 of the 47.8 us; the rest is most likely latency the counts miss (dependent shuffle
-chains in the sort, barriers, the serial scan), which the same changes shorten.
-Route-proportional instruction work is then ~24 warp-instr/route, about half histograms (two, over 512 bins of
-which 255 are never stored) and half the sort; the scan is a serial chain on 8 SMs. The candidates in
-_details/align_config.py attack these in turn: "grouped_scan" (2-D scan grid, raw counts kept so the scatter
-reuses them: one histogram, not two), "tight" (+ next_pow2(E) bins: 256 at E=256, half the histogram work),
-"tight_br512/256/128" (+ smaller sorts: 45 / 36 / 28 stages per route instead of 55, 2-8x the counts rows:
-2 MB at 256, read by a scan of 32 x 4 programs), "tight_br256_w2" (2 warps per 256 routes, for latency). At
-T=8192 (65536 routes) the default is already 256 blocks of 256 routes (1 warp): there only the bins, the single
-histogram and the scan grid change, and br128 sorts 128 (28 stages, not 36).
+Where the time goes (instructions issued per route: two histograms over next_pow2(E + 1) bins, the bitonic sort inside a
+block, a serial scan on few SMs) and what each candidate of _details/align_config.py changes: "grouped_scan" (a
+2-D scan grid, raw counts kept so the scatter needs one histogram, not two), "tight" (next_pow2(E) bins: half the
+histogram work at E=256), "tight_br512/256/128" (smaller blocks: shorter sorts, more counts rows to scan),
+"tight_br256_w2" (2 warps per 256 routes, for latency). Figures: docs/benchmarks.md#alignment-moe_align_block_size.
 """
 
 from __future__ import annotations

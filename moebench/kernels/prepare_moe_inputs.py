@@ -30,8 +30,7 @@ AMAX_FLOOR = 1e-4  # keeps an all-zero group from getting a zero scale
 # Launch shape (H200, memory bound): each program stages ELEMS hidden values (8 KiB of bf16) as a
 # [words, 4, group] tile, 4 warps -> 32 values (4 x 16 B loads) per thread, enough bytes in flight per SM at
 # ~16 resident programs. The routing part is spread over the same programs, ID_BLOCK slots each.
-# `tune=(elems, warps)` launches another shape, so these can be revisited on the GPU (the former
-# scripts/gpu_staging.py swept six of them; its output is kept under the results' scripts/ folder).
+# `tune=(elems, warps)` launches another shape, so these can be revisited on the GPU.
 DEFAULT_ELEMS_PER_PROGRAM = 4096
 DEFAULT_NUM_WARPS = 4
 ID_BLOCK = 128

@@ -13,8 +13,8 @@ first_block counts block_m-row blocks (the tile's first sorted position is first
 their tiles from a counter (num_tiles[1] for gate/up, [3] for down; zeroed here, and again by each launch's last
 program, so a launch can be repeated on the same map), not in a fixed round-robin: a program that finishes a narrow
 tile early takes the next tile in order, so the tiles in flight stay a contiguous window of the grouped order (the
-weight tiles they share stay in L2) and no program is left with more full tiles than another. With a fixed
-round-robin the narrow tiles made the H200's gate/up GEMM slower, not faster. A block starts
+weight tiles they share stay in L2) and no program is left with more full tiles than another (under a fixed
+round-robin, programs that finish narrow tiles early run ahead of their swizzle group and lose its L2). A block starts
 a tile when its offset from its expert's first block is even; blocks past num_post_padded / block_m do not exist
 and are never read. One program (the block count is a few thousand at most per 10^5 routes), a chunked scan:
 no host synchronisation (CUDA-graph capturable). `row_tile_map_torch` is the reference.

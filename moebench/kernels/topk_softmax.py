@@ -5,59 +5,32 @@ p; ties go to the lower expert index; slots are in descending selection score; `
 the K weights (left as is when that sum is 0); padded rows get ids -1 and weights 0.0.
 
 The Triton kernel handles a block of rows per program with the expert axis padded to a power of two (masked). The
-K selections are iterative arg-max picks on an int32 image of the fp32 score whose signed order is the float
-order (equal floats <=> equal keys, so the tie rule is exact); non-finite scores are clamped to 0 first
-(docs/contracts.md "Routers", non-finite logits). The weights are recomputed from the K gathered logits
-(L1-resident), so no full-width value has to be carried through the picks.
+picks work on an int32 image of the fp32 score whose signed order is the float order (equal floats <=> equal keys,
+so the tie rule is exact); non-finite scores are clamped to 0 first (docs/contracts.md "Routers"). The weights are
+recomputed from the K gathered logits, so no full-width value is carried through the picks.
 
-Three selections are built in (router_common.RouterConfig, picked by the `config` keyword, else the tuned table,
-else the rule "cand4": softmax_choice; ids and weights are the same under all, the tests run every config):
+Selections (router_common.RouterConfig: the `config` keyword, else the tuned table, else the rule, softmax_choice;
+ids and weights are the same under all, and the tests run every config):
+- "twopass": per pick, an int32 max of the keys, an int32 min of the expert ids holding it (one REDUX each on
+  sm_80+), then a knock-out by id. K scans of the whole row, so it is bound by instruction issue at large T.
+- "packed64": one max per pick over int64 keys `score key << 32 | (NONE - expert)`; sm_90 has no 64-bit REDUX, so
+  each step costs about twice the two-pass's instructions. A tuning candidate only.
+- "cand<M>" (kernels/_details/router_cand): each score becomes a coarse int32 key, its low B bits (B = bits of the
+  padded expert count) replaced by 2^B - 1 - expert, so keys are distinct and order by (truncated score, lower id).
+  Each column of the [levels, BLOCK_T, LANES] row is sorted once by a comparator network; a pick is then one max
+  over the column heads and a shift of the winning column. C = K + M candidates are picked, their exact scores
+  recomputed with the tile's own op sequence, and the K results chosen by the exact two-pass pick on that small
+  tile: a few int32 ops per element instead of the two-pass's 6 per pick.
 
-- "twopass" (the first default; the rule is "cand4" now: router_common.DEFAULT_ROUTER_CONFIG): per pick, an int32 max of the keys, then an int32 min of the
-  expert ids holding that max, then a knock-out by expert id. Both reductions span one warp and lower to single
-  REDUX instructions on sm_80+; per pick and element: max, compare, select, min, compare, select (6 int32 ops).
-- "packed64": one max per pick over int64 keys `score key << 32 | (NONE - expert)` (the lower id wins among equal
-  scores, so the max is the pick), knock-out by packed-key equality. It saves the second reduction, but sm_90 has
-  no 64-bit min/max or REDUX: a 64-bit max is two compares and two selects, the warp step a shuffle tree of
-  2 x 5 shuffles plus compares, the knock-out a 64-bit compare and two selects, about 12 instructions per element
-  and pick against the two-pass's 6. So it is offered for the trial on the GPU, not assumed faster.
+  Exactness: the K-th exact pick has the K-th largest truncated score among the candidates, so when
+  trunc(C-th pick) < trunc(K-th pick) no other expert can reach it. A program with any live row failing that test
+  runs the full two-pass selection instead (the fallback_flags argument exposes the flag), so results are always
+  exact; it fails when M + 1 or more scores from the K-th pick on share its truncated value (ties of equal bf16
+  logits; rows of a constant, NaN / +Inf rows), never on padded rows.
 
-Both scan the whole row K times, which bounds them: at E=256, K=8 the picks alone are ~12k thread instructions per
-row, ~2.7 rows/ns at an H200's ~33 T thread instructions/s, while half the copy roof at bf16 E=256 is ~3.6 rows/ns
-(60 us at T=65536, 1.1 rows/ns, measured 15% of it).
-
-- "cand<M>" (kernels/_details/router_cand, `_topk_softmax_cand_kernel`): the row is held as 8 levels of
-  [BLOCK_T, LANES] (expert v * LANES + j at level v, column j). Each score becomes a coarse int32 key: its
-  orderable key with the low B bits (B = bits of the padded expert count, 8 for 256) replaced by 2^B - 1 - expert,
-  so keys are distinct and a larger key is a larger truncated score, then a lower id. Each column's 8 keys are
-  sorted once by a 19-comparator network (38 int32 min/max per column, ~5 per element), after which a pick is one
-  max over the column heads (one REDUX per row), a compare, and a shift of the winning column's list (after pick c
-  only the top C - c - 1 entries of a column can still be picked, so the shift stops there: 56 selects per column
-  in all for C = 12). C = K + M candidates are picked, their exact fp32 scores re-computed from their gathered
-  logits with the tile's own op sequence (so the same values), and the K results chosen by the exact two-pass pick on
-  that small tile (lowest id among equal scores). Per element: ~5 (sort) + ~7 (shifts, C = 12) + ~2 (head
-  compares and candidate slots) int32 ops instead of 48 for the two-pass at K = 8, plus per-row work (C + 2K
-  reductions) that every lane of the row repeats. Compiled for sm_90 with Triton 3.6 (static SASS of a 16-row,
-  4-warp program at E=256, K=8, bf16, mask): twopass 4488 instructions, cand fast path 1880 / 1992 / 2160 for
-  M = 2 / 4 / 8, with no shared-memory layout conversion (see router_cand.ROW_AXIS).
-
-  Verification: the fast path is exact when no expert outside the candidates can reach the K-th exact pick. The
-  candidates are the top C by (truncated score, id); the K-th exact pick has the K-th largest truncated score
-  among them (order statistics commute with the monotone truncation), i.e. that of the K-th coarse pick. So the
-  per-row condition is trunc(C-th pick) < trunc(K-th pick): every other expert then truncates, hence scores,
-  strictly below the K-th pick. A program with any live row failing it runs the full two-pass selection instead
-  (a scalar branch on a max of per-row flags; the fallback_flags argument exposes it), so results are always
-  exact. It fails when M + 1 or more scores from the K-th pick on share the K-th's truncated value: on random
-  routing (N(0,1) or N(0,2) logits, E=256, K=8) for bf16 softmax rows 7.6% / 0.4% / 5e-6 / 0 of rows for
-  M = 1 / 2 / 4 / 8 (exact p ties from equal bf16 logits), 0 for M >= 2 with a bias or fp32 logits (in 2e5 rows
-  each); rows of a constant, NaN / +Inf rows (all scores clamped to 0), and any tie of M + 1 at the K-th pick
-  always fall back, padded rows never (their flag is masked). "cand4" suits bf16 softmax without a bias
-  (programs of 16 rows fall back ~1e-4 of the time); with a bias "cand2" already never falls back and measured
-  4% faster for grouped_topk at T=65536 on the H200, but the one default for both routers is "cand4"
-  (router_common.DEFAULT_ROUTER_CONFIG).
-
-The pieces shared with grouped_topk (argument checks, the stable selection of the references, the tile helpers)
-are in kernels/_details (router_common, router_tiles).
+How fast each selection is, and why: docs/benchmarks.md#routers. The pieces shared with grouped_topk (argument
+checks, the stable selection of the references, the tile helpers) are in kernels/_details (router_common,
+router_tiles).
 """
 
 from __future__ import annotations

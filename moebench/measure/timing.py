@@ -60,7 +60,7 @@ def resolve_mode(requested: str, device: torch.device, graph_capturable: bool) -
     return requested, ""
 
 
-# `auto` on a GPU: one graph replay must last long enough that its launch (15-60 us on the H200 hosts) is hidden,
+# `auto` on a GPU: one graph replay must last long enough that its launch (tens of microseconds of host time) is hidden,
 # as triton.testing.do_bench_cudagraph does by capturing many calls. Calls per replay are chosen from one timed
 # eager call so that a replay lasts at least AUTO_REPLAY_US, at most AUTO_MAX_UNROLL calls.
 AUTO_REPLAY_US = 500.0

@@ -11,14 +11,11 @@ The contiguous layout (compiled, `contiguous_layout`): each expert's routes padd
 (128), the experts one after the other, capacity ceil((T*K + E*127) / 128) * 128 rows; `m_indices` names each row's
 expert, -1 for padding and the tail. Skipped routes (-1, non-local) get no row at all.
 
-Source read: deepseek-ai/DeepGEMM as stored in the index (deep_gemm/__init__.py `__version__ = '2.8.0'`, commit
-0274ad7b; tests/test_fp8.py and tests/generators.py of the same repository): m_grouped_fp8_gemm_nt_contiguous((a
-e4m3 [M, K], a_sf fp32 [M, K/128]), (b e4m3 [E, N, K], b_sf fp32 [E, N/128, K/128]), d bf16 [M, N], m_indices
-int32 [M], disable_ue8m0_cast=...): row m of d is a[m] times group m_indices[m]'s weights; rows of -1 are padding,
-whose d the test zeroes before comparing (undefined); each group's segment is aligned to
-get_mk_alignment_for_contiguous_layout() (128). UE8M0 scales are the sm100 path (get_ue8m0_usage), so on the
-H200 disable_ue8m0_cast=True and the scales stay fp32. Whether the call synchronises with the host was not
-verifiable from the sources read; the @gpu test of tests/test_peers_deepgemm.py checks it.
+The call (DeepGEMM 2.8.0): m_grouped_fp8_gemm_nt_contiguous((a e4m3 [M, K], a_sf fp32 [M, K/128]), (b e4m3
+[E, N, K], b_sf fp32 [E, N/128, K/128]), d bf16 [M, N], m_indices int32 [M], disable_ue8m0_cast=...): row m of d
+is a[m] times group m_indices[m]'s weights; the d rows of padding (-1) are undefined; each group's segment is
+aligned to get_mk_alignment_for_contiguous_layout() (128). UE8M0 scales are the sm100 path, so on sm90
+disable_ue8m0_cast=True and the scales stay fp32.
 
 Not run against a real DeepGEMM by moebench's tests: they use tests/standins/deep_gemm_standin.py, a stand-in with
 this call's signature and layout rules. DeepGEMM is not installable from the package index here; on the GPU

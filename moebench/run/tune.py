@@ -7,7 +7,8 @@ reference before it is timed, points run isolated, and each run directory keeps 
 name, shape bucket) as the records name them (info.config_gpu, info.config_bucket), the candidate with the lowest
 geometric mean p50 over the bucket's points wins, among the candidates checked ok at every one of those points.
 The winners are merged into `<tables dir>/<GPU name>.json` (kernels._details.tuning documents the format), which
-the kernels then read whenever a point names no config.
+the kernels then read whenever a point names no config; each entry names its run and the Triton, torch, CUDA and
+driver versions of that run's manifest (TUNED_WITH), since a launch's speed is a property of that stack.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from pathlib import Path
 
 from moebench import registry
 from moebench.kernels.runtime import tuning
-from moebench.run.results import load_records, unique_records, write_json_atomic
+from moebench.run.results import load_manifest, load_records, unique_records, write_json_atomic
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
-__all__ = ["tune_sweeps", "pick_fastest", "merge_table", "run_tune"]
+__all__ = ["tune_sweeps", "pick_fastest", "tuned_with", "merge_table", "run_tune", "TUNED_WITH"]
+
+TUNED_WITH = ("triton", "torch", "cuda", "driver")  # the manifest env keys a table entry carries as "versions"
 
 
 def tune_sweeps(sweep: Sweep) -> dict[str, Sweep]:
@@ -84,16 +87,24 @@ def pick_fastest(records: list[dict]) -> dict[tuple[str, str], dict]:
     return picks
 
 
+def tuned_with(run_dir: Path) -> dict:
+    """The versions a run was timed under (TUNED_WITH, from its manifest's env; None where one is absent)."""
+    env = load_manifest(run_dir).get("env") or {}
+    return {key: env.get(key) for key in TUNED_WITH}
+
+
 def merge_table(tables_dir: Path, kernel: str, picks: dict, run_dir: Path) -> list[Path]:
-    """Write each pick into its GPU's table under tables_dir (other kernels' and buckets' entries kept)."""
+    """Write each pick into its GPU's table under tables_dir (other kernels' and buckets' entries kept), with the
+    run it came from and that run's versions."""
     written = []
+    versions = tuned_with(run_dir)
     for gpu in sorted({g for g, _ in picks}):
         path = tuning.table_path(gpu, tables_dir)
         table = tuning.load_table(path) or {"format": tuning.TABLE_FORMAT, "gpu": gpu, "kernels": {}}
         entries = table["kernels"].setdefault(kernel, {})
         for (g, bucket), pick in sorted(picks.items()):
             if g == gpu:
-                entries[bucket] = {**pick, "run": str(run_dir)}
+                entries[bucket] = {**pick, "run": str(run_dir), "versions": versions}
         table["kernels"][kernel] = dict(sorted(entries.items()))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, table)

@@ -54,7 +54,7 @@ def old_choose_fp8_config(num_routes, num_experts, hidden, intermediate) -> Fp8E
         cfg = Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
     elif rows_per_expert < 256:
         cfg = Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4))
-    else:  # the one tier added since the tables (ninth session: 128-row tiles, measured faster from 256 rows up)
+    else:  # the 128-row tier: the fastest from 256 rows per expert up
         cfg = Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 4), Fp8GemmConfig(128, 8, 8, 4))
     if hidden % cfg.down.block_n:
         cfg = Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, Fp8GemmConfig(128, *_rest(cfg.down)), cfg.reduce_block_h)

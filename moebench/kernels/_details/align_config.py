@@ -1,10 +1,10 @@
 """Launch configurations of moe_align_block_size: the candidate table and the host arithmetic of its grids.
 
 Every candidate gives bitwise the same outputs (the work split and the histogram formulation change, never the
-order: the in-block sort key is (expert, position) under all of them). "first" is the launch of the kernels as
-first measured, DEFAULT_ALIGN_CONFIG the one chosen on the H200 (the rule where the tuned table has no entry); the
-others are candidates for `moebench tune sweeps/tune_align.yaml` (see moe_align_block_size's docstring for the cost
-model behind them). Bucket of a launch: R=next_pow2(routes),E=experts.
+order: the in-block sort key is (expert, position) under all of them). "first" is the plain launch (one histogram
+bin to spare, 1024-route blocks, the 1-D scan), DEFAULT_ALIGN_CONFIG the rule where the tuned table has no entry
+(the fastest on the H200); the others are candidates for `moebench tune sweeps/tune_align.yaml` (moe_align_block_size's
+docstring says what each changes). Bucket of a launch: R=next_pow2(routes),E=experts.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucke
 __all__ = ["AlignConfig", "ALIGN_CANDIDATES", "DEFAULT_ALIGN_CONFIG", "align_choice", "resolve_align_config",
            "default_block_routes", "align_workspace_size", "align_launch_shapes", "align_capacity"]
 
-# The default, chosen on the H200 (sweeps/tune_align.yaml, E=256, K=8, block 64; p50 us at T=128 / 8192 / 65536):
-# first 7.8 / 14.6 / 47.8, tight 7.6 / 10.6 / 31.1, tight_br256 7.6 / 10.5 / 22.0, tight_br256_w2 7.5 / 9.3 / 22.1.
+# The rule's launch: the fastest on the H200 at E=256, K=8 (docs/benchmarks.md#alignment-moe_align_block_size).
 DEFAULT_ALIGN_CONFIG = "tight_br256_w2"
 
 
@@ -45,7 +44,7 @@ class AlignConfig:
 
 
 ALIGN_CANDIDATES: dict[str, AlignConfig] = {c.name: c for c in (
-    AlignConfig("first"),  # the launch as first measured (47.8 us at T=65536)
+    AlignConfig("first"),  # the plain launch: every other candidate is a change of it
     # the scan on 32x more programs (chunks of 8 experts, one tile of rows each) and expert_ids on 4x fewer
     AlignConfig("grouped_scan", grouped_scan=True, scan_experts_chunk=8, expert_ids_tile=8192),
     # ... plus tight bins and one histogram instead of two: the route-proportional work of count + scatter

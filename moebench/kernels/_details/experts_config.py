@@ -96,10 +96,8 @@ EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
     ExpertsConfig(16, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 128, 8, 4, 4), name="bm16"),
     ExpertsConfig(32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32"),
     ExpertsConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm64"),
-    # Measured on an H200 (128 experts, 4096 tokens x top-8, H=7168, I=2048; us at 0% / 50% of routes
-    # skipped): gate/up N128 K64 w8 s3 with TMA weights 4036 / 2821 (BM64's default 5198 at 0%), down N256 K64
-    # w8 s3 2113 / 1495 plain, 2158 / 1453 with TMA. TMA for down: the faster one where routes are skipped.
-    # BM128 pads each expert's last block further, but halves the weight re-reads per row.
+    # Prefill: gate/up N128 K64 on 8 warps, 3 stages, weights through TMA; down N256 K64, TMA too (the faster one
+    # where routes are skipped). BM128 pads each expert's last block further, but halves the weight re-reads per row.
     ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
                   name="bm128_tma"),
     ExpertsConfig(128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3), name="bm128"),
@@ -107,11 +105,9 @@ EXPERTS_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
                   name="bm64_tma"),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4), name="bm32_n128"),
     # Paired (kernels.row_tiles): bm128_tma's tiles on 64-row alignment blocks, an expert's odd last block on a
-    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert. bm64x2_tma measured on an
-    # H200 against bm128_tma (256 experts, top-8, H=7168, I=2048; T=4096 / 8192 with 32, 128, 256 local): 1.00 /
-    # 1.01, 1.06 / 0.99, 1.07 / 1.00 of its time: no gain. A 64-row tile streams the same weight tiles as a
-    # 128-row one (0.70 of its time, not 0.5) and the second inlined tile body costs the full tiles ~5%
-    # (docs/benchmarks.md, ninth session). bm32x2 is not measured. Candidates for `moebench tune`, not the rule's.
+    # 64-row tile; and bm64's tiles on 32-row blocks, for ~64-128 routes per expert. Candidates for `moebench
+    # tune`, not the rule's: a 64-row tile streams the same weight tiles as a 128-row one, and the second inlined
+    # tile body slows the full tiles, so they do not beat bm128_tma (docs/benchmarks.md#expert-gemms-bf16-and-fp8).
     ExpertsConfig(64, GemmConfig(128, 64, 8, 8, 3, weight_tma=True), GemmConfig(256, 64, 8, 8, 3, weight_tma=True),
                   name="bm64x2_tma", paired=True),
     ExpertsConfig(32, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), name="bm32x2", paired=True),
@@ -186,8 +182,8 @@ def fit_fp8_config(cfg: ExpertsConfig, hidden: int) -> ExpertsConfig:
 
 def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
     """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
-    `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more;
-    the 128-row tiles measured 11-12% faster than the best 64-row one at 256 and 512 rows per expert on an H200)."""
+    `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more:
+    from 256 rows per expert the 128-row tiles are the fastest on the H200)."""
     if interpreting():
         # the interpreter's cost is per program and op: small M blocks, whole-ish N
         return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
@@ -201,9 +197,9 @@ def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermedia
 
 # The launch for the group-32 ue8m0 activation scales (DeepSeek-V4 staging) where the table or the rule names a
 # 16-warp gate/up program: the per-element exponent alignment of that layout (fused_experts_fp8's X_SCALE 2) does not
-# fit its 128 registers a thread (Triton 3.6, sm_90: 168 bytes a thread spilled, against 32 for fp32 scales), and the
-# H200's layer_fp8 ran 1.5-1.8x slower on it. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where
-# this candidate was the runner-up in every bucket the 16-warp tiles won.
+# fit its 128 registers a thread (ptxas spills several times more than with fp32 scales), which slows the layer far
+# below the 64-row tiles. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where this candidate was
+# the runner-up in every bucket the 16-warp tiles won.
 LAYOUT_FALLBACK = "bm64_g16_down128"
 
 

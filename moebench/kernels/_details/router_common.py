@@ -153,19 +153,16 @@ class RouterConfig:
 
 
 # The candidate table of both routers (`config:` of a sweep, `moebench tune sweeps/tune_router.yaml`; a launcher's
-# `config=` also takes "<selection>:<elements per program>:<elements per thread>"). Measured on the H200
-# (results/h200/router-configs/ in commit 6acc04c, E=256, K=8, p50 us at T=8192 / 65536): topk_softmax twopass
-# 10.3 / 62.0, packed64 14.7 / 113, cand2 11.5 / 46.0, cand4 7.9 / 43.8, cand8 9.0 / 51.1; grouped_topk twopass
-# 13.8 / 93.4, cand2 9.7 / 57.9, cand4 10.0 / 60.4.
-# cand4 is the rule for both (each router has its own tuned table entries).
+# `config=` also takes "<selection>:<elements per program>:<elements per thread>"). cand4 is the rule for both
+# routers (each has its own tuned table entries); figures: docs/benchmarks.md#routers.
 ROUTER_CONFIGS = {
     "twopass": RouterConfig("twopass", 4096, 32),  # 16 rows of 256 experts, 4 warps, 32 values per thread
     "packed64": RouterConfig("packed64", 4096, 32),
     "twopass-16": RouterConfig("twopass", 2048, 16),  # 8 rows of 256, 4 warps, half the registers per thread
     "packed64-16": RouterConfig("packed64", 2048, 16),
     # candidate selections: K + M coarse candidates (M = 2 falls back on ~0.4% of random bf16 softmax rows,
-    # M = 4 on ~5e-6; see topk_softmax's module docstring). At E=256 on sm_90 (Triton 3.6) the 16-row program
-    # takes 189 registers a thread (two-pass: 128), the 8-row one 71, the 4-row one 40: occupancy for the trial.
+    # M = 4 on ~5e-6; see topk_softmax's module docstring). The 16-row program needs far more registers a thread
+    # than the 8- and 4-row ones: occupancy for the trial.
     "cand2": RouterConfig("cand2", 4096, 32),
     "cand4": RouterConfig("cand4", 4096, 32),
     "cand8": RouterConfig("cand8", 4096, 32),
@@ -173,7 +170,7 @@ ROUTER_CONFIGS = {
     "cand4-16": RouterConfig("cand4", 2048, 16),  # 8 rows of 256, 4 warps
     "cand4-8": RouterConfig("cand4", 1024, 8),  # 4 rows of 256, 4 warps, one row per thread
 }
-DEFAULT_ROUTER_CONFIG = "cand4"  # H200: 7.9 / 43.8 us (topk_softmax T=8192 / 65536) vs twopass 10.3 / 62.0
+DEFAULT_ROUTER_CONFIG = "cand4"  # the fastest selection for topk_softmax at T >= 8192 on the H200
 
 
 def is_selection(name: str) -> bool:

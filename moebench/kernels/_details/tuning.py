@@ -23,7 +23,7 @@ power of two, every other dim must match exactly.
 Table format (one JSON file per GPU name, written by `moebench tune`):
   {"format": 1, "gpu": "NVIDIA H200",
    "kernels": {"<kernel>": {"<bucket>": {"config": "<candidate>", "p50_us": {"<candidate>": us, ...},
-                                         "points": n, "run": "<run directory>"}}}}
+                                         "points": n, "run": "<run directory>", "versions": {"triton": ...}}}}}
 Only "config" is read here; the rest says where the choice came from.
 """
 
