@@ -54,12 +54,21 @@ class RunContext:
 
 @dataclass
 class Routing:
-    """The routing a case actually produced, for the imbalance figures (never the requested knob)."""
+    """The routing a case actually produced, for the imbalance figures (never the requested knob).
 
-    topk_ids: "torch.Tensor"  # [T, K] global expert ids, -1 = no expert
+    `produced` is the [T, K] tensor of global expert ids (-1 = no expert) when the case's routing is an input it
+    builds, or a function returning them when a kernel under test computes them (a router): the runner calls it
+    after the timing, so the figures come from what the kernel returned, not from an `out` buffer it may ignore."""
+
+    produced: "torch.Tensor | Callable[[], torch.Tensor]"
     is_padding: "torch.Tensor | None"  # [T] bool: which rows are padding (independent of whether it was masked)
     num_experts: int
     ep_size: int = 1
+
+    @property
+    def topk_ids(self) -> "torch.Tensor":
+        """The ids (a function given as `produced` is called now)."""
+        return self.produced() if callable(self.produced) else self.produced
 
 
 @dataclass

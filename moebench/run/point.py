@@ -160,13 +160,16 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
             rec["bytes_note"] = case.bytes_note
         rec["info"] = dict(case.info)
         if case.routing is not None:
-            try:
-                from moebench.measure.imbalance import imbalance
+            r = case.routing
+            if callable(r.produced) and rec["status"] == "failed":  # the kernel's output is what would be judged
+                rec["imbalance_error"] = "not computed: the point failed before its kernel returned a routing"
+            else:
+                try:
+                    from moebench.measure.imbalance import imbalance
 
-                r = case.routing
-                rec["imbalance"] = imbalance(r.topk_ids, r.is_padding, r.num_experts, r.ep_size)
-            except Exception as e:
-                rec["imbalance_error"] = error_line(e)
+                    rec["imbalance"] = imbalance(r.topk_ids, r.is_padding, r.num_experts, r.ep_size)
+                except Exception as e:
+                    rec["imbalance_error"] = error_line(e)
         stats = rec.get("stats") or {}
         p50 = stats.get("p50")
         if p50 and p50 > 0 and rec["status"] == "ok":
