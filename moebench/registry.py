@@ -46,10 +46,19 @@ class RunContext:
     simulated: bool = False  # EP ranks beyond the processes present are computed, not measured
     # one per run (None: a point on its own): what a case caches across points must not outlive its run
     run_token: Any = None
+    # where progress() goes: the runner's progress line (relayed from the point worker); None outside a run
+    progress_sink: Callable[[int, int, str, str], None] | None = None
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def progress(self, done: int, total: int, what: str, detail: str = "") -> None:
+        """A long point's own progress: `done` of `total` `what` (e.g. 3 of 8 "ranks timed"), `detail` naming the
+        current one. The runner shows it (elapsed, an estimate of what is left); a no-op outside a run. Cheap
+        enough to call per unit of work; never call it inside a timed region."""
+        if self.progress_sink is not None:
+            self.progress_sink(done, total, what, detail)
 
 
 @dataclass
