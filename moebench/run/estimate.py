@@ -37,8 +37,8 @@ CPU_BYTES_PER_S = 2e9
 CHECK_CALLS = 3  # the check's run on poisoned outputs plus its reference
 _KERNELS_PER_CALL = {"topk_softmax": 1, "grouped_topk": 1, "prepare_moe_inputs": 1, "apply_expert_map": 1,
                      "globalize_recv_topk_idx": 1, "masked_moe_sum": 1, "moe_align_block_size": 3,
-                     "fused_experts": 4, "recv_experts": 4, "layer": 10, "ep_sim": 4, "dispatch": 8,
-                     "jit_trace": 4, "serving_trace": 10}
+                     "fused_experts": 12, "recv_experts": 12, "layer": 30, "ep_sim": 12, "dispatch": 8,
+                     "jit_trace": 4, "serving_trace": 30}  # launch-equivalents: GEMM grids cost several
 _LAYER_STAGES = 6  # the layer times each stage alone too
 
 
