@@ -96,11 +96,13 @@ def _load_for_run(args):
 
     given = None
     if args.sweep is not None:
-        given = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points)
+        given = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points,
+                           size=args.size)
     elif not args.resume:
         raise SweepError("run: give a SWEEP file or bundled sweep name (see `moebench list`), or --resume RUN_DIR")
-    elif args.set:
-        raise SweepError(f"--set {args.set[0]}: with --resume and no SWEEP the stored sweep runs unchanged")
+    elif args.set or args.size:
+        what = f"--set {args.set[0]}" if args.set else f"--size {args.size}"
+        raise SweepError(f"{what}: with --resume and no SWEEP the stored sweep runs unchanged")
     if not args.resume:
         return given
     stored = stored_sweep(args.resume)
@@ -108,17 +110,26 @@ def _load_for_run(args):
     return stored
 
 
+def _preset_notices(sweep) -> None:
+    """A notice (stderr) for each model preset whose values explicit keys override."""
+    from moebench.run.sweep import preset_notices
+
+    for line in preset_notices(sweep):
+        sys.stderr.write(f"moebench: note: {line}\n")
+
+
 def cmd_run(args) -> int:
     from moebench.run.runner import dry_run, pick_device, run_sweep
 
     sweep = _load_for_run(args)
-    if args.dry_run:
-        return dry_run(sweep)
-    pick_device(args.device)
+    _preset_notices(sweep)
+    pick_device(args.device)  # what a run checks before its first point, a dry run checks too
     if not args.resume:
         check_output_dir("--out", args.out)
     if args.plots is not None and not args.no_plots:
         check_output_dir("--plots", args.plots)
+    if args.dry_run:
+        return dry_run(sweep, device=args.device)
     signals = getattr(args, "signals", None)
     try:
         code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
@@ -137,7 +148,8 @@ def cmd_tune(args) -> int:
     from moebench.run.sweep import load_sweep
     from moebench.run.tune import run_tune, tune_sweeps
 
-    sweep = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points)
+    sweep = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points, size=args.size)
+    _preset_notices(sweep)
     tune_sweeps(sweep)  # refused here (one line) before anything runs: no tunable impl, a bad config name
     device = pick_device(args.device)
     if device.type == "cpu" and args.out is None:
@@ -222,10 +234,13 @@ def cmd_profile(args) -> int:
     from moebench.profile import profile_inner, profile_point
     from moebench.run.results import utc_stamp
     from moebench.run.runner import check_point_index, pick_device
-    from moebench.run.sweep import load_sweep
+    from moebench.run.sweep import load_sweep, size_overrides
 
     path = resolve_sweep_path(args.sweep)
+    if args.size is not None:  # handed on as overrides: the process nsys runs gets the same sweep
+        args.set = size_overrides(path, args.size) + (args.set or [])
     sweep = load_sweep(path, args.set or [])  # validate first: one clear line on bad input
+    _preset_notices(sweep)
     check_point_index(sweep, args.point)  # and the arguments, before anything is created
     pick_device(args.device)
     if not args.inner:
@@ -246,6 +261,10 @@ def cmd_report(args) -> int:
     return 0
 
 
+_SIZE_HELP = ("apply the sweep's size NAME (its `sizes:` block; the bundled GPU-scale sweeps and scenarios declare "
+              "`cpu`), before any --set")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="moebench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"moebench {__version__}")
@@ -260,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put the plots in DIR/<run name>/ instead of <run dir>/plots/")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a sweep key with a YAML value, e.g. axes.top_k=[4,8] or top_k=6")
+    r.add_argument("--size", default=None, metavar="NAME", help=_SIZE_HELP)
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     r.add_argument("--resume", metavar="RUN_DIR",
                    help="continue an interrupted run with its stored sweep, skipping recorded points")
@@ -280,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--runs", default=str(DEFAULT_RUNS_DIR), metavar="DIR",
                    help=f"base directory of the tuning runs (default: {DEFAULT_RUNS_DIR})")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a sweep key, as for run")
+    t.add_argument("--size", default=None, metavar="NAME", help=_SIZE_HELP)
     t.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     t.add_argument("--max-points", type=_positive_int, default=DEFAULT_MAX_POINTS,
                    help=f"refuse sweeps of more points (default: {DEFAULT_MAX_POINTS:,})")
@@ -287,12 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("plot", help="make the plots of a run directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (holds records.jsonl)")
     p.add_argument("--out", default=None, help="put the plots in OUT/<run name>/ (default: <run dir>/plots/)")
     p.set_defaults(func=cmd_plot)
 
     c = sub.add_parser("compare", help="ratios of p50 per matching point of two runs (B / A)")
-    c.add_argument("run_a")
+    c.add_argument("run_a", help="a run directory: the baseline A (or the one run compared within)")
     c.add_argument("run_b", nargs="?", default=None,
                    help="omitted: compare within RUN_A (every impl vs the best peer, or --impls A,B)")
     c.add_argument("--impls", metavar="A,B", default=None, help="within one run: p50 ratio B/A per point")
@@ -306,16 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="one self-contained HTML (or Markdown) page of runs: manifest, headline "
                                        "numbers, tables, plots")
-    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or profile folders) to report")
     rp.add_argument("-o", "--out", required=True, help="FILE.html (images embedded) or FILE.md (images linked)")
-    rp.add_argument("--title", default="moebench report")
+    rp.add_argument("--title", default="moebench report", help="the page's title (default: %(default)s)")
     rp.set_defaults(func=cmd_report)
 
     pr = sub.add_parser("profile", help="profile one point under nsys (or torch.profiler)")
-    pr.add_argument("sweep")
+    pr.add_argument("sweep", help="sweep YAML file, or the name of a bundled sweep (see `moebench list`)")
     pr.add_argument("--point", type=int, required=True, help="point index (see `moebench run --dry-run`)")
-    pr.add_argument("--set", action="append", metavar="KEY=VALUE")
-    pr.add_argument("--device", default=None)
+    pr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a sweep key, as for run")
+    pr.add_argument("--size", default=None, metavar="NAME", help=_SIZE_HELP)
+    pr.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     pr.add_argument("--out", default=str(DEFAULT_RUNS_DIR), help="base directory for the profile output "
                                                                  f"(default: {DEFAULT_RUNS_DIR})")
     pr.add_argument("--iters", type=int, default=20, help="profiled iterations (eager launches with stage ranges) inside the capture range, after the point's usual timing")
@@ -350,9 +372,9 @@ def _interrupted(signum: int, run_dir: Path | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.cmd is None:
-        parser.print_help()
-        return 0
+    if args.cmd is None:  # a usage error like any other: the usage on stderr, exit 2
+        parser.print_help(sys.stderr)
+        return 2
     _interpret_without_gpu(args)
     in_main_thread = threading.current_thread() is threading.main_thread()  # only there can it take signals
     args.signals = signals = _Signals().install() if in_main_thread else None

@@ -91,6 +91,14 @@ def apply_preset(fixed: dict[str, Any], explicit: set[str] | None = None) -> dic
     return out
 
 
+def overridden(model: str, explicit: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, the preset's value, the given value) for each key of `explicit` (a sweep's own fixed values or axis
+    lists) that overrides a different value of the preset `model`."""
+    values = get_preset(model).values
+    return [(k, values[k], v) for k, v in explicit.items()
+            if k in values and (v != values[k] if not isinstance(v, list) else v != [values[k]])]
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(name, shape summary, source) per preset, for `moebench list --models`."""
     rows = []

@@ -46,20 +46,38 @@ class RunContext:
     simulated: bool = False  # EP ranks beyond the processes present are computed, not measured
     # one per run (None: a point on its own): what a case caches across points must not outlive its run
     run_token: Any = None
+    # where progress() goes: the runner's progress line (relayed from the point worker); None outside a run
+    progress_sink: Callable[[int, int, str, str], None] | None = None
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def progress(self, done: int, total: int, what: str, detail: str = "") -> None:
+        """A long point's own progress: `done` of `total` `what` (e.g. 3 of 8 "ranks timed"), `detail` naming the
+        current one. The runner shows it (elapsed, an estimate of what is left); a no-op outside a run. Cheap
+        enough to call per unit of work; never call it inside a timed region."""
+        if self.progress_sink is not None:
+            self.progress_sink(done, total, what, detail)
+
 
 @dataclass
 class Routing:
-    """The routing a case actually produced, for the imbalance figures (never the requested knob)."""
+    """The routing a case actually produced, for the imbalance figures (never the requested knob).
 
-    topk_ids: "torch.Tensor"  # [T, K] global expert ids, -1 = no expert
+    `produced` is the [T, K] tensor of global expert ids (-1 = no expert) when the case's routing is an input it
+    builds, or a function returning them when a kernel under test computes them (a router): the runner calls it
+    after the timing, so the figures come from what the kernel returned, not from an `out` buffer it may ignore."""
+
+    produced: "torch.Tensor | Callable[[], torch.Tensor]"
     is_padding: "torch.Tensor | None"  # [T] bool: which rows are padding (independent of whether it was masked)
     num_experts: int
     ep_size: int = 1
+
+    @property
+    def topk_ids(self) -> "torch.Tensor":
+        """The ids (a function given as `produced` is called now)."""
+        return self.produced() if callable(self.produced) else self.produced
 
 
 @dataclass

@@ -59,3 +59,34 @@ def test_cli_list_names_impls_and_bundled_sweeps():
     (deepep_line,) = [line for line in proc.stdout.splitlines() if line.split()[:1] == ["dispatch.deepep"]]
     if importlib.util.find_spec("deep_ep") is None:  # the line says why it cannot run here
         assert " no " in deepep_line and "deep_ep not installed" in deepep_line
+
+
+def test_every_argument_of_every_subcommand_has_help():
+    import argparse
+
+    from moebench.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"{name} {action.dest}" for name, p in sub.choices.items() for action in p._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not missing
+
+
+def test_dry_run_checks_the_device_and_the_output_folder_as_a_run_does(tmp_path, capsys):
+    assert main(["run", "quickstart", "--device", "gpu", "--dry-run"]) == 2
+    assert "--device: 'gpu' is not cuda, cuda:N or cpu" in capsys.readouterr().err
+    afile = tmp_path / "f"
+    afile.write_text("")
+    assert main(["run", "quickstart", "--device", "cpu", "--dry-run", "--out", str(afile)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_a_preset_overridden_by_explicit_keys_is_noted_on_stderr(capsys):
+    assert main(["run", "quickstart", "--set", "fixed.model=kimi-k2", "--dry-run", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "moebench: note: model kimi-k2: num_experts 384 -> 64, top_k 8 -> 4" in err
+    assert "model = kimi-k2" in out
+    assert main(["run", "quickstart", "--set", "fixed.model=gpt-oss-20b", "--set", "num_experts=32", "--dry-run",
+                 "--device", "cpu"]) == 0
+    assert "note" not in capsys.readouterr().err  # the explicit values equal the preset's: nothing overridden

@@ -255,9 +255,9 @@ def test_version_and_bare_command(capsys):
     from moebench import __version__
 
     assert capsys.readouterr().out.strip() == f"moebench {__version__}"
-    assert main([]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: moebench") and "run" in out and "Exit codes" in out
+    assert main([]) == 2  # a usage error: the usage on stderr
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: moebench") and "run" in err and "Exit codes" in err
 
 
 def test_refusal_in_a_fresh_process_is_one_line_and_fast(tmp_path):

@@ -162,3 +162,43 @@ def test_docs_worked_example_runs_as_written(tmp_path, capsys, monkeypatch):
                for line in run.read_text().splitlines()]
     assert {(r["impl"], r["status"]) for r in records} == {("topk_softmax.triton", "ok"), ("topk_softmax.mine", "ok")}
     assert "vs best peer" in out
+    # the example ignores `out`: its imbalance is that of the ids it returns (the reference's, as the Triton
+    # router's at the same point), never of the poisoned buffers
+    assert not [r for r in records if "imbalance_error" in r]
+    load = {(r["impl"], r["params"]["num_tokens"], r["params"]["padding_ratio"]):
+            r["imbalance"]["expert"]["max_over_mean"] for r in records}
+    for (impl, tokens, pad), value in load.items():
+        assert value == load[("topk_softmax.triton", tokens, pad)]
+    rows = [line.split() for line in out.splitlines() if "topk_softmax.mine" in line and line.split()[-1] == "ok"]
+    assert len(rows) == 4 and all(row[-4] not in ("-", "err") for row in rows)  # the maxvio column
+
+
+OUT_OF_RANGE = '''
+import torch
+
+from moebench.plugins import register_kernel
+
+
+def shifted(logits, top_k, renormalize, is_padding=None, bias=None, *, out=None):
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    return weights, (ids + logits.shape[1]).to(torch.int32)  # every id past the last expert
+
+
+register_kernel("topk_softmax", "shifted", shifted)
+'''
+
+
+def test_a_missing_imbalance_is_marked_in_the_table_and_explained_in_the_record(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "moebench_test_plugin_shifted.py").write_text(OUT_OF_RANGE)
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text("name: shifted\ntarget: router\nplugins: [moebench_test_plugin_shifted]\n"
+                          "impls: [topk_softmax.shifted]\nfixed: {num_experts: 16, top_k: 2, num_tokens: 8}\n"
+                          "timing: {warmup: 0, iters: 1}\n")
+    assert main(["run", str(sweep_file), "--device", "cpu", "--no-plots", "--out", str(tmp_path / "r")]) == 1
+    (rec,) = [json.loads(line) for f in (tmp_path / "r").rglob("records.jsonl") for line in f.read_text().splitlines()]
+    assert rec["status"] == "wrong" and "imbalance" not in rec
+    assert "outside" in rec["imbalance_error"]  # what the kernel returned, judged
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if "topk_softmax.shifted" in line
+              and not line.startswith("#")]
+    assert row[-4] == "err"

@@ -16,27 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "sweeps" / "scenarios"
 FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
 
-# The small shapes of each scenario (the files' own shapes are the H200 ones); docs/scenarios.md quotes these.
-SMALL = {
-    "sp_padding_straggler": ["num_experts=16", "top_k=2", "hidden=32", "intermediate=16", "num_tokens=32",
-                             "padding_ratio=0.125", "axes.ep_size=[2]"],
-    "sp_padding_ep2_real": ["num_experts=16", "top_k=2", "hidden=64", "num_tokens=32", "padding_ratio=0.125"],
-    "capacity_compiles": ["hidden=32", "num_experts=16", "top_k=2", "ep_size=4", "trace=[3,5,7,9]",
-                          "num_max_tokens_per_rank=16"],
-    "recv_buffer_stale_rows": ["num_experts=16", "top_k=2", "ep_size=4", "hidden=32", "intermediate=16",
-                               "num_max_tokens_per_rank=32", "axes.num_tokens=[16]"],
-    "pcp_gathered_mask": ["num_experts=16", "top_k=4", "num_tokens=16", "axes.producer_size=[1,2]"],
-    "topk6": ["num_experts=32", "axes.num_tokens=[16]"],
-    "minus_one_and_nan": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32", "hidden=64"],
-    "dbo_mask_slices": ["num_experts=16", "top_k=4", "ep_size=4", "num_tokens=32"],
-    "padding_tax": ["num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64",
-                    "intermediate=32", "group_size=16", "block_size=16", "ep_size=2", "dp_size=2", "sp_size=1",
-                    "trace=[3,5,1]", "axes.capture_sizes=[pow2,dense]"],
-}
+# Every scenario runs at its `--size cpu` (the files' own shapes are the H200 ones; docs/scenarios.md names it).
+SIZE = "cpu"
 
 
 def _run(name: str, tmp_path) -> tuple[dict[str, headline.HeadlineRow], int, list[dict]]:
-    sweep = load_sweep(SCENARIOS / f"{name}.yaml", SMALL[name] + FAST)
+    sweep = load_sweep(SCENARIOS / f"{name}.yaml", FAST, size=SIZE)
     out = io.StringIO()
     code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False, out=out)
     records = load_records(run_dir)
@@ -63,10 +48,9 @@ def _assert_fixed(rows: dict, *prefixes: str) -> None:
 
 def test_every_scenario_has_a_small_shape_and_headlines():
     files = sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
-    assert files == sorted(SMALL)
     for name in files:
         sweep = load_sweep(SCENARIOS / f"{name}.yaml")
-        assert sweep.name == name and sweep.headlines, name
+        assert sweep.name == name and sweep.headlines and SIZE in sweep.sizes, name
         doc = (ROOT / "docs" / "scenarios.md").read_text()
         assert f"sweeps/scenarios/{name}.yaml" in doc, name
 
@@ -147,8 +131,9 @@ def test_f_minus_one_and_nan(tmp_path):
 
 
 def test_g_dbo_mask_slices_through_the_cli(tmp_path, capsys):
-    argv = ["run", str(SCENARIOS / "dbo_mask_slices.yaml"), "--out", str(tmp_path), "--no-plots", "--device", "cpu"]
-    for s in SMALL["dbo_mask_slices"] + FAST:
+    argv = ["run", str(SCENARIOS / "dbo_mask_slices.yaml"), "--out", str(tmp_path), "--no-plots", "--device", "cpu",
+            "--size", SIZE]
+    for s in FAST:
         argv += ["--set", s]
     code = main(argv)
     stdout, stderr = capsys.readouterr()

@@ -154,10 +154,12 @@ def _build(p: Params, ctx: RunContext) -> Case:
 
     works = [rank_work(sim, r) for r in range(R)]
     per_rank_us = []
-    for work in works:  # one rank at a time: only one rank's rows and workspace are alive
+    for r, work in enumerate(works):  # one rank at a time: only one rank's rows and workspace are alive
+        ctx.progress(r, R, "simulated ranks timed", f"rank {r}")
         runner = _RankRunner(sim, work, w13, w2, use_triton)
         per_rank_us.append(_time_median(runner.run, dev, reps) if work.rows.numel() else 0.0)
         del runner
+    ctx.progress(R, R, "simulated ranks timed")
     slowest = max(range(R), key=lambda r: per_rank_us[r])
     replay = _RankRunner(sim, works[slowest], w13, w2, use_triton)
     flops, bytes_moved = replay.flops_and_bytes()

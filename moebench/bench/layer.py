@@ -437,7 +437,10 @@ def _build(variant: str):
         state = {"pipe": pipe}
 
         def check() -> CheckResult:
+            steps = 2 if pipe.mask is not None else 3
+            ctx.progress(0, steps, "layer check steps", "the pipeline against each stage's reference")
             res = check_pipeline(pipe, bitwise_staging=ctx.is_cuda, seed=p.seed)
+            ctx.progress(1, steps, "layer check steps", "the harm: rows that differ from the mask-aware layer")
             # Measured from the alignment the experts consumed: which routes were processed, of which rows.
             sorted_ids, expert_ids, num_post = (t.cpu() for t in pipe.align_out)
             placed = sorted_ids[:int(num_post)]
@@ -455,6 +458,7 @@ def _build(variant: str):
                 truth_out = truth.run()
                 corrupted = rows_differing(pipe.out, truth_out)
                 del truth
+            ctx.progress(steps, steps, "layer check steps")
             info["corrupted_rows"] = int(corrupted.sum())
             info["corrupted_padded_rows"] = int((corrupted & batch.is_padding).sum())
             res.metrics["corrupted_rows"] = float(info["corrupted_rows"])

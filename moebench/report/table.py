@@ -72,8 +72,10 @@ class Table:
             "cv": None if st.get("cv") is None else 100 * st["cv"],
             "GB/s": rec.get("gbps"), "roof": None if roof is None else 100 * roof,
             "jit": jit.get("compiles") if jit.get("supported", True) else "n/a",
-            "maxvio": (imb.get("expert") or {}).get("max_over_mean"),
-            "rank_mv": (imb.get("rank") or {}).get("max_over_mean") if (imb.get("ep_size") or 1) > 1 else None,
+            # "err": the record says why there is no figure (imbalance_error)
+            "maxvio": "err" if rec.get("imbalance_error") else (imb.get("expert") or {}).get("max_over_mean"),
+            "rank_mv": (imb.get("rank") or {}).get("max_over_mean") if (imb.get("ep_size") or 1) > 1
+            else "err" if rec.get("imbalance_error") and (params.get("ep_size") or 1) > 1 else None,
             "mode": timing_label(rec),
             "status": rec.get("status"),
         }

@@ -96,7 +96,10 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
         if counter is not None:
             counter.__enter__()
         try:
+            ctx.progress(0, 3, "point phases", "build")
             case = impl.build(p, ctx)
+            phases = 3 + len(case.stages) + bool(profile_iters)  # build, check, timing, each stage, profile
+            ctx.progress(1, phases, "point phases", "check")
             check = case.check() if case.check is not None else CheckResult(True, "no reference check", {})
             rec["check"] = {"ok": check.ok, "detail": check.detail, "metrics": check.metrics}
             if not _all_ranks_ok(check.ok, ctx):
@@ -113,6 +116,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                     if hook and not profile_iters:
                         hook(event)
 
+                ctx.progress(2, phases, "point phases", f"timing ({timing.iters} iterations)")
                 res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
                 rec["timing_mode"] = res.mode
                 rec["timing_unroll"] = res.unroll
@@ -125,7 +129,8 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                 if res.ranks:
                     rec["ranks"] = {**res.ranks, "simulated": ctx.simulated}
                 stages = {}
-                for stage_name, fn in case.stages:
+                for i, (stage_name, fn) in enumerate(case.stages):
+                    ctx.progress(3 + i, phases, "point phases", f"timing stage {stage_name}")
                     sres = _measure(fn, timing, ctx, case.graph_capturable, f"moebench/{stage_name}/{impl.name}",
                                     None)
                     stages[stage_name] = {**sres.stats, "mode": sres.mode}
@@ -134,6 +139,7 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                 if profile_iters:
                     from moebench.measure.nvtx import profiled_iterations
 
+                    ctx.progress(phases - 1, phases, "point phases", f"{profile_iters} profiled iterations")
                     rec["profile"] = profiled_iterations(case.run, case.pipeline, name, profile_iters, ctx.device,
                                                          hook)
         finally:
@@ -160,13 +166,16 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
             rec["bytes_note"] = case.bytes_note
         rec["info"] = dict(case.info)
         if case.routing is not None:
-            try:
-                from moebench.measure.imbalance import imbalance
+            r = case.routing
+            if callable(r.produced) and rec["status"] == "failed":  # the kernel's output is what would be judged
+                rec["imbalance_error"] = "not computed: the point failed before its kernel returned a routing"
+            else:
+                try:
+                    from moebench.measure.imbalance import imbalance
 
-                r = case.routing
-                rec["imbalance"] = imbalance(r.topk_ids, r.is_padding, r.num_experts, r.ep_size)
-            except Exception as e:
-                rec["imbalance_error"] = error_line(e)
+                    rec["imbalance"] = imbalance(r.topk_ids, r.is_padding, r.num_experts, r.ep_size)
+                except Exception as e:
+                    rec["imbalance_error"] = error_line(e)
         stats = rec.get("stats") or {}
         p50 = stats.get("p50")
         if p50 and p50 > 0 and rec["status"] == "ok":

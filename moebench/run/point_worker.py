@@ -157,6 +157,7 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         from moebench import registry
         from moebench.registry import RunContext
         from moebench.run.point import error_line, execute_point
+        from moebench.run.progress import throttled
         from moebench.run.results import json_ready
 
         ctx = RunContext(device=dev)
@@ -176,7 +177,9 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
             try:
                 _apply_run(*msg[1:])
                 sweep = msg[1]
-                ctx = RunContext(device=dev, run_token=object())
+                # a point's own progress goes to the runner as it happens (moebench.run.progress)
+                ctx = RunContext(device=dev, run_token=object(),
+                                 progress_sink=throttled(lambda *report: conn.send(("progress", *report))))
                 conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001
                 conn.send(("error", error_line(e)))
@@ -220,8 +223,9 @@ class PointWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def _recv(self, timeout_s: float):
-        """The next message; None when the worker died (`self.timed_out` False) or `timeout_s` passed (True)."""
+    def _recv(self, timeout_s: float, tick=None):
+        """The next message; None when the worker died (`self.timed_out` False) or `timeout_s` passed (True).
+        `tick()`, if given, is called at each second of waiting."""
         import multiprocessing.connection as mpc
 
         self.timed_out = False
@@ -231,6 +235,8 @@ class PointWorker:
             if left <= 0:
                 self.timed_out = True
                 return None
+            if tick is not None:
+                tick()
             if mpc.wait([self.conn], timeout=min(left, 1.0)) or self.conn.poll():
                 try:
                     return self.conn.recv()
@@ -274,13 +280,21 @@ class PointWorker:
             pass
         return _exit_reason(self.proc.returncode)
 
-    def run_point(self, point, sweep, timeout_s: float, token) -> Outcome:
+    def run_point(self, point, sweep, timeout_s: float, token, *, on_progress=None, tick=None) -> Outcome:
+        """Run `point` in the worker; its progress reports go to `on_progress(done, total, what, detail)` as they
+        come, and `tick()` is called about once a second while it runs (both optional)."""
         if self.run_token is not token:
             self.start_run(sweep, token)
         if not self.alive():
             raise WorkerGone(f"worker died while idle: {self.exit_reason()}")
         self._send(("point", point))
-        msg = self._recv(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._recv(max(deadline - time.monotonic(), 0.0), tick=tick)
+            if msg is None or msg[0] != "progress":
+                break
+            if on_progress is not None:
+                on_progress(*msg[1:])
         if msg is None:
             if self.timed_out:
                 self.kill()

@@ -22,6 +22,8 @@ from moebench.report.table import Table
 from moebench.run import point_worker
 from moebench.run.lock import RunLock
 from moebench.run.point import error_line, execute_point, interpreting
+from moebench.run.estimate import RunEstimate, estimate_lines, estimate_run
+from moebench.run.progress import RunProgress
 from moebench.run.results import (
     DEFAULT_RUNS_DIR,
     RECORDS,
@@ -53,35 +55,13 @@ def pick_device(requested: str | None) -> torch.device:
 # Whole sweeps
 # ---------------------------------------------------------------------------------------------------------------
 
-class _Progress:
-    """A one-line progress indicator on stderr when it is a terminal (the table goes to stdout)."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.enabled = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-
-    def update(self, done: int, label: str) -> None:
-        if not self.enabled:
-            return
-        el = time.perf_counter() - self.t0
-        eta = el / done * (self.total - done) if done else 0.0
-        sys.stderr.write(f"\r[{done:>4}/{self.total}] {el:6.0f}s elapsed, ~{eta:5.0f}s left  {label[:50]:<50}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 100 + "\r")
-            sys.stderr.flush()
-
-
 class _Rows:
-    """Prints each finished point's row once, as it finishes, under the progress line: single-rank points from
-    this process, multi-rank points as rank 0 records them."""
+    """Prints each finished point's row once, as it finishes, with the progress line (moebench.run.progress)
+    erased first: single-rank points from this process, multi-rank points as rank 0 records them."""
 
-    def __init__(self, table: Table, total: int):
+    def __init__(self, table: Table, progress: RunProgress):
         self.table = table
-        self.progress = _Progress(total)
+        self.progress = progress
         self.shown: set = set()
 
     def show(self, rec: dict) -> None:
@@ -89,11 +69,12 @@ class _Rows:
         if key in self.shown:
             return
         self.shown.add(key)
-        self.progress.close()
+        self.progress.clear()
         self.table.row(rec)
+        self.progress.point_done()
 
     def working_on(self, label: str) -> None:
-        self.progress.update(len(self.shown), label)
+        self.progress.start_point(label)
 
 
 def _needs_world(point: Point) -> int:
@@ -108,16 +89,30 @@ def _param_columns(sweep: Sweep) -> list[str]:
     return [k for k in sweep.axes]
 
 
-def dry_run(sweep: Sweep, out=None) -> int:
+def dry_run(sweep: Sweep, out=None, device: str | None = None) -> int:
+    """List the points and the run's cost estimate on `device`; run nothing."""
+    dev = pick_device(device)
     points = expand(sweep)
     table = Table(_param_columns(sweep), out=out)
     table.comment(f"sweep {sweep.name} ({sweep.source}): target {sweep.target}, {len(points)} points (dry run)")
     for k, v in sweep.fixed.items():
         table.comment(f"  {k} = {v}")
+    _state_estimate(table, estimate_run(points, sweep.timing, dev), sweep)
     table.header()
     for pt in points:
         table.row({"point": pt.index, "impl": pt.impl, "params": pt.params.to_dict(), "status": "planned"})
     return 0
+
+
+def _state_estimate(table: Table, cost: RunEstimate, sweep: Sweep) -> None:
+    """The run's cost estimate above the table; past 30 minutes a warning on stderr too."""
+    lines, warning = estimate_lines(cost, sweep.sizes)
+    for text in lines:
+        table.comment(text)
+    if warning:
+        table.comment(f"warning: {warning}")
+        sys.stderr.write(f"moebench: warning: {warning}\n")
+        sys.stderr.flush()
 
 
 def _torchrun_context(dev: torch.device) -> RunContext | None:
@@ -173,7 +168,7 @@ def _open_run(sweep: Sweep, points: list[Point], dev: torch.device, out_base, re
 
 def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: str | None = None,
               resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path | None = None,
-              out=None, isolate: bool = True) -> tuple[int, Path]:
+              out=None, isolate: bool = True, progress_prefix: str = "") -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
 
     Single-rank points run in a worker process (moebench.run.point_worker; `isolate=False`: in this process, for a
@@ -213,7 +208,8 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
                 raise ValueError(error)
         else:
             run_dir, done = _share_start(None, set(), None, trun)
-        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out, isolate)
+        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out, isolate,
+                           progress_prefix)
     except KeyboardInterrupt as e:
         if leader and run_dir is not None:
             e.run_dir = run_dir
@@ -236,7 +232,7 @@ def _final_records(run_dir: Path) -> list[dict]:
 
 
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
-                leader: bool, make_plots: bool, plots_base, out, isolate: bool) -> tuple[int, Path]:
+                leader: bool, make_plots: bool, plots_base, out, isolate: bool, prefix: str) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
     table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
@@ -247,16 +243,31 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
         table.comment(f"  {k} = {v}")
     if done:
         table.comment(f"resuming: {len(done)} points already recorded are skipped")
+    todo = [pt for pt in points if pt.key not in done]
+    cost = estimate_run(todo, sweep.timing, dev)
+    if leader:
+        _state_estimate(table, cost, sweep)
     table.header()
 
-    todo = [pt for pt in points if pt.key not in done]
+    progress = RunProgress(len(todo), estimate_s=cost.total_s, prefix=prefix,
+                           stream=None if leader else open(os.devnull, "w"), terminal=None if leader else False)
+    rows = _Rows(table, progress)
+    try:
+        return _run_todo(sweep, todo, dev, run_dir, trun, leader, make_plots, plots_base, table, writer, rows,
+                         isolate)
+    finally:  # also on an interrupt: its message then starts a line of its own
+        progress.clear()
+
+
+def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path, trun, leader: bool,
+              make_plots: bool, plots_base, table: Table, writer: RecordWriter, rows: _Rows,
+              isolate: bool) -> tuple[int, Path]:
     single = [pt for pt in todo if _needs_world(pt) == 1]
     multi: dict[int, list[Point]] = {}
     for pt in todo:
         w = _needs_world(pt)
         if w > 1:
             multi.setdefault(w, []).append(pt)
-    rows = _Rows(table, len(todo))
 
     # Multi-rank points first: under torchrun the other ranks are then free to leave while rank 0 goes on.
     from moebench.run.multirank import run_multi_rank, skip_all
@@ -274,14 +285,15 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     if not leader:
         return 0, run_dir
 
-    run_one = _isolated_runner(sweep, dev) if isolate else _in_process_runner(sweep, dev)
+    progress = rows.progress
+    run_one = _isolated_runner(sweep, dev, progress) if isolate else _in_process_runner(sweep, dev, progress)
     for pt in single:
-        rows.working_on(pt.impl)
+        rows.working_on(f"point {pt.index} {pt.impl}")
         rec = run_one(pt)
         restarts += bool(rec.get("worker_restarted"))
         writer.append(rec)
         rows.show(rec)
-    rows.progress.close()
+    progress.clear()
 
     records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
@@ -312,12 +324,14 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     return (1 if bad else 0), run_dir
 
 
-def _in_process_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
-    ctx = RunContext(device=dev, run_token=object())
+def _in_process_runner(sweep: Sweep, dev: torch.device, progress: RunProgress | None = None
+                       ) -> Callable[[Point], dict]:
+    ctx = RunContext(device=dev, run_token=object(),
+                     progress_sink=progress.point_report if progress is not None else None)
     return lambda pt: execute_point(pt, sweep, ctx)
 
 
-def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
+def _isolated_runner(sweep: Sweep, dev: torch.device, progress: RunProgress) -> Callable[[Point], dict]:
     """Each point in the point worker; a worker that died, hung or lost its context is replaced for the next."""
     timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
 
@@ -328,7 +342,8 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
         if cannot_start:
             return _noted(in_process(pt), f"in-process: {cannot_start[0]}")
         try:
-            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token)
+            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token,
+                                                             on_progress=progress.point_report, tick=progress.tick)
         except point_worker.WorkerGone:  # it died between points: this one has not run, a fresh worker takes it
             point_worker.drop(dev)
             if retried:
@@ -349,7 +364,7 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
             return _noted(in_process(pt), "in-process: the impl is registered in the runner's process only")
         return outcome.record
 
-    in_process = _in_process_runner(sweep, dev)
+    in_process = _in_process_runner(sweep, dev, progress)
     return run
 
 

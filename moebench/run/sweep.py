@@ -217,15 +217,16 @@ class Sweep:
     source: str = "<memory>"
     headlines: tuple = ()  # moebench.report.headline specs (dicts), checked by _check_headlines
     plugins: tuple = ()  # modules imported before the impls are looked up (moebench.plugins)
+    sizes: dict = field(default_factory=dict)  # name -> {override key: value}, applied by load_sweep(size=)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "target": self.target, "impls": list(self.impls), "fixed": self.fixed,
                 "axes": self.axes, "timing": dataclasses.asdict(self.timing), "description": self.description,
-                "headlines": [dict(h) for h in self.headlines], "plugins": list(self.plugins)}
+                "headlines": [dict(h) for h in self.headlines], "plugins": list(self.plugins), "sizes": self.sizes}
 
 
 _SWEEP_KEYS = {"name": str, "target": str, "impls": list, "fixed": dict, "axes": dict, "timing": dict,
-               "description": str, "headlines": list, "plugins": list}
+               "description": str, "headlines": list, "plugins": list, "sizes": dict}
 _TIMING_TYPES = {"mode": str, "warmup": int, "iters": int, "unroll": int, "max_seconds": float,
                  "point_timeout_s": float}
 _TIMING_NULLABLE = {"point_timeout_s"}
@@ -253,13 +254,18 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`raw` with each `--set KEY=VALUE` applied in order."""
+    return _apply_paths(raw, [(*parse_set(expr), f"--set {expr}") for expr in overrides])
+
+
+def _apply_paths(raw: dict, changes: list[tuple[list[str], Any, str]]) -> dict:
+    """`raw` with each (key path, value, how the user wrote it) applied, as `--set` applies it."""
     raw = copy.deepcopy(raw)  # keeps shared nodes shared (safe_load data may share them; ours has no aliases)
-    for expr in overrides:
-        path, value = parse_set(expr)
+    for path, value, expr in changes:
         node = raw
         for k in path[:-1]:
             if not isinstance(node.get(k, {}), dict):
-                raise SweepError(f"--set {expr}: {k} is not a mapping")
+                raise SweepError(f"{expr}: {k} is not a mapping")
             node = node.setdefault(k, {})
         # A parameter set at top level (--set top_k=4) goes to `fixed` and drops the axis of the same name.
         if len(path) == 1 and path[0] in PARAM_NAMES:
@@ -276,7 +282,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
-               max_points: int | None = DEFAULT_MAX_POINTS) -> Sweep:
+               max_points: int | None = DEFAULT_MAX_POINTS, size: str | None = None) -> Sweep:
+    """The sweep file at `path`; `size` names one of its `sizes:` (applied first), then each --set override."""
     src = str(path)
     try:
         raw = strict_yaml.loads(strict_yaml.read_text(path))
@@ -288,8 +295,57 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
         raise SweepError(f"{src}: {where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(raw, dict):
         raise SweepError(f"{src}: top level: expected a mapping, got {type(raw).__name__}")
+    file_raw = raw
+    if size is not None:
+        sizes = raw.get("sizes") if isinstance(raw.get("sizes"), dict) else {}
+        if size not in sizes:
+            known = ", ".join(map(str, sizes)) if sizes else "it declares none"
+            raise SweepError(f"--size {size}: {src} has no size {size!r} (sizes: {known})")
+        raw = _apply_paths(raw, _size_changes(src, size, sizes[size]))
     raw = apply_overrides(raw, overrides or [])
-    return sweep_from_dict(raw, src, max_points=max_points)
+    sweep = sweep_from_dict(raw, src, max_points=max_points)
+    _check_sizes(file_raw, src, max_points)  # after the sweep itself: its own problems are named first
+    return sweep
+
+
+def size_overrides(path: str | Path, size: str) -> list[str]:
+    """The size `size` of the sweep file at `path` as `--set KEY=VALUE` expressions (for a process that is handed
+    the sweep's path and overrides, as `moebench profile` hands them to the process nsys runs)."""
+    raw = strict_yaml.loads(strict_yaml.read_text(path))
+    sizes = raw.get("sizes") if isinstance(raw, dict) and isinstance(raw.get("sizes"), dict) else {}
+    if size not in sizes:
+        known = ", ".join(map(str, sizes)) if sizes else "it declares none"
+        raise SweepError(f"--size {size}: {path} has no size {size!r} (sizes: {known})")
+    return [f"{'.'.join(p)}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for p, v, _ in _size_changes(str(path), size, sizes[size])]
+
+
+def _size_changes(src: str, name: Any, overrides: Any) -> list[tuple[list[str], Any, str]]:
+    """The (key path, value, label) changes of the size `name` (its mapping of --set keys to values)."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise _fail(src, "sizes", f"{name!r} is not a size name (letters, digits, '_', '.' or '-')")
+    if not isinstance(overrides, dict) or not overrides:
+        raise _fail(src, f"sizes.{name}", "expected a non-empty mapping of override keys to values")
+    changes = []
+    for key, value in overrides.items():
+        path = [k for k in str(key).split(".") if k]
+        if not isinstance(key, str) or not path or path[0] == "sizes":
+            raise _fail(src, f"sizes.{name}", f"{key!r} is not an override key (as for --set)")
+        changes.append((path, value, f"{src}: sizes.{name}.{key}"))
+    return changes
+
+
+def _check_sizes(raw: dict, src: str, max_points: int | None) -> None:
+    """Each size applied to the sweep file must give a valid sweep (checked like the file itself)."""
+    sizes = raw.get("sizes")
+    if not isinstance(sizes, dict):
+        return  # not a mapping, or absent: sweep_from_dict says so
+    base = {k: v for k, v in raw.items() if k != "sizes"}
+    for name, overrides in sizes.items():
+        try:
+            sweep_from_dict(_apply_paths(base, _size_changes(src, name, overrides)), src, max_points=max_points)
+        except SweepError as e:
+            raise SweepError(f"{e} (with sizes.{name})") from None
 
 
 def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None = DEFAULT_MAX_POINTS) -> Sweep:
@@ -384,11 +440,37 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
             raise _fail(src, f"timing.{k}", f"{getattr(timing, k)} is over the limit of {limit:g}")
 
     headlines = _check_headlines(raw.get("headlines") or [], src, impls)
+    sizes = raw.get("sizes") or {}
+    for size_name, overrides in sizes.items():
+        _size_changes(src, size_name, overrides)
     sweep = Sweep(name=name, target=target, impls=tuple(impls), fixed=dict(fixed), axes=dict(axes), timing=timing,
                   description=raw.get("description", ""), source=src, headlines=headlines,
-                  plugins=tuple(plugins))
+                  plugins=tuple(plugins), sizes=sizes)
     expand(sweep)  # validates every combination
     return sweep
+
+
+def preset_notices(sweep: Sweep) -> list[str]:
+    """One line per model preset whose values the sweep's explicit keys override (which keys, the preset's value
+    -> the given one): the sweep runs with the given values, and says so."""
+    from moebench.presets import overridden
+
+    models = sweep.axes.get("model") or [sweep.fixed.get("model")]
+    explicit = {k: v for k, v in {**sweep.fixed, **sweep.axes}.items() if k != "model"}
+    lines = []
+    for model in dict.fromkeys(m for m in models if m is not None):
+        changes = overridden(model, explicit)
+        if changes:
+            shown = ", ".join(f"{k} {_shown(preset)} -> {_shown(given)}" for k, preset, given in changes)
+            lines.append(f"model {model}: {shown} (set explicitly in the sweep or by --set: they override the "
+                         "preset)")
+    return lines
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _model_problem(name) -> str | None:

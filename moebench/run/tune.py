@@ -125,8 +125,9 @@ def run_tune(sweep: Sweep, *, tables_dir: str | Path | None = None, runs_dir: st
     # fused_experts launches the alignment and the sum, sees no half-written table), and every run of this tune
     # records the same tuned_tables digest: the winners are written once all the kernels have run.
     results = []
-    for kernel, sub in subs.items():
-        run_code, run_dir = run_sweep(sub, out_base=runs_dir, device=device, make_plots=False, isolate=isolate)
+    for i, (kernel, sub) in enumerate(subs.items()):  # the progress line names the kernel being tuned
+        run_code, run_dir = run_sweep(sub, out_base=runs_dir, device=device, make_plots=False, isolate=isolate,
+                                      progress_prefix=f"tune {kernel} ({i + 1}/{len(subs)} kernels) ")
         records = unique_records(load_records(run_dir))
         picks = pick_fastest(records)
         buckets = {(r.get("info") or {}).get("config_bucket") for r in records} - {None}

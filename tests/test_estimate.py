@@ -1,0 +1,69 @@
+"""The cost estimate before a run (and in --dry-run), the warning past 30 minutes, and the sweeps' `--size cpu`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebench.cli import main
+from moebench.run.estimate import WARN_AFTER_S, estimate_run
+from moebench.run.paths import bundled_sweeps
+from moebench.run.sweep import SweepError, expand, load_sweep
+
+CPU = torch.device("cpu")
+
+
+def test_a_gpu_scale_sweep_on_a_cpu_warns_and_its_cpu_size_does_not(capsys):
+    assert main(["run", "layer", "--device", "cpu", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "# estimate: ~" in out and "points would reach the point timeout" in out
+    (warning,) = err.splitlines()
+    assert warning.startswith("moebench: warning: this run is estimated at ~") and "--size cpu" in warning
+    assert main(["run", "layer", "--device", "cpu", "--dry-run", "--size", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "# estimate: ~" in out and err == ""
+
+
+def test_every_bundled_sweep_over_30_minutes_on_a_cpu_declares_a_cpu_size_under_it():
+    for path in bundled_sweeps():
+        sweep = load_sweep(path)
+        if "cpu" not in sweep.sizes:
+            assert estimate_run(expand(sweep), sweep.timing, CPU).total_s < WARN_AFTER_S, path.stem
+            continue
+        small = load_sweep(path, size="cpu")
+        assert estimate_run(expand(small), small.timing, CPU).total_s < WARN_AFTER_S / 3, path.stem
+
+
+def test_scenarios_declare_a_cpu_size():
+    scenarios = [p for p in bundled_sweeps() if p.parent.name == "scenarios"]
+    assert scenarios and all("cpu" in load_sweep(p).sizes for p in scenarios)
+
+
+def test_a_size_applies_before_set_and_bad_sizes_are_one_line(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntarget: router\nimpls: [topk_softmax.torch]\nfixed: {num_experts: 64, top_k: 4}\n"
+                    "axes: {num_tokens: [64, 512]}\nsizes:\n  cpu: {num_experts: 16, axes.num_tokens: [8], "
+                    "timing.iters: 2}\n")
+    sweep = load_sweep(path, ["top_k=2"], size="cpu")
+    (pt,) = expand(sweep)
+    assert (pt.params.num_experts, pt.params.top_k, pt.params.num_tokens, sweep.timing.iters) == (16, 2, 8, 2)
+    assert [p.params.num_tokens for p in expand(load_sweep(path))] == [64, 512]  # no size: the file's own
+    with pytest.raises(SweepError, match=r"--size gpu: .* has no size 'gpu' \(sizes: cpu\)"):
+        load_sweep(path, size="gpu")
+    path.write_text(path.read_text().replace("num_experts: 16", "num_experts: 3"))
+    with pytest.raises(SweepError, match=r"top_k: 4 > num_experts 3.*\(with sizes.cpu\)"):
+        load_sweep(path)  # a size is validated with the file, whether or not it is asked for
+    path.write_text(path.read_text().replace("cpu: {num_experts: 3", "cpu: {sizes.x: 1, num_experts: 3"))
+    assert main(["run", str(path), "--dry-run", "--size", "cpu", "--device", "cpu"]) == 2
+    assert "sizes.cpu: 'sizes.x' is not an override key" in capsys.readouterr().err
+
+
+def test_profile_hands_a_size_on_as_overrides():
+    from moebench.run.sweep import size_overrides
+
+    layer = Path(next(p for p in bundled_sweeps() if p.stem == "layer"))
+    sets = size_overrides(layer, "cpu")
+    assert "axes.num_tokens=[32]" in sets and "timing.iters=3" in sets
+    assert load_sweep(layer, sets).to_dict() == load_sweep(layer, size="cpu").to_dict()
