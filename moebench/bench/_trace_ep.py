@@ -159,19 +159,36 @@ def padded_route_share(per_step: Sequence[dict[str, SideStep]], counts: Sequence
     return to_slowest / total if total else None
 
 
+class _Counted:
+    """A rank timer that reports each timing to the run's progress line."""
+
+    def __init__(self, timer, progress):
+        self.timer, self.progress, self.done, self.total, self.what = timer, progress, 0, 0, ""
+
+    def expect(self, total: int, what: str) -> None:
+        self.done, self.total, self.what = 0, total, what
+
+    def __call__(self, w: Workload) -> float:
+        self.progress(self.done, max(self.total, self.done + 1), self.what, f"{w.rows} rows, {w.routes} routes")
+        self.done += 1
+        return self.timer(w)
+
+
 def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequence[StepPadding],
             counts: Sequence[int], replay_steps: Sequence[StepPadding],
-            progress: Callable[[str, int, int], None] | None = None
-            ) -> tuple[dict[str, Any], list[dict[str, SideStep]]]:
-    """(info.ep_step, per distinct step {side: SideStep})."""
+            progress: Callable[..., None] | None = None) -> tuple[dict[str, Any], list[dict[str, SideStep]]]:
+    """(info.ep_step, per distinct step {side: SideStep}). `progress(done, total, what)`: RunContext.progress."""
     t0 = time.perf_counter()
+    progress = progress or (lambda done, total, what, detail="": None)
     layout = layout_of(p)
     routes = StepRoutes(bench, layout)
     routed = routes.prepare(list(distinct) + list(replay_steps),
-                            (lambda i, n: progress("EP routes", i, n)) if progress else None)
-    timer = RankTimer(p, bench.device, timing)
+                            lambda i, n: progress(i, n, "EP step: source calls routed"))
+    timer = _Counted(RankTimer(p, bench.device, timing), progress)
     budget = p.ep_rank_timings if p.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_type]
-    rank_time, times_info = rank_times(_workloads(distinct, layout, routes), timer, budget)
+    workloads = _workloads(distinct, layout, routes)
+    timer.expect(min(budget, sum(1 for w in workloads if w.rows)), "EP step: rank workloads timed")
+    rank_time, times_info = rank_times(workloads, timer, budget)
     wire_model = wire_model_of(p)
     wire = _wire_time(wire_model)
     per_step = compose_steps(distinct, layout, routes, rank_time, wire)
@@ -189,6 +206,8 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
         "slowest_rank_padded_route_share": padded_route_share(per_step, counts),
     }
     if replay_steps:
+        timer.expect(sum(len(mb.workloads) for s in replay_steps for side in SIDES
+                         for mb in micro_batches(s, layout, routes, side)), "EP step: replay ranks timed")
         info["replay"] = replay_check(replay_steps, layout, routes, rank_time, timer, wire)
     info["wall_s"] = round(time.perf_counter() - t0, 3)
     return info, per_step

@@ -146,8 +146,9 @@ def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], 
             entry.padding_gemm_rows, entry.rank_loads, entry.max_rows_per_rank = (
                 f.padding_gemm_rows, f.rank_loads, f.max_rows_per_rank)
     timed_now = 0
-    for shape in timed:
+    for i, shape in enumerate(timed):
         entry = _cached(shape)
+        ctx.progress(i, len(timed), "trace shapes timed", f"rows {shape[0]}, real {shape[1]}")
         if not entry.layer_us:
             entry.layer_us = bench.time_shape(*shape)
             entry.layer_spread_us = dict(bench.last_spreads_us)
@@ -366,7 +367,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     }
     if p.ep_size > 1:
         ep_info, ep_steps = ep_step(p, bench, "cuda" if dev.type == "cuda" else "cpu", bench.timing, paddings,
-                                    counts, replay_steps)
+                                    counts, replay_steps, ctx.progress)
         info["ep_step"] = ep_info
         info["headline"]["ep_step"] = ep_headline(ep_info)
         for rec, ep in zip(distinct, ep_steps):
