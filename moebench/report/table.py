@@ -129,13 +129,19 @@ class Table:
 
 
 def footer_lines(records: list[dict], restarts: int = 0) -> list[str]:
-    """What stdout prints under the table: points by status (and how many times a worker was restarted this run),
-    the failures, the reasons for skipping and each record's fraction of the GEMM ceiling (where timed)."""
+    """What stdout prints under the table: status_lines, then each record's fraction of the GEMM ceiling (where
+    the run timed one)."""
+    return ["", *status_lines(records, restarts), *ceiling_footer_lines(records)]
+
+
+def status_lines(records: list[dict], restarts: int = 0) -> list[str]:
+    """The points by status (and how many times a worker was restarted this run), the failures and the reasons
+    for skipping."""
     counts: dict[str, int] = {}
     for r in records:
         counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
     line = "points: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) if counts else "no points"
-    out = ["", line + (f"; worker restarts: {restarts}" if restarts else "")]
+    out = [line + (f"; worker restarts: {restarts}" if restarts else "")]
     bad = [r for r in records if r.get("status") in ("wrong", "failed")]
     if bad:
         out.append("failures:")
@@ -144,8 +150,7 @@ def footer_lines(records: list[dict], restarts: int = 0) -> list[str]:
     for r in records:
         if r.get("status") == "skipped":
             skipped[r.get("reason", "")] = skipped.get(r.get("reason", ""), 0) + 1
-    out += [f"skipped {n}: {reason}" for reason, n in skipped.items()]
-    return out + ceiling_footer_lines(records)
+    return out + [f"skipped {n}: {reason}" for reason, n in skipped.items()]
 
 
 _MODE_TEXT = {
