@@ -86,10 +86,10 @@ class Table:
         seen: dict[str, set[str]] = {k: set() for k in param_keys}
         impls: set[str] = set()
         for pt in points or ():
-            params = pt.params.to_dict() if hasattr(pt.params, "to_dict") else dict(pt.params)
             impls.add(str(pt.impl))
             for k in param_keys:
-                seen[k].add(param_cell(params.get(k)))
+                v = pt.params.get(k) if isinstance(pt.params, dict) else getattr(pt.params, k, None)
+                seen[k].add(param_cell(v))
         self.impl_width = impl_width or max([len(i) for i in impls] or [DEFAULT_IMPL_WIDTH])
         self.widths = {k: max([6, len(_PARAM_TITLES.get(k, k))] + [len(v) for v in seen[k]]) + 1
                        for k in param_keys}
