@@ -240,7 +240,8 @@ def test_the_timing_mode_of_gpu_and_host_clock_runs(tmp_path):
     assert timing_statement(wall, {"device": "cpu"}) == ("timing: host wall clock on the CPU: timings are not "
                                                          "GPU figures", False)
     text, gpu_figures = timing_statement(graph + [dict(graph[0], timing_mode="events")], gpu)
-    assert gpu_figures and text == "timing: CUDA-graph replay on NVIDIA H200 (1 points); CUDA events on NVIDIA H200 (1 points)"
+    assert gpu_figures and text == ("timing: CUDA-graph replay on NVIDIA H200 (1 point); CUDA events on "
+                                    "NVIDIA H200 (1 point)")
 
 
 def _committed_copy(tmp_path):

@@ -181,7 +181,7 @@ def timing_statement(records: list[dict], manifest: dict) -> tuple[str, bool]:
                     else "host wall clock around each call" + (f" on {gpu}" if gpu else ""))
         else:
             text = _MODE_TEXT.get(label, label) + (f" on {gpu}" if gpu and label in ("graph", "events") else "")
-        clauses.append(f"{text} ({n} points)" if len(modes) > 1 else text)
+        clauses.append(f"{text} ({n} point{'s' if n != 1 else ''})" if len(modes) > 1 else text)
     gpu_figures = all(label in ("graph", "events") for label in modes)
     return "timing: " + "; ".join(clauses), gpu_figures
 
