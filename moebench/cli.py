@@ -179,15 +179,16 @@ def cmd_plot(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from moebench.report.compare import compare_runs
+    from moebench.report.compare import compare_runs, max_cv_arg
 
+    max_cv = max_cv_arg(args.max_cv)
     if args.run_b is None or args.impls:  # within one run (moebench.report.peers)
         if args.run_b is not None:
             raise SweepError("compare --impls compares impls within one run: give one run directory")
         from moebench.report.peers import compare_within_run
 
         return compare_within_run(Path(args.run_a), args.impls)
-    return compare_runs(Path(args.run_a), Path(args.run_b))
+    return compare_runs(Path(args.run_a), Path(args.run_b), max_cv=max_cv)
 
 
 def cmd_list(args) -> int:
@@ -317,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_b", nargs="?", default=None,
                    help="omitted: compare within RUN_A (every impl vs the best peer, or --impls A,B)")
     c.add_argument("--impls", metavar="A,B", default=None, help="within one run: p50 ratio B/A per point")
+    c.add_argument("--max-cv", metavar="PCT", default="10",
+                   help="flag points whose cv is above PCT %% in either run and leave them out of the geometric "
+                        "means (default 10)")
     c.set_defaults(func=cmd_compare)
 
     ls = sub.add_parser("list", help="kernels, implementations, dispatch paths and bundled sweeps")

@@ -446,3 +446,15 @@ def test_jit_records_without_compile_counts_are_not_drawn(tmp_path):
         _jit_record(cpu, policy, counted=False)
     out_cpu = tmp_path / "out_cpu"
     assert "jit_compiles" not in _kinds(plots.make_plots(cpu.write(), out_cpu))
+
+
+def test_titles_name_the_timing_mode_as_the_table_does():
+    """A CPU run's figures say their timings come from the interpreter (the table's `interp`), not plain `wall`."""
+    from moebench.plots.common import timing_subtitle
+
+    interp = [{"timing_mode": "wall", "triton_interpret": True, "device": "cpu"}] * 2
+    assert timing_subtitle(interp) == "timing: interp (Triton interpreter on CPU, not GPU figures)"
+    assert timing_subtitle([{"timing_mode": "wall", "device": "cpu"}]) == "timing: wall (CPU, not GPU figures)"
+    assert timing_subtitle([{"timing_mode": "cuda_graph", "device": "cuda:0"}]) == "timing: graph"
+    assert timing_subtitle([{"timing_mode": "wall", "device": "cuda"}]) == "timing: wall"
+    assert timing_subtitle([{"timing_mode": "events"}, {"timing_mode": "cuda_graph"}]) == ""

@@ -2,6 +2,10 @@
 
 import base64
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +179,123 @@ def test_profile_folder_alone_shows_no_empty_manifest(tmp_path, suffix):
     assert "Profile: where the device time goes" in text
     for absent in ("No plots found", "commit", "points:", "**status**"):
         assert absent not in text, absent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A page that stands alone: timing mode, stdout's caveats, one number format, stdout's names, figures from records
+# ---------------------------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "results/h200/scenarios/dbo_mask_slices-20261201T104017Z"  # 3 records: a quick draw
+
+
+def _cpu_records():
+    """A CPU run's records as the runner writes them: Triton in the interpreter, host wall clock."""
+    def rec(i, impl, p50, **more):
+        return {"point": i, "impl": impl, "status": "ok", "params": {"num_tokens": 64 * (i + 1)}, "device": "cpu",
+                "triton_interpret": True, "timing_mode": "wall", "stats": {"p50": p50, "p10": p50, "p90": p50,
+                                                                           "cv": 0.05},
+                "imbalance": {"ep_size": 1, "expert": {"max_over_mean": 2.5}}, **more}
+    return [rec(0, "topk_softmax.triton", 376175.423), rec(1, "topk_softmax.triton", 44213.24),
+            {"point": 2, "impl": "topk_softmax.vllm", "status": "skipped", "params": {"num_tokens": 64},
+             "reason": "vllm is not installed (no module 'vllm')"}]
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_a_cpu_run_states_its_timing_mode_caveats_names_and_numbers_as_stdout_does(tmp_path, suffix):
+    import io
+
+    from moebench.report.table import Table
+
+    records = _cpu_records()
+    run = _fake_run(tmp_path, records=records)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest.update(device="cpu", env={"cpu": "AMD EPYC", "cpu_count": 2, "triton_interpret": "1"})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    text = write_report([run], tmp_path / f"r{suffix}").read_text()
+    assert "Triton interpreter on CPU: timings are not GPU figures" in text
+    stdout = io.StringIO()
+    Table(["num_tokens"], out=stdout).footer(records)
+    caveats = [line[2:] for line in stdout.getvalue().splitlines() if line[2:].strip()]
+    rows = io.StringIO()
+    table = Table(["num_tokens"], out=rows)
+    table.header()
+    for r in records:
+        table.row(r)
+    assert "376175.42" in rows.getvalue() and "44213.24" in rows.getvalue() and "e+0" not in rows.getvalue()
+    assert "skipped 1: vllm is not installed (no module 'vllm')" in caveats
+    for line in caveats:
+        assert line.replace("'", "&#x27;" if suffix == ".html" else "'") in text, line
+    assert "376175.42" in text and "44213.24" in text and "e+0" not in text  # one fixed format, no 3.762e+05
+    assert "maxvio" in text and "max/mean" not in text and "p50 (us)" in text
+
+
+def test_the_timing_mode_of_gpu_and_host_clock_runs(tmp_path):
+    from moebench.report.table import timing_statement
+
+    gpu = {"env": {"gpu": "NVIDIA H200"}, "device": "cuda"}
+    graph = [{"status": "ok", "timing_mode": "cuda_graph", "device": "cuda"}]
+    assert timing_statement(graph, gpu) == ("timing: CUDA-graph replay on NVIDIA H200", True)
+    wall = [{"status": "ok", "timing_mode": "wall", "device": "cpu"}]
+    assert timing_statement(wall, {"device": "cpu"}) == ("timing: host wall clock on the CPU: timings are not "
+                                                         "GPU figures", False)
+    text, gpu_figures = timing_statement(graph + [dict(graph[0], timing_mode="events")], gpu)
+    assert gpu_figures and text == ("timing: CUDA-graph replay on NVIDIA H200 (1 point); CUDA events on "
+                                    "NVIDIA H200 (1 point)")
+
+
+def _committed_copy(tmp_path):
+    """The committed run's records and manifest (no figures), in a folder of their own."""
+    run = tmp_path / COMMITTED.name
+    run.mkdir()
+    for name in ("manifest.json", "records.jsonl"):
+        (run / name).write_bytes((COMMITTED / name).read_bytes())
+    return run
+
+
+def test_a_committed_run_gets_its_figures_drawn_from_the_records(tmp_path):
+    run = _committed_copy(tmp_path)
+    assert find_plots(run) == []
+    text = write_report([run], tmp_path / "r.html").read_text()
+    drawn = sorted((run / "plots").glob("*.png"))
+    assert drawn and text.count("data:image/png;base64,") == len(drawn)
+    assert f"Drawn from the stored records into {run / 'plots'}" in text and "No plots found" not in text
+    assert "timing: CUDA-graph replay on NVIDIA H200" in text
+    # the headline first: the timing mode, then the headline numbers, then the figures, the table last
+    order = [text.index(s) for s in ("timing: CUDA-graph", "Headline numbers", "data:image/png", "<h3>Points")]
+    assert order == sorted(order)
+
+
+@pytest.mark.parametrize("suffix", [".html", ".md"])
+def test_a_read_only_run_gets_its_figures_drawn_for_the_page_only(tmp_path, monkeypatch, suffix):
+    from moebench.report import figures
+
+    run = _committed_copy(tmp_path)
+    monkeypatch.setattr(figures, "writable_plot_dir", lambda run_dir: None)  # as a run directory we may not write
+    (tmp_path / "out").mkdir()
+    text = write_report([run], tmp_path / "out" / f"page{suffix}").read_text()
+    assert not (run / "plots").exists()
+    assert "for this page only (the run directory is read-only)" in text
+    if suffix == ".html":
+        assert text.count("data:image/png;base64,") >= 1 and list((tmp_path / "out").iterdir()) == [
+            tmp_path / "out" / "page.html"]
+    else:
+        pngs = sorted((tmp_path / "out" / "page-plots" / run.name).glob("*.png"))
+        assert pngs and all(f"](page-plots/{run.name}/{p.name})" in text for p in pngs)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
+                    reason="no chromium to screenshot with")
+def test_report_screenshot_writes_a_png_of_the_page(tmp_path):
+    run = _fake_run(tmp_path)
+    out = tmp_path / "page.png"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/report_screenshot.py"), str(run), "-o", str(out),
+                           "--width", "800", "--height", "600"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_headline_numbers_are_never_in_scientific_notation():
+    from moebench.report.headline import format_value
+
+    assert [format_value(v) for v in (97920.5, 0.1956, 2.5, 1.0, 3e-6)] == ["97920", "0.1956", "2.5", "1", "0.000003"]

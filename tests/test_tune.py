@@ -161,3 +161,36 @@ def test_tune_refusals_are_one_line_exit_2_nothing_written(tmp_path, tables, cap
     assert len(err) == 1 and "give --out DIR for a CPU table" in err[0]
     assert sorted(tuning.TABLES_DIR.glob("*.json")) == package_tables
     assert not (tmp_path / "tuned").exists() and not (tmp_path / "runs").exists()
+
+
+SAME_PREFIX = ["r1_h1024_w4_none", "r1_h1024_w4_cg", "r1_h1024_w2_none", "r1_h1024_w8_none"]
+
+
+def test_tune_tables_print_whole_candidate_names():
+    """Four candidates that share their first 7 characters stay four names: in the run table's config column
+    (sized from the points to run) and in the table of winners."""
+    import io
+    from types import SimpleNamespace
+
+    from moebench.report.table import Table
+    from moebench.run.tune import choice_lines
+
+    points = [SimpleNamespace(impl="masked_moe_sum.triton", params={"num_tokens": 16, "config": c})
+              for c in SAME_PREFIX]
+    out = io.StringIO()
+    table = Table(["num_tokens", "config"], out=out, points=points)
+    table.header()
+    for i, c in enumerate(SAME_PREFIX):
+        table.row({"point": i, "impl": "masked_moe_sum.triton", "params": {"num_tokens": 16, "config": c},
+                   "stats": {"p50": 12.5}, "status": "ok"})
+    header, _units, *rows = out.getvalue().splitlines()
+    assert [row.split()[3] for row in rows] == SAME_PREFIX
+    assert {row.index("12.50") + 5 for row in rows} == {header.index("p50") + 3}  # right-aligned under its title
+    picks = {("cpu", f"T=16,K=8,H={h}"): {"config": c, "points": 1,
+                                          "p50_us": {c: 10.0, "r2_h1024_w4_evict_first": 11.0}}
+             for h, c in zip((64, 128, 256, 512), SAME_PREFIX)}
+    lines = choice_lines(picks)
+    assert lines[0].split() == ["#", "gpu", "bucket", "config", "p50", "us", "runner-up", "runner-up", "p50", "us"]
+    assert {line.split()[1]: line.split()[2] for line in lines[1:]} == {b: p["config"] for (_, b), p in picks.items()}
+    assert all(line.split()[4] == "r2_h1024_w4_evict_first" for line in lines[1:])
+    assert len({line.index("10.00") for line in lines[1:]}) == 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from moebench.run.results import RECORDS, load_manifest, load_records
+from moebench.run.results import RECORDS, load_manifest, load_records, timing_label
 
 FOLDED = ("seed", "repeat")  # repeated measurements of one point: aggregated (median), never split on
 MAX_FIGURES_PER_KIND = 24  # a sweep with many extra axes still gets a bounded number of files
@@ -225,10 +225,24 @@ def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterab
             v = ",".join(map(str, v[:6])) + (",..." if len(v) > 6 else "")
         label = short.get(key, key)
         parts.append(f"{label}={fmt_value(v)}" if label else fmt_value(v))
-    modes = {r.get("timing_mode") for r in records if r.get("timing_mode")}
-    if len(modes) == 1:
-        parts.append(f"timing: {modes.pop()}")
+    timing = timing_subtitle(records)
+    if timing:
+        parts.append(timing)
     return ", ".join(parts)
+
+
+def timing_subtitle(records: list[dict]) -> str:
+    """`timing: graph` (the table's mode column: moebench.run.results.timing_label), and for a host-clock mode on
+    the CPU (interp: the Triton kernels in the interpreter) that its figures are not GPU ones; empty when the
+    points were timed in several modes."""
+    modes = {timing_label(r) for r in records if timing_label(r)}
+    if len(modes) != 1:
+        return ""
+    mode = modes.pop()
+    on_cpu = not any(str(r.get("device") or "").startswith("cuda") for r in records)
+    if mode == "interp":
+        return "timing: interp (Triton interpreter on CPU, not GPU figures)"
+    return f"timing: {mode}" + (" (CPU, not GPU figures)" if mode == "wall" and on_cpu else "")
 
 
 def figure_title(run: Run, what: str, records: list[dict], dims: Iterable[str], group: dict) -> str:

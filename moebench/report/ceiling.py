@@ -14,6 +14,7 @@ Used by the table's "vs the GEMM ceiling" footer and the report page.
 
 from __future__ import annotations
 
+from moebench.report import cells
 from moebench.report.peers import p50_of, point_of
 
 __all__ = ["ceiling_rows", "ceiling_footer_lines"]
@@ -65,15 +66,10 @@ def ceiling_footer_lines(records: list[dict]) -> list[str]:
         return []
     keys = _varying(rows)
 
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-    lines = ["", "vs the GEMM ceiling: torch's two expert GEMMs alone at the same point, same expert dtype; "
-                 "fraction = ceiling / p50 (1: as fast as the GEMMs alone), uneven = ceiling / equal-group ceiling",
-             f"  {'point':>5} {'impl':<36} {'p50 us':>10} {'ceiling us':>10} {'fraction':>8} {'equal us':>10} "
-             f"{'uneven':>7}  params"]
-    for r in rows:
-        label = " ".join(f"{k}={r['params'].get(k)}" for k in keys)
-        lines.append(f"  {str(r['point']):>5} {str(r['impl'])[:36]:<36} {r['p50']:>10.2f} {r['ceiling_us']:>10.2f} "
-                     f"{r['fraction_of_ceiling']:>8.3f} {num(r['ceiling_equal_us'], '10.2f'):>10} "
-                     f"{num(r['uneven_cost'], '7.3f'):>7}  {label}")
-    return lines
+    table = [[str(r["point"]), str(r["impl"]), cells.us(r["p50"]), cells.us(r["ceiling_us"]),
+              cells.ratio(r["fraction_of_ceiling"]), cells.us(r["ceiling_equal_us"]), cells.ratio(r["uneven_cost"]),
+              " ".join(f"{k}={r['params'].get(k)}" for k in keys)] for r in rows]
+    return ["", "vs the GEMM ceiling: torch's two expert GEMMs alone at the same point, same expert dtype; "
+                "fraction = ceiling / p50 (1: as fast as the GEMMs alone), uneven = ceiling / equal-group ceiling",
+            *cells.columns(["point", "impl", "p50 us", "ceiling us", "fraction", "equal us", "uneven", "params"],
+                           table, head_prefix="  ", right=[True, False, True, True, True, True, True, False])]

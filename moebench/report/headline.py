@@ -34,6 +34,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from moebench.report import cells
+
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
 HEADLINE_KEYS = {"label": str, "metric": str, "reduce": str, "without": dict, "with": dict, "equal_to": dict,
@@ -236,7 +238,7 @@ def format_value(v: Any) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return cells.plain(v)  # 4 significant digits, never in scientific notation
     if isinstance(v, list):
         s = ", ".join(format_value(x) for x in v[:4]) + (", ..." if len(v) > 4 else "")
         return f"[{s}]"

@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from moebench.report import cells
+
 __all__ = ["point_of", "p50_of", "peer_ratios", "peer_footer_lines", "compare_within", "compare_within_run"]
 
 
@@ -85,13 +87,11 @@ def peer_footer_lines(records: list[dict]) -> list[str]:
     if not rows:
         return []
     keys = _varying(rows)
-    lines = ["", "vs best peer: p50 / the fastest other peer's p50 at the same point (< 1: faster than every peer)",
-             f"  {'point':>5} {'impl':<36} {'p50 us':>10} {'best peer':<36} {'peer us':>10} {'ratio':>7}  params"]
-    for r in rows:
-        lines.append(f"  {str(r['point']):>5} {str(r['impl'])[:36]:<36} {r['p50']:>10.2f} "
-                     f"{str(r['best_peer'])[:36]:<36} {r['best_peer_p50']:>10.2f} {r['ratio']:>7.3f}  "
-                     f"{_label(r['params'], keys)}")
-    return lines
+    table = [[str(r["point"]), str(r["impl"]), cells.us(r["p50"]), str(r["best_peer"]), cells.us(r["best_peer_p50"]),
+              cells.ratio(r["ratio"]), _label(r["params"], keys)] for r in rows]
+    return ["", "vs best peer: p50 / the fastest other peer's p50 at the same point (< 1: faster than every peer)",
+            *cells.columns(["point", "impl", "p50 us", "best peer", "peer us", "ratio", "params"], table,
+                           head_prefix="  ", right=[True, False, True, False, True, True, False])]
 
 
 def compare_within(records: list[dict], impl_a: str, impl_b: str) -> list[dict]:

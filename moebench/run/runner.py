@@ -93,7 +93,7 @@ def dry_run(sweep: Sweep, out=None, device: str | None = None) -> int:
     """List the points and the run's cost estimate on `device`; run nothing."""
     dev = pick_device(device)
     points = expand(sweep)
-    table = Table(_param_columns(sweep), out=out)
+    table = Table(_param_columns(sweep), out=out, points=points)
     table.comment(f"sweep {sweep.name} ({sweep.source}): target {sweep.target}, {len(points)} points (dry run)")
     for k, v in sweep.fixed.items():
         table.comment(f"  {k} = {v}")
@@ -234,7 +234,7 @@ def _final_records(run_dir: Path) -> list[dict]:
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
                 leader: bool, make_plots: bool, plots_base, out, isolate: bool, prefix: str) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
-    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"))
+    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points)
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))

@@ -20,11 +20,12 @@ from pathlib import Path
 
 from moebench import registry
 from moebench.kernels.runtime import tuning
+from moebench.report import cells
 from moebench.run.results import load_manifest, load_records, unique_records, write_json_atomic
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
-__all__ = ["tune_sweeps", "pick_fastest", "tuned_with", "merge_table", "run_tune", "TUNED_WITH"]
+__all__ = ["tune_sweeps", "pick_fastest", "tuned_with", "merge_table", "choice_lines", "run_tune", "TUNED_WITH"]
 
 TUNED_WITH = ("triton", "torch", "cuda", "driver")  # the manifest env keys a table entry carries as "versions"
 
@@ -113,6 +114,17 @@ def merge_table(tables_dir: Path, kernel: str, picks: dict, run_dir: Path) -> li
     return written
 
 
+def choice_lines(picks: dict) -> list[str]:
+    """The table of one kernel's winners: GPU, bucket, config, its p50 and the runner-up's, columns as wide as
+    their content (a candidate's name is never cut)."""
+    rows = []
+    for (gpu, bucket), pick in sorted(picks.items()):
+        ranked = list(pick["p50_us"].items())
+        second = ranked[1] if len(ranked) > 1 else (cells.MISSING, None)
+        rows.append([gpu, bucket, pick["config"], cells.us(ranked[0][1]), second[0], cells.us(second[1])])
+    return cells.columns(["gpu", "bucket", "config", "p50 us", "runner-up", "runner-up p50 us"], rows)
+
+
 def run_tune(sweep: Sweep, *, tables_dir: str | Path | None = None, runs_dir: str | Path, device: str | None = None,
              isolate: bool = True, out=None) -> int:
     """Tune every kernel of the sweep; print the choices. 0: all points ok; 1: some point was wrong or failed (its
@@ -137,12 +149,8 @@ def run_tune(sweep: Sweep, *, tables_dir: str | Path | None = None, runs_dir: st
         paths = merge_table(tables_dir, kernel, picks, run_dir) if picks else []
         print(f"# tuned {kernel}: {len(picks)} of {len(buckets)} buckets from {run_dir}"
               + (f" -> {', '.join(map(str, paths))}" if paths else ""), file=out)
-        print(f"# {'gpu':<20} {'bucket':<44} {'config':<24} {'p50 us':>10}  runner-up", file=out)
-        for (gpu, bucket), pick in sorted(picks.items()):
-            ranked = list(pick["p50_us"].items())
-            second = f"{ranked[1][0]} {ranked[1][1]:.2f} us" if len(ranked) > 1 else "-"
-            print(f"  {gpu[:20]:<20} {bucket[:44]:<44} {pick['config'][:24]:<24} {ranked[0][1]:>10.2f}  {second}",
-                  file=out)
+        for line in choice_lines(picks):
+            print(line, file=out)
         for bucket in sorted(buckets - {b for _, b in picks}):
             print(f"# {bucket}: no candidate was checked ok at every point (nothing written)", file=out)
     return code
