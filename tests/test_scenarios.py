@@ -264,3 +264,21 @@ def test_h_padding_tax(tmp_path):
     assert gemm.without is None and gemm.with_ is None  # the small run has no default list: n/a, not 0
     tax = _by_prefix(rows, "padding tax, oblivious, pow2")
     assert tax.without is not None and tax.with_ is None
+
+
+def test_i_sp_padding_prefill(tmp_path):
+    """The EP step at the scenario's cpu size (the prefill-heavy trace only): every EP rank's work and the wire,
+    oblivious above masked, the straggler's wait and the replay recorded; the timings are the interpreter's."""
+    sweep = load_sweep(SCENARIOS / "sp_padding_prefill.yaml", FAST + ["axes.trace_distribution=[prefill_heavy]"],
+                       size=SIZE)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False, out=io.StringIO())
+    (rec,) = load_records(run_dir)
+    assert code == 0 and rec["status"] == "ok"
+    ep, head = rec["info"]["ep_step"], rec["info"]["headline"]["ep_step"]
+    assert ep["wire"]["kind"] == "model" and ep["ranks_per_node"] == 2  # two nodes of 2: the NIC carries some
+    assert ep["placement"].startswith("one source (DP rank x SP rank) on each of the 4 EP ranks")
+    assert head["step_us"]["oblivious"] > head["step_us"]["masked"] > 0
+    assert head["tax_split_us"]["wire_us"] > 0 and head["tax_split_us"]["gemm_us"] > 0
+    assert set(ep["replay"]["within_5pct"]) == {"masked", "oblivious"}
+    assert len(ep["largest_step"]["oblivious"]["rank_us"]) == 4
+    assert head["slowest_rank_padded_route_share"] is not None

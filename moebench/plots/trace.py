@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.plots.common import Run, figure_title, slug, split
+from moebench.plots.common import Run, figure_title, slug, split, value_of, varying
 from moebench.plots.draw import Plot, new_figure, palette, save
 
 _PRODUCERS = ("cudagraph", "dp", "sp")  # moebench.inputs.engine_padding.PRODUCERS (rows added, in order)
@@ -18,6 +18,11 @@ def _trace_records(run: Run) -> list[dict]:
             and isinstance((r.get("info") or {}).get("headline"), dict)]
 
 
+def _record_group(recs: list[dict], r: dict) -> dict:
+    """The parameters that tell record r from the others of its figure kind (one figure a record)."""
+    return {k: value_of(r, k) for k in varying(recs, exclude=("capture_sizes",))}
+
+
 def _list_label(r: dict) -> str:
     return str(((r.get("info") or {}).get("engine") or {}).get("capture_list"))
 
@@ -25,7 +30,8 @@ def _list_label(r: dict) -> str:
 def trace_tokens(run: Run, out: Path) -> list[Plot]:
     """One figure per record: real tokens per step (over the DP ranks) and the rows each producer added, stacked."""
     plots = []
-    for r in _trace_records(run):
+    recs = _trace_records(run)
+    for r in recs:
         steps = r["info"]["trace_steps"]
         if not steps:
             continue
@@ -42,7 +48,7 @@ def trace_tokens(run: Run, out: Path) -> list[Plot]:
         ax.set_ylabel("rows over all layer calls")
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(True, alpha=0.3)
-        group = {"capture_sizes": _list_label(r)}
+        group = {"capture_sizes": _list_label(r), **_record_group(recs, r)}
         title = figure_title(run, "Tokens per step: real vs padded, per producer", [r], ("capture_sizes",), group)
         path = out / f"trace_tokens{slug(group)}.png"
         save(fig, path, title)
@@ -160,7 +166,8 @@ TIMELINE_STEPS = 200  # the stretch of the trace a timeline shows
 def ep_timeline(run: Run, out: Path) -> list[Plot]:
     """Per step, for a stretch of the trace: the EP step time masked vs oblivious and its slowest rank's wait."""
     plots = []
-    for r in _ep_records(run):
+    recs = _ep_records(run)
+    for r in recs:
         steps = (r["info"].get("trace_steps") or [])[:TIMELINE_STEPS]
         if not steps or "ep_step_us" not in steps[0]:
             continue
@@ -177,7 +184,7 @@ def ep_timeline(run: Run, out: Path) -> list[Plot]:
         for ax in (top, bottom):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7, loc="upper right")
-        group = {"capture_sizes": _list_label(r), "ep_size": r["params"].get("ep_size")}
+        group = {"capture_sizes": _list_label(r), **_record_group(recs, r)}
         title = figure_title(run, f"EP step per step, the first {len(steps)} steps", [r],
                              ("capture_sizes", "ep_size"), group)
         path = out / f"ep_timeline{slug(group)}.png"

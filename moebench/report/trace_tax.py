@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moebench.report import cells
 from moebench.report.headline import format_value
 
 TARGET = "serving_trace"
@@ -36,7 +37,8 @@ def _pct(v: Any) -> str:
 
 
 def _ms(v: Any) -> str:
-    return "n/a" if v is None else f"{v / 1e3:.4g}"
+    """Microseconds as milliseconds, fixed-point (report.cells: one format everywhere, never scientific)."""
+    return "n/a" if v is None else cells.fixed(round(v / 1e3, 2) + 0.0, 2)  # + 0.0: no "-0.00"
 
 
 def _within(h: dict, *path: str) -> bool | None:
@@ -71,8 +73,11 @@ def _timed(info: dict) -> str:
 
 
 def config_label(r: dict) -> str:
-    e = (r.get("info") or {}).get("engine") or {}
-    return f"DP {e.get('dp_size')}, SP {e.get('sp_size')}, DBO {'on' if e.get('dbo') else 'off'}, EP {e.get('ep_size')}"
+    info = r.get("info") or {}
+    e = info.get("engine") or {}
+    trace = (info.get("trace") or {}).get("source")
+    return (f"DP {e.get('dp_size')}, SP {e.get('sp_size')}, DBO {'on' if e.get('dbo') else 'off'}, EP {e.get('ep_size')}"
+            + (f", trace {trace}" if trace else ""))
 
 
 def _config_key(r: dict) -> str:
