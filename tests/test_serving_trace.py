@@ -503,3 +503,48 @@ def test_a_second_run_in_one_process_measures_its_shapes_again(tmp_path):
     for info in infos:
         assert info["pow2"]["shapes_measured"] == info["pow2"]["timed_shapes"] and info["pow2"]["shapes_reused"] == 0
         assert info["dense"]["shapes_reused"] > 0
+
+
+def test_a_tax_inside_the_timings_noise_is_reported_as_such():
+    """The padding time and the masks' saving against the shapes' spread: inside it, the table and the footer say
+    `within noise` instead of a share (never a 3483% recovery or a negative tax); outside it, the figures."""
+    from collections import Counter
+
+    from moebench.bench._trace_shapes import ShapeFigures
+    from moebench.report import trace_tax
+
+    def shape(rows, real, masked, oblivious, spread):
+        return ShapeFigures(rows, real, {"masked": masked, "oblivious": oblivious}, {}, {}, {},
+                            {"masked": spread, "oblivious": spread})
+
+    calls = Counter({(8, 7): 100, (7, 7): 10})
+    figures = {(8, 7): shape(8, 7, 1000.0, 1001.0, 5.0), (7, 7): shape(7, 7, 1000.3, 1000.2, 5.0)}
+    tot = {"layer_us": {"masked": 110_003.0, "oblivious": 110_110.0},
+           "padding_us": {"masked": -30.0, "oblivious": 80.0}}
+    n = serving_trace.noise(calls, figures, tot)
+    # the padding time reads (8, 7) and, for its real tokens alone, (7, 7) 100 times each; the unpadded (7, 7)
+    # calls add nothing to it (exactly 0), but their two sides' difference is part of the saving
+    assert n["padding_us"]["masked"] == pytest.approx(2 ** 0.5 * 100 * 5, abs=1e-3)
+    assert n["recovered_us"] == pytest.approx(2 ** 0.5 * ((100 * 5) ** 2 + (10 * 5) ** 2) ** 0.5, abs=1e-3)
+    assert n["within_noise"] == {"padding_tax": {"masked": True, "oblivious": True}, "recovered": True}
+    loud = serving_trace.noise(calls, {k: shape(k[0], k[1], 1000, 1000, 0.01) for k in figures}, tot)
+    assert loud["within_noise"] == {"padding_tax": {"masked": False, "oblivious": False}, "recovered": False}
+    unknown = serving_trace.noise(calls, {k: shape(k[0], k[1], 1000, 1000, None) for k in figures}, tot)
+    assert unknown["within_noise"]["recovered"] is None
+
+    def record(noise):
+        head = {"layer_us": tot["layer_us"], "padding_us": tot["padding_us"],
+                "padding_tax": {"masked": -30 / 110_003, "oblivious": 80 / 110_110}, "recovered_us": 107.0,
+                "recovered_share": 107 / 80, "padded_rows": 100, "padding_row_share": 0.1,
+                "padding_gemm_rows": {"masked": 0, "oblivious": 200}, "noise": noise}
+        return {"target": "serving_trace", "status": "ok", "params": {},
+                "info": {"headline": head, "engine": {"capture_list": "default", "dp_size": 1, "sp_size": 1,
+                                                      "dbo": False, "ep_size": 1},
+                         "trace": {"steps": 10, "source": "chat"}, "distinct_shapes": 2, "timed_shapes": 2}}
+
+    _, (row,) = trace_tax.table([record(n)])
+    assert row[5:8] == ["within noise", "within noise", "within noise"]
+    text = "\n".join(trace_tax.footer_lines([record(n)]))
+    assert "within noise" in text and "133.8%" not in text and "-0.0%" not in text
+    _, (row,) = trace_tax.table([record(loud)])
+    assert row[5] == "0.1%" and row[6] == "0.0%" and "133.8% of the padding time" in row[7]

@@ -239,25 +239,25 @@ def noise(calls: Counter, figures: dict, tot: dict) -> dict[str, Any]:
     """How far the trace's padding time and the masks' saving could move with the timings' spread: per shape, half
     its samples' p10-p90 spread times the calls that read it (one shape's error repeats in every call of it),
     summed in quadrature over shapes (their errors are independent); a conservative bound (the p50's own error is
-    smaller than the samples' spread). None where a shape has no spread (too few samples, or not timed)."""
-    padding_var = {side: 0.0 for side in SIDES}
-    recovered_var = 0.0
-    reads: Counter = Counter()
+    smaller than the samples' spread). A padded call's padding time reads its shape and its real tokens alone (an
+    unpadded call's is exactly 0); the saving reads every call's shape on both sides. None where a shape has no
+    spread (too few samples, or not timed)."""
+    padding_reads: Counter = Counter()
     for (rows, real), n in calls.items():
-        reads[(rows, real)] += n
-        if real:
-            reads[(real, real)] += n
-    for shape, n in reads.items():
-        spread = figures[shape].layer_spread_us if shape in figures else {}
-        if any(spread.get(side) is None for side in SIDES):
-            return {"padding_us": {side: None for side in SIDES}, "recovered_us": None,
-                    "within_noise": {"padding_tax": {side: None for side in SIDES}, "recovered": None}}
-        for side in SIDES:
-            padding_var[side] += (n * spread[side]) ** 2
-        if shape[0] != shape[1]:
-            recovered_var += sum((n * spread[side]) ** 2 for side in SIDES)
-    pad = {side: padding_var[side] ** 0.5 for side in SIDES}
-    rec = recovered_var ** 0.5
+        if rows != real:
+            padding_reads[(rows, real)] += n
+            if real:
+                padding_reads[(real, real)] += n
+
+    def spread(shape):
+        got = figures[shape].layer_spread_us if shape in figures else {}
+        return None if any(got.get(side) is None for side in SIDES) else got
+
+    if any(spread(s) is None for s in set(padding_reads) | set(calls)):
+        return {"padding_us": {side: None for side in SIDES}, "recovered_us": None,
+                "within_noise": {"padding_tax": {side: None for side in SIDES}, "recovered": None}}
+    pad = {side: sum((n * spread(s)[side]) ** 2 for s, n in padding_reads.items()) ** 0.5 for side in SIDES}
+    rec = sum((n * spread(s)[side]) ** 2 for s, n in calls.items() for side in SIDES) ** 0.5
     recovered = tot["layer_us"]["oblivious"] - tot["layer_us"]["masked"]
     return {"padding_us": {side: round(v, 3) for side, v in pad.items()}, "recovered_us": round(rec, 3),
             "within_noise": {"padding_tax": {side: abs(tot["padding_us"][side]) <= pad[side] for side in SIDES},

@@ -33,7 +33,7 @@ def trace_records(records: list[dict]) -> list[dict]:
 
 
 def _pct(v: Any) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
+    return "n/a" if v is None else f"{round(100 * v, 1) + 0.0:.1f}%"  # + 0.0: no "-0.0%"
 
 
 def _ms(v: Any) -> str:
