@@ -102,7 +102,7 @@ def call_s(point: Point, device: torch.device) -> float:
     if device.type == "cuda":
         roofs = roofs_for(torch.cuda.get_device_name(device) if torch.cuda.is_available() else None)
         return max(roofline_us(int(flops), int(nbytes), roofs) * 1e-6, launches * GPU_LAUNCH_S)
-    from moebench.kernels._details.jit import interpreting
+    from moebench.kernels.runtime import interpreting
 
     if interpreting() and _interpreted(impl):
         return launches * INTERP_LAUNCH_S + flops / INTERP_FLOPS + nbytes / INTERP_BYTES_PER_S
