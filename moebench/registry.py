@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from moebench.check import CheckResult
@@ -46,6 +47,9 @@ class RunContext:
     simulated: bool = False  # EP ranks beyond the processes present are computed, not measured
     # one per run (None: a point on its own): what a case caches across points must not outlive its run
     run_token: Any = None
+    # the run directory (None outside a run: a profile, a test's own call): where a case may write files of its
+    # own beside the records (moebench.traces.step_file); every process of the run gets it, rank 0 writes
+    run_dir: Path | None = None
 
     @property
     def is_cuda(self) -> bool:

@@ -7,7 +7,7 @@ cannot be forked once the parent has touched it, a forked CPU process hangs in i
 multiprocessing's spawn it never re-runs the caller's `__main__`). It is kept for the life of the runner process,
 keyed by device and TRITON_INTERPRET, so JIT and allocator caches stay warm across points and across runs in one
 process (the test suite). Per run the runner sends the sweep, the plugin modules it has imported, sys.path and the
-MOEBENCH_* / TRITON_* environment; per point it sends the point, the worker answers with the record, and the runner
+MOEBENCH_* / TRITON_* environment and the run directory (RunContext.run_dir); per point it sends the point, the worker answers with the record, and the runner
 writes it (one writer, nothing doubled). What the runner records when a point does not come back:
 
 - the worker died: `failed: worker died: SIGABRT` (or `exit code N`); a fresh worker runs the next point;
@@ -37,6 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -111,18 +112,19 @@ def with_lost_context(rec: dict, lost: str, what: str) -> dict:
     return rec
 
 
-def _run_message(sweep) -> tuple:
+def _run_message(sweep, run_dir) -> tuple:
     from moebench import plugins
 
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k != _WORKER_KEY_ENV}
-    return ("run", sweep, plugins.imported_modules(), list(sys.path), env)
+    run_dir = str(Path(run_dir).absolute()) if run_dir is not None else None
+    return ("run", sweep, plugins.imported_modules(), list(sys.path), env, run_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The worker process
 # ---------------------------------------------------------------------------------------------------------------
 
-def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str]) -> None:
+def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str], run_dir: str | None) -> None:
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
@@ -175,8 +177,8 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         if msg[0] == "run":
             try:
                 _apply_run(*msg[1:])
-                sweep = msg[1]
-                ctx = RunContext(device=dev, run_token=object())
+                sweep, run_dir = msg[1], msg[-1]
+                ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir) if run_dir else None)
                 conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001
                 conn.send(("error", error_line(e)))
@@ -256,10 +258,10 @@ class PointWorker:
             raise WorkerStartError(f"the point worker did not start: {detail}")
         self.ready = True
 
-    def start_run(self, sweep, token) -> None:
-        """Hand the worker a run's sweep, plugins, sys.path and environment (once per run)."""
+    def start_run(self, sweep, token, run_dir=None) -> None:
+        """Hand the worker a run's sweep, plugins, sys.path, environment and directory (once per run)."""
         self._wait_ready()
-        self._send(_run_message(sweep))
+        self._send(_run_message(sweep, run_dir))
         msg = self._recv(START_TIMEOUT_S)
         if msg is None or msg[0] != "ok":
             detail = msg[1] if msg else f"worker died: {self.exit_reason()}"
@@ -274,9 +276,9 @@ class PointWorker:
             pass
         return _exit_reason(self.proc.returncode)
 
-    def run_point(self, point, sweep, timeout_s: float, token) -> Outcome:
+    def run_point(self, point, sweep, timeout_s: float, token, run_dir=None) -> Outcome:
         if self.run_token is not token:
-            self.start_run(sweep, token)
+            self.start_run(sweep, token, run_dir)
         if not self.alive():
             raise WorkerGone(f"worker died while idle: {self.exit_reason()}")
         self._send(("point", point))

@@ -274,7 +274,7 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     if not leader:
         return 0, run_dir
 
-    run_one = _isolated_runner(sweep, dev) if isolate else _in_process_runner(sweep, dev)
+    run_one = _isolated_runner(sweep, dev, run_dir) if isolate else _in_process_runner(sweep, dev, run_dir)
     for pt in single:
         rows.working_on(pt.impl)
         rec = run_one(pt)
@@ -312,12 +312,12 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
     return (1 if bad else 0), run_dir
 
 
-def _in_process_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
-    ctx = RunContext(device=dev, run_token=object())
+def _in_process_runner(sweep: Sweep, dev: torch.device, run_dir: Path) -> Callable[[Point], dict]:
+    ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir).absolute())
     return lambda pt: execute_point(pt, sweep, ctx)
 
 
-def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]:
+def _isolated_runner(sweep: Sweep, dev: torch.device, run_dir: Path) -> Callable[[Point], dict]:
     """Each point in the point worker; a worker that died, hung or lost its context is replaced for the next."""
     timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
 
@@ -328,7 +328,7 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
         if cannot_start:
             return _noted(in_process(pt), f"in-process: {cannot_start[0]}")
         try:
-            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token)
+            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token, run_dir)
         except point_worker.WorkerGone:  # it died between points: this one has not run, a fresh worker takes it
             point_worker.drop(dev)
             if retried:
@@ -349,7 +349,7 @@ def _isolated_runner(sweep: Sweep, dev: torch.device) -> Callable[[Point], dict]
             return _noted(in_process(pt), "in-process: the impl is registered in the runner's process only")
         return outcome.record
 
-    in_process = _in_process_runner(sweep, dev)
+    in_process = _in_process_runner(sweep, dev, run_dir)
     return run
 
 
