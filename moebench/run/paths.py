@@ -32,8 +32,8 @@ def bundled_sweeps() -> list[Path]:
 
 
 def sweep_argument_path(arg: str) -> str:
-    """The SWEEP argument of a command: a path, or the name of a bundled sweep or scenario (`quickstart` -> sweeps/quickstart.yaml, `topk6` ->
-    sweeps/scenarios/topk6.yaml)."""
+    """The SWEEP argument of a command: a path, or the name of a bundled sweep or scenario (`quickstart` ->
+    sweeps/quickstart.yaml, `topk6` -> sweeps/scenarios/topk6.yaml)."""
     if Path(arg).exists():
         return arg
     for p in bundled_sweeps():

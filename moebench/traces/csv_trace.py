@@ -7,9 +7,11 @@
     3
 
 A count is a whole number of real tokens in [0, MAX_TOKENS]; 0 is an idle DP rank (it still runs the layer on
-its DP padding). `trace_file:` names a file that exists (relative to the current directory, or absolute), else
-one bundled with moebench (data/: `example_chat_dp2.csv`). Every problem is a TraceFileError naming the file and
-the line: the sweep loader turns it into its one-line refusal (exit 2, nothing written).
+its DP padding). A sweep's `trace_file:` is resolved by the sweep loader (beside the sweep, the current directory,
+then the files bundled in data/, e.g. `example_chat_dp2.csv`: docs/sweeps.md#paths-in-a-sweep) and reaches this
+module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
+it into its one-line refusal (exit 2, nothing written). The file is streamed (no byte limit); the bound is on the
+token table it makes (MAX_COUNTS), and the distinct steps come from moebench.traces.distinct.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data"
 MAX_COUNTS = 1 << 28
 MAX_TOKENS = 1 << 20
 _DP_COLUMN = re.compile(r"dp(\d+)")
-_COUNTS_LINE = re.compile(r"[ \t]*[0-9]+(?:[ \t]*,[ \t]*[0-9]+)*[ \t]*")  # the common case, checked in one match
+_COUNTS_LINE = re.compile(rb"[ \t]*[0-9]+(?:[ \t]*,[ \t]*[0-9]+)*[ \t]*\r?\n?")  # a data line, checked in one match
 
 
 class TraceFileError(ValueError):
@@ -120,25 +122,28 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
     counts = array("i")
     columns = 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        lines = enumerate(f, start=1)
+        for number, raw in lines:  # up to the header
             digest.update(raw)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise TraceFileError(f"{path}: line {number}: not UTF-8 text") from None
-            stripped = text.strip()
-            if not stripped or stripped.startswith("#"):
-                continue
-            if not columns:
+            stripped = _text(raw, path, number).strip()
+            if stripped and not stripped.startswith("#"):
                 columns = _header([c.strip() for c in stripped.split(",")], f"{path}: line {number}")
-                continue
-            values = [int(c) for c in stripped.split(",")] if _COUNTS_LINE.fullmatch(stripped) else None
-            if values is None or len(values) != columns or max(values) > MAX_TOKENS:
+                break
+        for number, raw in lines:  # the steps
+            digest.update(raw)
+            if _COUNTS_LINE.fullmatch(raw):  # the common case in one match (int() takes the bytes, spaces and all)
+                values = list(map(int, raw.split(b",")))
+                if len(values) != columns or max(values) > MAX_TOKENS:
+                    values = _parse_line(raw.decode("ascii").strip(), columns, f"{path}: line {number}")
+            else:
+                stripped = _text(raw, path, number).strip()
+                if not stripped or stripped.startswith("#"):
+                    continue
                 values = _parse_line(stripped, columns, f"{path}: line {number}")
             counts.extend(values)
             if len(counts) > MAX_COUNTS:
-                raise TraceFileError(f"{path}: line {number}: more than {MAX_COUNTS:,} token counts (steps x columns: the "
-                                     "table as int32 would pass 1 GiB)")
+                raise TraceFileError(f"{path}: line {number}: more than {MAX_COUNTS:,} token counts (steps x "
+                                     "columns: the table as int32 would pass 1 GiB)")
     if not columns:
         raise TraceFileError(f"{path}: line 1: no header (num_tokens, or dp0,dp1,...)")
     if not counts:
@@ -146,6 +151,13 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
     table = np.frombuffer(counts, dtype=np.intc).astype(np.int32, copy=False).reshape(-1, columns)
     table.flags.writeable = False
     return TraceFile(path, digest.hexdigest(), columns, table)
+
+
+def _text(raw: bytes, path: str, number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceFileError(f"{path}: line {number}: not UTF-8 text") from None
 
 
 def _parse_line(stripped: str, columns: int, where: str) -> list[int]:
