@@ -21,7 +21,9 @@ callable, else importing it is the registration). A module that cannot be import
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Callable
@@ -97,12 +99,10 @@ def load_plugins(modules: list, src: str = "<memory>") -> None:
             raise PluginError(f"{src}: plugins[{i}]: expected a module name, got {entry!r}")
         is_file = entry.endswith(".py")
         try:
-            mod = _module_of_file(Path(entry)) if is_file else entry
+            mod = _import_file(Path(entry)) if is_file else entry
             if mod in _loaded_modules:
                 continue
-            module = importlib.import_module(mod)
-            if is_file and Path(module.__file__ or "").resolve() != Path(entry).resolve():
-                raise ImportError(f"the name {mod} is taken by {module.__file__}")
+            importlib.import_module(mod)
         except Exception as e:
             what = f"plugin file {entry}" if is_file else f"plugin module {entry!r}"
             raise PluginError(f"{src}: plugins[{i}]: cannot import {what} "
@@ -110,9 +110,11 @@ def load_plugins(modules: list, src: str = "<memory>") -> None:
         _loaded_modules.add(mod)
 
 
-def _module_of_file(path: Path) -> str:
-    """The module name of a .py file, its package's folder added to sys.path: pkg/sub/mod.py (pkg and sub holding
-    an __init__.py) is pkg.sub.mod, imported from the folder above pkg."""
+def _import_file(path: Path) -> str:
+    """Import the top-level module or package of a .py file from the file's own folder (ahead of any other of that
+    name on sys.path; one already imported stays) and return the file's module name: pkg/sub/mod.py (pkg and sub
+    holding an __init__.py) is pkg.sub.mod, from the folder above pkg. That folder joins sys.path, so the point
+    worker and the ranks find the module by name."""
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
     path = path.resolve()
@@ -123,6 +125,18 @@ def _module_of_file(path: Path) -> str:
         root = root.parent
     if str(root) not in sys.path:
         sys.path.append(str(root))
+    top = parts[0]
+    if top not in sys.modules:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(root)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no module {top} in {root}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[top] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[top]
+            raise
     return ".".join(parts)
 
 

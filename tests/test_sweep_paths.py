@@ -129,3 +129,17 @@ def test_a_plugin_in_the_current_directory_and_a_missing_one(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "plugins[0]: no plugin module 'no_such_moebench_plugin'" in err
     assert f"beside the sweep ({tmp_path / 'sweeps'}), in the current directory ({tmp_path}) or on sys.path" in err
+
+
+def test_a_plugin_beside_the_sweep_comes_before_one_of_that_name_on_sys_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + sys.path)  # as `python -m moebench` puts the cwd first
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "moebench_test_paths_shadowed.py").write_text("raise ImportError('the shadowed copy was imported')\n")
+    (tmp_path / "sweeps" / "moebench_test_paths_shadowed.py").write_text(
+        PLUGIN.replace("testonly_paths.probe", "testonly_paths.beside"))
+    sweep = tmp_path / "sweeps" / "probe.yaml"
+    sweep.write_text(PROBE.replace("moebench_test_paths_plugin", "moebench_test_paths_shadowed")
+                     .replace("testonly_paths.probe", "testonly_paths.beside")
+                     .replace("fixed: {trace_file: steps.csv}\n", ""))
+    monkeypatch.chdir(tmp_path)
+    assert load_sweep(sweep).impls == ("testonly_paths.beside",)
