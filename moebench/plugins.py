@@ -14,8 +14,9 @@ A sweep names the modules to import under the top-level key `plugins: [module, .
 .py file, found beside the sweep file, then in the current directory (the sweep loader turns what it finds there
 into the file's absolute path: docs/sweeps.md#paths-in-a-sweep), else on sys.path. Installed packages can register
 through the entry-point group `moebench.impls` (each entry point's object is called with no arguments when
-callable, else importing it is the registration). A module that cannot be imported is a one-line error naming it. Dispatch paths: `register_dispatch_path(name, cls)` with a
-`moebench.dispatch.base.DispatchPath` subclass, timed as `dispatch.<name>`. docs/plugins.md has a worked example.
+callable, else importing it is the registration). A module that cannot be imported is a one-line error naming it.
+Dispatch paths: `register_dispatch_path(name, cls)` with a `moebench.dispatch.base.DispatchPath` subclass, timed as
+`dispatch.<name>`. docs/plugins.md has a worked example.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ multiprocessing's spawn it never re-runs the caller's `__main__`). It is kept fo
 keyed by device and TRITON_INTERPRET, so JIT and allocator caches stay warm across points and across runs in one
 process (the test suite). Per run the runner sends the sweep, the plugin modules it has imported, sys.path, the
 MOEBENCH_* / TRITON_* environment and the run directory (RunContext.run_dir); per point it sends the point, the
-worker answers with the record, and the runner writes it (one writer, nothing doubled). What the runner records when a point does not come back:
+worker answers with the record, and the runner writes it (one writer, nothing doubled). What the runner records
+when a point does not come back:
 
 - the worker died: `failed: worker died: SIGABRT` (or `exit code N`); a fresh worker runs the next point;
 - the point ran past `timing.point_timeout_s` (counted from the point's hand-over: the worker's start-up is not
