@@ -34,6 +34,7 @@ def test_a_file_over_a_mebibyte_is_read_streaming(tmp_path):
     assert f.per_rank(2)[:3] == table[:3].tolist()
     d = f.distinct_steps(2)
     assert np.array_equal(np.asarray(d.steps)[d.index], table)
+    assert read_trace_file(str(path)).distinct_steps(2) is d and not d.index.flags.writeable  # once per file
 
 
 def test_whitespace_and_crlf_lines_read_like_plain_ones(tmp_path):

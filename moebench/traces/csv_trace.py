@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,6 +48,7 @@ class TraceFile:
     sha256: str
     columns: int  # 1 (every DP rank alike) or the DP size
     table: np.ndarray  # int32 [steps, columns], read-only
+    _distinct: dict = field(default_factory=dict, repr=False)  # dp_size -> DistinctSteps, computed once
 
     @property
     def num_steps(self) -> int:
@@ -72,12 +73,17 @@ class TraceFile:
 
     def distinct_steps(self, dp_size: int) -> DistinctSteps:
         """The distinct per-DP-rank steps of per_rank(dp_size), their counts and each step's index into them
-        (moebench.traces.distinct), without a Python object per step."""
+        (moebench.traces.distinct), without a Python object per step. Computed once per dp_size (a file read
+        before comes from read_trace_file's cache, so the points of a run share it); its arrays are read-only."""
         self.check_dp_size(dp_size)
-        found = distinct_steps(self.table)
-        if self.columns == 1 and dp_size != 1:
-            return DistinctSteps(tuple(step * dp_size for step in found.steps), found.counts, found.index)
-        return found
+        if dp_size not in self._distinct:
+            found = distinct_steps(self.table)
+            if self.columns == 1 and dp_size != 1:
+                found = DistinctSteps(tuple(step * dp_size for step in found.steps), found.counts, found.index)
+            found.counts.flags.writeable = False
+            found.index.flags.writeable = False
+            self._distinct[dp_size] = found
+        return self._distinct[dp_size]
 
 
 def resolve_trace_file(name: str) -> Path:
