@@ -37,11 +37,18 @@ def test_a_file_over_a_mebibyte_is_read_streaming(tmp_path):
     assert read_trace_file(str(path)).distinct_steps(2) is d and not d.index.flags.writeable  # once per file
 
 
-def test_whitespace_and_crlf_lines_read_like_plain_ones(tmp_path):
+def test_whitespace_crlf_and_cr_lines_read_like_plain_ones(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b"dp0,dp1\r\n 3 , 4 \r\n5,\xc2\xa06\n\n# note\n7,8")  # a no-break space, no final newline
     f = read_trace_file(str(path))
     assert f.tokens == ((3, 4), (5, 6), (7, 8))
+    mac = tmp_path / "mac.csv"
+    mac.write_bytes(b"num_tokens\r3\r\r5\rx\r")  # carriage returns alone end lines too
+    with pytest.raises(TraceFileError, match=r"mac\.csv: line 5: 'x' is not a token count"):
+        read_trace_file(str(mac))
+    mac.write_bytes(b"num_tokens\r3\r\r5\r")
+    assert read_trace_file(str(mac)).tokens == ((3,), (5,))
+    assert read_trace_file(str(mac)).sha256 == hashlib.sha256(mac.read_bytes()).hexdigest()
 
 
 def test_the_token_table_bound_is_refused_at_its_line(tmp_path, monkeypatch):

@@ -128,15 +128,13 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
     counts = array("i")
     columns = 0
     with open(path, "rb") as f:
-        lines = enumerate(f, start=1)
+        lines = _numbered_lines(f, digest)
         for number, raw in lines:  # up to the header
-            digest.update(raw)
             stripped = _text(raw, path, number).strip()
             if stripped and not stripped.startswith("#"):
                 columns = _header([c.strip() for c in stripped.split(",")], f"{path}: line {number}")
                 break
         for number, raw in lines:  # the steps
-            digest.update(raw)
             if _COUNTS_LINE.fullmatch(raw):  # the common case in one match (int() takes the bytes, spaces and all)
                 values = list(map(int, raw.split(b",")))
                 if len(values) != columns or max(values) > MAX_TOKENS:
@@ -157,6 +155,22 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
     table = np.frombuffer(counts, dtype=np.intc).astype(np.int32, copy=False).reshape(-1, columns)
     table.flags.writeable = False
     return TraceFile(path, digest.hexdigest(), columns, table)
+
+
+def _numbered_lines(f, digest):
+    """(line number, bytes) of each line of the binary file f, every byte going through digest on the way; a bare
+    carriage return ends a line too (old Mac line ends), as in text read with universal newlines."""
+    number = 0
+    for raw in f:
+        digest.update(raw)
+        cr = raw.find(b"\r")
+        if 0 <= cr < len(raw) - 2:
+            for part in raw.splitlines(keepends=True):
+                number += 1
+                yield number, part
+        else:
+            number += 1
+            yield number, raw
 
 
 def _text(raw: bytes, path: str, number: int) -> str:
