@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from moebench import __version__
-from moebench.run.paths import bundled_sweeps, check_output_dir, resolve_sweep_path
+from moebench.run.paths import bundled_sweeps, check_output_dir, sweep_argument_path
 from moebench.run.results import DEFAULT_RUNS_DIR
 from moebench.run.sweep import DEFAULT_MAX_POINTS, SweepError
 
@@ -96,7 +96,7 @@ def _load_for_run(args):
 
     given = None
     if args.sweep is not None:
-        given = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points,
+        given = load_sweep(sweep_argument_path(args.sweep), args.set or [], max_points=args.max_points,
                            size=args.size)
     elif not args.resume:
         raise SweepError("run: give a SWEEP file or bundled sweep name (see `moebench list`), or --resume RUN_DIR")
@@ -148,7 +148,7 @@ def cmd_tune(args) -> int:
     from moebench.run.sweep import load_sweep
     from moebench.run.tune import run_tune, tune_sweeps
 
-    sweep = load_sweep(resolve_sweep_path(args.sweep), args.set or [], max_points=args.max_points, size=args.size)
+    sweep = load_sweep(sweep_argument_path(args.sweep), args.set or [], max_points=args.max_points, size=args.size)
     _preset_notices(sweep)
     tune_sweeps(sweep)  # refused here (one line) before anything runs: no tunable impl, a bad config name
     device = pick_device(args.device)
@@ -237,7 +237,7 @@ def cmd_profile(args) -> int:
     from moebench.run.runner import check_point_index, pick_device
     from moebench.run.sweep import load_sweep, size_overrides
 
-    path = resolve_sweep_path(args.sweep)
+    path = sweep_argument_path(args.sweep)
     if args.size is not None:  # handed on as overrides: the process nsys runs gets the same sweep
         args.set = size_overrides(path, args.size) + (args.set or [])
     sweep = load_sweep(path, args.set or [])  # validate first: one clear line on bad input

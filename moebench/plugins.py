@@ -10,17 +10,21 @@ called and what it must return). moebench builds the inputs, checks `fn` against
 result is recorded `wrong`), times it and computes imbalance, exactly as for its own kernels. The impl is marked
 `library="plugin"` (a peer: tables and plots give every impl its ratio to the best peer).
 
-A sweep names the modules to import under the top-level key `plugins: [module, ...]` (looked up on sys.path, then
-next to the sweep file); installed packages can register through the entry-point group `moebench.impls` (each
-entry point's object is called with no arguments when callable, else importing it is the registration). A module
-that cannot be imported is a one-line error naming it. Dispatch paths: `register_dispatch_path(name, cls)` with a
-`moebench.dispatch.base.DispatchPath` subclass, timed as `dispatch.<name>`. docs/plugins.md has a worked example.
+A sweep names the modules to import under the top-level key `plugins: [module, ...]`: a module name or a path to a
+.py file, found beside the sweep file, then in the current directory (the sweep loader turns what it finds there
+into the file's absolute path: docs/sweeps.md#paths-in-a-sweep), else on sys.path. Installed packages can register
+through the entry-point group `moebench.impls` (each entry point's object is called with no arguments when
+callable, else importing it is the registration). A module that cannot be imported is a one-line error naming it.
+Dispatch paths: `register_dispatch_path(name, cls)` with a `moebench.dispatch.base.DispatchPath` subclass, timed as
+`dispatch.<name>`. docs/plugins.md has a worked example.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Callable
@@ -83,34 +87,58 @@ def imported_modules() -> list[str]:
 
 
 def load_plugins(modules: list, src: str = "<memory>") -> None:
-    """Import each plugin module once (registration happens at import); the sweep file's folder is searched after
-    sys.path. Any failure is one PluginError line naming the module. Installed packages' entry points first."""
+    """Import each plugin module once (registration happens at import): a module name (from sys.path) or a path to
+    its .py file (its folder, or the folder above its package, joins sys.path so that the point worker and the
+    ranks import it by name too). Any failure is one PluginError line naming the entry. Installed packages' entry
+    points first."""
     from moebench import registry
 
     registry.load_all()  # the families must exist before a plugin registers against them
     load_entry_points()
-    here = Path(src).resolve().parent if src and not src.startswith("<") else None
-    for i, mod in enumerate(modules):
-        if not isinstance(mod, str) or not mod:
-            raise PluginError(f"{src}: plugins[{i}]: expected a module name, got {mod!r}")
-        if mod in _loaded_modules:
-            continue
+    for i, entry in enumerate(modules):
+        if not isinstance(entry, str) or not entry:
+            raise PluginError(f"{src}: plugins[{i}]: expected a module name, got {entry!r}")
+        is_file = entry.endswith(".py")
         try:
-            _import(mod, here)
+            mod = _import_file(Path(entry)) if is_file else entry
+            if mod in _loaded_modules:
+                continue
+            importlib.import_module(mod)
         except Exception as e:
-            raise PluginError(f"{src}: plugins[{i}]: cannot import plugin module {mod!r} "
+            what = f"plugin file {entry}" if is_file else f"plugin module {entry!r}"
+            raise PluginError(f"{src}: plugins[{i}]: cannot import {what} "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         _loaded_modules.add(mod)
 
 
-def _import(mod: str, here: Path | None):
-    try:
-        return importlib.import_module(mod)
-    except ModuleNotFoundError as e:
-        if here is None or e.name != mod.split(".")[0] or str(here) in sys.path:
+def _import_file(path: Path) -> str:
+    """Import the top-level module or package of a .py file from the file's own folder (ahead of any other of that
+    name on sys.path; one already imported stays) and return the file's module name: pkg/sub/mod.py (pkg and sub
+    holding an __init__.py) is pkg.sub.mod, from the folder above pkg. That folder joins sys.path, so the point
+    worker and the ranks find the module by name."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    path = path.resolve()
+    parts = [] if path.stem == "__init__" else [path.stem]
+    root = path.parent
+    while (root / "__init__.py").is_file() and root.parent != root:
+        parts.insert(0, root.name)
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    top = parts[0]
+    if top not in sys.modules:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(root)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no module {top} in {root}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[top] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[top]
             raise
-    sys.path.append(str(here))  # a plugin next to its sweep file
-    return importlib.import_module(mod)
+    return ".".join(parts)
 
 
 _entry_points_loaded = False

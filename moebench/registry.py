@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from moebench.check import CheckResult
@@ -48,6 +49,9 @@ class RunContext:
     run_token: Any = None
     # where progress() goes: the runner's progress line (relayed from the point worker); None outside a run
     progress_sink: Callable[[int, int, str, str], None] | None = None
+    # the run directory (None outside a run: a profile, a test's own call): where a case may write files of its
+    # own beside the records (moebench.traces.step_file); every process of the run gets it, rank 0 writes
+    run_dir: Path | None = None
 
     @property
     def is_cuda(self) -> bool:

@@ -4,7 +4,8 @@ Drops what no table, compare, headline, report or plot reads back: each record's
 n, p10/p50/p90, min, max, mean, cv), `jit.kernels` (the per-kernel compile keys; `jit.compiles` and
 `jit.compile_s` stay), and for serving_trace records the per-shape `rank_loads` of `info.shapes` (each step's EP
 excess, computed from them, stays in `info.trace_steps`). Records are rewritten with compact separators; the manifest
-gets a `slimmed` entry naming what went. Idempotent. Each directory is locked (a run still writing it is refused)
+gets a `slimmed` entry naming what went; the per-step files under steps/ (moebench.traces.step_file) are kept
+as they are. Idempotent. Each directory is locked (a run still writing it is refused)
 and every one is read and slimmed in memory before any file is replaced (each atomically): a directory that is no
 run, a torn or non-JSON line, or a locked run is one line on stderr, exit 2, nothing written. For finished runs:
 a slimmed run that is resumed appends whole records beside the slim ones.

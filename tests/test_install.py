@@ -39,7 +39,7 @@ import contextlib, io, json, sys
 import moebench, moebench.run.paths as p
 from moebench.cli import main
 
-out = {"where": [moebench.__file__, str(p.bundled_sweep_dir()), str(p.resolve_sweep_path("sp_padding_straggler"))]}
+out = {"where": [moebench.__file__, str(p.bundled_sweep_dir()), str(p.sweep_argument_path("sp_padding_straggler"))]}
 for name, argv in json.loads(sys.argv[1]).items():
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):

@@ -75,7 +75,7 @@ def test_plugin_module_registers_a_correct_and_a_wrong_router(tmp_path, capsys):
     sweep_file = tmp_path / "plugged.yaml"
     sweep_file.write_text(SWEEP.format(module=module))  # found next to the sweep file
     sweep = load_sweep(sweep_file)
-    assert sweep.plugins == (module,)
+    assert sweep.plugins == (str(tmp_path / f"{module}.py"),)  # the sweep keeps the file it found
     assert registry.get("topk_softmax.plugin_good").library == "plugin"
     code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", make_plots=False)
     assert code == 1  # a wrong point makes the run exit 1

@@ -135,8 +135,7 @@ def test_missing_trace_file_and_bad_capture_list_are_refused(tmp_path, capsys):
     sweep = tmp_path / "s.yaml"
     sweep.write_text(SWEEP.format(trace="no_such.csv"))
     assert main(["run", str(sweep), "--dry-run"]) == 2
-    assert "fixed.trace_file: no_such.csv: no such file (nor a bundled trace: example_chat_dp2.csv)" in \
-        capsys.readouterr().err
+    assert f"fixed.trace_file: no_such.csv: no such file beside the sweep ({tmp_path})" in capsys.readouterr().err
     sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv").replace("dp_size: 2,", "dp_size: 2, "
                                                                         "capture_sizes: tiny,"))
     assert main(["run", str(sweep), "--dry-run"]) == 2

@@ -81,3 +81,18 @@ def test_slim_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, capsys,
             "locked": "in use by"}[spoil]
     assert want in err[0]
     assert {d: _state(d) for d in (good, bad)} == before  # the good run beside it untouched too, no tmp file left
+
+
+def test_slim_keeps_the_step_files(tmp_path):
+    import numpy as np
+
+    from moebench.traces.step_file import read_step_columns, write_step_columns
+
+    run = _fat_run(tmp_path)
+    rel = write_step_columns(run, load_records(run)[0]["key"], {"layer_us": np.arange(4, dtype=np.float32)},
+                             {"sides": ["masked"]})
+    before = (run / rel).read_bytes()
+    assert SLIM["main"]([str(run)]) == 0
+    assert (run / rel).read_bytes() == before
+    columns, meta = read_step_columns(run, rel)
+    assert columns["layer_us"].tolist() == [0.0, 1.0, 2.0, 3.0] and meta == {"sides": ["masked"]}

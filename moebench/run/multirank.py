@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -181,6 +182,7 @@ def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[
     from moebench.run.sweep import expand, sweep_from_dict
 
     sweep = sweep_from_dict(sweep_dict, source, max_points=None)  # the runner already applied the limit
+    ctx = replace(ctx, run_dir=Path(run_dir).absolute())
     points = expand(sweep)
     writer = RecordWriter(Path(run_dir)) if ctx.rank == 0 else None
     announce = writer is not None and show is None  # spawned: the runner watches IN_FLIGHT

@@ -1,6 +1,7 @@
-"""Where sweeps come from and where runs go: the bundled sweeps (a checkout's sweeps/ or the installed package's
-moebench/_sweeps/, each with its scenarios/ folder) and the check of an output folder before anything is written
-there."""
+"""Where things come from and where runs go: the bundled sweeps (a checkout's sweeps/ or the installed package's
+moebench/_sweeps/, each with its scenarios/ folder), the paths a sweep names (resolve_sweep_path: beside the sweep
+file, then the current directory, then the bundled data), and the check of an output folder before anything is
+written there."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from moebench.run.sweep import SweepError
+
+class PathError(ValueError):
+    """A path that cannot be used. str() is the one line shown to the user (exit 2)."""
+
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # moebench/, above run/
 
@@ -27,9 +31,9 @@ def bundled_sweeps() -> list[Path]:
     return sorted(d.glob("*.yaml")) + sorted(d.glob("scenarios/*.yaml")) if d else []
 
 
-def resolve_sweep_path(arg: str) -> str:
-    """A path, or the name of a bundled sweep or scenario (`quickstart` -> sweeps/quickstart.yaml, `topk6` ->
-    sweeps/scenarios/topk6.yaml)."""
+def sweep_argument_path(arg: str) -> str:
+    """The SWEEP argument of a command: a path, or the name of a bundled sweep or scenario (`quickstart` ->
+    sweeps/quickstart.yaml, `topk6` -> sweeps/scenarios/topk6.yaml)."""
     if Path(arg).exists():
         return arg
     for p in bundled_sweeps():
@@ -38,26 +42,75 @@ def resolve_sweep_path(arg: str) -> str:
     return arg
 
 
+def sweep_path_candidates(value: str, sweep_dir: str | os.PathLike | None,
+                          bundled_dir: str | os.PathLike | None = None) -> list[tuple[str, Path]]:
+    """Where `value` (a path a sweep names) is looked for, in order, as (place, path): an absolute path is itself;
+    a relative one is looked for beside the sweep file (sweep_dir; None for a sweep that is no file), then in the
+    current directory, then, for a bare file name, among the bundled files of bundled_dir."""
+    path = Path(value)
+    if path.is_absolute():
+        return [("", path)]
+    places = []
+    if sweep_dir is not None:
+        here = Path(os.path.abspath(sweep_dir))
+        places.append((f"beside the sweep ({here})", here / path))
+    cwd = Path(os.getcwd())
+    if sweep_dir is None or Path(os.path.abspath(sweep_dir)) != cwd:
+        places.append((f"in the current directory ({cwd})", cwd / path))
+    if bundled_dir is not None and len(path.parts) == 1:
+        places.append((f"bundled with moebench ({Path(bundled_dir)})", Path(bundled_dir) / path))
+    return places
+
+
+def find_sweep_path(value: str, sweep_dir: str | os.PathLike | None,
+                    bundled_dir: str | os.PathLike | None = None, *, directory: bool = False) -> str | None:
+    """The absolute path of the first existing file (a folder, with `directory`) of sweep_path_candidates, or
+    None."""
+    for _, path in sweep_path_candidates(value, sweep_dir, bundled_dir):
+        if path.is_dir() if directory else path.is_file():
+            return os.path.abspath(path)
+    return None
+
+
+def resolve_sweep_path(value: str, sweep_dir: str | os.PathLike | None,
+                       bundled_dir: str | os.PathLike | None = None, *, directory: bool = False) -> str:
+    """The absolute path of the file a sweep means by `value` (the order of sweep_path_candidates: beside the sweep,
+    the current directory, the bundled files), or PathError naming where it looked. The sweep loader stores the
+    result in the sweep, so a run resumed from another directory finds the same file."""
+    found = find_sweep_path(value, sweep_dir, bundled_dir, directory=directory)
+    if found is not None:
+        return found
+    what = "directory" if directory else "file"
+    places = [place for place, _ in sweep_path_candidates(value, sweep_dir, bundled_dir)]
+    if places == [""]:
+        raise PathError(f"{value}: no such {what}")
+    if bundled_dir is not None and len(Path(value).parts) == 1:
+        known = ", ".join(sorted(p.name for p in Path(bundled_dir).iterdir() if p.is_file())) or "none"
+        places[-1] = places[-1][:-1] + f": {known})"
+    where = places[0] if len(places) == 1 else ", ".join(places[:-1]) + " or " + places[-1]
+    raise PathError(f"{value}: no such {what} {where}")
+
+
 def check_output_dir(option: str, path: str | os.PathLike) -> Path:
-    """Refuse (SweepError, one line) a folder that cannot hold output: a file, a path under a file, a place this
+    """Refuse (PathError, one line) a folder that cannot hold output: a file, a path under a file, a place this
     process cannot write. Creates nothing that stays: a probe file in the nearest existing folder is removed."""
     path = Path(path)
     head = f"{option} {path}"
     existing = path
     while not existing.exists():
         if existing.is_symlink():
-            raise SweepError(f"{head}: {existing} is a dangling symbolic link")
+            raise PathError(f"{head}: {existing} is a dangling symbolic link")
         if existing.parent == existing:
             break
         existing = existing.parent
     if not existing.is_dir():
-        raise SweepError(f"{head}: not a directory" if existing == path else f"{head}: {existing} is a file")
+        raise PathError(f"{head}: not a directory" if existing == path else f"{head}: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise SweepError(f"{head}: {existing} is not writable")
+        raise PathError(f"{head}: {existing} is not writable")
     try:  # root passes os.access everywhere; a read-only mount still refuses the probe
         fd, probe = tempfile.mkstemp(prefix=".moebench-probe-", dir=existing)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise SweepError(f"{head}: cannot write in {existing} ({e.strerror})") from None
+        raise PathError(f"{head}: cannot write in {existing} ({e.strerror})") from None
     return path

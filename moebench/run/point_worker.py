@@ -6,9 +6,10 @@ The worker is `python -m moebench.run.point_worker`, started with a socket to th
 cannot be forked once the parent has touched it, a forked CPU process hangs in its first OpenMP region, and unlike
 multiprocessing's spawn it never re-runs the caller's `__main__`). It is kept for the life of the runner process,
 keyed by device and TRITON_INTERPRET, so JIT and allocator caches stay warm across points and across runs in one
-process (the test suite). Per run the runner sends the sweep, the plugin modules it has imported, sys.path and the
-MOEBENCH_* / TRITON_* environment; per point it sends the point, the worker answers with the record, and the runner
-writes it (one writer, nothing doubled). What the runner records when a point does not come back:
+process (the test suite). Per run the runner sends the sweep, the plugin modules it has imported, sys.path, the
+MOEBENCH_* / TRITON_* environment and the run directory (RunContext.run_dir); per point it sends the point, the
+worker answers with the record, and the runner writes it (one writer, nothing doubled). What the runner records
+when a point does not come back:
 
 - the worker died: `failed: worker died: SIGABRT` (or `exit code N`); a fresh worker runs the next point;
 - the point ran past `timing.point_timeout_s` (counted from the point's hand-over: the worker's start-up is not
@@ -37,6 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -111,18 +113,19 @@ def with_lost_context(rec: dict, lost: str, what: str) -> dict:
     return rec
 
 
-def _run_message(sweep) -> tuple:
+def _run_message(sweep, run_dir) -> tuple:
     from moebench import plugins
 
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and k != _WORKER_KEY_ENV}
-    return ("run", sweep, plugins.imported_modules(), list(sys.path), env)
+    run_dir = str(Path(run_dir).absolute()) if run_dir is not None else None
+    return ("run", sweep, plugins.imported_modules(), list(sys.path), env, run_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The worker process
 # ---------------------------------------------------------------------------------------------------------------
 
-def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str]) -> None:
+def _apply_run(sweep, modules: list[str], path: list[str], env: dict[str, str], run_dir: str | None) -> None:
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
@@ -176,9 +179,9 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         if msg[0] == "run":
             try:
                 _apply_run(*msg[1:])
-                sweep = msg[1]
+                sweep, run_dir = msg[1], msg[-1]
                 # a point's own progress goes to the runner as it happens (moebench.run.progress)
-                ctx = RunContext(device=dev, run_token=object(),
+                ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir) if run_dir else None,
                                  progress_sink=throttled(lambda *report: conn.send(("progress", *report))))
                 conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001
@@ -262,10 +265,10 @@ class PointWorker:
             raise WorkerStartError(f"the point worker did not start: {detail}")
         self.ready = True
 
-    def start_run(self, sweep, token) -> None:
-        """Hand the worker a run's sweep, plugins, sys.path and environment (once per run)."""
+    def start_run(self, sweep, token, run_dir=None) -> None:
+        """Hand the worker a run's sweep, plugins, sys.path, environment and directory (once per run)."""
         self._wait_ready()
-        self._send(_run_message(sweep))
+        self._send(_run_message(sweep, run_dir))
         msg = self._recv(START_TIMEOUT_S)
         if msg is None or msg[0] != "ok":
             detail = msg[1] if msg else f"worker died: {self.exit_reason()}"
@@ -280,11 +283,12 @@ class PointWorker:
             pass
         return _exit_reason(self.proc.returncode)
 
-    def run_point(self, point, sweep, timeout_s: float, token, *, on_progress=None, tick=None) -> Outcome:
+    def run_point(self, point, sweep, timeout_s: float, token, run_dir=None, *, on_progress=None,
+                  tick=None) -> Outcome:
         """Run `point` in the worker; its progress reports go to `on_progress(done, total, what, detail)` as they
         come, and `tick()` is called about once a second while it runs (both optional)."""
         if self.run_token is not token:
-            self.start_run(sweep, token)
+            self.start_run(sweep, token, run_dir)
         if not self.alive():
             raise WorkerGone(f"worker died while idle: {self.exit_reason()}")
         self._send(("point", point))

@@ -286,7 +286,8 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
         return 0, run_dir
 
     progress = rows.progress
-    run_one = _isolated_runner(sweep, dev, progress) if isolate else _in_process_runner(sweep, dev, progress)
+    run_one = (_isolated_runner(sweep, dev, run_dir, progress) if isolate
+               else _in_process_runner(sweep, dev, run_dir, progress))
     for pt in single:
         rows.working_on(f"point {pt.index} {pt.impl}")
         rec = run_one(pt)
@@ -324,14 +325,15 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
     return (1 if bad else 0), run_dir
 
 
-def _in_process_runner(sweep: Sweep, dev: torch.device, progress: RunProgress | None = None
+def _in_process_runner(sweep: Sweep, dev: torch.device, run_dir: Path, progress: RunProgress | None = None
                        ) -> Callable[[Point], dict]:
-    ctx = RunContext(device=dev, run_token=object(),
+    ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir).absolute(),
                      progress_sink=progress.point_report if progress is not None else None)
     return lambda pt: execute_point(pt, sweep, ctx)
 
 
-def _isolated_runner(sweep: Sweep, dev: torch.device, progress: RunProgress) -> Callable[[Point], dict]:
+def _isolated_runner(sweep: Sweep, dev: torch.device, run_dir: Path, progress: RunProgress
+                     ) -> Callable[[Point], dict]:
     """Each point in the point worker; a worker that died, hung or lost its context is replaced for the next."""
     timeout_s = point_worker.point_timeout_s(sweep.timing, dev)
 
@@ -342,7 +344,7 @@ def _isolated_runner(sweep: Sweep, dev: torch.device, progress: RunProgress) -> 
         if cannot_start:
             return _noted(in_process(pt), f"in-process: {cannot_start[0]}")
         try:
-            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token,
+            outcome = point_worker.get_worker(dev).run_point(pt, sweep, timeout_s, run_token, run_dir,
                                                              on_progress=progress.point_report, tick=progress.tick)
         except point_worker.WorkerGone:  # it died between points: this one has not run, a fresh worker takes it
             point_worker.drop(dev)
@@ -364,7 +366,7 @@ def _isolated_runner(sweep: Sweep, dev: torch.device, progress: RunProgress) -> 
             return _noted(in_process(pt), "in-process: the impl is registered in the runner's process only")
         return outcome.record
 
-    in_process = _in_process_runner(sweep, dev, progress)
+    in_process = _in_process_runner(sweep, dev, run_dir, progress)
     return run
 
 

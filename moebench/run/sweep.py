@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import itertools
 import math
 import re
@@ -31,7 +32,9 @@ from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
 from moebench.report.headline import spec_problem
 from moebench.run import strict_yaml
+from moebench.run.paths import PathError, find_sweep_path, resolve_sweep_path, sweep_path_candidates
 from moebench.traces.capture_lists import capture_list_problem
+from moebench.traces.csv_trace import BUNDLED_DIR as BUNDLED_TRACES
 from moebench.traces.csv_trace import trace_file_problem
 
 
@@ -57,6 +60,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dbo_mask": ("sliced", "full", "none"),
     "expert_dtype": ("bf16", "fp8"),
 }
+
+# Parameters that name a file, with the folder of the files bundled with moebench (None: none are): the loader
+# resolves them (moebench.run.paths.resolve_sweep_path) and the sweep holds the absolute path.
+PATH_PARAMS: dict[str, Path | None] = {"trace_file": BUNDLED_TRACES, "dispatch_calibration": None}
+DIRECTORY_PARAMS = ("dispatch_calibration",)  # a run directory, not a file
 
 _PARAM_TYPES = get_type_hints(Params)
 PARAM_NAMES = tuple(f.name for f in fields(Params))
@@ -153,43 +161,6 @@ def params_problem(p: Params) -> str | None:
     if p.dbo_mask != "sliced" and p.padding_producer != "dbo":
         return f"dbo_mask: {p.dbo_mask!r} needs padding_producer dbo, got {p.padding_producer!r}"
     return None
-
-
-def _calibration_bases(src: str) -> list[tuple[str, Path]]:
-    """Where a relative dispatch_calibration is looked for, in order: beside the sweep file (none for a sweep that
-    is no file), then the current directory."""
-    bases = [] if not src or src.startswith("<") else [("beside the sweep", Path(src).parent.absolute())]
-    return bases + [("in the current directory", Path.cwd())]
-
-
-def _find_calibration(value: str, src: str) -> str | None:
-    """The absolute path dispatch_calibration `value` names (as given when absolute, else the first of
-    _calibration_bases that holds it), or None."""
-    given = Path(value).expanduser()
-    if given.is_absolute():
-        return str(given) if given.exists() else None
-    for _, base in _calibration_bases(src):
-        if (base / given).exists():
-            return str((base / given).resolve())
-    return None
-
-
-def _resolve_calibration(src: str, section: str, table: dict) -> dict:
-    """`table` (fixed, or axes) with each dispatch_calibration made the absolute path of its directory (so that the
-    run's stored sweep still finds it from elsewhere); one found nowhere is refused naming where it was looked for."""
-    key = "dispatch_calibration"
-    if key not in table:
-        return table
-    values = table[key] if section == "axes" else [table[key]]
-    out = []
-    for v in values:
-        found = None if v is None else _find_calibration(v, src)
-        if v is not None and found is None:
-            places = "" if Path(v).expanduser().is_absolute() else " " + " or ".join(
-                f"{place} ({base})" for place, base in _calibration_bases(src))
-            raise _fail(src, f"{section}.{key}", f"{v}: no such directory{places}")
-        out.append(found)
-    return {**table, key: out if section == "axes" else out[0]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +342,8 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
     impls = raw["impls"]
     if not impls:
         raise _fail(src, "impls", "empty list")
-    plugins = raw.get("plugins") or []
+    sweep_dir = _sweep_dir(src)
+    plugins = [_plugin_entry(m, i, src, sweep_dir) for i, m in enumerate(raw.get("plugins") or [])]
     try:
         load_plugins(plugins, src)  # before the impl names are looked up
     except PluginError as e:
@@ -406,7 +378,7 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
                 why = check_param_value(k, val) or (_model_problem(val) if k == "model" else None)
                 if why:
                     raise _fail(src, f"{section}.{k}", why)
-    fixed, axes = _resolve_calibration(src, "fixed", fixed), _resolve_calibration(src, "axes", axes)
+    fixed, axes = _resolve_paths(fixed, axes, src, sweep_dir)
     both = set(fixed) & set(axes)
     if both:
         k = sorted(both)[0]
@@ -471,6 +443,58 @@ def _shown(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(map(_shown, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _sweep_dir(src: str) -> Path | None:
+    """The folder of the sweep file `src` (None for a sweep that is no file: "<memory>")."""
+    return None if not src or src.startswith("<") else Path(src).parent
+
+
+def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) -> tuple[dict, dict]:
+    """fixed and axes with every PATH_PARAMS value made the absolute path of its file (docs/sweeps.md#paths-in-a-
+    sweep); a file found nowhere is refused naming where it was looked for."""
+    fixed, axes = dict(fixed), dict(axes)
+    for key, bundled in PATH_PARAMS.items():
+        for section, table in (("fixed", fixed), ("axes", axes)):
+            if key not in table:
+                continue
+            values = table[key] if section == "axes" else [table[key]]
+            resolved = []
+            for i, value in enumerate(values):
+                try:
+                    resolved.append(None if value is None else resolve_sweep_path(
+                        value, sweep_dir, bundled, directory=key in DIRECTORY_PARAMS))
+                except PathError as e:
+                    raise _fail(src, f"{section}.{key}" + (f"[{i}]" if section == "axes" else ""), str(e)) from None
+            table[key] = resolved if section == "axes" else resolved[0]
+    return fixed, axes
+
+
+def _plugin_entry(entry: Any, i: int, src: str, sweep_dir: Path | None) -> Any:
+    """A `plugins:` entry as the sweep keeps it: a module found as a file beside the sweep or in the current
+    directory (`mod` -> mod.py or mod/__init__.py, `pkg.mod` -> pkg/mod.py ...), or a path to a .py file, becomes that
+    file's absolute path; a module found only on sys.path (an installed one) stays a name."""
+    if not isinstance(entry, str) or not entry:
+        return entry  # load_plugins refuses it, naming the entry
+    if entry.endswith(".py") or "/" in entry or "\\" in entry:
+        try:
+            return resolve_sweep_path(entry, sweep_dir)
+        except PathError as e:
+            raise _fail(src, f"plugins[{i}]", str(e)) from None
+    stem = entry.replace(".", "/")
+    for candidate in (f"{stem}.py", f"{stem}/__init__.py"):
+        found = find_sweep_path(candidate, sweep_dir)
+        if found is not None:
+            return found
+    try:
+        installed = importlib.util.find_spec(entry.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        places = [place for place, _ in sweep_path_candidates(f"{stem}.py", sweep_dir)]
+        raise _fail(src, f"plugins[{i}]", f"no plugin module {entry!r} ({stem}.py or {stem}/__init__.py) "
+                                          f"{', '.join(places)} or on sys.path")
+    return entry
 
 
 def _model_problem(name) -> str | None:

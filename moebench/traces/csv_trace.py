@@ -7,47 +7,88 @@
     3
 
 A count is a whole number of real tokens in [0, MAX_TOKENS]; 0 is an idle DP rank (it still runs the layer on
-its DP padding). `trace_file:` names a file that exists (relative to the current directory, or absolute), else
-one bundled with moebench (data/: `example_chat_dp2.csv`). Every problem is a TraceFileError naming the file and
-the line: the sweep loader turns it into its one-line refusal (exit 2, nothing written).
+its DP padding). A sweep's `trace_file:` is resolved by the sweep loader (beside the sweep, the current directory,
+then the files bundled in data/, e.g. `example_chat_dp2.csv`: docs/sweeps.md#paths-in-a-sweep) and reaches this
+module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
+it into its one-line refusal (exit 2, nothing written). The file is streamed (no byte limit); the bound is on the
+token table it makes (MAX_COUNTS), and the distinct steps come from moebench.traces.distinct.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
+from moebench.traces.distinct import DistinctSteps, distinct_steps
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "data"
-MAX_BYTES = 1 << 20  # the same bound as a sweep file
-MAX_STEPS = 100_000
+# The token table is held as int32 [steps, columns]; a file whose table would pass 1 GiB is refused at the line
+# that passes it. A fixed bound rather than a share of the free memory: a sweep that validates on one machine
+# validates on every machine, and a resume never meets another limit than its run. 2^28 counts: 268 million
+# one-column steps, 33 million steps of 8 DP ranks (a busy server's day is a few million).
+MAX_COUNTS = 1 << 28
 MAX_TOKENS = 1 << 20
 _DP_COLUMN = re.compile(r"dp(\d+)")
+_COUNTS_LINE = re.compile(rb"[ \t]*[0-9]+(?:[ \t]*,[ \t]*[0-9]+)*[ \t]*\r?\n?")  # a data line, checked in one match
 
 
 class TraceFileError(ValueError):
     """A trace file that cannot be used. str() is the one line shown (file, line, reason)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TraceFile:
     path: str  # as resolved (a bundled file: its path inside the package)
     sha256: str
     columns: int  # 1 (every DP rank alike) or the DP size
-    tokens: tuple[tuple[int, ...], ...]  # [step][column]
+    table: np.ndarray  # int32 [steps, columns], read-only
+    _distinct: dict = field(default_factory=dict, repr=False)  # dp_size -> DistinctSteps, computed once
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def tokens(self) -> tuple[tuple[int, ...], ...]:
+        """[step][column] as Python tuples (one object per step: for small traces; `table` is the array)."""
+        return tuple(map(tuple, self.table.tolist()))
+
+    def check_dp_size(self, dp_size: int) -> None:
+        """TraceFileError unless the file's columns fit `dp_size` DP ranks (one column fits any)."""
+        if self.columns != 1 and self.columns != dp_size:
+            raise TraceFileError(f"{self.path}: {self.columns} DP columns, but dp_size is {dp_size}")
 
     def per_rank(self, dp_size: int) -> list[list[int]]:
         """[step][dp rank] real tokens for `dp_size` DP ranks (a one-column file gives every rank its count)."""
+        self.check_dp_size(dp_size)
         if self.columns == 1:
-            return [[row[0]] * dp_size for row in self.tokens]
-        if self.columns != dp_size:
-            raise TraceFileError(f"{self.path}: {self.columns} DP columns, but dp_size is {dp_size}")
-        return [list(row) for row in self.tokens]
+            return np.repeat(self.table, dp_size, axis=1).tolist()
+        return self.table.tolist()
+
+    def distinct_steps(self, dp_size: int) -> DistinctSteps:
+        """The distinct per-DP-rank steps of per_rank(dp_size), their counts and each step's index into them
+        (moebench.traces.distinct), without a Python object per step. Computed once per dp_size (a file read
+        before comes from read_trace_file's cache, so the points of a run share it); its arrays are read-only."""
+        self.check_dp_size(dp_size)
+        if dp_size not in self._distinct:
+            found = distinct_steps(self.table)
+            if self.columns == 1 and dp_size != 1:
+                found = DistinctSteps(tuple(step * dp_size for step in found.steps), found.counts, found.index)
+            found.counts.flags.writeable = False
+            found.index.flags.writeable = False
+            self._distinct[dp_size] = found
+        return self._distinct[dp_size]
 
 
 def resolve_trace_file(name: str) -> Path:
-    """The file `trace_file: name` means: an existing path, else a bundled trace of that name."""
+    """The file `trace_file: name` means outside a sweep: an existing path, else a bundled trace of that name. (A
+    sweep's trace_file is resolved by the sweep loader first: moebench.run.paths.resolve_sweep_path.)"""
     path = Path(name)
     if path.is_file():
         return path
@@ -73,44 +114,84 @@ def _header(cells: list[str], where: str) -> int:
 
 
 def read_trace_file(name: str) -> TraceFile:
-    """Parse and validate a trace file (see the module docstring)."""
+    """Parse and validate a trace file (see the module docstring), streaming: one line at a time, the sha256 of
+    the bytes computed on the way, the counts kept as int32. A file read before and unchanged since (same size
+    and modification time) is not read again."""
     path = resolve_trace_file(name)
-    data = path.read_bytes()
-    if len(data) > MAX_BYTES:
-        raise TraceFileError(f"{path}: {len(data):,} bytes, over the limit of {MAX_BYTES:,}")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise TraceFileError(f"{path}: line {line}: not UTF-8 text") from None
+    st = path.stat()
+    return _read(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@lru_cache(maxsize=4)
+def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
+    digest = hashlib.sha256()
+    counts = array("i")
     columns = 0
-    rows: list[tuple[int, ...]] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        where = f"{path}: line {number}"
-        cells = [c.strip() for c in stripped.split(",")]
-        if not columns:
-            columns = _header(cells, where)
-            continue
-        if len(cells) != columns:
-            raise TraceFileError(f"{where}: {len(cells)} values, the header has {columns}")
-        counts = []
-        for c in cells:
-            if not c.isdigit() or not c.isascii():
-                raise TraceFileError(f"{where}: {c!r} is not a token count (a whole number >= 0)")
-            if int(c) > MAX_TOKENS:
-                raise TraceFileError(f"{where}: {c} tokens, over the limit of {MAX_TOKENS:,}")
-            counts.append(int(c))
-        rows.append(tuple(counts))
-        if len(rows) > MAX_STEPS:
-            raise TraceFileError(f"{where}: more than {MAX_STEPS:,} steps")
+    with open(path, "rb") as f:
+        lines = _numbered_lines(f, digest)
+        for number, raw in lines:  # up to the header
+            stripped = _text(raw, path, number).strip()
+            if stripped and not stripped.startswith("#"):
+                columns = _header([c.strip() for c in stripped.split(",")], f"{path}: line {number}")
+                break
+        for number, raw in lines:  # the steps
+            if _COUNTS_LINE.fullmatch(raw):  # the common case in one match (int() takes the bytes, spaces and all)
+                values = list(map(int, raw.split(b",")))
+                if len(values) != columns or max(values) > MAX_TOKENS:
+                    values = _parse_line(raw.decode("ascii").strip(), columns, f"{path}: line {number}")
+            else:
+                stripped = _text(raw, path, number).strip()
+                if not stripped or stripped.startswith("#"):
+                    continue
+                values = _parse_line(stripped, columns, f"{path}: line {number}")
+            counts.extend(values)
+            if len(counts) > MAX_COUNTS:
+                raise TraceFileError(f"{path}: line {number}: more than {MAX_COUNTS:,} token counts (steps x "
+                                     "columns: the table as int32 would pass 1 GiB)")
     if not columns:
         raise TraceFileError(f"{path}: line 1: no header (num_tokens, or dp0,dp1,...)")
-    if not rows:
+    if not counts:
         raise TraceFileError(f"{path}: no steps after the header")
-    return TraceFile(str(path), hashlib.sha256(data).hexdigest(), columns, tuple(rows))
+    table = np.frombuffer(counts, dtype=np.intc).astype(np.int32, copy=False).reshape(-1, columns)
+    table.flags.writeable = False
+    return TraceFile(path, digest.hexdigest(), columns, table)
+
+
+def _numbered_lines(f, digest):
+    """(line number, bytes) of each line of the binary file f, every byte going through digest on the way; a bare
+    carriage return ends a line too (old Mac line ends), as in text read with universal newlines."""
+    number = 0
+    for raw in f:
+        digest.update(raw)
+        cr = raw.find(b"\r")
+        if 0 <= cr < len(raw) - 2:
+            for part in raw.splitlines(keepends=True):
+                number += 1
+                yield number, part
+        else:
+            number += 1
+            yield number, raw
+
+
+def _text(raw: bytes, path: str, number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceFileError(f"{path}: line {number}: not UTF-8 text") from None
+
+
+def _parse_line(stripped: str, columns: int, where: str) -> list[int]:
+    """A data line cell by cell (what the one-match check of the common case leaves): its counts, or the
+    TraceFileError of its first problem, left to right."""
+    cells = [c.strip() for c in stripped.split(",")]
+    if len(cells) != columns:
+        raise TraceFileError(f"{where}: {len(cells)} values, the header has {columns}")
+    for c in cells:
+        if not c.isdigit() or not c.isascii():
+            raise TraceFileError(f"{where}: {c!r} is not a token count (a whole number >= 0)")
+        if int(c) > MAX_TOKENS:
+            raise TraceFileError(f"{where}: {c} tokens, over the limit of {MAX_TOKENS:,}")
+    return [int(c) for c in cells]
 
 
 def trace_file_problem(name: str | None, dp_size: int) -> str | None:
@@ -118,7 +199,7 @@ def trace_file_problem(name: str | None, dp_size: int) -> str | None:
     if name is None:
         return None
     try:
-        read_trace_file(name).per_rank(dp_size)
+        read_trace_file(name).check_dp_size(dp_size)
     except TraceFileError as e:
         return str(e)
     except OSError as e:
