@@ -302,3 +302,33 @@ def test_source_zero_routes_as_the_single_rank_view_and_sources_differ():
         routes = bench.call_routes(16, 9, 0)[side]
         assert [sum(routes.expert_routes[:4]), sum(routes.expert_routes[4:])] == figures.rank_loads[side]
     assert bench.call_routes(16, 9, 1)["masked"] != bench.call_routes(16, 9, 0)["masked"]
+
+
+def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_file(monkeypatch, tmp_path):
+    """Past STEP_RECORDS_MAX steps the record holds one entry per distinct step with its count, and the run's step
+    file every step's figures (read back through the per-step index, equal to the distinct step's)."""
+    from dataclasses import replace
+
+    from moebench.bench import _rank_cost, serving_trace
+    from moebench.params import Params
+    from moebench.registry import RunContext, get
+    from moebench.traces.step_file import read_step_columns
+
+    monkeypatch.setattr(_rank_cost.RankTimer, "__call__", lambda self, w: rank_cost(w))
+    monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
+    monkeypatch.setattr(serving_trace, "STEP_RECORDS_MAX", 5)
+    serving_trace._SHAPES.clear()
+    trace = tmp_path / "t.csv"
+    trace.write_text("dp0,dp1\n" + "3,1\n5,2\n" * 6 + "1,1\n")
+    p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
+                ep_size=2, dp_size=2, trace_file=str(trace), capture_sizes=[4, 8], ep_rank_timings=50)
+    info = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu"), run_dir=tmp_path)).info
+    assert info["trace_steps"] is None and info["trace"]["steps"] == 13 and info["trace"]["distinct_steps"] == 3
+    assert [d["count"] for d in info["distinct_step_records"]] == [6, 6, 1]
+    cols, meta = read_step_columns(tmp_path, info["step_file"])
+    assert cols["real_dp0"].tolist() == [3, 5] * 6 + [1] and "ep_step_us_<side>" in meta["columns"]
+    for side in ("masked", "oblivious"):
+        per_step = cols[f"ep_step_us_{side}"]
+        assert per_step.shape == (13,)
+        assert float(per_step.sum()) == pytest.approx(info["headline"]["ep_step"]["step_us"][side], rel=1e-4)
+        assert float(cols[f"layer_us_{side}"].sum()) == pytest.approx(info["headline"]["layer_us"][side], rel=1e-4)

@@ -78,17 +78,21 @@ def test_bundled_example_trace_reads_and_ships():
 
 def test_distributions_are_seeded_per_dp_rank():
     p = replace(Params(), dp_size=3, trace_steps=200, trace_max_tokens=1024, trace_distribution="chat")
-    a, _ = serving_trace.trace_tokens(p)
-    b, _ = serving_trace.trace_tokens(p)
+    def steps(q):
+        d, src = serving_trace.trace_tokens(q)
+        return [d.steps[j] for j in d.index.tolist()], src
+
+    a, _ = steps(p)
+    b, _ = steps(p)
     assert a == b and len(a) == 200 and all(len(s) == 3 for s in a)
     assert all(1 <= t <= 1024 for s in a for t in s)
     ranks = list(zip(*a))
     assert ranks[0] != ranks[1]  # each DP rank its own stream
     assert sum(t <= 64 for t in ranks[0]) > 150  # decode-heavy
     for dist in ("mixed", "prefill_heavy", "uniform", "decode_prefill", "lognormal"):
-        t, src = serving_trace.trace_tokens(replace(p, trace_distribution=dist))
+        t, src = steps(replace(p, trace_distribution=dist))
         assert len(t) == 200 and src["source"] == dist and all(1 <= x <= 1024 for s in t for x in s)
-    heavy, _ = serving_trace.trace_tokens(replace(p, trace_distribution="prefill_heavy"))
+    heavy, _ = steps(replace(p, trace_distribution="prefill_heavy"))
     assert sum(x == 1024 for s in heavy for x in s) > 100  # prefill chunks filling the budget
 
 
@@ -238,8 +242,8 @@ def test_interpolated_mode_times_fewer_shapes_than_exact():
     """The scenario's trace (DeepSeek-V3 engine: DP 2, SP 2, 1000 chat steps, default capture list): the count
     of shapes timed, exact vs interpolated (the scenario's N = 8)."""
     p = replace(Params(), dp_size=2, sp_size=2, trace_distribution="chat", trace_steps=1000, trace_max_tokens=2048)
-    tokens, _ = serving_trace.trace_tokens(p)
-    paddings = [step_padding(real, serving_trace.engine_of(p)) for real in tokens]
+    trace, _ = serving_trace.trace_tokens(p)
+    paddings = [step_padding(trace.steps[j], serving_trace.engine_of(p)) for j in trace.index.tolist()]
     exact, interpolated = distinct_shapes(paddings), interpolation_shapes(paddings, 8)
     assert len(exact) == 742 and len(interpolated) == 648  # the counts docs/scenarios.md (h) states
     assert len(padded_row_counts(paddings)) == 134

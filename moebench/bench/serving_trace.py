@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from moebench.bench import jit_trace
@@ -56,11 +57,13 @@ from moebench.check import CheckResult
 from moebench.dispatch.pack import capacity_for
 from moebench.inputs.engine_padding import Engine, StepPadding, padding_problem, step_padding
 from moebench.kernels.fused_experts import expert_work
-from moebench.params import Params, Timing
+from moebench.params import Params, Point, Timing
 from moebench.registry import Case, RunContext, register_impl
 from moebench.traces.capture_lists import capture_list_label, resolve_capture_sizes
 from moebench.traces.csv_trace import read_trace_file
+from moebench.traces.distinct import DistinctSteps, distinct_steps
 from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+from moebench.traces.step_file import write_step_columns
 
 # How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
 # the cost per shape fixed: the scenario's 1000 steps time about 550 shapes per capture list), one wall-clock
@@ -83,35 +86,22 @@ STEP_RECORDS_MAX = 5_000  # longer traces keep one record per distinct step (wit
 _SHAPES_OWNER: list = [None]
 
 
-def trace_tokens(p: Params) -> tuple[list[list[int]], dict[str, Any]]:
-    """([step][dp rank] real tokens, where they came from)."""
+def trace_tokens(p: Params) -> tuple[DistinctSteps, dict[str, Any]]:
+    """(the trace's distinct steps of per-DP-rank real tokens with their counts and per-step index, where they came
+    from). A trace file's table is read once, streaming; no Python object is made per step."""
     if p.trace_file is not None:
         f = read_trace_file(p.trace_file)
-        return f.per_rank(p.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256, "columns": f.columns}
+        return f.distinct_steps(p.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256,
+                                             "columns": f.columns}
     if p.trace is not None:
-        return [[int(t)] * p.dp_size for t in p.trace], {"source": "explicit"}
+        return distinct_steps([[int(t)] * p.dp_size for t in p.trace]), {"source": "explicit"}
     per_rank = []
     for rank in range(p.dp_size):
         if p.trace_distribution in SERVING_MIXES:
             per_rank.append(serving_tokens(p.trace_distribution, p.trace_steps, p.trace_max_tokens, p.seed, rank))
         else:  # jit_trace's own distributions, one seeded stream per DP rank
             per_rank.append(jit_trace.trace_batch_sizes(replace(p, seed=p.seed * 131 + rank)))
-    return [list(step) for step in zip(*per_rank)], {"source": p.trace_distribution}
-
-
-def distinct_steps(tokens: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
-    """(the distinct steps in first-appearance order, how often each occurs, which one each step is)."""
-    first: dict[tuple[int, ...], int] = {}
-    counts: list[int] = []
-    index = []
-    for step in tokens:
-        key = tuple(step)
-        j = first.setdefault(key, len(first))
-        if j == len(counts):
-            counts.append(0)
-        counts[j] += 1
-        index.append(j)
-    return list(first), counts, index
+    return distinct_steps([list(step) for step in zip(*per_rank)]), {"source": p.trace_distribution}
 
 
 def engine_of(p: Params) -> Engine:
@@ -202,6 +192,38 @@ def step_records(p: Params, paddings, per_step, figures) -> list[dict[str, Any]]
             rec["capacity"] = {s: _capacities(step, figures, s, p) for s in SIDES}
         out.append(rec)
     return out
+
+
+# the step file's columns: (column, what the figure is); per side for the timed ones
+STEP_FILE_META = {"columns": {
+    "real_dp<r>": "real tokens of DP rank r", "rows": "rows over the step's layer calls",
+    "padded_rows": "padded rows over them", "distinct_step": "which distinct step (info.distinct_step_records)",
+    "layer_us_<side>": "the single-rank view's layer time over the step's calls",
+    "ep_step_us_<side>": "the EP step: dispatch + the slowest rank's experts + combine",
+    "ep_experts_us_<side>": "the slowest rank's expert time", "ep_mean_rank_us_<side>": "the mean rank's",
+    "ep_dispatch_us_<side>": "dispatch (wire model)", "ep_combine_us_<side>": "combine (wire model)",
+    "ep_slowest_rank_<side>": "the slowest EP rank"}}
+
+
+def step_columns(distinct: list[dict], index, dp_size: int) -> dict[str, np.ndarray]:
+    """Every step's figures as columns (each distinct step's, read through the per-step index)."""
+    idx = np.asarray(index, dtype=np.int64)
+    cols: dict[str, np.ndarray] = {"distinct_step": idx.astype(np.int32)}
+
+    def column(values, dtype) -> np.ndarray:
+        return np.asarray(values, dtype=dtype)[idx]
+
+    for r in range(dp_size):
+        cols[f"real_dp{r}"] = column([d["real"][r] for d in distinct], np.int32)
+    cols["rows"] = column([d["rows"] for d in distinct], np.int32)
+    cols["padded_rows"] = column([d["padded_rows"] for d in distinct], np.int32)
+    for side in SIDES:
+        cols[f"layer_us_{side}"] = column([d["layer_us"][side] for d in distinct], np.float32)
+        if distinct and "ep_step_us" in distinct[0]:
+            for name in ("ep_step_us", "ep_experts_us", "ep_mean_rank_us", "ep_dispatch_us", "ep_combine_us"):
+                cols[f"{name}_{side}"] = column([d[name][side] for d in distinct], np.float32)
+            cols[f"ep_slowest_rank_{side}"] = column([d["ep_slowest_rank"][side] for d in distinct], np.int32)
+    return cols
 
 
 def _ep_fields(ep: dict) -> dict[str, Any]:
@@ -329,11 +351,11 @@ def _validate(p: Params) -> str | None:
 def build(p: Params, ctx: RunContext) -> Case:
     dev = ctx.device
     t0 = time.perf_counter()
-    tokens, source = trace_tokens(p)
+    trace, source = trace_tokens(p)
     engine = engine_of(p)
-    distinct_real, counts, index = distinct_steps(tokens)
-    paddings = [step_padding(real, engine) for real in distinct_real]  # one per distinct step
-    replay_steps = [step_padding(real, engine) for real in tokens[:p.trace_replay]]
+    counts, index = trace.counts.tolist(), trace.index
+    paddings = [step_padding(real, engine) for real in trace.steps]  # one per distinct step
+    replay_steps = [paddings[j] for j in index[:p.trace_replay].tolist()]
     shapes = distinct_shapes(paddings + replay_steps)
     bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
     n = p.trace_real_points
@@ -349,7 +371,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         for c in step.calls:
             calls[(c.rows, c.real)] += count
     info: dict[str, Any] = {
-        "trace": {**source, "steps": len(tokens), "distinct_steps": len(paddings), "dp_size": p.dp_size},
+        "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(paddings), "dp_size": p.dp_size},
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
                    "dp_size": p.dp_size, "sp_size": p.sp_size, "dbo": p.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
@@ -372,12 +394,16 @@ def build(p: Params, ctx: RunContext) -> Case:
         info["headline"]["ep_step"] = ep_headline(ep_info)
         for rec, ep in zip(distinct, ep_steps):
             rec.update(_ep_fields(ep))
-    # every step's figures in the record while the trace is short; a long trace keeps its distinct steps
-    if len(tokens) <= STEP_RECORDS_MAX:
-        info["trace_steps"] = [{"step": i, **distinct[j]} for i, j in enumerate(index)]
+    # every step's figures in the record while the trace is short; a long trace keeps its distinct steps, and
+    # every step's figures go to the run's step file (columns indexed by step)
+    if trace.num_steps <= STEP_RECORDS_MAX:
+        info["trace_steps"] = [{"step": i, **distinct[j]} for i, j in enumerate(index.tolist())]
     else:
         info["trace_steps"] = None
         info["distinct_step_records"] = [{"count": c, **rec} for rec, c in zip(distinct, counts)]
+    if ctx.run_dir is not None and ctx.rank == 0:
+        info["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
+                                               step_columns(distinct, index, p.dp_size), STEP_FILE_META)
     if p.trace_replay:
         info["replay"] = _replay_check(bench, replay_steps, time_of)
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)

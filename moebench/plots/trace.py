@@ -163,12 +163,33 @@ def ep_step_bars(run: Run, out: Path) -> list[Plot]:
 TIMELINE_STEPS = 200  # the stretch of the trace a timeline shows
 
 
+def _timeline_steps(run: Run, r: dict) -> list[dict]:
+    """The first TIMELINE_STEPS steps' EP figures: from the record, or from the run's step file for a long trace."""
+    info = r["info"]
+    if info.get("trace_steps"):
+        return info["trace_steps"][:TIMELINE_STEPS]
+    if not info.get("step_file"):
+        return []
+    from moebench.traces.step_file import read_step_columns
+
+    try:
+        cols, _ = read_step_columns(run.path, info["step_file"])
+    except (OSError, ValueError):
+        return []  # a slimmed or moved run without its step file: no timeline
+    n = min(TIMELINE_STEPS, len(cols["rows"]))
+    names = ("ep_step_us", "ep_experts_us", "ep_mean_rank_us")
+    if f"{names[0]}_masked" not in cols:
+        return []
+    return [{"step": i, **{k: {side: float(cols[f"{k}_{side}"][i]) for side in ("masked", "oblivious")}
+                           for k in names}} for i in range(n)]
+
+
 def ep_timeline(run: Run, out: Path) -> list[Plot]:
     """Per step, for a stretch of the trace: the EP step time masked vs oblivious and its slowest rank's wait."""
     plots = []
     recs = _ep_records(run)
     for r in recs:
-        steps = (r["info"].get("trace_steps") or [])[:TIMELINE_STEPS]
+        steps = _timeline_steps(run, r)
         if not steps or "ep_step_us" not in steps[0]:
             continue
         xs = [s["step"] for s in steps]
