@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moebench.bench import _ep_step, _trace_ep
-from moebench.bench._ep_step import (CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
-                                     side_step, tax_split, totals)
+from moebench.bench._ep_step import (CallRoutes, Layout, SideStep, call_routes, compose_steps, dbo_step_us,
+                                     micro_batches, side_step, tax_split, totals)
 from moebench.bench._rank_cost import (RankCostModel, Workload, features, fit_sample, nnls, workload_ids)
-from moebench.bench._trace_shapes import ShapeBench, call_routes
+from moebench.bench._trace_shapes import ShapeBench
 from moebench.inputs.engine_padding import Engine, step_padding
 
 ROW, BACK = 100, 10  # dispatch / combine bytes a row
@@ -25,7 +25,8 @@ def layout(ep_size=2, num_experts=4, sp_size=1, dbo=False):
 
 def bytes_wire(phase, matrix):
     """A stand-in wire: 1 us per off-rank byte of the busiest sender."""
-    return float(max(sum(b for d, b in enumerate(row) if d != s) for s, row in enumerate(matrix)))
+    rows = matrix.tolist()
+    return float(max(sum(b for d, b in enumerate(row) if d != s) for s, row in enumerate(rows)))
 
 
 def test_micro_batch_workloads_and_bytes_are_the_routes():
@@ -39,8 +40,9 @@ def test_micro_batch_workloads_and_bytes_are_the_routes():
 
     (mb,) = micro_batches(step, layout(), routes_of, "masked")
     assert mb.workloads == [Workload(3, (2, 2)), Workload(2, (1, 1))]  # rank 0: 2 + 1 rows, rank 1: 2 rows
-    assert mb.dispatch_bytes == [[2 * ROW, 2 * ROW], [1 * ROW, 0]]
-    assert mb.combine_bytes == [[2 * BACK, 1 * BACK], [2 * BACK, 0]]  # transposed: rows go back where they came from
+    assert mb.dispatch_bytes.tolist() == [[2 * ROW, 2 * ROW], [1 * ROW, 0]]
+    # transposed: rows go back where they came from
+    assert mb.combine_bytes.tolist() == [[2 * BACK, 1 * BACK], [2 * BACK, 0]]
     assert mb.off_rank_bytes("dispatch") == 3 * ROW and mb.off_rank_bytes("combine") == 3 * BACK
 
 
@@ -63,7 +65,7 @@ def test_masked_side_sends_real_routes_only():
 
 
 def test_the_step_waits_for_its_slowest_rank():
-    mb = _ep_step.MicroBatch([Workload(1, (1, 0)), Workload(4, (4, 4)), Workload(2, (2, 0))],
+    mb = _ep_step.MicroBatch.of_workloads([Workload(1, (1, 0)), Workload(4, (4, 4)), Workload(2, (2, 0))],
                              [[0] * 3] * 3, [[0] * 3] * 3)
     s = side_step([mb], lambda w: 10.0 * w.routes, lambda phase, m: 5.0, dbo=False)
     assert s.experts_us == 80.0 and s.slowest_rank == 1 and s.rank_us == [10.0, 80.0, 20.0]
@@ -214,6 +216,10 @@ def test_rank_times_time_each_workload_or_fit_a_model():
     assert rec["rank_times"] == "model" and len(calls) == 8 and rec["cost_model"]["fit_workloads"] == 8
     for w in loads:
         assert lookup(w) == pytest.approx(rank_cost(w), rel=1e-6)
+    counts = torch.tensor([w.counts for w in sorted(loads, key=lambda w: w.rows)] + [[0, 0]])
+    rows = torch.tensor([w.rows for w in sorted(loads, key=lambda w: w.rows)] + [0])
+    assert lookup.batch(counts, rows) == pytest.approx([rank_cost(w) for w in sorted(loads, key=lambda w: w.rows)]
+                                                       + [0.0], rel=1e-6)
 
 
 def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():
@@ -289,19 +295,44 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
     assert info["ep_step"]["cost_model"]["fit_workloads"] <= info["ep_step"]["rank_timings"]
 
 
-def test_source_zero_routes_as_the_single_rank_view_and_sources_differ():
+@pytest.mark.parametrize("fill", ["zeros", "repeat", "random"])
+def test_a_calls_routes_are_those_of_its_own_batch(fill):
+    """StepRoutes counts a call off its slot's routed batches: the same figures as routing the call's own rows (the
+    slot's first `real` rows, then its padding as padding_fill makes it), on both sides; sources differ, and with
+    zero-filled padding every source's padded rows route alike."""
     from dataclasses import replace
 
-    from moebench.params import Params, Timing
+    from moebench.bench._trace_shapes import shape_params
+    from moebench.inputs import make_batch, route
+    from moebench.params import Params
 
-    p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
-                ep_size=2)
-    bench = ShapeBench(p, torch.device("cpu"), Timing(mode="wall", warmup=0, iters=1))
-    figures = bench.shape_figures(16, 9)
+    p = replace(Params(), num_experts=16, top_k=4, hidden=64, intermediate=32, ep_size=4, padding_fill=fill,
+                bias=True, scoring="sigmoid")
+    lay = Layout(4, 16, 1, ROW, BACK, False)
+    routes = _trace_ep.StepRoutes(p, torch.device("cpu"), lay)
+    routes.prepare([step_padding([5, 9], Engine((12,), dp_size=2))])
+    real_ids, _, pad_ids, _ = routes.slots[1]
+    sp = shape_params(p, 12, 9)
+    logits = make_batch(shape_params(p, 12, 12), "cpu", need_hidden=False,
+                        seed_offset=_trace_ep.SLOT_SEED * 2).logits.clone()
+    if fill == "zeros":
+        logits[9:] = 0
+    elif fill == "repeat":
+        logits[9:] = logits[0]
+    else:
+        logits[9:] = make_batch(shape_params(p, 12, 0), "cpu", need_hidden=False,
+                                seed_offset=_trace_ep.SLOT_SEED * 2 + 1).logits[:3]
+    batch = make_batch(sp, "cpu", need_hidden=False)
+    batch = replace(batch, logits=logits, bias=routes.bias)
     for side in ("masked", "oblivious"):
-        routes = bench.call_routes(16, 9, 0)[side]
-        assert [sum(routes.expert_routes[:4]), sum(routes.expert_routes[4:])] == figures.rank_loads[side]
-    assert bench.call_routes(16, 9, 1)["masked"] != bench.call_routes(16, 9, 0)["masked"]
+        _, ids = route(sp, batch, use_mask=side == "masked")
+        assert routes(12, 9, 1, side) == call_routes(ids, 16, 4), side
+    assert routes(12, 9, 0, "masked") != routes(12, 9, 1, "masked")
+    if fill == "zeros":  # the padding alone: identical on every source
+        def pad_only(slot):
+            o, m = routes(12, 9, slot, "oblivious"), routes(12, 9, slot, "masked")
+            return [a - b for a, b in zip(o.expert_routes, m.expert_routes)]
+        assert pad_only(0) == pad_only(1) and max(pad_only(0)) == 3
 
 
 def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_file(monkeypatch, tmp_path):

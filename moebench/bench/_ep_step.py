@@ -45,6 +45,14 @@ class CallRoutes:
     expert_routes: tuple[int, ...]
     rank_rows: tuple[int, ...]
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both as int64 tensors, made once (a call is read by every step that holds it)."""
+        got = self.__dict__.get("_tensors")
+        if got is None:
+            got = (torch.tensor(self.expert_routes, dtype=torch.int64), torch.tensor(self.rank_rows, dtype=torch.int64))
+            object.__setattr__(self, "_tensors", got)
+        return got
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -76,21 +84,43 @@ def placement_problem(ep_size: int, dp_size: int, sp_size: int) -> str | None:
     return None
 
 
+def call_routes(ids: torch.Tensor, num_experts: int, ep_size: int) -> CallRoutes:
+    """A routing [T, K] (-1: none) as routes per expert and rows with a route to each EP rank (measure.imbalance)."""
+    from moebench.measure.imbalance import rank_rows
+    from moebench.params import EPLayout
+
+    ids = ids.to(torch.int64)
+    expert_routes = torch.bincount(ids[ids >= 0], minlength=num_experts)
+    return CallRoutes(tuple(int(v) for v in expert_routes.tolist()),
+                      tuple(rank_rows(ids, EPLayout(0, ep_size, num_experts))))
+
+
 # routes of a call: (rows, real, slot, side) -> CallRoutes
 RoutesOf = Callable[[int, int, int, str], CallRoutes]
 
 
 @dataclass
 class MicroBatch:
-    """One micro-batch of one side: its ranks' workloads and the bytes on the wire."""
+    """One micro-batch of one side: what each EP rank received and the bytes on the wire."""
 
-    workloads: list[Workload]
-    dispatch_bytes: list[list[int]]  # [src][dst]
-    combine_bytes: list[list[int]]
+    counts: torch.Tensor  # int64 [R, E/R]: routes to each rank's local experts
+    received: torch.Tensor  # int64 [R]: rows each rank received
+    dispatch_bytes: torch.Tensor  # [src][dst]
+    combine_bytes: torch.Tensor
+
+    @classmethod
+    def of_workloads(cls, workloads: Sequence[Workload], dispatch_bytes, combine_bytes) -> "MicroBatch":
+        return cls(torch.tensor([w.counts for w in workloads], dtype=torch.int64),
+                   torch.tensor([w.rows for w in workloads], dtype=torch.int64),
+                   torch.as_tensor(dispatch_bytes), torch.as_tensor(combine_bytes))
+
+    @property
+    def workloads(self) -> list[Workload]:
+        return [Workload(int(r), tuple(c)) for r, c in zip(self.received.tolist(), self.counts.tolist())]
 
     def off_rank_bytes(self, phase: str) -> int:
         m = self.dispatch_bytes if phase == "dispatch" else self.combine_bytes
-        return sum(b for s, row in enumerate(m) for d, b in enumerate(row) if s != d)
+        return int(m.sum() - m.diagonal().sum())
 
 
 def micro_batches(step: StepPadding, layout: Layout, routes_of: RoutesOf, side: str) -> list[MicroBatch]:
@@ -100,22 +130,17 @@ def micro_batches(step: StepPadding, layout: Layout, routes_of: RoutesOf, side: 
     out = []
     for m in sorted({c.micro_batch for c in step.calls}):
         experts = torch.zeros(layout.num_experts, dtype=torch.int64)
-        sent = [[0] * R for _ in range(R)]  # rows [src][dst]
+        sent = torch.zeros(R, R, dtype=torch.int64)  # rows [src][dst]
         for c in step.calls:
             if c.micro_batch != m:
                 continue
             for q in range(layout.replicas):
                 slot = layout.slot(q, dp_size, c.dp_rank, c.sp_rank)
-                cr = routes_of(c.rows, c.real, slot, side)
-                experts += torch.tensor(cr.expert_routes, dtype=torch.int64)
-                src = slot % R
-                for dst, rows in enumerate(cr.rank_rows):
-                    sent[src][dst] += rows
-        per_rank = experts.view(R, epr).tolist()
-        received = [sum(sent[s][d] for s in range(R)) for d in range(R)]
-        out.append(MicroBatch([Workload(received[r], tuple(per_rank[r])) for r in range(R)],
-                              [[n * layout.dispatch_row_bytes for n in row] for row in sent],
-                              [[sent[d][s] * layout.combine_row_bytes for d in range(R)] for s in range(R)]))
+                per_expert, per_rank = routes_of(c.rows, c.real, slot, side).tensors()
+                experts += per_expert
+                sent[slot % R] += per_rank
+        out.append(MicroBatch(experts.view(R, epr), sent.sum(dim=0), sent * layout.dispatch_row_bytes,
+                              sent.T * layout.combine_row_bytes))
     return out
 
 
@@ -152,7 +177,9 @@ def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTim
     out = SideStep()
     parts = []
     for mb in mbs:
-        times = [rank_time(w) for w in mb.workloads]
+        # a cost model reads every rank at once; a table of timings one workload at a time
+        times = (rank_time.batch(mb.counts, mb.received) if hasattr(rank_time, "batch")
+                 else [rank_time(w) for w in mb.workloads])
         slowest = max(range(len(times)), key=lambda r: times[r])
         d, x = wire_time("dispatch", mb.dispatch_bytes), wire_time("combine", mb.combine_bytes)
         parts.append((d, times[slowest], x))
@@ -162,7 +189,7 @@ def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTim
         out.combine_us += x
         out.dispatch_bytes += mb.off_rank_bytes("dispatch")
         out.combine_bytes += mb.off_rank_bytes("combine")
-        routes = [w.routes for w in mb.workloads]
+        routes = mb.counts.sum(dim=1).tolist()
         out.rank_routes = [a + b for a, b in zip(out.rank_routes, routes)] if out.rank_routes else routes
         if times[slowest] >= out.slowest_us:
             out.slowest_rank, out.slowest_us, out.rank_us = slowest, times[slowest], times

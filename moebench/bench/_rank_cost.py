@@ -57,6 +57,14 @@ def features(w: Workload) -> list[float]:
             float(sum(math.ceil(c / TILE_ROWS) for c in w.counts)), float(w.routes), float(w.rows)]
 
 
+def features_batch(counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """features() of many workloads at once: counts int64 [R, E], rows int64 [R] -> float64 [R, len(FEATURES)]."""
+    busy = (rows > 0).to(torch.float64)
+    return torch.stack([busy, (counts > 0).sum(dim=1).to(torch.float64),
+                        ((counts + TILE_ROWS - 1) // TILE_ROWS).sum(dim=1).to(torch.float64),
+                        counts.sum(dim=1).to(torch.float64), rows.to(torch.float64)], dim=1)
+
+
 def workload_ids(w: Workload, top_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """int32 [rows, top_k] local expert ids with exactly w.counts routes per expert over w.rows rows (-1: no route).
 
@@ -174,6 +182,13 @@ class RankCostModel:
 
     def predict(self, w: Workload) -> float:
         return sum(c * f for c, f in zip(self.coef, features(w))) if w.rows else 0.0
+
+    __call__ = predict
+
+    def batch(self, counts: torch.Tensor, rows: torch.Tensor) -> list[float]:
+        """predict() of every rank of a micro-batch: counts [R, E], rows [R]."""
+        f = features_batch(counts, rows)
+        return ((f @ torch.tensor(self.coef, dtype=torch.float64)) * (rows > 0)).tolist()
 
     def record(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "coef_us": [round(c, 6) for c in self.coef],

@@ -11,10 +11,14 @@ timed afresh and compares the expert time (the part the model reads) and the ste
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
-from moebench.bench._ep_step import SIDES, Layout, SideStep, compose_steps, dbo_step_us, micro_batches, totals
+import torch
+
+from moebench.bench._ep_step import (SIDES, CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
+                                     totals)
 from moebench.bench._rank_cost import RankCostModel, RankTimer, Workload, fit_sample
 from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes, wire_model_of
 from moebench.inputs.engine_padding import StepPadding
@@ -26,6 +30,7 @@ DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
 # the distinct workloads collected for the choice above and the fit's sample (a bound on memory, not a figure)
 MAX_COLLECTED = 200_000
 REPLAY_TOLERANCE = 0.05
+SLOT_SEED = 104_729 * 7_919  # the source slots' batches: seed offsets past every single-rank shape's
 
 
 def layout_of(p: Params) -> Layout:
@@ -45,24 +50,82 @@ def placement(p: Params) -> str:
 
 
 class StepRoutes:
-    """Routes of every (rows, real, slot) call the steps hold, per side, computed once."""
+    """The routing of every source call of the steps, per side, from one routed batch per source slot.
 
-    def __init__(self, bench, layout: Layout):
-        self.bench, self.layout = bench, layout
+    A call (rows, real) of slot s is the first `real` rows of slot s's real-token batch followed by rows - real
+    padded rows (the producers' layout: real tokens at the head). Routing is per row, so the call's routes are the
+    prefix's plus its padding's: routed once per slot, then counted per call (the padding, oblivious only: masked
+    padded rows route nowhere). The padded rows are what padding_fill makes them: zeros (the same router input on
+    every source), repeat (copies of the call's first real row: row 0 of the slot's batch), random / stale (rows of
+    a second batch per slot). One selection bias for every source (slot 0's): it is the model's, not a source's."""
+
+    def __init__(self, p: Params, device, layout: Layout):
+        self.p, self.device, self.layout = p, device, layout
+        self.slots: dict[int, tuple] = {}  # slot -> (real ids, real rank hits, pad ids, pad rank hits)
         self.cache: dict[tuple[int, int, int], dict] = {}
+        self.bias = None
+
+    def _routed(self, sp: Params, batch) -> tuple:
+        from moebench.inputs import route
+        from moebench.params import EPLayout
+
+        batch = dataclasses.replace(batch, bias=self.bias)
+        _, ids = route(sp, batch, use_mask=False)
+        ids = ids.to(torch.int64).cpu()
+        lay = EPLayout(0, self.p.ep_size, self.p.num_experts)
+        hits = torch.zeros(ids.shape[0], lay.ep_size + 1, dtype=torch.bool)
+        hits.scatter_(1, torch.where(ids >= 0, ids // lay.experts_per_rank, lay.ep_size), True)
+        return ids, hits[:, :lay.ep_size]
+
+    def _route_slot(self, slot: int, rows: int) -> None:
+        from moebench.bench._trace_shapes import shape_params
+        from moebench.inputs import make_batch
+
+        sp = shape_params(self.p, rows, rows)
+        real = make_batch(sp, self.device, need_hidden=False, seed_offset=SLOT_SEED * (slot + 1))
+        if self.bias is None:
+            self.bias = real.bias
+        real_ids, real_hits = self._routed(sp, real)
+        if self.p.padding_fill == "repeat":
+            pad_ids, pad_hits = real_ids[:1].expand(rows, -1), real_hits[:1].expand(rows, -1)
+        else:
+            pad = make_batch(shape_params(self.p, rows, 0), self.device, need_hidden=False,
+                             seed_offset=SLOT_SEED * (slot + 1) + 1)
+            pad_ids, pad_hits = self._routed(shape_params(self.p, rows, 0), pad)
+        self.slots[slot] = (real_ids, real_hits, pad_ids, pad_hits)
 
     def prepare(self, steps: Sequence[StepPadding], progress: Callable[[int, int], None] | None = None) -> int:
+        """Route every slot the steps' calls need, at the most rows any of its calls has; returns the slots routed."""
         lay = self.layout
-        needed = sorted({(c.rows, c.real, lay.slot(q, len(s.real), c.dp_rank, c.sp_rank))
-                         for s in steps for c in s.calls for q in range(lay.replicas)} - set(self.cache))
-        for i, key in enumerate(needed):
-            self.cache[key] = self.bench.call_routes(*key)
+        rows: dict[int, int] = {}
+        for s in steps:
+            for c in s.calls:
+                for q in range(lay.replicas):
+                    slot = lay.slot(q, len(s.real), c.dp_rank, c.sp_rank)
+                    rows[slot] = max(rows.get(slot, 0), c.rows)
+        todo = sorted(k for k in rows if k not in self.slots or self.slots[k][0].shape[0] < rows[k])
+        for i, slot in enumerate(todo):
+            self._route_slot(slot, rows[slot])
             if progress:
-                progress(i + 1, len(needed))
-        return len(needed)
+                progress(i + 1, len(todo))
+        if todo:
+            self.cache.clear()
+        return len(todo)
 
-    def __call__(self, rows: int, real: int, slot: int, side: str):
-        return self.cache[(rows, real, slot)][side]
+    def __call__(self, rows: int, real: int, slot: int, side: str) -> CallRoutes:
+        key = (rows, real, slot)
+        if key not in self.cache:
+            real_ids, real_hits, pad_ids, pad_hits = self.slots[slot]
+            E = self.p.num_experts
+            ids, hits = real_ids[:real], real_hits[:real]
+            masked = CallRoutes(tuple(torch.bincount(ids[ids >= 0], minlength=E).tolist()),
+                                tuple(hits.sum(dim=0).tolist()))
+            ids = torch.cat([ids, pad_ids[:rows - real]])
+            hits = torch.cat([hits, pad_hits[:rows - real]])
+            oblivious = CallRoutes(tuple(torch.bincount(ids[ids >= 0], minlength=E).tolist()),
+                                   tuple(hits.sum(dim=0).tolist()))
+            self.cache[key] = {"masked": masked, "oblivious": oblivious}
+        return self.cache[key][side]
 
 
 def _workloads(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes) -> set[Workload]:
@@ -88,7 +151,7 @@ def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], bud
             "wall_s": round(time.perf_counter() - t0, 3)}
     sample = fit_sample(busy, budget)
     model = RankCostModel.fit(sample, [timer(w) for w in sample])
-    return model.predict, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
+    return model, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
                            "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
 
 
@@ -181,9 +244,9 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
     t0 = time.perf_counter()
     progress = progress or (lambda done, total, what, detail="": None)
     layout = layout_of(p)
-    routes = StepRoutes(bench, layout)
+    routes = StepRoutes(p, bench.device, layout)
     routed = routes.prepare(list(distinct) + list(replay_steps),
-                            lambda i, n: progress(i, n, "EP step: source calls routed"))
+                            lambda i, n: progress(i, n, "EP step: source slots routed"))
     timer = _Counted(RankTimer(p, bench.device, timing), progress)
     budget = p.ep_rank_timings if p.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_type]
     workloads = _workloads(distinct, layout, routes)
@@ -198,7 +261,7 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
         "placement": placement(p), "ranks_per_node": wire_model.ranks_per_node,
         "payload": {"dtype": "fp8" if p.expert_dtype == "fp8" else "bf16",
                     "dispatch_row_bytes": layout.dispatch_row_bytes, "combine_row_bytes": layout.combine_row_bytes},
-        "wire": wire_model.record(), **times_info, "routed_calls": routed,
+        "wire": wire_model.record(), **times_info, "routed_slots": routed,
         "totals": {side: {k: round(v, 3) for k, v in tot["sums"][side].items()} for side in SIDES},
         "tax": {k: ({s: round(x, 3) for s, x in v.items()} if isinstance(v, dict) else round(v, 3))
                 for k, v in tot["tax"].items()},

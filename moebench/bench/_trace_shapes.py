@@ -26,8 +26,7 @@ from moebench.bench.layer import LayerPipeline, check_pipeline
 from moebench.check import CheckResult
 from moebench.inputs import cached_expert_weights, make_batch, route
 from moebench.inputs.padding import fill_rows
-from moebench.bench._ep_step import CallRoutes
-from moebench.measure.imbalance import per_rank_loads, rank_rows
+from moebench.measure.imbalance import per_rank_loads
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
 
@@ -48,7 +47,6 @@ def shape_seed_offset(rows: int, real: int) -> int:
     return 7_919 * rows + real
 
 
-SLOT_SEED = 104_729 * 7_919  # an EP step's source slots: seed offsets past every shape's
 
 
 @dataclass
@@ -92,14 +90,6 @@ def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int]
     return gemm_rows, loads, int(in_rank.sum(dim=0).max().item())
 
 
-def call_routes(ids: torch.Tensor, num_experts: int, ep_size: int) -> CallRoutes:
-    """A routing [T, K] (-1: none) as routes per expert and rows with a route to each EP rank (measure.imbalance)."""
-    ids = ids.to(torch.int64)
-    expert_routes = torch.bincount(ids[ids >= 0], minlength=num_experts)
-    ranks = rank_rows(ids, EPLayout(0, ep_size, num_experts))
-    return CallRoutes(tuple(int(v) for v in expert_routes.tolist()), tuple(ranks))
-
-
 class ShapeBench:
     """Builds, times and measures shapes of one layer point (the sweep's layer parameters)."""
 
@@ -109,20 +99,15 @@ class ShapeBench:
         self.last_spread_us: float | None = None
         self.last_spreads_us: dict[str, float | None] = {}
 
-    def batch(self, rows: int, real: int, slot: int = 0, need_hidden: bool = True):
+    def batch(self, rows: int, real: int):
         """The shape's batch. Its real rows are those of the real tokens alone, (real, real): the padded call and
         its real-only baseline differ only by the padding (with independent real rows, which of this rank's
-        experts a few decode tokens reach, not the padding, would decide their difference). `slot`: the source
-        rank of an EP step (slot 0 is the single-rank view's batch): each source has its own real tokens.
-        need_hidden=False: the routing's inputs only (make_batch draws the logits first: the same logits)."""
+        experts a few decode tokens reach, not the padding, would decide their difference)."""
         sp = shape_params(self.p, rows, real)
-        base = slot * SLOT_SEED
-        padded = make_batch(sp, self.device, need_hidden=need_hidden,
-                            seed_offset=base + shape_seed_offset(rows, real))
+        padded = make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
         if real == 0 or rows == real:
             return sp, padded
-        alone = make_batch(shape_params(self.p, real, real), self.device, need_hidden=need_hidden,
-                           seed_offset=base + shape_seed_offset(real, real))
+        alone = make_batch(shape_params(self.p, real, real), self.device, seed_offset=shape_seed_offset(real, real))
         padded.logits[:real] = alone.logits
         if padded.hidden is not None:
             padded.hidden[:real] = alone.hidden
@@ -156,15 +141,6 @@ class ShapeBench:
             figures[side] = routing_figures(sp, batch, ids)
         return ShapeFigures(rows, real, {}, {s: f[0] for s, f in figures.items()},
                             {s: f[1] for s, f in figures.items()}, {s: f[2] for s, f in figures.items()})
-
-    def call_routes(self, rows: int, real: int, slot: int) -> dict[str, CallRoutes]:
-        """Per side, the routes to each expert and the rows sent to each EP rank of source `slot`'s call."""
-        sp, batch = self.batch(rows, real, slot, need_hidden=False)
-        out = {}
-        for side in SIDES:
-            _, ids = route(sp, batch, use_mask=side == "masked")
-            out[side] = call_routes(ids, self.p.num_experts, self.p.ep_size)
-        return out
 
     def time_shape(self, rows: int, real: int) -> dict[str, float]:
         """Both sides' p50 microseconds at one shape (the same seeded batch as its figures); their spreads are

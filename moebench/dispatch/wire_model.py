@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from moebench.params import Params
 from moebench.records import MANIFEST, RECORDS, load_manifest, load_records
 
@@ -62,6 +64,11 @@ class LinkModel:
         if out_bytes + in_bytes <= 0:
             return 0.0
         return self.latency_us + max(out_bytes, in_bytes) / (self.bandwidth_gbps * 1e3)  # 1 GB/s = 1e3 bytes/us
+
+    def times_us(self, out_bytes: np.ndarray, in_bytes: np.ndarray) -> np.ndarray:
+        """time_us of every rank at once."""
+        t = self.latency_us + np.maximum(out_bytes, in_bytes) / (self.bandwidth_gbps * 1e3)
+        return np.where(out_bytes + in_bytes > 0, t, 0.0)
 
 
 @dataclass(frozen=True)
@@ -110,25 +117,21 @@ class WireModel:
 
     def phase_us(self, bytes_matrix: Sequence[Sequence[float]], overhead_us: float = 0.0) -> PhaseTime:
         """One phase: `bytes_matrix[src][dst]` = bytes EP rank src sends to EP rank dst (a square list of lists,
-        or anything with .tolist(): a numpy array, a tensor); the diagonal (a rank's own rows) is ignored."""
-        rows = _square(bytes_matrix)
-        n, per_node = len(rows), self.ranks_per_node
-        cols = [list(c) for c in zip(*rows)]
-        rank_us, intra_total, inter_total = [], 0.0, 0.0
-        for r in range(n):
-            lo = (r // per_node) * per_node
-            hi = min(lo + per_node, n)
-            own = rows[r][r]
-            intra_out = sum(rows[r][lo:hi]) - own
-            intra_in = sum(cols[r][lo:hi]) - own
-            inter_out = sum(rows[r]) - own - intra_out
-            inter_in = sum(cols[r]) - own - intra_in
-            intra_total += intra_out
-            inter_total += inter_out
-            rank_us.append(max(self.intra.time_us(intra_out, intra_in), self.inter.time_us(inter_out, inter_in)))
-        slowest = max(range(n), key=rank_us.__getitem__) if n else 0
-        return PhaseTime(tuple(rank_us), slowest, intra_total, inter_total, overhead_us,
-                         overhead_us + (rank_us[slowest] if n else 0.0))
+        or anything with .tolist(): a numpy array, a tensor); the diagonal (a rank's own rows) is ignored.
+        Computed over the whole matrix at once (a step of EP 64 is 4096 entries a phase)."""
+        b = _square(bytes_matrix)
+        n = b.shape[0]
+        if n == 0:
+            return PhaseTime((), 0, 0.0, 0.0, overhead_us, overhead_us)
+        node = np.arange(n) // self.ranks_per_node
+        same = node[:, None] == node[None, :]
+        np.fill_diagonal(b, 0.0)
+        intra_out, inter_out = (b * same).sum(axis=1), (b * ~same).sum(axis=1)
+        intra_in, inter_in = (b * same).sum(axis=0), (b * ~same).sum(axis=0)
+        rank_us = np.maximum(self.intra.times_us(intra_out, intra_in), self.inter.times_us(inter_out, inter_in))
+        slowest = int(np.argmax(rank_us))
+        return PhaseTime(tuple(rank_us.tolist()), slowest, float(intra_out.sum()), float(inter_out.sum()),
+                         overhead_us, overhead_us + float(rank_us[slowest]))
 
     def dispatch_us(self, bytes_matrix: Sequence[Sequence[float]]) -> PhaseTime:
         return self.phase_us(bytes_matrix, self.dispatch_overhead_us)
@@ -137,15 +140,20 @@ class WireModel:
         return self.phase_us(bytes_matrix, self.combine_overhead_us)
 
 
-def _square(matrix: Any) -> list[list[float]]:
+def _square(matrix: Any) -> np.ndarray:
     rows = matrix.tolist() if hasattr(matrix, "tolist") else matrix
-    out = [[float(v) for v in row] for row in rows]
-    for i, row in enumerate(out):
-        if len(row) != len(out):
-            raise ValueError(f"bytes_matrix: row {i} has {len(row)} entries, expected {len(out)} (square)")
-        if any(not (v >= 0 and math.isfinite(v)) for v in row):
-            raise ValueError(f"bytes_matrix: row {i} holds a negative or non-finite byte count")
-    return out
+    for i, row in enumerate(rows):
+        if len(row) != len(rows):
+            raise ValueError(f"bytes_matrix: row {i} has {len(row)} entries, expected {len(rows)} (square)")
+    b = np.array(rows, dtype=np.float64)
+    if b.size == 0:
+        return b.reshape(0, 0)
+    if b.ndim != 2 or b.shape[0] != b.shape[1]:
+        raise ValueError(f"bytes_matrix: expected a square matrix, got shape {b.shape}")
+    bad = ~(np.isfinite(b) & (b >= 0))
+    if bad.any():
+        raise ValueError(f"bytes_matrix: row {int(np.argwhere(bad)[0][0])} holds a negative or non-finite byte count")
+    return b
 
 
 # ---------------------------------------------------------------------------------------------------------------
