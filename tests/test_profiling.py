@@ -71,6 +71,20 @@ def test_find_nsys_none_or_executable():
     assert path is None or (os.path.isfile(path) and os.access(path, os.X_OK))
 
 
+def test_importing_the_cli_loads_no_triton_kernel():
+    """The CLI chooses Triton's interpreter (TRITON_INTERPRET) for a CPU run in main(), and a kernel is decorated
+    for the interpreter or for the GPU when its module loads: so importing moebench.cli must load no kernel, or
+    `moebench profile` and `run --in-process` on a CPU fail in the kernels ('0 active drivers')."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys, moebench.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith('moebench.kernels') or m.startswith('moebench.dispatch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def _fake_exe(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\nexit 0\n")
