@@ -251,7 +251,7 @@ def format_summary(summary: list[dict], max_kernels: int = 3, header: str = "") 
         else:
             row += f"{_share(s.get('wall_share')):>8}"
         lines.append(row)
-        kind = "kernel" if s["kernel_kind"] == "gpu_kernel" else "cpu op"
+        kind = "kernel" if s["kernel_kind"] == "gpu_kernel" else "item"
         room = width - len(ind) - 4
         for k in s["kernels"][:max_kernels]:
             name = k["name"] if len(k["name"]) <= room else k["name"][: room - 3] + "..."
