@@ -14,7 +14,8 @@ import torch
 
 from moebench.measure import nvtx
 from moebench.measure.nvtx import nvtx_range, range_name
-from moebench.profile import driver, format_summary, summarize_nsys_csv, summarize_trace, write_summary_csv
+from moebench.profile import (add_breakdown, driver, format_summary, summarize_nsys_csv, summarize_trace,
+                              write_summary_csv)
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +70,20 @@ def test_real_backend_is_usable():
 def test_find_nsys_none_or_executable():
     path = driver.find_nsys()
     assert path is None or (os.path.isfile(path) and os.access(path, os.X_OK))
+
+
+def test_importing_the_cli_loads_no_triton_kernel():
+    """The CLI chooses Triton's interpreter (TRITON_INTERPRET) for a CPU run in main(), and a kernel is decorated
+    for the interpreter or for the GPU when its module loads: so importing moebench.cli must load no kernel, or
+    `moebench profile` and `run --in-process` on a CPU fail in the kernels ('0 active drivers')."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys, moebench.cli; print(sorted(m for m in sys.modules "
+            "if m.startswith('moebench.kernels') or m.startswith('moebench.dispatch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def _fake_exe(path: Path) -> Path:
@@ -194,6 +209,87 @@ def test_summary_matches_kernels_by_correlation():
     assert s2["device_total_us"] == 21 and s2["device_source"] == "kernels" and s2["device_span_us"] is None
 
 
+def _cpu_trace_with_interpreted_kernels() -> dict:
+    """A torch.profiler-shaped CPU trace: a point range holding two stages; the experts stage runs an interpreted
+    Triton launch (a `triton/<kernel>` range with the interpreter's own torch calls inside) and a torch op."""
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+    point = "moebench/layer/layer.masked"
+    return {"traceEvents": [
+        x("user_annotation", point, 0, 1000), x("user_annotation", point + "/route", 10, 190),
+        x("user_annotation", "triton/_topk_kernel", 20, 170), x("cpu_op", "aten::set_", 30, 5),
+        x("user_annotation", point + "/experts", 210, 780),
+        x("user_annotation", "triton/_gate_up_kernel", 220, 600), x("cpu_op", "aten::empty", 230, 4),
+        x("cpu_op", "aten::set_", 240, 3), x("cpu_op", "aten::add", 850, 100)]}
+
+
+def test_cpu_summary_lists_interpreted_kernels_with_wall_shares():
+    point = "moebench/layer/layer.masked"
+    rows = add_breakdown(summarize_trace(_cpu_trace_with_interpreted_kernels()))
+    by = {r["range"]: r for r in rows}
+    assert [r["range"] for r in rows] == [point, point + "/route", point + "/experts"]  # triton/ is no range
+    experts = by[point + "/experts"]
+    # the launch is one item; the torch calls inside it are the interpreter's, not listed
+    assert [(k["name"], k["total_us"]) for k in experts["kernels"]] == [("triton/_gate_up_kernel", 600.0),
+                                                                         ("aten::add", 100.0)]
+    assert [k["name"] for k in by[point + "/route"]["kernels"]] == ["triton/_topk_kernel"]
+    assert experts["device_total_us"] is None and experts["device_share"] is None
+    assert experts["wall_share"] == pytest.approx(0.78) and by[point + "/route"]["wall_share"] == pytest.approx(0.19)
+    assert by[point]["wall_share"] == 1.0
+    table = format_summary(rows, header="line one\nline two")
+    lines = table.splitlines()
+    assert lines[:2] == ["# line one", "# line two"] and "wall total" in lines[2] and "dev total" not in table
+    assert next(ln for ln in lines if ln.strip().startswith(point + "/experts ")).endswith("78.0%")
+
+
+def test_header_says_what_the_figures_are():
+    cpu_rows = [{"kernels": [{"name": "triton/_k"}], "device_total_us": None}]
+    base = {"mode": "torch.profiler", "device": "cpu", "iterations": 5, "launch": "eager launches"}
+    head, how = driver.summary_header({**base, "summary": cpu_rows, "triton_interpret": True,
+                                       "interpreted_kernel_ranges": True}).splitlines()
+    assert head.startswith("wall time of each range on the host, 5 profiled iterations") and "share" in head
+    assert "interpreter times on the CPU, not GPU figures" in how and "triton/<kernel>" in how
+    # a plain torch impl under the interpreter: no Triton launch, so no interpreter times to speak of
+    torch_rows = [{"kernels": [{"name": "aten::softmax"}], "device_total_us": None}]
+    assert driver.summary_header({**base, "summary": torch_rows, "triton_interpret": True,
+                                  "interpreted_kernel_ranges": True}).splitlines()[1] == \
+        "measured on the CPU: not GPU figures"
+    gpu_rows = [{"kernels": [], "device_total_us": 3.0, "device_source": "kernels"}]
+    assert driver.summary_header({**base, "device": "cuda", "summary": gpu_rows}) == \
+        "device time from eager launches, 5 profiled iterations (torch.profiler kernels)"
+
+
+def test_interpreted_kernel_launches_become_ranges_only_inside_the_block(monkeypatch):
+    import triton
+    import triton.language as tl
+    from torch.profiler import ProfilerActivity, profile
+
+    from moebench.profile.interpreted import interpreted_kernel_ranges
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs Triton's interpreter")
+
+    @triton.jit
+    def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+    x = torch.ones(8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _double_kernel[(1,)](x, 8, BLOCK=8)  # outside the block: no range
+        with interpreted_kernel_ranges() as active:
+            _double_kernel[(1,)](x, 8, BLOCK=8)
+    assert active and InterpretedFunction.run is original and torch.equal(x, torch.full((8,), 4.0))
+    names = [e.name for e in prof.events()]
+    assert names.count("triton/_double_kernel") == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels: nothing to wrap
+    with interpreted_kernel_ranges() as active:
+        assert not active and InterpretedFunction.run is original
+
+
 NVTX_SUM = """Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Style,Range
 80.0,400000,20,20000.0,19000.0,18000,30000,1000.0,PushPop,:moebench/experts/fused_experts.triton
 20.0,100000,20,5000.0,5000.0,4000,7000,500.0,PushPop,:other/range
@@ -277,7 +373,7 @@ def _fake_runner(monkeypatch, reach_timing: bool = True):
     def run_single_point(sweep, point_index, device, iters, inner_hook):
         seen.update(sweep=sweep, point_index=point_index, device=device, iters=iters)
         if not reach_timing:
-            return {"status": "wrong"}
+            return {"status": "wrong", "reason": "out.max_rel 0.5 > 0.01"}
         x = torch.randn(16, 16)
         with nvtx_range(range_name("router", "topk_softmax.torch")):  # warm-up: outside the capture
             x @ x
@@ -314,6 +410,7 @@ def test_profile_point_that_never_times(tmp_path, monkeypatch):
     _fake_runner(monkeypatch, reach_timing=False)
     res = driver.profile_point("sweeps/x.yaml", 0, tmp_path, None, "cpu", iters=2, use_nsys=False, echo=False)
     assert res["summary"] == [] and "never reached" in res["error"] and res["point_status"] == "wrong"
+    assert "out.max_rel 0.5 > 0.01" in res["error"]  # why it never did
 
 
 @pytest.mark.gpu

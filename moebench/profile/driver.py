@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moebench.measure.nvtx import EAGER_LAUNCHES
+from moebench.profile.interpreted import KERNEL_RANGE_PREFIX, interpreted_kernel_ranges
 from moebench.profile.nsys_reports import summarize_nsys_csv, summarize_nsys_traces
-from moebench.profile.summary import add_breakdown, format_summary, summarize_trace, write_summary_csv
+from moebench.profile.summary import (add_breakdown, format_summary, has_device_time, summarize_trace,
+                                      write_summary_csv)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Finding nsys
@@ -248,6 +250,8 @@ def _profile_nsys(nsys: str, sweep_path, point_index: int, out_dir: Path, overri
 
 
 def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, device: str, iters: int) -> dict:
+    import contextlib
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -257,16 +261,21 @@ def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, devic
     if on_cuda:
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    state = {"started": False, "stopped": False}
+    state = {"started": False, "stopped": False, "kernel_ranges": False}
+    # Only the profiled iterations run with their interpreted Triton launches in `triton/<kernel>` ranges: the
+    # warm-up and the timed samples before them run exactly as in `moebench run`.
+    kernel_ranges = contextlib.ExitStack()
 
     def hook(event: str) -> None:
         if on_cuda:
             torch.cuda.synchronize()  # warm-up work stays out of the trace; timed work is complete at stop
         if event == "start" and not state["started"]:
+            state["kernel_ranges"] = kernel_ranges.enter_context(interpreted_kernel_ranges())
             prof.start()
             state["started"] = True
         elif event == "stop" and state["started"] and not state["stopped"]:
             prof.stop()
+            kernel_ranges.close()
             state["stopped"] = True
 
     result: dict[str, Any] = {"mode": "torch.profiler", "point": point_index, "impl": point.impl,
@@ -277,12 +286,18 @@ def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, devic
         if state["started"] and not state["stopped"]:
             prof.stop()  # the point raised mid-way: keep what was recorded
             state["stopped"] = True
+        kernel_ranges.close()
     result["point_status"] = _status_of(point_result)
-    if isinstance(point_result, dict) and point_result.get("profile"):
-        result["profiled"] = point_result["profile"]
+    if isinstance(point_result, dict):
+        if point_result.get("profile"):
+            result["profiled"] = point_result["profile"]
+        if "triton_interpret" in point_result:
+            result["triton_interpret"] = bool(point_result["triton_interpret"])
+    result["interpreted_kernel_ranges"] = state["kernel_ranges"]
     if not state["started"]:
-        result["error"] = (f"the point never reached its profiled iterations (status {result['point_status']!r}): "
-                           "nothing was profiled")
+        reason = point_result.get("reason") if isinstance(point_result, dict) else None
+        result["error"] = (f"the point never reached its profiled iterations (status {result['point_status']!r}"
+                           + (f": {reason}" if reason else "") + "): nothing was profiled")
         return result
     trace_path = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace_path))
@@ -292,12 +307,26 @@ def _profile_torch(sweep_path, point_index: int, out_dir: Path, overrides, devic
 
 
 def summary_header(result: dict) -> str:
-    """What the device columns mean for this profile, e.g. "device time from eager launches, 20 profiled
-    iterations (nsys nvtx_kern_sum)"."""
-    sources = sorted({s["device_source"] for s in result.get("summary") or [] if s.get("device_source")})
-    how = f"{result['mode']} " + "/".join(sources) if sources else f"{result['mode']}, no device activity"
-    return f"device time from {result.get('launch', EAGER_LAUNCHES)}, {result.get('iterations', '?')} profiled " \
-           f"iterations ({how})"
+    """What the figures of this profile are. With device time: e.g. "device time from eager launches, 20 profiled
+    iterations (nsys nvtx_kern_sum)". Without (a CPU profile): the ranges' wall time and share of the point's,
+    and on a second line that the times are the CPU's, under Triton's interpreter when it ran the kernels: never
+    GPU figures."""
+    summary = result.get("summary") or []
+    launch, iters = result.get("launch", EAGER_LAUNCHES), result.get("iterations", "?")
+    if has_device_time(summary):
+        sources = sorted({s["device_source"] for s in summary if s.get("device_source")})
+        return f"device time from {launch}, {iters} profiled iterations ({result['mode']} " + "/".join(sources) + ")"
+    if not str(result.get("device", "")).startswith("cpu"):  # a GPU profile that recorded no device work
+        return f"host time of each range from {launch}, {iters} profiled iterations ({result['mode']}, no device time)"
+    head = (f"wall time of each range on the host, {iters} profiled iterations ({launch} after the point's warm-up "
+            f"and timing; {result['mode']}); share: of the point's wall time")
+    launches = any(k["name"].startswith(KERNEL_RANGE_PREFIX) for s in summary for k in s.get("kernels") or [])
+    if result.get("triton_interpret") and (launches or not result.get("interpreted_kernel_ranges")):
+        how = "Triton's interpreter ran the kernels (TRITON_INTERPRET=1): interpreter times on the CPU, not GPU figures"
+        if launches:
+            how += f"; {KERNEL_RANGE_PREFIX}<kernel>: that kernel's launches"
+        return f"{head}\n{how}"
+    return f"{head}\nmeasured on the CPU: not GPU figures"
 
 
 def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str | os.PathLike,
@@ -310,9 +339,11 @@ def profile_point(sweep_path: str | os.PathLike, point_index: int, out_dir: str 
     kernels launched inside it. nsys (found by find_nsys) and CUDA: the point is re-launched as `python -m
     moebench profile ... --inner` under `nsys profile` with capture limited to those iterations, then `nsys
     stats` CSVs are written next to the .nsys-rep (libraries nsys lacks: $MOEBENCH_NSYS_LIBS, nsys_lib_dirs).
-    Otherwise torch.profiler records the same iterations in this process and a chrome trace
-    (trace.json) is exported; so it is too when nsys writes no report at all (its importer failing without
-    libdw, say), with `nsys_error` and a `note` saying so. Either way the per-range summary goes to
+    Otherwise torch.profiler records the same iterations in this process and a chrome trace (trace.json) is
+    exported; on a CPU each launch of a kernel in Triton's interpreter is a `triton/<kernel>` range there
+    (moebench.profile.interpreted) and the ranges' wall time is the figure (summary_header). torch.profiler is
+    used too when nsys writes no report at all (its importer failing without libdw, say), with `nsys_error` and
+    a `note` saying so. Either way the per-range summary goes to
     profile_summary.csv, is printed when `echo`, and the returned dict is saved as profile.json.
     `use_nsys=False` forces torch.profiler.
     """

@@ -10,9 +10,11 @@ One summary row per NVTX range name:
   device_span_us                             first start to last end of that work per instance, summed (nsys'
                                              projection, torch.profiler's gpu_user_annotation), when known
   kernel_kind, kernels                       what ran inside: GPU kernels by total time ("gpu_kernel") or, on a
-                                             CPU, the top-level CPU ops ("cpu_op")
-  parent, device_share                       (add_breakdown) the enclosing range, and the share of the point's
-                                             (outermost range's) device time
+                                             CPU ("cpu_op"), the top-level work: each Triton kernel that ran in
+                                             Triton's interpreter (`triton/<kernel>`, moebench.profile.interpreted)
+                                             and the torch ops outside them
+  parent, device_share, wall_share           (add_breakdown) the enclosing range, and the share of the point's
+                                             (outermost range's) device time and of its wall (host) time
 Work launched inside a nested range counts for the enclosing ranges too (as nsys' nvtx_kern_sum counts it).
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.measure.nvtx import RANGE_PREFIX
+from moebench.profile.interpreted import KERNEL_RANGE_PREFIX
 
 
 def summary_row(name: str, count: int, cpu_total_us: float | None, work: dict[str, list[float]],
@@ -74,7 +77,9 @@ def summarize_trace(trace: str | os.PathLike | dict, prefix: str = RANGE_PREFIX)
     of first appearance. Device work reaches a range through the launching runtime call's correlation id (the
     launch lies inside the range on the same thread); its span comes from the GPU-side projection of the range
     (`gpu_user_annotation`) when the trace has one. Without device activity (CPU), the top-level CPU ops inside
-    each range are listed instead and the device columns stay None.
+    each range are listed instead, with the interpreted Triton launches (`triton/<kernel>` ranges) as ops of their
+    own (the torch calls inside such a launch are the interpreter's, not the stage's), and the device columns stay
+    None: the range's own (wall) time is its figure.
     """
     if not isinstance(trace, dict):
         with open(trace) as f:
@@ -91,7 +96,8 @@ def summarize_trace(trace: str | os.PathLike | dict, prefix: str = RANGE_PREFIX)
             if corr is not None:
                 device_by_corr.setdefault(corr, []).append(e)
     have_device = bool(device_by_corr)
-    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"
+               or (e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(KERNEL_RANGE_PREFIX))]
 
     order: list[str] = []
     by_name: dict[str, list[dict]] = {}
@@ -130,8 +136,9 @@ def summarize_trace(trace: str | os.PathLike | dict, prefix: str = RANGE_PREFIX)
 # ---------------------------------------------------------------------------------------------------------------
 
 def add_breakdown(summary: list[dict]) -> list[dict]:
-    """Set each row's `parent` (the longest other range name that prefixes it followed by "/", "" for none) and
-    `device_share` (its device time over its outermost ancestor's, i.e. the point's; None without device time).
+    """Set each row's `parent` (the longest other range name that prefixes it followed by "/", "" for none),
+    `device_share` (its device time over its outermost ancestor's, i.e. the point's; None without device time) and
+    `wall_share` (the same for the ranges' wall time on the host: the figure of a CPU profile).
     Rows are reordered so that each range is followed by its children (first-appearance order otherwise)."""
     names = [s["range"] for s in summary]
     by_name = {s["range"]: s for s in summary}
@@ -144,9 +151,13 @@ def add_breakdown(summary: list[dict]) -> list[dict]:
             s = by_name[s["parent"]]
         return s
 
+    def share(s: dict, key: str) -> float | None:
+        top = root(s)[key]
+        return s[key] / top if s[key] is not None and top else None
+
     for s in summary:
-        top = root(s)["device_total_us"]
-        s["device_share"] = (s["device_total_us"] / top) if s["device_total_us"] is not None and top else None
+        s["device_share"] = share(s, "device_total_us")
+        s["wall_share"] = share(s, "cpu_total_us")
     ordered: list[dict] = []
 
     def visit(s: dict) -> None:
@@ -167,7 +178,7 @@ def add_breakdown(summary: list[dict]) -> list[dict]:
 
 CSV_COLUMNS = ("range", "count", "cpu_total_us", "cpu_mean_us", "device_total_us", "device_mean_us",
                "device_source", "kernel_kind", "kernel", "kernel_count", "kernel_total_us", "kernel_mean_us",
-               "parent", "device_share", "device_span_us", "launch")
+               "parent", "device_share", "device_span_us", "launch", "wall_share")
 
 
 def _fmt(v: Any) -> str:
@@ -188,7 +199,7 @@ def write_summary_csv(summary: list[dict], path: str | os.PathLike, launch: str 
         for s in summary:
             head = [s["range"], s["count"], s["cpu_total_us"], s["cpu_mean_us"], s["device_total_us"],
                     s["device_mean_us"], s["device_source"], s["kernel_kind"]]
-            tail = [s.get("parent", ""), s.get("device_share"), s.get("device_span_us"), launch]
+            tail = [s.get("parent", ""), s.get("device_share"), s.get("device_span_us"), launch, s.get("wall_share")]
             rows = [[k["name"], k["count"], k["total_us"], k["mean_us"]] for k in s["kernels"]] or [[None] * 4]
             for row in rows:
                 w.writerow([_fmt(v) for v in head + row + tail])
@@ -203,10 +214,18 @@ def _share(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def has_device_time(summary: list[dict]) -> bool:
+    """Whether any range of the summary has device time (a GPU profile); without it (a CPU profile) the ranges'
+    wall time is the figure, and their shares are of the point's wall time."""
+    return any(s.get("device_total_us") is not None for s in summary)
+
+
 def format_summary(summary: list[dict], max_kernels: int = 3, header: str = "") -> str:
     """The printed table: one line per range (stages indented under the point's range), its top `max_kernels`
-    kernels (or CPU ops) below it with count and total time. `header` (e.g. how the work was launched) is
-    printed first as a comment."""
+    kernels (or CPU ops) below it with count and total time. With device time (a GPU profile) the columns are
+    host and device time and the share of the point's device time; without (a CPU profile) the ranges' wall time
+    and the share of the point's wall time. `header` (how the work was launched and timed; one comment line per
+    line) is printed first."""
     if not summary:
         return f"# no {RANGE_PREFIX}... ranges in the profile"
     depth = {s["range"]: 0 for s in summary}
@@ -214,16 +233,25 @@ def format_summary(summary: list[dict], max_kernels: int = 3, header: str = "") 
         p = s.get("parent") or ""
         depth[s["range"]] = depth.get(p, -1) + 1 if p else 0
     width = max(40, max(len(s["range"]) + 2 * depth[s["range"]] for s in summary) + 2)
-    lines = [f"# {header}"] if header else []
-    lines += [f"{'range':<{width}}{'count':>7}{'cpu total':>14}{'cpu/call':>12}{'dev total':>14}{'dev/call':>12}"
-              f"{'share':>8}",
-              f"{'':<{width}}{'':>7}{'(us)':>14}{'(us)':>12}{'(us)':>14}{'(us)':>12}{'':>8}"]
+    device = has_device_time(summary)
+    lines = [f"# {h}" for h in header.splitlines()]
+    if device:
+        lines += [f"{'range':<{width}}{'count':>7}{'cpu total':>14}{'cpu/call':>12}{'dev total':>14}"
+                  f"{'dev/call':>12}{'share':>8}",
+                  f"{'':<{width}}{'':>7}{'(us)':>14}{'(us)':>12}{'(us)':>14}{'(us)':>12}{'':>8}"]
+    else:
+        lines += [f"{'range':<{width}}{'count':>7}{'wall total':>14}{'wall/call':>12}{'share':>8}",
+                  f"{'':<{width}}{'':>7}{'(us)':>14}{'(us)':>12}{'':>8}"]
     for s in summary:
         ind = "  " * depth[s["range"]]
-        lines.append(f"{ind + s['range']:<{width}}{s['count']:>7} {_num(s['cpu_total_us']):>13} "
-                     f"{_num(s['cpu_mean_us']):>11} {_num(s['device_total_us']):>13} {_num(s['device_mean_us']):>11}"
-                     f"{_share(s.get('device_share')):>8}")
-        kind = "kernel" if s["kernel_kind"] == "gpu_kernel" else "cpu op"
+        row = f"{ind + s['range']:<{width}}{s['count']:>7} {_num(s['cpu_total_us']):>13} {_num(s['cpu_mean_us']):>11}"
+        if device:
+            row += (f" {_num(s['device_total_us']):>13} {_num(s['device_mean_us']):>11}"
+                    f"{_share(s.get('device_share')):>8}")
+        else:
+            row += f"{_share(s.get('wall_share')):>8}"
+        lines.append(row)
+        kind = "kernel" if s["kernel_kind"] == "gpu_kernel" else "item"
         room = width - len(ind) - 4
         for k in s["kernels"][:max_kernels]:
             name = k["name"] if len(k["name"]) <= room else k["name"][: room - 3] + "..."

@@ -26,7 +26,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from moebench import registry
-from moebench.dispatch.wire_model import wire_params_problem
 from moebench.params import Params, Point, Timing, ep_split_problem
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
@@ -152,6 +151,10 @@ def params_problem(p: Params) -> str | None:
     why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
     if why:
         return f"trace_file: {why}"
+    # Imported here: the dispatch package loads the Triton kernels, which must wait until the CLI has chosen
+    # Triton's interpreter (TRITON_INTERPRET) for a CPU run.
+    from moebench.dispatch.wire_model import wire_params_problem
+
     why = wire_params_problem(p)
     if why:
         return why
