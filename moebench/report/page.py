@@ -249,7 +249,8 @@ def profile_table(prof: dict) -> tuple[list[str], list[list[str]]]:
     head = ["range", "count", "cpu us/call", "device us/call", "device us total", "share", "top kernels"]
     rows = []
     for s in prof.get("summary") or []:
-        share = s.get("device_share")
+        # a CPU profile has no device time: its ranges' share of the point's wall time
+        share = s.get("device_share") if s.get("device_share") is not None else s.get("wall_share")
         kernels = "; ".join(f"{k['name']} x{k['count']} {k['total_us']:.1f} us"
                             for k in (s.get("kernels") or [])[:TOP_KERNELS])
         rows.append([s["range"], _num(s.get("count")), _us(s.get("cpu_mean_us")), _us(s.get("device_mean_us")),
