@@ -348,6 +348,7 @@ def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_fil
     monkeypatch.setattr(_rank_cost.RankTimer, "__call__", lambda self, w: rank_cost(w))
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
     monkeypatch.setattr(serving_trace, "STEP_RECORDS_MAX", 5)
+    monkeypatch.setattr(_trace_ep, "COLLECT_STEPS", 2)  # workloads read from 2 of the 3 distinct steps: a model
     serving_trace._SHAPES.clear()
     trace = tmp_path / "t.csv"
     trace.write_text("dp0,dp1\n" + "3,1\n5,2\n" * 6 + "1,1\n")
@@ -356,6 +357,7 @@ def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_fil
     info = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu"), run_dir=tmp_path)).info
     assert info["trace_steps"] is None and info["trace"]["steps"] == 13 and info["trace"]["distinct_steps"] == 3
     assert [d["count"] for d in info["distinct_step_records"]] == [6, 6, 1]
+    assert info["ep_step"]["workloads_read_from_steps"] == 2 and info["ep_step"]["rank_times"] == "model"
     cols, meta = read_step_columns(tmp_path, info["step_file"])
     assert cols["real_dp0"].tolist() == [3, 5] * 6 + [1] and "ep_step_us_<side>" in meta["columns"]
     for side in ("masked", "oblivious"):

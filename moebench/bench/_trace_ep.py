@@ -27,8 +27,9 @@ from moebench.params import Params, Timing
 # distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
 # ep_rank_timings unset; the interpreter's budget is a smoke test's
 DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
-# the distinct workloads collected for the choice above and the fit's sample (a bound on memory, not a figure)
-MAX_COLLECTED = 200_000
+# distinct steps whose rank workloads are read for the choice above and the fit's sample (a bound on time and
+# memory: a million-step trace has ~1e5 distinct steps and 1e6 workloads, a fit needs their range, not all of them)
+COLLECT_STEPS = 4_000
 REPLAY_TOLERANCE = 0.05
 SLOT_SEED = 104_729 * 7_919  # the source slots' batches: seed offsets past every single-rank shape's
 
@@ -128,23 +129,32 @@ class StepRoutes:
         return self.cache[key][side]
 
 
-def _workloads(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes) -> set[Workload]:
+def _workloads(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes) -> tuple[set[Workload], int]:
+    """The distinct rank workloads of the steps, and how many steps they were read from: every step up to
+    COLLECT_STEPS; beyond, the largest tenth of that many (the fit must reach the biggest workloads) and an even
+    spread of the rest (a cost model is then fitted: a lookup table would miss the steps not read)."""
+    if len(steps) > COLLECT_STEPS:
+        by_rows = sorted(range(len(steps)), key=lambda i: -sum(c.rows for c in steps[i].calls))
+        top = COLLECT_STEPS // 10
+        rest = by_rows[top:]
+        picked = by_rows[:top] + [rest[round(j * (len(rest) - 1) / (COLLECT_STEPS - top - 1))]
+                                  for j in range(COLLECT_STEPS - top)]
+        steps = [steps[i] for i in sorted(set(picked))]
     seen: set[Workload] = set()
     for s in steps:
         for side in SIDES:
             for mb in micro_batches(s, layout, routes, side):
                 seen.update(mb.workloads)
-        if len(seen) > MAX_COLLECTED:
-            break
-    return seen
+    return seen, len(steps)
 
 
-def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], budget: int
+def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], budget: int, complete: bool = True
                ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
-    """(rank time lookup, its record): every workload timed when there are at most `budget`, else a cost model."""
+    """(rank time lookup, its record): every workload timed when there are at most `budget` and they are all of
+    the trace's (`complete`), else a cost model fitted to `budget` of them."""
     t0 = time.perf_counter()
     busy = [w for w in workloads if w.rows]
-    if len(busy) <= budget:
+    if complete and len(busy) <= budget:
         table = {w: timer(w) for w in busy}
         return (lambda w: table[w] if w.rows else 0.0), {
             "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
@@ -152,7 +162,7 @@ def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], bud
     sample = fit_sample(busy, budget)
     model = RankCostModel.fit(sample, [timer(w) for w in sample])
     return model, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
-                           "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
+                   "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
 
 
 def _wire_time(model) -> Callable[[str, list[list[int]]], float]:
@@ -249,9 +259,10 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
                             lambda i, n: progress(i, n, "EP step: source slots routed"))
     timer = _Counted(RankTimer(p, bench.device, timing), progress)
     budget = p.ep_rank_timings if p.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_type]
-    workloads = _workloads(distinct, layout, routes)
+    workloads, read = _workloads(distinct, layout, routes)
     timer.expect(min(budget, sum(1 for w in workloads if w.rows)), "EP step: rank workloads timed")
-    rank_time, times_info = rank_times(workloads, timer, budget)
+    rank_time, times_info = rank_times(workloads, timer, budget, complete=read == len(distinct))
+    times_info["workloads_read_from_steps"] = read
     wire_model = wire_model_of(p)
     wire = _wire_time(wire_model)
     per_step = compose_steps(distinct, layout, routes, rank_time, wire)
