@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moebench import registry
+from moebench.families import get_family
 from moebench.peers import sglang as peers_sglang, vllm as peers_vllm
 from moebench.peers._lib import libraries
 from moebench.peers.compile import FORMULATIONS, compile_available
@@ -28,11 +29,14 @@ TESTS = Path(__file__).resolve().parent
 # A family's own knobs, where SMALL is not a point every peer of it takes.
 FAMILY_POINTS = {"grouped_topk": GROUPED, "apply_expert_map": dict(SMALL, ep_size=2),
                  "globalize_recv_topk_idx": dict(SMALL, ep_size=2)}
+# fp8 block-scaled experts: 128x128 weight blocks, fp32 group-128 staging
+FP8 = dict(SMALL, num_local_experts=4, top_k=3, hidden=256, intermediate=128, group_size=128, scale_format="fp32")
+IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}
 
 
 def peer_point(impl: registry.Impl) -> dict:
-    """The small point a peer is checked at: its family's, else SMALL."""
-    return FAMILY_POINTS.get(impl.kernel, SMALL)
+    """The small point a peer is checked at: its own, else its family's, else SMALL."""
+    return IMPL_POINTS.get(impl.name, FAMILY_POINTS.get(impl.kernel, SMALL))
 
 
 def own_test_file(library: str) -> Path | None:
@@ -233,6 +237,54 @@ def test_vllm_moe_sum_records_which_path_ran_and_its_precision_class(standins):
         assert path in case.info["moe_sum_path"] and "bf16 ulps" in case.info["precision"]
         assert case.info["accumulation"].startswith(accumulation), (top_k, case.info["accumulation"])
         assert res.metrics["out.max_ulps"] <= top_k / 2
+
+
+def test_vllm_fused_experts_hands_skipped_routes_through_its_expert_map(standins):
+    case, res = _check("fused_experts.vllm", _params(**SMALL))
+    assert res.ok, res.detail
+    assert "expert_map" in case.info["vllm_skipped_routes"] and case.info["skipped_routes"] > 0
+
+    def hands_minus_one(x, w13, w2, topk_weights, topk_ids, *, out=None):  # the pre-fix adapter
+        return vllm_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, global_num_experts=w13.shape[0])
+
+    case = get_family("fused_experts").build_for(hands_minus_one)(_params(**SMALL), CPU)
+    with pytest.raises(IndexError, match="negative"):  # vLLM's alignment would read before its buffers
+        case.check()
+
+
+@pytest.mark.parametrize("name, dtype_part", [("fused_experts.vllm", ""),
+                                              ("fused_experts.fp8_vllm", ",dtype=fp8_w8a8,block_shape=[128,128]")])
+def test_vllm_experts_record_the_launch_config_vllm_picks(standins, monkeypatch, name, dtype_part):
+    point = IMPL_POINTS.get(name, SMALL)
+    E, N = point.get("num_local_experts", point["num_experts"]), point["intermediate"]
+    file = f"E={E},N={N},device_name=stand-in_CPU{dtype_part}.json"
+    case, res = _check(name, _params(**point))
+    assert res.ok, res.detail
+    assert case.info["vllm_config_file"] == file and "default rule" in case.info["vllm_config_source"]
+    assert case.info["vllm_config"] == vllm_ops.LAST_CONFIG[0]  # what fused_experts ran with
+    tuned = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4}
+    monkeypatch.setitem(vllm_ops.TUNED_CONFIGS, file, {1: dict(tuned, num_stages=2), 16: tuned, 4096: {}})
+    case, res = _check(name, _params(**point))
+    assert res.ok, res.detail
+    assert case.info["vllm_config_source"] == f"vLLM's tuned file {file}"
+    assert case.info["vllm_config"] == tuned == vllm_ops.LAST_CONFIG[0]  # the batch size closest to T = 16
+
+
+def test_vllm_fp8_experts_take_a_quant_config_where_the_version_does(standins):
+    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, activation="silu",
+                      global_num_experts=-1, expert_map=None, quant_config=None):
+        return vllm_ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, global_num_experts=
+                                      global_num_experts, expert_map=expert_map, use_fp8_w8a8=True, **quant_config)
+
+    def fp8_w8a8_moe_quant_config(w1_scale, w2_scale, a1_scale=None, a2_scale=None, block_shape=None):
+        return {"w1_scale": w1_scale, "w2_scale": w2_scale, "block_shape": block_shape}
+
+    lib = type("v", (), {"fused_experts": staticmethod(fused_experts), "MOEBENCH_STANDIN": True,
+                         "fp8_w8a8_moe_quant_config": staticmethod(fp8_w8a8_moe_quant_config)})
+    peers_vllm.VLLM.bind(lib)
+    case, res = _check("fused_experts.fp8_vllm", _params(**FP8))
+    assert res.ok, res.detail
+    assert case.info["vllm_fp8_api"] == "quant_config" and case.info["vllm_config_source"].startswith("unknown")
 
 
 def test_vllm_grouped_topk_says_its_copy_is_timed(standins):
