@@ -13,13 +13,13 @@ import torch
 
 from moebench import registry
 from moebench.families import get_family
-from moebench.peers import sglang as peers_sglang, vllm as peers_vllm
+from moebench.peers import matmul_ogs as peers_matmul_ogs, sglang as peers_sglang, vllm as peers_vllm
 from moebench.peers._lib import libraries
 from moebench.peers.compile import FORMULATIONS, compile_available
 from moebench.params import Params
 from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
 from moebench.registry import RunContext
-from tests.standins import sgl_kernel_standin, standins as standin_modules, vllm_ops
+from tests.standins import sgl_kernel_standin, standins as standin_modules, triton_kernels_standin, vllm_ops
 
 CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
@@ -117,6 +117,7 @@ EXTRA_ADAPTER_POINTS = {
     "masked_moe_sum.vllm@top_k8": dict(SMALL, top_k=8),
     "moe_align_block_size.vllm@map": dict(SMALL, num_local_experts=4),
     "moe_align_block_size.sglang@map": dict(SMALL, num_local_experts=4),
+    "fused_experts.matmul_ogs@experts40": dict(SMALL, num_experts=40, top_k=4),  # bitmatrix words past the first
 }
 
 
@@ -285,6 +286,45 @@ def test_vllm_fp8_experts_take_a_quant_config_where_the_version_does(standins):
     case, res = _check("fused_experts.fp8_vllm", _params(**FP8))
     assert res.ok, res.detail
     assert case.info["vllm_fp8_api"] == "quant_config" and case.info["vllm_config_source"].startswith("unknown")
+
+
+def test_matmul_ogs_bitmatrix_holds_each_rows_valid_ids():
+    ids = torch.tensor([[0, 31, -1], [63, 32, 5], [-1, -1, -1]], dtype=torch.int32)
+    packed = peers_matmul_ogs.pack_bitmatrix(ids, 64)
+    assert packed.dtype == torch.uint32 and packed.shape == (3, 2)
+    words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert words.tolist() == [[1 | 1 << 31, 0], [1 << 5, 1 << 31 | 1]] + [[0, 0]]
+    mask = triton_kernels_standin.Bitmatrix(packed, dtype=triton_kernels_standin.BIT, shape=[3, 64])
+    meta = triton_kernels_standin.make_bitmatrix_metadata(ids.to(torch.int16), mask)
+    assert meta.row_sorted_indx.tolist() == [0, 2, -1, 4, 3, 1, -1, -1, -1]  # by expert; -1: the sentinel
+    with pytest.raises(ValueError, match="bitmatrix"):  # a bit the ids do not list: the real kernel overruns
+        triton_kernels_standin.make_bitmatrix_metadata(torch.where(ids == 5, -1, ids).to(torch.int16), mask)
+
+
+def test_matmul_ogs_runs_openai_swiglu_as_silu_times_up(standins, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(6, 2, 8, generator=g)  # [rows, (gate, up), I] -> interleaved columns, up shifted by -1
+    interleaved = torch.stack([gate_up[:, 0], gate_up[:, 1] - 1.0], dim=2).reshape(6, 16)
+    got = triton_kernels_standin.swiglu_fn(interleaved, 1.0, peers_matmul_ogs.NO_CLIP)
+    want = torch.nn.functional.silu(gate_up[:, 0]) * gate_up[:, 1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    case, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
+    assert res.ok and "-1 bias" in case.info["matmul_ogs_swiglu"] and "sentinel" in case.info[
+        "matmul_ogs_skipped_routes"]
+    # without the bias, triton_kernels' SwiGLU is s * (up + 1): the check catches it
+    monkeypatch.setattr(peers_matmul_ogs, "linear_bias", lambda e, i, device: torch.zeros(e, 2 * i))
+    _, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
+    assert not res.ok
+
+
+def test_a_triton_kernels_without_the_v36_api_says_why():
+    def load():
+        raise ImportError("cannot import name 'SparseMatrix' from 'triton_kernels.tensor'")
+
+    lib = peers_matmul_ogs.Library("triton_kernels", "torch", load)
+    assert "does not import here (ImportError: cannot import name 'SparseMatrix'" in lib.available(CPU, "matmul_ogs")
+    assert "not installed" in peers_matmul_ogs.Library("triton_kernels", "moebench_no_such_module", load).available(
+        CPU, "matmul_ogs")
 
 
 def test_vllm_grouped_topk_says_its_copy_is_timed(standins):
