@@ -253,6 +253,18 @@ def test_vllm_fused_experts_hands_skipped_routes_through_its_expert_map(standins
         case.check()
 
 
+def test_a_vllm_fused_experts_without_expert_map_refuses_skipped_routes(standins):
+    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, activation="silu"):
+        return vllm_ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids)
+
+    peers_vllm.VLLM.bind(type("v", (), {"fused_experts": staticmethod(fused_experts), "MOEBENCH_STANDIN": True}))
+    impl = registry.get("fused_experts.vllm")
+    with pytest.raises(ValueError, match="no expert_map"):
+        impl.build(_params(**SMALL), CPU).check()
+    case, res = _check("fused_experts.vllm", _params(**dict(SMALL, padding_ratio=0.0)))  # no skipped route
+    assert res.ok and case.info["skipped_routes"] == 0 and "no expert_map" in case.info["vllm_skipped_routes"]
+
+
 @pytest.mark.parametrize("name, dtype_part", [("fused_experts.vllm", ""),
                                               ("fused_experts.fp8_vllm", ",dtype=fp8_w8a8,block_shape=[128,128]")])
 def test_vllm_experts_record_the_launch_config_vllm_picks(standins, monkeypatch, name, dtype_part):
@@ -269,6 +281,20 @@ def test_vllm_experts_record_the_launch_config_vllm_picks(standins, monkeypatch,
     assert res.ok, res.detail
     assert case.info["vllm_config_source"] == f"vLLM's tuned file {file}"
     assert case.info["vllm_config"] == tuned == vllm_ops.LAST_CONFIG[0]  # the batch size closest to T = 16
+
+
+def test_vllm_config_is_looked_up_for_the_rows_of_one_chunk(monkeypatch):
+    from types import SimpleNamespace
+
+    from moebench.peers.vllm_experts import picked_config
+
+    file = vllm_ops.get_config_file_name(4, 32, None)
+    monkeypatch.setitem(vllm_ops.TUNED_CONFIGS, file, {8: {"BLOCK_SIZE_M": 16}, 64: {"BLOCK_SIZE_M": 64}})
+    names = ("try_get_optimal_moe_config", "get_config_file_name", "get_moe_configs")
+    lib = SimpleNamespace(**{n: getattr(vllm_ops, n) for n in names})
+    assert picked_config(lib, (4, 64, 64), (4, 64, 32), 2, None, 64)["vllm_config"] == {"BLOCK_SIZE_M": 64}
+    lib.VLLM_FUSED_MOE_CHUNK_SIZE = 8  # fused_experts runs 64 tokens as chunks of 8, each looked up at M = 8
+    assert picked_config(lib, (4, 64, 64), (4, 64, 32), 2, None, 64)["vllm_config"] == {"BLOCK_SIZE_M": 16}
 
 
 def test_vllm_fp8_experts_take_a_quant_config_where_the_version_does(standins):

@@ -81,6 +81,7 @@ def _load():
     _optional(ns, f"{fused_moe}.fused_moe", "get_config_file_name", "get_moe_configs", "try_get_optimal_moe_config")
     _optional(ns, f"{fused_moe}.config", "fp8_w8a8_moe_quant_config")
     _optional(ns, "vllm.model_executor.layers.quantization.utils.fp8_utils", "per_token_group_quant_fp8")
+    _optional(ns, "vllm.envs", "VLLM_FUSED_MOE_CHUNK_SIZE")
     return ns
 
 

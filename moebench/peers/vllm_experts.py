@@ -18,9 +18,11 @@ expert -1 block, whose GEMM tiles write zeros (info "vllm_skipped_routes").
 
 Launch config: fused_experts picks its own (try_get_optimal_moe_config: vLLM's tuned file
 configs/E=<E>,N=<I>,device_name=<GPU>[,dtype=fp8_w8a8][,block_shape=[128,128]].json, the entry of the batch size
-closest to T; without a file for this GPU and shape, get_default_config). The adapter asks the same functions the
-same question on the build (untimed) and records the answer: info "vllm_config_file", "vllm_config_source" (vLLM's
-tuned file, or its default rule) and "vllm_config".
+closest to the rows of a chunk, min(T, VLLM_FUSED_MOE_CHUNK_SIZE); without a file for this GPU and shape,
+get_default_config). The adapter asks the same functions the same question on the build (untimed) and records the
+answer: info "vllm_config_file", "vllm_config_source" (vLLM's tuned file, or its default rule) and "vllm_config".
+A vLLM whose fused_experts takes no expert_map cannot be handed skipped routes: the first (untimed) call refuses
+such a point, and runs one without them.
 
 fp8: vLLM takes the bf16 hidden states and quantises them itself (per_token_group_quant_fp8, group 128, fp32
 scales: timed, as vLLM runs); the weights are moebench's e4m3 128x128 blocks with fp32 block scales (vLLM's layout
@@ -49,6 +51,7 @@ __all__ = ["skip_map", "picked_config", "make_fused_experts", "make_fp8_vllm", "
 BLOCK_SHAPE = [WEIGHT_BLOCK, WEIGHT_BLOCK]  # vLLM's block-quantised fp8: 128x128 weight blocks, 1x128 activations
 SKIPPED = ("as id E through an (E + 1)-entry identity expert_map whose last entry is -1 (vLLM's alignment reads no "
            "-1 id); the -1 -> E replacement is timed")
+NO_MAP = "none: this vLLM's fused_experts takes no expert_map (a point with skipped routes is refused)"
 
 
 def skip_map(num_experts: int, device) -> torch.Tensor:
@@ -57,9 +60,10 @@ def skip_map(num_experts: int, device) -> torch.Tensor:
                       torch.full((1,), -1, dtype=torch.int32, device=device)])
 
 
-def picked_config(lib, w1_shape, w2_shape, top_k: int, dtype: str | None, M: int, block_shape=None) -> dict:
+def picked_config(lib, w1_shape, w2_shape, top_k: int, dtype: str | None, tokens: int, block_shape=None) -> dict:
     """What vLLM's fused_experts runs with at this shape, asked of its own lookup: {vllm_config_file,
-    vllm_config_source, vllm_config}, or the reason it could not be asked."""
+    vllm_config_source, vllm_config}, or the reason it could not be asked. vLLM looks up the rows of a chunk."""
+    M = min(tokens, int(getattr(lib, "VLLM_FUSED_MOE_CHUNK_SIZE", tokens)))
     names = ("try_get_optimal_moe_config", "get_config_file_name", "get_moe_configs")
     if not all(hasattr(lib, n) for n in names):
         return {"vllm_config_source": "unknown: this vLLM has no " + " / ".join(n for n in names if not hasattr(lib, n))}
@@ -82,32 +86,38 @@ def picked_config(lib, w1_shape, w2_shape, top_k: int, dtype: str | None, M: int
 
 
 class _SkippedRoutes:
-    """topk_ids with -1 -> (ids with -1 replaced by E, the (E + 1)-entry map), the map made on first use."""
+    """topk_ids -> the keywords that hand them to fused_experts: ids with -1 replaced by E, global_num_experts E + 1
+    and the (E + 1)-entry map (made on first use); for a vLLM without expert_map, the ids as they are, refused on the
+    first (untimed) call when they hold a skipped route."""
 
-    def __init__(self):
+    def __init__(self, op):
+        self.takes_map = accepts(op, "expert_map")
         self.maps: dict = {}
 
-    def __call__(self, topk_ids: torch.Tensor, num_experts: int):
+    def __call__(self, topk_ids: torch.Tensor, num_experts: int) -> dict:
         key = (num_experts, topk_ids.device)
         if key not in self.maps:
-            self.maps[key] = skip_map(num_experts, topk_ids.device)
+            if not self.takes_map and bool((topk_ids < 0).any()):
+                raise ValueError("this vLLM's fused_experts takes no expert_map: skipped routes (-1) cannot be handed "
+                                 "to it (its alignment reads no -1 id)")
+            self.maps[key] = skip_map(num_experts, topk_ids.device) if self.takes_map else None
+        if not self.takes_map:
+            return {"topk_ids": topk_ids}
         ids = torch.where(topk_ids < 0, torch.full_like(topk_ids, num_experts), topk_ids)
-        return ids, self.maps[key]
+        return {"topk_ids": ids, "global_num_experts": num_experts + 1, "expert_map": self.maps[key]}
 
 
 def make_fused_experts(lib):
     op = lib.fused_experts
     extra = {k: v for k, v in (("inplace", False), ("activation", "silu"), ("allow_deep_gemm", False))
              if accepts(op, k)}
-    skipped = _SkippedRoutes()
+    skipped = _SkippedRoutes(op)
 
     def fn(x, w13, w2, topk_weights, topk_ids, *, out=None):
-        E = w13.shape[0]
         if "vllm_config_source" not in fn.info:  # the first, untimed call
             fn.info.update(picked_config(lib, w13.shape, w2.shape, topk_ids.shape[1], None, x.shape[0]))
-        ids, expert_map = skipped(topk_ids, E)
-        return op(x, w13, w2, topk_weights, ids, global_num_experts=E + 1, expert_map=expert_map, **extra)
-    fn.info = {"vllm_skipped_routes": SKIPPED}
+        return op(x, w13, w2, topk_weights, **skipped(topk_ids, w13.shape[0]), **extra)
+    fn.info = {"vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP}
     return fn
 
 
@@ -135,14 +145,12 @@ def make_fp8_vllm(lib):
                                                                    block_shape=BLOCK_SHAPE)}
         else:
             quant = {"use_fp8_w8a8": True, "w1_scale": inp.w13_s, "w2_scale": inp.w2_s, "block_shape": BLOCK_SHAPE}
-        skipped = _SkippedRoutes()
+        skipped = _SkippedRoutes(op)
 
         def fn(topk_ids, topk_weights, *, out):
-            ids, expert_map = skipped(topk_ids, E)
-            out.copy_(op(hidden, inp.w13_q, inp.w2_q, topk_weights, ids, global_num_experts=E + 1,
-                         expert_map=expert_map, **quant, **extra))
+            out.copy_(op(hidden, inp.w13_q, inp.w2_q, topk_weights, **skipped(topk_ids, E), **quant, **extra))
             return out
-        fn.info = {"vllm_skipped_routes": SKIPPED, "vllm_fp8_input": "bf16 rows, quantised by vLLM (timed)",
+        fn.info = {"vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP, "vllm_fp8_input": "bf16 rows, quantised by vLLM (timed)",
                    "vllm_fp8_api": "quant_config" if takes_quant_config else "use_fp8_w8a8 keywords",
                    **picked_config(lib, inp.w13_q.shape, inp.w2_q.shape, inp.ids.shape[1], "fp8_w8a8",
                                    hidden.shape[0], BLOCK_SHAPE)}
