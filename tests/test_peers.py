@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from moebench import registry
-from moebench.families import get_family
-from moebench.peers import matmul_ogs as peers_matmul_ogs, sglang as peers_sglang, vllm as peers_vllm
+from moebench.peers import sglang as peers_sglang, vllm as peers_vllm
 from moebench.peers._lib import libraries
 from moebench.peers.compile import FORMULATIONS, compile_available
 from moebench.params import Params
 from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
 from moebench.registry import RunContext
-from tests.standins import sgl_kernel_standin, standins as standin_modules, triton_kernels_standin, vllm_ops
+from tests.standins import sgl_kernel_standin, standins as standin_modules, vllm_ops
 
 CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
@@ -31,7 +30,7 @@ FAMILY_POINTS = {"grouped_topk": GROUPED, "apply_expert_map": dict(SMALL, ep_siz
                  "globalize_recv_topk_idx": dict(SMALL, ep_size=2)}
 # fp8 block-scaled experts: 128x128 weight blocks, fp32 group-128 staging
 FP8 = dict(SMALL, num_local_experts=4, top_k=3, hidden=256, intermediate=128, group_size=128, scale_format="fp32")
-IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}
+IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}  # (tests/test_peers_vllm_experts.py checks these peers further)
 
 
 def peer_point(impl: registry.Impl) -> dict:
@@ -117,7 +116,6 @@ EXTRA_ADAPTER_POINTS = {
     "masked_moe_sum.vllm@top_k8": dict(SMALL, top_k=8),
     "moe_align_block_size.vllm@map": dict(SMALL, num_local_experts=4),
     "moe_align_block_size.sglang@map": dict(SMALL, num_local_experts=4),
-    "fused_experts.matmul_ogs@experts40": dict(SMALL, num_experts=40, top_k=4),  # bitmatrix words past the first
 }
 
 
@@ -137,8 +135,9 @@ def test_every_peer_library_has_a_standin_and_every_peer_is_checked_here():
     """A peer is an adapter plus a stand-in: each Library of moebench.peers has one in tests/standins, so each of its
     registered impls is in adapter_points or in its module's own test file (the torch.compile and torch peers run
     for real: compile_points, the contract test)."""
-    assert set(libraries()) == set(standin_modules()) >= {"vllm", "sglang", "flashinfer", "deep_gemm"}
+    assert set(libraries()) == set(standin_modules()) >= {"vllm", "sglang", "flashinfer", "deep_gemm", "triton_kernels"}
     assert own_test_file("deep_gemm") == TESTS / "test_peers_deepgemm.py" and own_test_file("vllm") is None
+    assert own_test_file("triton_kernels") == TESTS / "test_peers_matmul_ogs.py"
     for name, impl in registry.all_impls().items():
         if impl.library in libraries():
             assert name in ADAPTER_POINTS or own_test_file(impl.library), name
@@ -238,119 +237,6 @@ def test_vllm_moe_sum_records_which_path_ran_and_its_precision_class(standins):
         assert path in case.info["moe_sum_path"] and "bf16 ulps" in case.info["precision"]
         assert case.info["accumulation"].startswith(accumulation), (top_k, case.info["accumulation"])
         assert res.metrics["out.max_ulps"] <= top_k / 2
-
-
-def test_vllm_fused_experts_hands_skipped_routes_through_its_expert_map(standins):
-    case, res = _check("fused_experts.vllm", _params(**SMALL))
-    assert res.ok, res.detail
-    assert "expert_map" in case.info["vllm_skipped_routes"] and case.info["skipped_routes"] > 0
-
-    def hands_minus_one(x, w13, w2, topk_weights, topk_ids, *, out=None):  # the pre-fix adapter
-        return vllm_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, global_num_experts=w13.shape[0])
-
-    case = get_family("fused_experts").build_for(hands_minus_one)(_params(**SMALL), CPU)
-    with pytest.raises(IndexError, match="negative"):  # vLLM's alignment would read before its buffers
-        case.check()
-
-
-def test_a_vllm_fused_experts_without_expert_map_refuses_skipped_routes(standins):
-    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, activation="silu"):
-        return vllm_ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids)
-
-    peers_vllm.VLLM.bind(type("v", (), {"fused_experts": staticmethod(fused_experts), "MOEBENCH_STANDIN": True}))
-    impl = registry.get("fused_experts.vllm")
-    with pytest.raises(ValueError, match="no expert_map"):
-        impl.build(_params(**SMALL), CPU).check()
-    case, res = _check("fused_experts.vllm", _params(**dict(SMALL, padding_ratio=0.0)))  # no skipped route
-    assert res.ok and case.info["skipped_routes"] == 0 and "no expert_map" in case.info["vllm_skipped_routes"]
-
-
-@pytest.mark.parametrize("name, dtype_part", [("fused_experts.vllm", ""),
-                                              ("fused_experts.fp8_vllm", ",dtype=fp8_w8a8,block_shape=[128,128]")])
-def test_vllm_experts_record_the_launch_config_vllm_picks(standins, monkeypatch, name, dtype_part):
-    point = IMPL_POINTS.get(name, SMALL)
-    E, N = point.get("num_local_experts", point["num_experts"]), point["intermediate"]
-    file = f"E={E},N={N},device_name=stand-in_CPU{dtype_part}.json"
-    case, res = _check(name, _params(**point))
-    assert res.ok, res.detail
-    assert case.info["vllm_config_file"] == file and "default rule" in case.info["vllm_config_source"]
-    assert case.info["vllm_config"] == vllm_ops.LAST_CONFIG[0]  # what fused_experts ran with
-    tuned = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4}
-    monkeypatch.setitem(vllm_ops.TUNED_CONFIGS, file, {1: dict(tuned, num_stages=2), 16: tuned, 4096: {}})
-    case, res = _check(name, _params(**point))
-    assert res.ok, res.detail
-    assert case.info["vllm_config_source"] == f"vLLM's tuned file {file}"
-    assert case.info["vllm_config"] == tuned == vllm_ops.LAST_CONFIG[0]  # the batch size closest to T = 16
-
-
-def test_vllm_config_is_looked_up_for_the_rows_of_one_chunk(monkeypatch):
-    from types import SimpleNamespace
-
-    from moebench.peers.vllm_experts import picked_config
-
-    file = vllm_ops.get_config_file_name(4, 32, None)
-    monkeypatch.setitem(vllm_ops.TUNED_CONFIGS, file, {8: {"BLOCK_SIZE_M": 16}, 64: {"BLOCK_SIZE_M": 64}})
-    names = ("try_get_optimal_moe_config", "get_config_file_name", "get_moe_configs")
-    lib = SimpleNamespace(**{n: getattr(vllm_ops, n) for n in names})
-    assert picked_config(lib, (4, 64, 64), (4, 64, 32), 2, None, 64)["vllm_config"] == {"BLOCK_SIZE_M": 64}
-    lib.VLLM_FUSED_MOE_CHUNK_SIZE = 8  # fused_experts runs 64 tokens as chunks of 8, each looked up at M = 8
-    assert picked_config(lib, (4, 64, 64), (4, 64, 32), 2, None, 64)["vllm_config"] == {"BLOCK_SIZE_M": 16}
-
-
-def test_vllm_fp8_experts_take_a_quant_config_where_the_version_does(standins):
-    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, activation="silu",
-                      global_num_experts=-1, expert_map=None, quant_config=None):
-        return vllm_ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, global_num_experts=
-                                      global_num_experts, expert_map=expert_map, use_fp8_w8a8=True, **quant_config)
-
-    def fp8_w8a8_moe_quant_config(w1_scale, w2_scale, a1_scale=None, a2_scale=None, block_shape=None):
-        return {"w1_scale": w1_scale, "w2_scale": w2_scale, "block_shape": block_shape}
-
-    lib = type("v", (), {"fused_experts": staticmethod(fused_experts), "MOEBENCH_STANDIN": True,
-                         "fp8_w8a8_moe_quant_config": staticmethod(fp8_w8a8_moe_quant_config)})
-    peers_vllm.VLLM.bind(lib)
-    case, res = _check("fused_experts.fp8_vllm", _params(**FP8))
-    assert res.ok, res.detail
-    assert case.info["vllm_fp8_api"] == "quant_config" and case.info["vllm_config_source"].startswith("unknown")
-
-
-def test_matmul_ogs_bitmatrix_holds_each_rows_valid_ids():
-    ids = torch.tensor([[0, 31, -1], [63, 32, 5], [-1, -1, -1]], dtype=torch.int32)
-    packed = peers_matmul_ogs.pack_bitmatrix(ids, 64)
-    assert packed.dtype == torch.uint32 and packed.shape == (3, 2)
-    words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    assert words.tolist() == [[1 | 1 << 31, 0], [1 << 5, 1 << 31 | 1]] + [[0, 0]]
-    mask = triton_kernels_standin.Bitmatrix(packed, dtype=triton_kernels_standin.BIT, shape=[3, 64])
-    meta = triton_kernels_standin.make_bitmatrix_metadata(ids.to(torch.int16), mask)
-    assert meta.row_sorted_indx.tolist() == [0, 2, -1, 4, 3, 1, -1, -1, -1]  # by expert; -1: the sentinel
-    with pytest.raises(ValueError, match="bitmatrix"):  # a bit the ids do not list: the real kernel overruns
-        triton_kernels_standin.make_bitmatrix_metadata(torch.where(ids == 5, -1, ids).to(torch.int16), mask)
-
-
-def test_matmul_ogs_runs_openai_swiglu_as_silu_times_up(standins, monkeypatch):
-    g = torch.Generator().manual_seed(5)
-    gate_up = torch.randn(6, 2, 8, generator=g)  # [rows, (gate, up), I] -> interleaved columns, up shifted by -1
-    interleaved = torch.stack([gate_up[:, 0], gate_up[:, 1] - 1.0], dim=2).reshape(6, 16)
-    got = triton_kernels_standin.swiglu_fn(interleaved, 1.0, peers_matmul_ogs.NO_CLIP)
-    want = torch.nn.functional.silu(gate_up[:, 0]) * gate_up[:, 1]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    case, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
-    assert res.ok and "-1 bias" in case.info["matmul_ogs_swiglu"] and "sentinel" in case.info[
-        "matmul_ogs_skipped_routes"]
-    # without the bias, triton_kernels' SwiGLU is s * (up + 1): the check catches it
-    monkeypatch.setattr(peers_matmul_ogs, "linear_bias", lambda e, i, device: torch.zeros(e, 2 * i))
-    _, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
-    assert not res.ok
-
-
-def test_a_triton_kernels_without_the_v36_api_says_why():
-    def load():
-        raise ImportError("cannot import name 'SparseMatrix' from 'triton_kernels.tensor'")
-
-    lib = peers_matmul_ogs.Library("triton_kernels", "torch", load)
-    assert "does not import here (ImportError: cannot import name 'SparseMatrix'" in lib.available(CPU, "matmul_ogs")
-    assert "not installed" in peers_matmul_ogs.Library("triton_kernels", "moebench_no_such_module", load).available(
-        CPU, "matmul_ogs")
 
 
 def test_vllm_grouped_topk_says_its_copy_is_timed(standins):

@@ -17,8 +17,9 @@ Sources read (triton-lang/triton): python/triton_kernels/triton_kernels/matmul_o
 GatherIndx, ScatterIndx, FusedActivation, PrecisionConfig, matmul_ogs, reduce_grouped), tensor.py at 022bb95d
 (Bitmatrix, BIT, SparseMatrix, make_ragged_tensor_metadata), swiglu_details/_swiglu.py at 002402cf, bench_mlp.py at
 0206ecf9. The v3.6.0 tag itself could not be read here (the repository is past the fetch limit): the API was matched
-on the generation vLLM calls "v3.6.0+"; a triton_kernels without SparseMatrix (v3.5's routing module) or matmul_ogs
-does not import, and the peer is skipped saying why.
+on the generation vLLM calls "v3.6.0+" (triton_kernels.routing removed in October 2025; matmul_ogs renamed matmul on
+Triton's main in January 2026, triton-lang/triton#9539). A triton_kernels of another generation (v3.5's routing
+module without SparseMatrix, or the later `matmul`) does not import here, and the peer is skipped saying why.
 
 What the adapter does around the library, all timed:
 - skipped routes (-1: padding, non-local): -1 is triton_kernels' sentinel of "no expert" in the top-k ids. Its
