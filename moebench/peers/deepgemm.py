@@ -136,7 +136,8 @@ class DeepGemmExperts:
         dev = inp.x_q.device
         self.h = torch.empty(self.rows, two_i, dtype=torch.bfloat16, device=dev)  # outputs made once: no allocation
         self.y = torch.empty(self.rows, H, dtype=torch.bfloat16, device=dev)  # in a timed call
-        self.info = {"deepgemm_rows": self.rows, "deepgemm_align": self.align}
+        self.info = {"deepgemm_rows": self.rows, "deepgemm_align": self.align,
+                     "adapter_status": "written from DeepGEMM v2.6.1's sources; not yet run against the real library"}
 
     def __call__(self, topk_ids, topk_weights, *, out):
         inp = self.inp

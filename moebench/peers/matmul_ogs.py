@@ -155,7 +155,9 @@ def make_matmul_ogs(lib):
                        precision_config=precision, gammas=data.gate_scal, y=out.view(1, T, H))
         return out
     fn.buffers = {}
-    fn.info = {"matmul_ogs_skipped_routes": SKIPPED,
+    fn.info = {"adapter_status": "written from triton_kernels' sources (the v3.6.0+ API generation); not yet run "
+                                 "against the real library",
+               "matmul_ogs_skipped_routes": SKIPPED,
                "matmul_ogs_swiglu": "triton_kernels' SwiGLU, alpha 1, no clipping, -1 bias on the linear columns "
                                     "(silu(gate) * up)",
                "matmul_ogs_zeroed_out": "output zeroed before the call (timed): the reduction skips tokens with no "
