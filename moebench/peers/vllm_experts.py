@@ -14,7 +14,9 @@ Skipped routes: fused_experts aligns topk_ids with moe_align_block_size, which r
 own EP path skips routes through fused_experts' expert_map. So the adapter hands a skipped route as id E through an
 (E + 1)-entry identity expert_map whose last entry is -1, with global_num_experts = E + 1 (the map made once on the
 first, untimed call; the torch.where that replaces -1 by E is timed): both alignment kernels then leave it in an
-expert -1 block, whose GEMM tiles write zeros (info "vllm_skipped_routes").
+expert -1 block, whose GEMM tiles write zeros (info "vllm_skipped_routes"). Versions that apply the map after the
+alignment in Python (expert_ids = expert_map[expert_ids]) see the same: id E is a bucket of their E + 1. (Later
+versions' alignment also takes ignore_invalid_experts for -1 ids; the map works in every version read.)
 
 Launch config: fused_experts picks its own (try_get_optimal_moe_config: vLLM's tuned file
 configs/E=<E>,N=<I>,device_name=<GPU>[,dtype=fp8_w8a8][,block_shape=[128,128]].json, the entry of the batch size
