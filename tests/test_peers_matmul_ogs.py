@@ -43,12 +43,13 @@ def _check(name: str, p: Params):
 
 
 def test_every_triton_kernels_peer_is_checked_here():
-    assert [n for n, i in registry.all_impls().items() if i.library == "triton_kernels"] == ["fused_experts.matmul_ogs"]
+    peers = [n for n, i in registry.all_impls().items() if i.library == "triton_kernels"]
+    assert peers == ["fused_experts.triton_kernels"]
 
 
 @pytest.mark.parametrize("label", sorted(POINTS))
 def test_matmul_ogs_passes_the_reference_check_against_its_standin(standins, label):
-    case, res = _check("fused_experts.matmul_ogs", _params(**POINTS[label]))
+    case, res = _check("fused_experts.triton_kernels", _params(**POINTS[label]))
     assert res.ok, res.detail
     assert case.info["skipped_routes"] > 0  # padded (and non-local) routes went in as -1
     assert "not yet run against the real library" in case.info["adapter_status"]
@@ -75,12 +76,12 @@ def test_matmul_ogs_runs_openai_swiglu_as_silu_times_up(standins, monkeypatch):
     got = triton_kernels_standin.swiglu_fn(interleaved, 1.0, peers_matmul_ogs.NO_CLIP)
     want = torch.nn.functional.silu(gate_up[:, 0]) * gate_up[:, 1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    case, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
+    case, res = _check("fused_experts.triton_kernels", _params(**SMALL))
     assert res.ok and "-1 bias" in case.info["matmul_ogs_swiglu"] and "sentinel" in case.info[
         "matmul_ogs_skipped_routes"]
     # without the bias, triton_kernels' SwiGLU is s * (up + 1): the check catches it
     monkeypatch.setattr(peers_matmul_ogs, "linear_bias", lambda e, i, device: torch.zeros(e, 2 * i))
-    _, res = _check("fused_experts.matmul_ogs", _params(**SMALL))
+    _, res = _check("fused_experts.triton_kernels", _params(**SMALL))
     assert not res.ok
 
 

@@ -1,10 +1,11 @@
 """triton_kernels' matmul_ogs as an experts peer (library "triton_kernels": OpenAI's MoE grouped GEMM, pure Python
 and Triton, installed from the Triton repository's python/triton_kernels at a Triton tag, as vLLM does):
 
-  fused_experts.matmul_ogs  routing metadata from moebench's top-k ids (bitmatrix -> SparseMatrix -> ragged
-                            metadata -> RoutingData, GatherIndx, ScatterIndx), then two matmul_ogs calls: gate/up
-                            with the gather and triton_kernels' SwiGLU fused, down with the scatter, the top-k
-                            weights (gammas) and the reduction over the slots; bf16 in, fp32 accumulation, bf16 out
+  fused_experts.triton_kernels  routing metadata from moebench's top-k ids (bitmatrix -> SparseMatrix -> ragged
+                                metadata -> RoutingData, GatherIndx, ScatterIndx), then two matmul_ogs calls: gate/up
+                                with the gather and triton_kernels' SwiGLU fused, down with the scatter, the top-k
+                                weights (gammas) and the reduction over the slots; bf16 in, fp32 accumulation, bf16
+                                out
 
 The calls are vLLM's triton_kernels backend (model_executor/layers/fused_moe/experts/gpt_oss_triton_kernels_moe.py
 at 0221ab43: make_routing_data, triton_kernel_fused_experts, its "v3.6.0+" API generation, where
@@ -165,7 +166,7 @@ def make_matmul_ogs(lib):
     return fn
 
 
-register_adapter(TRITON_KERNELS, "fused_experts", "matmul_ogs", "matmul_ogs", make_matmul_ogs,
+register_adapter(TRITON_KERNELS, "fused_experts", "triton_kernels", "matmul_ogs", make_matmul_ogs,
                  "triton_kernels matmul_ogs (OpenAI's MoE grouped GEMM, vLLM's triton_kernels backend): routing "
                  "metadata from the ids, gather + SwiGLU, scatter + weights + slot reduction; bf16; -1 routes are "
                  "its sentinel")

@@ -69,7 +69,8 @@ def picked_config(lib, w1_shape, w2_shape, top_k: int, dtype: str | None, tokens
     M = min(tokens, int(getattr(lib, "VLLM_FUSED_MOE_CHUNK_SIZE", tokens)))
     names = ("try_get_optimal_moe_config", "get_config_file_name", "get_moe_configs")
     if not all(hasattr(lib, n) for n in names):
-        return {"vllm_config_source": "unknown: this vLLM has no " + " / ".join(n for n in names if not hasattr(lib, n))}
+        missing = " / ".join(n for n in names if not hasattr(lib, n))
+        return {"vllm_config_source": f"unknown: this vLLM has no {missing}"}
     E, _, N = w2_shape
     block_n, block_k = block_shape if block_shape else (0, 0)
     lookup = lib.try_get_optimal_moe_config
