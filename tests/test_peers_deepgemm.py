@@ -87,6 +87,20 @@ def test_the_standin_transposes_row_major_activation_scales_as_deepgemm_does():
     assert bool(d[64:].isnan().all()) and bool(d[:64].isfinite().all())  # rows of group -1: undefined
 
 
+def test_deepgemm_peer_runs_on_sm90_only(monkeypatch):
+    """fp32 1x128 / 128x128 scales are DeepGEMM's sm90 recipe; sm100 wants UE8M0 scales moebench's staging is not."""
+    saved = deepgemm.DEEP_GEMM.lib, deepgemm.DEEP_GEMM.reason
+    deepgemm.DEEP_GEMM.bind(type("real", (), {}))  # a library that is not the stand-in
+    try:
+        cuda = RunContext(device=torch.device("cuda"))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        assert "sm100" in deepgemm.sm90_only(cuda)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert deepgemm.sm90_only(cuda) is None and deepgemm.sm90_only(CPU) is None
+    finally:
+        deepgemm.DEEP_GEMM.lib, deepgemm.DEEP_GEMM.reason = saved
+
+
 @pytest.mark.gpu
 def test_gpu_deepgemm_sync_free_and_graph_captured():
     """With deep_gemm built on the H200: the registered peer checks, makes no host sync, and is timed as a graph."""
