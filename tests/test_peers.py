@@ -28,11 +28,14 @@ TESTS = Path(__file__).resolve().parent
 # A family's own knobs, where SMALL is not a point every peer of it takes.
 FAMILY_POINTS = {"grouped_topk": GROUPED, "apply_expert_map": dict(SMALL, ep_size=2),
                  "globalize_recv_topk_idx": dict(SMALL, ep_size=2)}
+# fp8 block-scaled experts: 128x128 weight blocks, fp32 group-128 staging
+FP8 = dict(SMALL, num_local_experts=4, top_k=3, hidden=256, intermediate=128, group_size=128, scale_format="fp32")
+IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}  # (tests/test_peers_vllm_experts.py checks these peers further)
 
 
 def peer_point(impl: registry.Impl) -> dict:
-    """The small point a peer is checked at: its family's, else SMALL."""
-    return FAMILY_POINTS.get(impl.kernel, SMALL)
+    """The small point a peer is checked at: its own, else its family's, else SMALL."""
+    return IMPL_POINTS.get(impl.name, FAMILY_POINTS.get(impl.kernel, SMALL))
 
 
 def own_test_file(library: str) -> Path | None:
@@ -132,8 +135,9 @@ def test_every_peer_library_has_a_standin_and_every_peer_is_checked_here():
     """A peer is an adapter plus a stand-in: each Library of moebench.peers has one in tests/standins, so each of its
     registered impls is in adapter_points or in its module's own test file (the torch.compile and torch peers run
     for real: compile_points, the contract test)."""
-    assert set(libraries()) == set(standin_modules()) >= {"vllm", "sglang", "flashinfer", "deep_gemm"}
+    assert set(libraries()) == set(standin_modules()) >= {"vllm", "sglang", "flashinfer", "deep_gemm", "triton_kernels"}
     assert own_test_file("deep_gemm") == TESTS / "test_peers_deepgemm.py" and own_test_file("vllm") is None
+    assert own_test_file("triton_kernels") == TESTS / "test_peers_matmul_ogs.py"
     for name, impl in registry.all_impls().items():
         if impl.library in libraries():
             assert name in ADAPTER_POINTS or own_test_file(impl.library), name

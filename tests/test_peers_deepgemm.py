@@ -65,6 +65,40 @@ def test_deepgemm_peer_checks_against_its_standin(standin):
     assert res.ok, res.detail
     assert case.info["compile_seconds"] > 0 and case.info["deepgemm_align"] == 128
     assert case.info["deepgemm_rows"] == deepgemm.capacity(16 * 3, 4, 128)
+    before = deep_gemm_standin.SFA_TRANSPOSES[0]
+    case.run()  # a timed call: both GEMMs' activation scales already in DeepGEMM's MN-major TMA-aligned layout
+    assert deep_gemm_standin.SFA_TRANSPOSES[0] == before
+    assert case.info["deepgemm_sfa_layout"].startswith("MN-major")
+    assert "v2.6.1" in case.info["adapter_status"] and "not yet run" in case.info["adapter_status"]
+
+
+def test_the_standin_transposes_row_major_activation_scales_as_deepgemm_does():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(128, 256, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(2, 128, 256, generator=g).to(torch.float8_e4m3fn)
+    sfa, sfb = torch.rand(128, 2, generator=g) + 0.5, torch.rand(2, 1, 2, generator=g) + 0.5
+    layout = torch.cat([torch.zeros(64, dtype=torch.int32), torch.full((64,), -1, dtype=torch.int32)])
+    d = torch.empty(128, 128, dtype=torch.bfloat16)
+    before = deep_gemm_standin.SFA_TRANSPOSES[0]
+    deep_gemm_standin.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, layout, disable_ue8m0_cast=True)
+    assert deep_gemm_standin.SFA_TRANSPOSES[0] == before + 1  # row-major: transposed inside the call
+    deep_gemm_standin.m_grouped_fp8_gemm_nt_contiguous((a, deepgemm.mn_major(sfa)), (b, sfb), d, layout)
+    assert deep_gemm_standin.SFA_TRANSPOSES[0] == before + 1 and deepgemm.sfa_is_mn_major(deepgemm.mn_major(sfa))
+    assert bool(d[64:].isnan().all()) and bool(d[:64].isfinite().all())  # rows of group -1: undefined
+
+
+def test_deepgemm_peer_runs_on_sm90_only(monkeypatch):
+    """fp32 1x128 / 128x128 scales are DeepGEMM's sm90 recipe; sm100 wants UE8M0 scales moebench's staging is not."""
+    saved = deepgemm.DEEP_GEMM.lib, deepgemm.DEEP_GEMM.reason
+    deepgemm.DEEP_GEMM.bind(type("real", (), {}))  # a library that is not the stand-in
+    try:
+        cuda = RunContext(device=torch.device("cuda"))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        assert "sm100" in deepgemm.sm90_only(cuda)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert deepgemm.sm90_only(cuda) is None and deepgemm.sm90_only(CPU) is None
+    finally:
+        deepgemm.DEEP_GEMM.lib, deepgemm.DEEP_GEMM.reason = saved
 
 
 @pytest.mark.gpu

@@ -1,25 +1,36 @@
 """DeepGEMM's grouped contiguous fp8 GEMM as an experts peer (library "deep_gemm"), DeepSeek-style block scales:
 
   fused_experts.fp8_deepgemm  deep_gemm.m_grouped_fp8_gemm_nt_contiguous for both GEMMs, on the staged rows as they
-                              are (group 128, fp32 scales: DeepGEMM's 1x128 activation layout on sm90) and moebench's
-                              128x128 block weights (its weight layout); the layout, the SwiGLU with its 1x128
+                              are (group 128, fp32 scales: DeepGEMM's 1x128 activation recipe on sm90) and moebench's
+                              128x128 block weights (its weight recipe); the layout, the SwiGLU with its 1x128
                               re-quantisation and the combine through torch.compile, as the torch peers
                               (peers.torch_grouped). The glue has no host sync (the capacity is static); whether the
                               library call has none is unverified (the @gpu test of tests/test_peers_deepgemm.py).
 
 The contiguous layout (compiled, `contiguous_layout`): each expert's routes padded up to a multiple of the alignment
-(128), the experts one after the other, capacity ceil((T*K + E*127) / 128) * 128 rows; `m_indices` names each row's
-expert, -1 for padding and the tail. Skipped routes (-1, non-local) get no row at all.
+(get_mk_alignment_for_contiguous_layout(), 128 unless set), the experts one after the other, capacity
+ceil((T*K + E*(align-1)) / align) * align rows; `m_indices` names each row's expert, -1 for padding and the tail.
+Skipped routes (-1, non-local) get no row at all: -1 is DeepGEMM's sentinel for a row of no group.
 
-The call (DeepGEMM 2.8.0): m_grouped_fp8_gemm_nt_contiguous((a e4m3 [M, K], a_sf fp32 [M, K/128]), (b e4m3
-[E, N, K], b_sf fp32 [E, N/128, K/128]), d bf16 [M, N], m_indices int32 [M], disable_ue8m0_cast=...): row m of d
-is a[m] times group m_indices[m]'s weights; the d rows of padding (-1) are undefined; each group's segment is
-aligned to get_mk_alignment_for_contiguous_layout() (128). UE8M0 scales are the sm100 path, so on sm90
-disable_ue8m0_cast=True and the scales stay fp32.
+What was read: deepseek-ai/DeepGEMM v2.6.1 (54e2261, `__version__ = '2.6.1'`): csrc/apis/gemm.hpp,
+csrc/apis/layout.hpp, csrc/utils/layout.hpp, csrc/jit_kernels/impls/smxx_layout.hpp, scheduler/gemm.cuh,
+tests/test_fp8_fp4.py, tests/generators.py, README. The call: m_grouped_fp8_gemm_nt_contiguous(a=(e4m3 [M, K],
+sfa), b=(e4m3 [G, N, K], sfb fp32 [G, N/128, K/128]), d bf16 [M, N], grouped_layout int32 [M], recipe=None, ...,
+compiled_dims="nk", disable_ue8m0_cast=False, use_psum_layout=False, ...), an alias of
+m_grouped_fp8_fp4_gemm_nt_contiguous. On sm90 the default recipe is (1, 128, 128): sfa fp32 [M, K/128], which
+DeepGEMM needs MN-major and TMA-aligned (stride 1 along M, align(M, 4) between columns; README: "the LHS scaling
+factor is required to have a TMA-aligned and transposed layout"); any other sfa layout it transposes itself with a
+JIT kernel inside the call. This adapter's compiled glue writes both GEMMs' sfa in that layout, so nothing is
+transposed inside a timed call (info "deepgemm_sfa_layout" says which happened). A 64-row half-block whose first
+row is -1 is not computed (scheduler is_computation_valid); its d rows are never read here. UE8M0 (use_ue8m0) is
+the sm100 recipe: there the library packs scales into UE8M0 and rejects fp32 sfa with disable_ue8m0_cast=True, and
+moebench's fp32 scales are not powers of two, so the peer runs on sm90 only (available() says so elsewhere) and
+passes disable_ue8m0_cast=True as DeepGEMM's own tests do for fp32 scales.
 
-Not run against a real DeepGEMM by moebench's tests: they use tests/standins/deep_gemm_standin.py, a stand-in with
-this call's signature and layout rules. DeepGEMM is not installable from the package index here; on the GPU
-machine it must be built from its repository (not committed, like DeepEP).
+Not run against a real DeepGEMM by moebench: its tests use tests/standins/deep_gemm_standin.py, a stand-in with
+this call's signature and layout rules, and no GPU run of the library has completed (GPU.md: the first call of a
+hand build segfaulted). DeepGEMM is not installable from the package index: on the GPU machine it is built from its
+repository (`git clone --recursive`, `./install.sh`), never committed, like DeepEP.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from moebench.peers._lib import Library
 from moebench.peers.compile import compile_available
 from moebench.registry import register_impl
 
-__all__ = ["DEEP_GEMM", "contiguous_layout", "swiglu_block_fp8", "DeepGemmExperts", "build_deepgemm"]
+__all__ = ["DEEP_GEMM", "contiguous_layout", "mn_major", "sfa_is_mn_major", "swiglu_block_fp8", "DeepGemmExperts",
+           "build_deepgemm"]
 
 NEEDS = "m_grouped_fp8_gemm_nt_contiguous"
 
@@ -80,10 +92,31 @@ def contiguous_layout(topk_ids: torch.Tensor, num_experts: int, align: int, rows
     return (m_indices[:rows], position.clamp_max(rows - 1), *(t.index_select(0, token) for t in per_token))
 
 
+def mn_major(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, G] -> the same values MN-major (stride 1 along R, R between columns): DeepGEMM's TMA-aligned
+    transposed sfa layout when R is a multiple of 4 (the layout's rows are a multiple of the alignment). The strides
+    are set explicitly: DeepGEMM compares both, also the one of a single column, which torch would make 1."""
+    rows, cols = scales.shape
+    return torch.as_strided(scales.t().contiguous(), (rows, cols), (1, rows))
+
+
+def contiguous_layout_mn(topk_ids, num_experts, align, rows, x_q, x_sf):
+    """contiguous_layout of the staged rows and their scales, the scales MN-major (mn_major)."""
+    m_indices, position, laid, laid_sf = contiguous_layout(topk_ids, num_experts, align, rows, x_q, x_sf)
+    return m_indices, position, laid, mn_major(laid_sf)
+
+
 def swiglu_block_fp8(h: torch.Tensor, inter: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """h [R, 2I] -> silu(gate) * up in fp32, re-quantised per row per `group` columns (the staging's recipe):
-    (e4m3 [R, I], fp32 [R, I/group])."""
-    return requantize_rows_fp8_torch(torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float(), group)
+    (e4m3 [R, I], fp32 [R, I/group] MN-major, see mn_major)."""
+    q, s = requantize_rows_fp8_torch(torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float(), group)
+    return q, mn_major(s)
+
+
+def sfa_is_mn_major(sf: torch.Tensor) -> bool:
+    """Whether DeepGEMM takes `sf` [M, K/128] as it is (csrc/jit_kernels/impls/smxx_layout.hpp): stride 1 along M
+    and align(M, 4) between columns, else it transposes it inside the call."""
+    return sf.stride(0) == 1 and sf.stride(1) == -(-sf.shape[0] // 4) * 4
 
 
 class DeepGemmExperts:
@@ -92,7 +125,7 @@ class DeepGemmExperts:
     def __init__(self, lib, inp: Fp8Inputs):
         torch._dynamo.reset()  # a fresh compile per build (peers.torch_grouped)
         self.lib = lib
-        self.layout = torch_grouped.compiled(contiguous_layout)
+        self.layout = torch_grouped.compiled(contiguous_layout_mn)
         self.swiglu = torch_grouped.compiled(swiglu_block_fp8)
         self.combine = torch_grouped.compiled(torch_grouped.combine)
         self.inp = inp
@@ -103,7 +136,8 @@ class DeepGemmExperts:
         dev = inp.x_q.device
         self.h = torch.empty(self.rows, two_i, dtype=torch.bfloat16, device=dev)  # outputs made once: no allocation
         self.y = torch.empty(self.rows, H, dtype=torch.bfloat16, device=dev)  # in a timed call
-        self.info = {"deepgemm_rows": self.rows, "deepgemm_align": self.align}
+        self.info = {"deepgemm_rows": self.rows, "deepgemm_align": self.align,
+                     "adapter_status": "written from DeepGEMM v2.6.1's sources; not yet run against the real library"}
 
     def __call__(self, topk_ids, topk_weights, *, out):
         inp = self.inp
@@ -113,6 +147,11 @@ class DeepGemmExperts:
         self.lib.m_grouped_fp8_gemm_nt_contiguous((rows.view(E4M3), row_scales), (inp.w13_q, inp.w13_s), self.h,
                                                   m_indices, disable_ue8m0_cast=True)
         a_q, a_scales = self.swiglu(self.h, two_i // 2, ACT_GROUP)
+        if "deepgemm_sfa_layout" not in self.info:  # the first, untimed call (the compiled glue's strides)
+            self.info["deepgemm_sfa_layout"] = (
+                "MN-major TMA-aligned from the glue: no transpose inside the call"
+                if sfa_is_mn_major(row_scales) and sfa_is_mn_major(a_scales) else
+                "not MN-major: DeepGEMM transposes sfa inside each call (timed)")
         self.lib.m_grouped_fp8_gemm_nt_contiguous((a_q, a_scales), (inp.w2_q, inp.w2_s), self.y, m_indices,
                                                   disable_ue8m0_cast=True)
         return self.combine(self.y, position, topk_ids, topk_weights, E, out)
@@ -138,6 +177,17 @@ def build_deepgemm():
     return build
 
 
+def sm90_only(ctx) -> str | None:
+    """DeepGEMM takes fp32 1x128 / 128x128 scales on sm90 only (sm100 wants UE8M0); None on the stand-in."""
+    lib = DEEP_GEMM.get()
+    if ctx.is_cuda and not getattr(lib, "MOEBENCH_STANDIN", False):
+        major = torch.cuda.get_device_capability(ctx.device)[0]
+        if major != 9:
+            return (f"DeepGEMM's fp32-scale recipe is the sm90 path; this GPU is sm{major}0 (UE8M0 scales, which "
+                    "moebench's fp32 staging is not)")
+    return None
+
+
 def _problem(p) -> str | None:
     if p.group_size != 128 or p.scale_format != "fp32":
         return "group_size/scale_format: DeepGEMM's sm90 GEMM takes 1x128 fp32 activation scales (128, fp32)"
@@ -145,7 +195,8 @@ def _problem(p) -> str | None:
 
 
 register_impl("fused_experts.fp8_deepgemm", targets=("kernel",), validate=_problem, library=DEEP_GEMM.name,
-              available=lambda ctx: DEEP_GEMM.available(ctx, NEEDS) or compile_available(ctx),
-              description="DeepGEMM m_grouped_fp8_gemm_nt_contiguous (1x128 / 128x128 block scales) on the staged "
-                          "rows, compiled contiguous layout + SwiGLU/requant + combine, glue without host sync (the library call: unverified)"
+              available=lambda ctx: DEEP_GEMM.available(ctx, NEEDS) or sm90_only(ctx) or compile_available(ctx),
+              description="DeepGEMM m_grouped_fp8_gemm_nt_contiguous (1x128 / 128x128 block scales, sm90) on the "
+                          "staged rows, compiled contiguous layout with MN-major scales + SwiGLU/requant + combine, "
+                          "glue without host sync (the library call: not run on a GPU yet)"
               )(build_deepgemm())

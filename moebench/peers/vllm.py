@@ -41,8 +41,7 @@ torch_bindings.cpp at fb73c465 (op schemas). What the adapters rely on:
                              76f957b3) sum in fp32 for every top_k. Judged by the bf16-accumulation precision class
                              (within top_k / 2 bf16 ulps of sum(|x_k|) of the fp32 sum), flagged in info
                              "precision", with the observed class in info "accumulation".
-  fused_experts.vllm         vllm...fused_moe.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, ...):
-                             its Triton path, bf16, silu, local ids with -1 for skipped routes.
+Its fused_experts peers (bf16 and fp8 block-scaled) are in peers.vllm_experts, on the same Library.
 
 None of these has been run against a real vLLM by moebench's tests: they run against tests/standins/vllm_ops.py,
 a stand-in with these call signatures that raises where the real kernels read or write out of bounds.
@@ -50,6 +49,7 @@ a stand-in with these call signatures that raises where the real kernels read or
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import torch
@@ -60,17 +60,28 @@ from moebench.kernels.apply_expert_map import apply_expert_map_torch
 from moebench.peers._lib import Library, accepts, register_adapter, router_after, router_out, scratch_like
 
 
+def _optional(ns: SimpleNamespace, module: str, *names: str) -> None:
+    """Copy `names` of `module` onto ns where this vLLM has them (versions move and drop helpers)."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    for name in names:
+        if hasattr(mod, name):
+            setattr(ns, name, getattr(mod, name))
+
+
 def _load():
     from vllm import _custom_ops as ops
 
     ns = SimpleNamespace(**{n: getattr(ops, n) for n in ("topk_softmax", "grouped_topk", "moe_align_block_size",
                                                          "moe_sum") if hasattr(ops, n)})
-    try:
-        from vllm.model_executor.layers.fused_moe import fused_experts
-
-        ns.fused_experts = fused_experts
-    except ImportError:
-        pass
+    fused_moe = "vllm.model_executor.layers.fused_moe"
+    _optional(ns, fused_moe, "fused_experts")
+    _optional(ns, f"{fused_moe}.fused_moe", "get_config_file_name", "get_moe_configs", "try_get_optimal_moe_config")
+    _optional(ns, f"{fused_moe}.config", "fp8_w8a8_moe_quant_config")
+    _optional(ns, "vllm.model_executor.layers.quantization.utils.fp8_utils", "per_token_group_quant_fp8")
+    _optional(ns, "vllm.envs", "VLLM_FUSED_MOE_CHUNK_SIZE")
     return ns
 
 
@@ -221,18 +232,6 @@ def make_moe_sum(lib):
     return fn
 
 
-def make_fused_experts(lib):
-    op = lib.fused_experts
-    extra = {k: v for k, v in (("inplace", False), ("activation", "silu")) if accepts(op, k)}
-
-    def fn(x, w13, w2, topk_weights, topk_ids, *, out=None):
-        kw = dict(extra)
-        if accepts(op, "global_num_experts"):
-            kw["global_num_experts"] = w13.shape[0]
-        return op(x, w13, w2, topk_weights, topk_ids, **kw)
-    return fn
-
-
 def _bias_taken(p):
     lib = VLLM.get()
     if not p.bias or lib is None or not hasattr(lib, "topk_softmax"):
@@ -263,5 +262,3 @@ register_adapter(VLLM, "masked_moe_sum", "vllm", "moe_sum", make_moe_sum,
                  "vLLM ops.moe_sum: adds every slot (no mask), judged like the oblivious twin by the bf16-accumulation "
                  "precision class; kernels for top_k 2-4, torch sum_out otherwise",
                  build_for=lambda fn: oblivious_build_for(fn, input_dtype_accumulation=True), mask_aware=False)
-register_adapter(VLLM, "fused_experts", "vllm", "fused_experts", make_fused_experts,
-                 "vLLM fused_experts (its Triton fused MoE), bf16 silu, -1 routes skipped")

@@ -11,12 +11,27 @@ alignment in csrc/libtorch_stable/moe/moe_align_sum_kernels.cu at 76f957b3):
   the real kernel reads or writes out of bounds, this stand-in raises instead.
 - moe_sum: kernels for top_k 2, 3 and 4 only, adding in the input dtype (every add rounded to bf16); any other
   top_k falls back to torch's sum_out (fp32 accumulation, one rounding).
+- fused_experts (model_executor/layers/fused_moe/fused_moe.py at 000d1458, the keywords of that version): aligns
+  topk_ids with moe_align_block_size (so the same id rules: no -1, and the expert_map skips routes), picks its launch
+  config with try_get_optimal_moe_config (kept in LAST_CONFIG), gate/up in fp32 rounded to bf16, silu_and_mul
+  rounded to bf16, down times the top-k weight rounded to bf16 per route, then moe_sum; routes in expert -1 blocks
+  contribute zeros. fp8 w8a8 with block_shape: the bf16 rows and the SwiGLU output quantised by
+  per_token_group_quant_fp8 (scale = max(amax, 1e-10) / 448 per group, q = x / scale), weights e4m3 with one fp32
+  scale per block. The hidden states must be bf16, fp16 or fp32 (vLLM asserts it).
+- get_config_file_name / get_moe_configs / try_get_optimal_moe_config / get_default_config: the file name rule and
+  the lookup (closest batch size of the tuned file, else the default rule); the tuned files are TUNED_CONFIGS
+  (empty: a test adds the file vLLM would ship) and the device name is DEVICE_NAME.
 """
 
 import torch
 import torch.nn.functional as F
 
 from ._common import align_segments, grouped_select
+
+DEVICE_NAME = "stand-in CPU"  # current_platform.get_device_name()
+TUNED_CONFIGS: dict[str, dict[int, dict]] = {}  # config file name -> {batch size: config}, as vLLM's configs/ holds
+LAST_CONFIG: list[dict] = [{}]  # the launch config fused_experts picked last
+FP8_MAX = 448.0
 
 MOEBENCH_STANDIN = "vllm"  # the moebench.peers Library it stands in for
 
@@ -93,15 +108,91 @@ def moe_sum(input, output):
         output.copy_(input.float().sum(dim=1))
 
 
+def get_config_file_name(E, N, dtype, block_shape=None):
+    dtype_part = f",dtype={dtype}" if dtype else ""
+    block_part = f",block_shape={list(block_shape)}".replace(" ", "") if block_shape and all(block_shape) else ""
+    return f"E={E},N={N},device_name={DEVICE_NAME.replace(' ', '_')}{dtype_part}{block_part}.json"
+
+
+def get_moe_configs(E, N, dtype, block_n=None, block_k=None):
+    block_shape = [block_n, block_k] if block_n and block_k else None
+    return TUNED_CONFIGS.get(get_config_file_name(E, N, dtype, block_shape))
+
+
+def get_default_config(M, E, N, K, topk, dtype, is_marlin=False, block_shape=None):
+    if dtype == "fp8_w8a8" and block_shape is not None:
+        return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": block_shape[0], "BLOCK_SIZE_K": block_shape[1],
+                "GROUP_SIZE_M": 32, "num_warps": 4, "num_stages": 3}
+    if M <= E:
+        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8}
+
+
+def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, is_marlin=False, block_shape=None):
+    E, _, N = w2_shape
+    block_n, block_k = block_shape if block_shape else (0, 0)
+    configs = get_moe_configs(E, N, dtype, block_n, block_k)
+    if configs:
+        return configs[min(configs, key=lambda m: abs(m - M))]
+    return get_default_config(M, E, N, w1_shape[2], top_k, dtype, is_marlin, block_shape)
+
+
+def per_token_group_quant_fp8(x, group_size, eps=1e-10):
+    rows, cols = x.shape
+    v = x.float().reshape(rows, cols // group_size, group_size)
+    scale = v.abs().amax(dim=2).clamp_min(eps) / FP8_MAX
+    q = (v / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows, cols), scale
+
+
+def _dequant_rows(q, scale):
+    rows, cols = q.shape
+    return (q.float().reshape(rows, scale.shape[1], -1) * scale[:, :, None]).reshape(rows, cols)
+
+
+def _dequant_blocks(w, scale, block_shape):
+    bn, bk = block_shape
+    return w.float() * scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:w.shape[0], :w.shape[1]]
+
+
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False, activation="silu",
-                  apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None):
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+                  apply_router_weight_on_input=False, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+                  use_int4_w4a16=False, per_channel_quant=False, global_num_experts=-1, expert_map=None,
+                  w1_scale=None, w2_scale=None, w1_zp=None, w2_zp=None, a1_scale=None, a2_scale=None,
+                  block_shape=None, allow_deep_gemm=False):
+    if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise AssertionError(f"Unsupported hidden_states dtype {hidden_states.dtype}")
+    if activation != "silu" or inplace or apply_router_weight_on_input:
+        raise NotImplementedError("stand-in: out-of-place silu with the weight applied after the down GEMM")
+    if use_fp8_w8a8 and (block_shape is None or w1_scale is None or w2_scale is None):
+        raise NotImplementedError("stand-in: fp8 w8a8 with block scales only")
+    M, top_k = topk_ids.shape
+    E = w1.shape[0]
+    num_experts = E if global_num_experts == -1 else global_num_experts
+    dtype = "fp8_w8a8" if use_fp8_w8a8 else None
+    LAST_CONFIG[0] = try_get_optimal_moe_config(w1.shape, w2.shape, top_k, dtype, M, block_shape=block_shape)
+    block_m = LAST_CONFIG[0]["BLOCK_SIZE_M"]
+    routes = topk_ids.numel()
+    bufs = (torch.empty(routes + num_experts * (block_m - 1), dtype=torch.int32),
+            torch.empty(routes // block_m + num_experts + 1, dtype=torch.int32), torch.empty(1, dtype=torch.int32))
+    moe_align_block_size(topk_ids, num_experts, block_m, *bufs, expert_map)  # its id rules, raised as errors here
+    local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
     inter = w2.shape[2]
-    for t in range(hidden_states.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            if e < 0:
-                continue
-            h = w1[e].float() @ hidden_states[t].float()
-            out[t] += topk_weights[t, k] * (w2[e].float() @ (F.silu(h[:inter]) * h[inter:]))
-    return out.to(hidden_states.dtype)
+    x = hidden_states
+    if use_fp8_w8a8:
+        x = _dequant_rows(*per_token_group_quant_fp8(hidden_states, block_shape[1]))
+    per_route = torch.zeros(M, top_k, w2.shape[1], dtype=hidden_states.dtype)
+    for e in torch.unique(local[local >= 0]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        if use_fp8_w8a8:
+            g1, g2 = _dequant_blocks(w1[e], w1_scale[e], block_shape), _dequant_blocks(w2[e], w2_scale[e], block_shape)
+        else:
+            g1, g2 = w1[e].float(), w2[e].float()
+        h = (x[tok].float() @ g1.T).to(hidden_states.dtype)  # intermediate_cache1
+        act = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(hidden_states.dtype)  # silu_and_mul
+        a = _dequant_rows(*per_token_group_quant_fp8(act, block_shape[1])) if use_fp8_w8a8 else act.float()
+        y = (a @ g2.T) * topk_weights[tok, slot].float()[:, None]
+        per_route[tok, slot] = y.to(hidden_states.dtype)  # intermediate_cache3, MUL_ROUTED_WEIGHT
+    out = torch.empty(M, w2.shape[1], dtype=hidden_states.dtype)
+    moe_sum(per_route, out)
+    return out
