@@ -124,8 +124,28 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def _wire_label(info: dict) -> str:
+    """The wire model by name and figures: NVLink and NIC bandwidth and latency, ranks per node, the overheads."""
     wire = (info.get("ep_step") or {}).get("wire") or {}
-    return f"{wire.get('kind', 'model')} {wire.get('name', '?')}"
+    intra, inter = wire.get("intra") or {}, wire.get("inter") or {}
+    if not intra:
+        return f"{wire.get('kind', 'model')} {wire.get('name', '?')}"
+    return (f"{wire.get('kind', 'model')} {wire.get('name', '?')}: NVLink {intra.get('bandwidth_gbps'):g} GB/s + "
+            f"{intra.get('latency_us'):g} us, NIC {inter.get('bandwidth_gbps'):g} GB/s + {inter.get('latency_us'):g} us, "
+            f"{wire.get('ranks_per_node')} ranks a node, overheads {wire.get('dispatch_overhead_us'):g} / "
+            f"{wire.get('combine_overhead_us'):g} us")
+
+
+def _replay_label(info: dict) -> str:
+    """The EP replay check's verdict per side, with its deviation where it is off."""
+    replay = (info.get("ep_step") or {}).get("replay")
+    if not replay:
+        return "not run"
+    parts = []
+    for side in ("oblivious", "masked"):
+        worst = max((v for v in (replay["rel_diff"].get(side) or {}).values() if v is not None), default=None)
+        ok = replay["within_5pct"].get(side)
+        parts.append(f"{side} {'yes' if ok else 'NO'}" + ("" if ok or worst is None else f" ({100 * worst:.1f}% off)"))
+    return ", ".join(parts)
 
 
 EP_HEAD = ["capture list", "engine", "trace", "step ms oblivious", "step ms masked", "EP tax",
@@ -144,9 +164,7 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         if not ep:
             continue
         split = ep["tax_split_us"]
-        replay = (info.get("ep_step") or {}).get("replay")
-        checked = ("/".join("yes" if replay["within_5pct"][s] else "NO" for s in ("oblivious", "masked"))
-                   if replay else "not run")
+        checked = _replay_label(info)
         share = ep.get("slowest_rank_padded_route_share")
         rows.append([info["engine"]["capture_list"], config_label(r),
                      f"{(info.get('trace') or {}).get('source')}, {info['trace']['steps']} steps",
@@ -155,7 +173,7 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
                      f"{_ms(ep['straggler_wait_us']['oblivious'])} / {_ms(ep['straggler_wait_us']['masked'])}",
                      f"{_ms(ep['wire_us']['oblivious'])} / {_ms(ep['wire_us']['masked'])}",
                      " / ".join(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")),
-                     _pct(share), f"{ep['rank_times']}, wire {_wire_label(info)}", checked])
+                     _pct(share), f"{ep['rank_times']}; wire {_wire_label(info)}", checked])
     return EP_HEAD, rows
 
 
@@ -191,7 +209,8 @@ def footer_lines(records: list[dict]) -> list[str]:
                        f"{_pct(ep['padding_tax'])}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
                        f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
                        + (f", DBO overlap {_ms(split['overlap_us'])} ms" if split.get("overlap_us") else "")
-                       + f"; rank times {ep['rank_times']}, wire {_wire_label(info)}")
+                       + f"; rank times {ep['rank_times']}; replay within 5%: {_replay_label(info)}")
+            out.append(f"    wire {_wire_label(info)}")
     if any(((r["info"]["headline"].get("noise") or {}).get("within_noise") or {}).get("recovered") is None
            for r in recs):
         out.append("  (a figure's noise is unknown where shapes were timed with fewer than 5 samples or interpolated)")
