@@ -173,8 +173,8 @@ def ep_split_problem(num_experts: int, ep_size: int) -> str | None:
 @dataclass(frozen=True)
 class EPLayout:
     """Expert ownership over the EP ranks, seen from one of them: rank r of ep_size owns the experts
-    [r * E / ep_size, (r + 1) * E / ep_size). The one place the experts one rank owns (local_experts) are derived; the dispatch paths, the
-    imbalance figures and the simulated ranks all read it from here."""
+    [r * E / ep_size, (r + 1) * E / ep_size). The one place the experts one rank owns (local_experts) are derived;
+    the dispatch paths, the imbalance figures and the simulated ranks all read it from here."""
 
     rank: int
     ep_size: int

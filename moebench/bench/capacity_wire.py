@@ -72,7 +72,8 @@ def build(p: Params, ctx: RunContext) -> Case:
 
     wire_rows = sum(R * c for c in capacities)
     sent_rows = sum(sent)
-    info = {"policy": p.knobs(CapacityKnobs).capacity_policy, "trace_steps": len(sizes), "row_bytes": row_bytes, "wire_rows": wire_rows,
+    info = {"policy": p.knobs(CapacityKnobs).capacity_policy, "trace_steps": len(sizes), "row_bytes": row_bytes,
+            "wire_rows": wire_rows,
             "sent_rows": sent_rows, "wire_overhead": wire_rows / sent_rows if sent_rows else None,
             "wire_bytes": wire_rows * row_bytes, "mean_capacity": sum(capacities) / len(capacities),
             "distinct_capacities": len(set(capacities))}

@@ -36,7 +36,8 @@ from moebench.dispatch.base import (
     token_in_rank,
 )
 from moebench.dispatch.comm import SideStream, all_to_all_single, max_over_ranks, triton_default
-from moebench.dispatch.pack import CapacityKnobs, capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
+from moebench.dispatch.pack import (CapacityKnobs, capacity_for, combine_fixed, combine_fixed_torch, pack_fixed,
+                                   pack_fixed_torch)
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
 from moebench.kernels.contract import check_mask
 

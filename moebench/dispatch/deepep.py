@@ -4,8 +4,8 @@
 - `DeepEPNormalPath` (the path `deepep`): intranode normal mode (get_dispatch_layout -> dispatch -> combine).
   Exact sizes (a CPU sync inside dispatch), one row per (token, rank) pair, local ids, combine sums without weights.
 - `DeepEPLowLatencyPath`: low-latency mode (low_latency_dispatch / low_latency_combine), what the path `deepep`
-  builds when low_latency (DeepEPKnobs): per local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one row per
-  (token, expert) slot; the weights stay on the source and low_latency_combine applies them.
+  builds when low_latency (DeepEPKnobs): per local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one
+  row per (token, expert) slot; the weights stay on the source and low_latency_combine applies them.
 
 The calls follow DeepEP's public repository (deep_ep/buffers/legacy.py and its tests). Without `deep_ep` every
 DeepEP impl reports "deep_ep not installed" and its points are recorded as skipped.

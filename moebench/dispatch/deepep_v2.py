@@ -60,7 +60,8 @@ class DeepEPV2Path(DispatchPath):
 
     @classmethod
     def from_point(cls, layout, p, topk_ids, is_padding, device) -> "DeepEPV2Path":
-        return cls(layout, hidden=p.hidden, top_k=p.top_k, num_max_tokens_per_rank=p.knobs(CapacityKnobs).num_max_tokens_per_rank,
+        return cls(layout, hidden=p.hidden, top_k=p.top_k,
+                   num_max_tokens_per_rank=p.knobs(CapacityKnobs).num_max_tokens_per_rank,
                    dtype=torch.bfloat16, device=device)
 
     def record_info(self, p) -> dict:

@@ -73,33 +73,19 @@ def param_names() -> tuple[str, ...]:
     return CORE_NAMES + tuple(f.name for g in knob_groups() for f in fields(g))
 
 
-def _param_types() -> dict[str, Any]:
-    return _types_of(knob_groups())
-
-
 @functools.lru_cache(maxsize=8)
-def _types_of(groups: tuple[type, ...]) -> dict[str, Any]:
-    hints = {k: v for k, v in get_type_hints(Params).items() if k in CORE_NAMES}
+def _declared(groups: tuple[type, ...]) -> tuple[dict[str, Any], dict[str, tuple], dict[str, tuple]]:
+    """(type, choices, path) of every key, the core's then each knob group's (its CHOICES and PATHS: a key naming a
+    file or a directory -> (the folder of the files bundled with moebench or None, whether it is a directory)). The
+    loader resolves a path key (moebench.run.paths.resolve_sweep_path) and the sweep holds the absolute path."""
+    types = {k: v for k, v in get_type_hints(Params).items() if k in CORE_NAMES}
+    choices: dict[str, tuple] = dict(CHOICES)
+    paths: dict[str, tuple] = {}
     for group in groups:
-        hints.update(get_type_hints(group))
-    return hints
-
-
-def _choices() -> dict[str, tuple]:
-    out = dict(CHOICES)
-    for group in knob_groups():
-        out.update(getattr(group, "CHOICES", {}))
-    return out
-
-
-def path_params() -> dict[str, tuple[Path | None, bool]]:
-    """Parameters that name a file or a directory, each with the folder of the files bundled with moebench (None:
-    none are) and whether it names a directory, as their knob groups declare them (PATHS): the loader resolves them
-    (moebench.run.paths.resolve_sweep_path) and the sweep holds the absolute path."""
-    out: dict[str, tuple[Path | None, bool]] = {}
-    for group in knob_groups():
-        out.update(getattr(group, "PATHS", {}))
-    return out
+        types.update(get_type_hints(group))
+        choices.update(getattr(group, "CHOICES", {}))
+        paths.update(getattr(group, "PATHS", {}))
+    return types, choices, paths
 
 
 def _check_type(value: Any, hint: Any) -> bool:
@@ -133,10 +119,11 @@ def _type_name(hint: Any) -> str:
 
 def check_param_value(key: str, value: Any) -> str | None:
     """Why `value` is not acceptable for parameter `key` on its own, or None."""
-    hint = _param_types()[key]
+    types, choices, _ = _declared(knob_groups())
+    hint = types[key]
     if not _check_type(value, hint):
         return f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}"
-    choices = _choices().get(key)
+    choices = choices.get(key)
     if choices is not None and value not in choices:
         return f"{value!r} is not one of {', '.join(choices)}"
     return None
@@ -478,7 +465,7 @@ def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) ->
     """fixed and axes with every PATH_PARAMS value made the absolute path of its file (docs/sweeps.md#paths-in-a-
     sweep); a file found nowhere is refused naming where it was looked for."""
     fixed, axes = dict(fixed), dict(axes)
-    for key, (bundled, directory) in path_params().items():
+    for key, (bundled, directory) in _declared(knob_groups())[2].items():
         for section, table in (("fixed", fixed), ("axes", axes)):
             if key not in table:
                 continue
