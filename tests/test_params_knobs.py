@@ -90,3 +90,13 @@ def test_a_group_cannot_take_a_key_already_declared(own_registry):
 
     with pytest.raises(ValueError, match="'num_tokens' is already Params's"):
         register_knobs(Clash)
+
+
+def test_the_run_table_sizes_a_family_key_column_from_the_points():
+    import io
+
+    from moebench.report.table import Table
+
+    knob_groups()
+    table = Table(["trace_steps"], out=io.StringIO(), points=[Point(0, "x.y", Params(trace_steps=123456789012))])
+    assert table.widths["trace_steps"] == len("123456789012") + 1
