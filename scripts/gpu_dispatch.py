@@ -51,6 +51,7 @@ from moebench.dispatch.a2a import destination_order  # noqa: E402
 from moebench.dispatch.a2a_fixed import max_rows_per_pair  # noqa: E402
 from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, path_class, token_in_rank  # noqa: E402
 from moebench.dispatch.comm import all_to_all_single  # noqa: E402
+from moebench.dispatch.deepep import DeepEPKnobs  # noqa: E402,F401 (registers the low_latency key)
 from moebench.dispatch.pack import capacity_for  # noqa: E402
 from moebench.dispatch.permute import RowLayout  # noqa: E402
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs,  # noqa: E402
