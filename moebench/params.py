@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, TypeVar, Union
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a field here; anything else is
-# an unknown key. Defaults are a DeepSeek-V3-like layer.
+# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a core field here or a key of a
+# registered knob group; anything else is an unknown key. Defaults are a DeepSeek-V3-like layer.
 # ---------------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, init=False)
