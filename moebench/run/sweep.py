@@ -462,8 +462,8 @@ def _sweep_dir(src: str) -> Path | None:
 
 
 def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) -> tuple[dict, dict]:
-    """fixed and axes with every PATH_PARAMS value made the absolute path of its file (docs/sweeps.md#paths-in-a-
-    sweep); a file found nowhere is refused naming where it was looked for."""
+    """fixed and axes with every path key's value (a knob group's PATHS) made the absolute path of its file
+    (docs/sweeps.md#paths-in-a-sweep); a file found nowhere is refused naming where it was looked for."""
     fixed, axes = dict(fixed), dict(axes)
     for key, (bundled, directory) in _declared(knob_groups())[2].items():
         for section, table in (("fixed", fixed), ("axes", axes)):
