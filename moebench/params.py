@@ -1,29 +1,39 @@
-"""The parameters of one point: `Params` (every key a sweep may put under `fixed` or `axes`), `Timing` (how a point
-is timed) and `Point` (one impl at one Params, with the stable key runs are resumed and compared by); and the values
-derived from Params that several layers need, each computed in one place: `EPLayout` (which EP rank owns which
-experts), `padding_rows` (how many rows a padding ratio pads).
+"""The parameters of one point: `Params` (the core keys, and the knob groups families declare beside themselves
+with `register_knobs`), `Timing` (how a point is timed) and `Point` (one impl at one Params, with the stable key runs
+are resumed and compared by); and the values derived from Params that several layers need, each computed in one
+place: `EPLayout` (which EP rank owns which experts), `padding_rows` (how many rows a padding ratio pads).
 
 Plain frozen data, importing nothing of moebench, so that everything else can sit above it: the inputs, the
 registry, the dispatch paths, the bench modules and the measurements read a point's parameters from here, while
 loading and validating a sweep file (which needs the registry, the plugins and the presets) is moebench.run.sweep's job.
-The values each field accepts are checked there (moebench.run.sweep.CHOICES, params_problem).
+The values each core key accepts are checked there (moebench.run.sweep.CHOICES, params_problem); a knob group's
+beside its family (its problem(), CHOICES and PATHS, which the loader calls and reads for every registered group).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a field here; anything else is
-# an unknown key. Defaults are a DeepSeek-V3-like layer.
+# Parameters of one point. Every key a sweep may put under `fixed` or `axes` is a core field here or a key of a
+# registered knob group; anything else is an unknown key. Defaults are a DeepSeek-V3-like layer.
 # ---------------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Params:
+    """The core of a point (tokens, padding, routing, shapes, EP layout, bookkeeping) and the knob groups of the
+    families that declare their own (`register_knobs`), read through `p.knobs(Group)`.
+
+    Built from flat keys, as a sweep writes them: `Params(num_tokens=8, trace_steps=5)` gives each key to the core or
+    to the registered group that declares it (a group's module registers it at import; moebench.run.sweep's loader
+    imports them all). `to_dict()` is the flat view again (the record's `params`), with every registered group's
+    keys. A group at its defaults is not stored, so two Params of the same values are equal."""
+
     # token axis and padding
     num_tokens: int = 1024  # rows on one rank, padding included (for `cudagraph`: real tokens before padding)
     padding_ratio: float = 0.0  # fraction of rows that are padding (`ratio` producer: the trailing rows)
@@ -33,7 +43,7 @@ class Params:
     # cudagraph producer: a list, a name of moebench.traces.capture_lists, or None = 1,2,4,8 then multiples of 8
     # up to 512
     capture_sizes: Optional[Union[list, str]] = None
-    producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer
+    producer_size: int = 2  # ranks of the dp / sp (TP size) / pcp producer: its dp_size or sp_size
     # the mask the router is handed (scenarios d and g; moebench.inputs.router_mask documents both)
     pcp_mask: str = "gathered"  # pcp: the gathered mask (the fix) or the rank-local one (the size-mismatch bug)
     dbo_mask: str = "sliced"  # dbo: each micro-batch's slice (the fix), the full-batch mask, or none
@@ -58,37 +68,10 @@ class Params:
     scale_format: str = "ue8m0_packed"
     expert_dtype: str = "bf16"  # the layer's expert GEMMs: bf16 on the hidden states, or fp8 on the staged rows
     block_size: int = 64
-    num_local_experts: Optional[int] = None  # None: num_experts / ep_size
     # expert parallelism
+    num_local_experts: Optional[int] = None  # experts one rank computes; None: num_experts / ep_size (local_experts)
     ep_size: int = 1
-    ep_mode: str = "real"
-    capacity_policy: str = "exact"
-    num_max_tokens_per_rank: int = 8192
-    low_latency: bool = False  # deepep: low-latency mode instead of normal mode
-    # jit_trace
-    trace: Optional[list] = None  # explicit per-step batch sizes
-    trace_steps: int = 100
-    trace_distribution: str = "decode_prefill"
-    trace_max_tokens: int = 8192
-    # serving_trace: the engine around the layer, and a user's trace (moebench.traces.csv_trace)
-    dp_size: int = 1  # DP ranks, each with its own real tokens per step, padded to the max across them
-    sp_size: int = 1  # sequence parallelism: SP (TP) ranks each micro-batch is padded for and chunked over
-    dbo: bool = False  # dual-batch overlap: two micro-batches per step
-    trace_file: Optional[str] = None  # CSV of per-step token counts (one column, or one per DP rank)
-    trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
-    trace_real_points: int = 0  # 0: time every distinct (rows, real); N: time N + 1 real counts per rows, interpolate
-    # EP step: the wire model (moebench.dispatch.wire_model): the deployment's GPUs per node, the links' figures
-    # (None: the model's own), the dispatch run it is calibrated from, and the path whose overheads it takes
-    ranks_per_node: int = 8
-    wire_intra_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank within a node (NVLink)
-    wire_intra_latency_us: Optional[float] = None
-    wire_inter_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank between nodes (the NIC)
-    wire_inter_latency_us: Optional[float] = None
-    dispatch_calibration: Optional[str] = None  # a run directory of `moebench run sweeps/dispatch.yaml`
-    wire_path: str = "dispatch.a2a"  # the dispatch impl of that run whose fit models dispatch and combine
-    # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
-    # (None: moebench.bench._trace_ep.DEFAULT_RANK_TIMINGS for the device)
-    ep_rank_timings: Optional[int] = None
+    ep_mode: str = "real"  # real: one process per EP rank; simulated: the ranks computed in one (bench.ep_sim)
     # bookkeeping
     seed: int = 0
     repeat: int = 0  # a label: lets one sweep time the same point several times
@@ -97,6 +80,32 @@ class Params:
     # launch config of the impl's tuned kernel (a name from its candidate table, kernels._details.tuning); None or
     # "auto": the GPU's tuned table, else the kernel's rule. Part of the point key: `moebench tune` sweeps it.
     config: Optional[str] = None
+    # the knob groups not at their defaults, in _KNOB_GROUPS' order (set through the flat keys, read by knobs())
+    groups: tuple = ()
+
+    def __init__(self, **values: Any):
+        given = {type(g): g for g in values.pop("groups", ())}
+        changes: dict[type, dict[str, Any]] = {}
+        for name in list(values):
+            if name not in _CORE_NAMES:
+                if name not in _KNOB_OWNER:
+                    raise TypeError(f"Params: unknown parameter {name!r} (a family's key is known once its module "
+                                    "is imported: moebench.run.sweep.knob_groups())")
+                changes.setdefault(_KNOB_OWNER[name], {})[name] = values.pop(name)
+        for f in dataclasses.fields(self):
+            if f.name != "groups":
+                object.__setattr__(self, f.name, values[f.name] if f.name in values else f.default)
+        for group, group_changes in changes.items():
+            given[group] = dataclasses.replace(given.get(group) or group(), **group_changes)
+        kept = tuple(given[g] for g in _KNOB_GROUPS if g in given and given[g] != g())
+        object.__setattr__(self, "groups", kept)
+
+    def knobs(self, group: type[G]) -> G:
+        """This point's values of the knob group `group` (its defaults when none was set)."""
+        for g in self.groups:
+            if type(g) is group:
+                return g
+        return group()
 
     @property
     def num_padding(self) -> int:
@@ -104,10 +113,46 @@ class Params:
 
     @property
     def local_experts(self) -> int:
-        return self.num_local_experts if self.num_local_experts is not None else EPLayout.of(self).experts_per_rank
+        """The experts one EP rank computes: num_local_experts when set, else its share (EPLayout.local_experts)."""
+        return self.num_local_experts if self.num_local_experts is not None else EPLayout.of(self).local_experts
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat view: every core key, then every registered group's keys (the record's `params`)."""
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "groups"}
+        for group in _KNOB_GROUPS:
+            out.update(dataclasses.asdict(self.knobs(group)))
+        return out
+
+
+G = TypeVar("G")
+_CORE_NAMES = frozenset(f.name for f in dataclasses.fields(Params)) - {"groups"}
+_KNOB_GROUPS: list[type] = []  # ordered by module and name
+_KNOB_OWNER: dict[str, type] = {}  # a group's key -> its group
+
+
+def register_knobs(group: type[G]) -> type[G]:
+    """Class decorator: `group` (a frozen dataclass whose fields all have defaults) declares a family's keys, beside
+    the family. Its keys become sweep keys and Params keys; a key is in a point's key only away from its default,
+    unless the group lists it in KEYED_AT_DEFAULT (keys that were keyed before the groups existed), so a new group
+    leaves every recorded key as it was. A group may define `problem(self, p) -> str | None` (why its values are
+    impossible at point p, "key: reason"), CHOICES (key -> the values it accepts) and PATHS (key -> (the folder of
+    the bundled files or None, whether it names a directory)): moebench.run.sweep's loader calls and reads them."""
+    if group in _KNOB_GROUPS:
+        return group
+    names = [f.name for f in dataclasses.fields(group)]
+    for name in names:
+        owner = "Params" if name in _CORE_NAMES else getattr(_KNOB_OWNER.get(name), "__name__", None)
+        if owner:
+            raise ValueError(f"{group.__name__}: key {name!r} is already {owner}'s")
+    _KNOB_GROUPS.append(group)
+    _KNOB_GROUPS.sort(key=lambda g: (g.__module__, g.__qualname__))  # the flat view's order, whatever imports first
+    _KNOB_OWNER.update(dict.fromkeys(names, group))
+    return group
+
+
+def registered_knobs() -> tuple[type, ...]:
+    """The knob groups registered so far (ordered by module and name)."""
+    return tuple(_KNOB_GROUPS)
 
 
 def padding_rows(num_rows: int, padding_ratio: float) -> int:
@@ -128,8 +173,8 @@ def ep_split_problem(num_experts: int, ep_size: int) -> str | None:
 @dataclass(frozen=True)
 class EPLayout:
     """Expert ownership over the EP ranks, seen from one of them: rank r of ep_size owns the experts
-    [r * E / ep_size, (r + 1) * E / ep_size). The one place experts per rank is derived; the dispatch paths, the
-    imbalance figures and the simulated ranks all read it from here."""
+    [r * E / ep_size, (r + 1) * E / ep_size). The one place the experts one rank owns (local_experts) are derived;
+    the dispatch paths, the imbalance figures and the simulated ranks all read it from here."""
 
     rank: int
     ep_size: int
@@ -149,12 +194,13 @@ class EPLayout:
         return cls(rank, p.ep_size, p.num_experts, group)
 
     @property
-    def experts_per_rank(self) -> int:
+    def local_experts(self) -> int:
+        """The experts each EP rank owns: num_experts / ep_size."""
         return self.num_experts // self.ep_size
 
     def first_expert(self, rank: int) -> int:
         """The first (global) expert id rank `rank` owns."""
-        return rank * self.experts_per_rank
+        return rank * self.local_experts
 
     @property
     def expert_offset(self) -> int:
@@ -182,17 +228,24 @@ class Point:
     @property
     def key(self) -> str:
         """Stable identity of a point (impl + all parameters), used to resume a run and to compare runs.
-        Parameters added later are left out at their default, so runs recorded before them keep their keys."""
-        params = {k: v for k, v in self.params.to_dict().items() if _LATER_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        Parameters added later are left out at their default, so runs recorded before them keep their keys: the core
+        ones listed in _LATER_DEFAULTS, and every knob group's keys but those it lists in KEYED_AT_DEFAULT."""
+        params = {k: v for k, v in self.params.to_dict().items() if _key_default(k) != v}
         blob = json.dumps({"impl": self.impl, **params}, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-# Parameters added after reference runs were recorded, with their defaults (see Point.key).
+def _key_default(name: str) -> Any:
+    """The value at which parameter `name` is left out of a point's key (_NO_DEFAULT: never left out)."""
+    group = _KNOB_OWNER.get(name)
+    if group is None:
+        return _LATER_DEFAULTS.get(name, _NO_DEFAULT)
+    if name in getattr(group, "KEYED_AT_DEFAULT", ()):
+        return _NO_DEFAULT
+    return next(f.default for f in dataclasses.fields(group) if f.name == name)
+
+
+# Core parameters added after reference runs were recorded, with their defaults (see Point.key).
 _LATER_DEFAULTS = {"pcp_mask": "gathered", "dbo_mask": "sliced", "expert_dtype": "bf16", "model": None,
-                   "config": None, "dp_size": 1, "sp_size": 1, "dbo": False, "trace_file": None,
-                   "trace_replay": 0, "trace_real_points": 0, "ranks_per_node": 8, "wire_intra_gbps": None,
-                   "wire_intra_latency_us": None, "wire_inter_gbps": None, "wire_inter_latency_us": None,
-                   "dispatch_calibration": None, "wire_path": "dispatch.a2a",
-                   "ep_rank_timings": None}
+                   "config": None}
 _NO_DEFAULT = object()

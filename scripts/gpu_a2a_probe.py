@@ -70,11 +70,11 @@ def worker(ctx) -> dict:
     sx, sm = rows.x(send_buf), rows.meta(send_buf)
 
     def plan():
-        plan_sends(ids, None, lay.experts_per_rank, R, E, send_pos=send_pos, counts=counts, offsets=offsets,
+        plan_sends(ids, None, lay.local_experts, R, E, send_pos=send_pos, counts=counts, offsets=offsets,
                    block_counts=scratch)
 
     def pack():
-        pack_fixed(x, send_pos, ids, w, sx, sm, 0, lay.experts_per_rank, offsets=offsets)
+        pack_fixed(x, send_pos, ids, w, sx, sm, 0, lay.local_experts, offsets=offsets)
 
     small = torch.zeros(256, device=dev)
     c_in = torch.ones(R, dtype=torch.int32, device=dev)

@@ -51,6 +51,7 @@ from moebench.dispatch.a2a import destination_order  # noqa: E402
 from moebench.dispatch.a2a_fixed import max_rows_per_pair  # noqa: E402
 from moebench.dispatch.base import EPLayout, StageTimer, effective_ids, path_class, token_in_rank  # noqa: E402
 from moebench.dispatch.comm import all_to_all_single  # noqa: E402
+from moebench.dispatch.deepep import DeepEPKnobs  # noqa: E402,F401 (registers the low_latency key)
 from moebench.dispatch.pack import capacity_for  # noqa: E402
 from moebench.dispatch.permute import RowLayout  # noqa: E402
 from moebench.dispatch.reference import (check_received, count_padding_received, gather_inputs,  # noqa: E402
@@ -140,7 +141,7 @@ def check_path(path, x, ids, w, mask, g, layout, ctx) -> str:
     path.prepare_check(torch.Generator(device=ctx.device).manual_seed(ctx.rank + 1))
     d = path.dispatch(x, ids, w, mask)
     out = path.combine(scaled_expert(d.recv_x, d.recv_topk_ids, d.recv_topk_weights), d.handle)
-    ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.experts_per_rank)
+    ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.local_experts)
     results = [check_received(path, d, g), compare_close("combined", out, ref, COMBINE_MAX_REL, COMBINE_RMS_REL)]
     pads = count_padding_received(path, d, g)
     key = "padded_routes_received" if path.receives == "all" else "padded_rows_received"
@@ -289,7 +290,7 @@ def deepep_low_latency(ctx, args, layout) -> list[dict]:
     d0 = path.dispatch(x, ids, w, None)
     y0 = scaled_expert(d0.recv_x, d0.recv_topk_ids, d0.recv_topk_weights)
     out = path.combine(y0, d0.handle)
-    c = compare_close("combined", out, scaled_expert_reference(x, ids, w, layout.experts_per_rank),
+    c = compare_close("combined", out, scaled_expert_reference(x, ids, w, layout.local_experts),
                       COMBINE_MAX_REL, COMBINE_RMS_REL)
     check = "ok" if _all_ok(c.ok, ctx) else f"WRONG {c.detail[:120]}"
     stats = path.stats(d0)

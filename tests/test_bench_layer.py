@@ -38,7 +38,7 @@ def _fp32_layer(p: Params, device, *, masked: bool) -> torch.Tensor:
 
 def _rank0_local_ids(ids: torch.Tensor, p: Params) -> torch.Tensor:
     """EP rank 0's local ids: g -> g for g < p.local_experts, every other id -> -1."""
-    expert_map = build_expert_map(p.num_experts, num_local_experts=p.local_experts, device=ids.device)
+    expert_map = build_expert_map(p.num_experts, local_experts=p.local_experts, device=ids.device)
     return apply_expert_map_torch(ids, expert_map).to(torch.int32)
 
 

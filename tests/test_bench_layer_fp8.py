@@ -50,7 +50,7 @@ def _fp8_layer_reference(p: Params, device, case, *, masked: bool) -> torch.Tens
     if device.type == "cuda":
         assert torch.equal(x_q.view(torch.uint8), pipe.staged[0].view(torch.uint8))
     assert torch.equal(x_sf, pipe.staged[1])
-    expert_map = build_expert_map(p.num_experts, num_local_experts=p.local_experts, device=ids.device)
+    expert_map = build_expert_map(p.num_experts, local_experts=p.local_experts, device=ids.device)
     local = apply_expert_map_torch(staged_ids, expert_map)
     w = quantized_expert_weights(p.local_experts, p.hidden, p.intermediate, seed=p.seed, device=torch.device(device))
     return fused_experts_fp8_torch(pipe.staged[0], x_sf, local, staged_w, *w, group_size=p.group_size,

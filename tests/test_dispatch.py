@@ -79,7 +79,7 @@ def round_trip(path, x, ids, w, is_padding, masked, layout, garbage_seed=None):
     path.combine(y, d.handle, out=out)
     g = gather_inputs(x, ids, w, is_padding, masked, layout)
     recv = check_received(path, d, g)
-    ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.experts_per_rank)
+    ref = scaled_expert_reference(x, effective_ids(ids, mask), w, layout.local_experts)
     comb = compare_close("combined", out, ref, 2e-2, 5e-3)
     extra = [c for c in path.extra_checks(d) if not c.ok]
     res = {"recv_ok": recv.ok, "recv_detail": recv.detail, "combined_ok": comb.ok, "combined_detail": comb.detail,
@@ -757,7 +757,7 @@ def _gpu_worker(ctx):
         poison(res_out)
         graph.replay()
         torch.cuda.synchronize()
-        ref = scaled_expert_reference(x, effective_ids(ids, is_padding), w, layout.experts_per_rank)
+        ref = scaled_expert_reference(x, effective_ids(ids, is_padding), w, layout.local_experts)
         c = compare_close("graph", res_out, ref, 2e-2, 5e-3)
         replay[trial] = (c.ok, c.detail)
     out["graph"] = replay

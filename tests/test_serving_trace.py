@@ -468,9 +468,8 @@ def test_bad_trace_real_points_is_refused(tmp_path, capsys):
     assert main(["run", str(sweep), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trace_real_points" in err[0], err
-    from moebench.registry import get
-    assert get("serving_trace.layer").validate(replace(Params(), trace_real_points=-3)) == \
-        "trace_real_points: must be >= 0, got -3"
+    from moebench.traces.knobs import ServingKnobs
+    assert ServingKnobs(trace_real_points=-3).problem(Params()) == "trace_real_points: must be >= 0, got -3"
 
 
 def test_a_padded_shape_holds_the_real_rows_of_its_real_only_shape():

@@ -146,7 +146,7 @@ def test_params_defaults_are_valid():
 def test_ep_layout_is_derived_from_params_once():
     p = Params(num_experts=32, ep_size=4)
     lay = EPLayout.of(p, rank=3)
-    assert (lay.rank, lay.ep_size, lay.num_experts, lay.experts_per_rank, lay.expert_offset) == (3, 4, 32, 8, 24)
+    assert (lay.rank, lay.ep_size, lay.num_experts, lay.local_experts, lay.expert_offset) == (3, 4, 32, 8, 24)
     assert [lay.first_expert(r) for r in range(4)] == [0, 8, 16, 24]
     assert p.local_experts == 8 and Params(num_experts=32, ep_size=4, num_local_experts=5).local_experts == 5
     with pytest.raises(ValueError, match="ep_size: 3 does not divide num_experts 32"):

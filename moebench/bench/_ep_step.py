@@ -65,7 +65,7 @@ class Layout:
     replicas: int = 1  # DP x SP groups the EP group holds (ep_size / (DP x SP) when larger)
 
     @property
-    def experts_per_rank(self) -> int:
+    def local_experts(self) -> int:
         return self.num_experts // self.ep_size
 
     def sources(self, dp_size: int) -> int:
@@ -125,7 +125,7 @@ class MicroBatch:
 
 def micro_batches(step: StepPadding, layout: Layout, routes_of: RoutesOf, side: str) -> list[MicroBatch]:
     """The step's micro-batches (those with calls) as rank workloads and byte matrices."""
-    R, epr = layout.ep_size, layout.experts_per_rank
+    R, epr = layout.ep_size, layout.local_experts
     dp_size = len(step.real)
     out = []
     for m in sorted({c.micro_batch for c in step.calls}):

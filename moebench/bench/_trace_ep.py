@@ -23,6 +23,7 @@ from moebench.bench._rank_cost import RankCostModel, RankTimer, Workload, fit_sa
 from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes, wire_model_of
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params, Timing
+from moebench.traces.knobs import ServingKnobs
 
 # distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
 # ep_rank_timings unset; the interpreter's budget is a smoke test's
@@ -36,12 +37,14 @@ SLOT_SEED = 104_729 * 7_919  # the source slots' batches: seed offsets past ever
 
 def layout_of(p: Params) -> Layout:
     payload = "fp8" if p.expert_dtype == "fp8" else "bf16"
-    return Layout(p.ep_size, p.num_experts, p.sp_size, dispatch_row_bytes(p.hidden, p.top_k, payload),
-                  combine_row_bytes(p.hidden), p.dbo, max(1, p.ep_size // (p.dp_size * p.sp_size)))
+    serving = p.knobs(ServingKnobs)
+    return Layout(p.ep_size, p.num_experts, serving.sp_size, dispatch_row_bytes(p.hidden, p.top_k, payload),
+                  combine_row_bytes(p.hidden), serving.dbo, max(1, p.ep_size // (serving.dp_size * serving.sp_size)))
 
 
 def placement(p: Params) -> str:
-    sources = p.dp_size * p.sp_size
+    serving = p.knobs(ServingKnobs)
+    sources = serving.dp_size * serving.sp_size
     if sources == p.ep_size:
         return f"one source (DP rank x SP rank) on each of the {p.ep_size} EP ranks"
     if sources < p.ep_size:
@@ -75,7 +78,7 @@ class StepRoutes:
         ids = ids.to(torch.int64).cpu()
         lay = EPLayout(0, self.p.ep_size, self.p.num_experts)
         hits = torch.zeros(ids.shape[0], lay.ep_size + 1, dtype=torch.bool)
-        hits.scatter_(1, torch.where(ids >= 0, ids // lay.experts_per_rank, lay.ep_size), True)
+        hits.scatter_(1, torch.where(ids >= 0, ids // lay.local_experts, lay.ep_size), True)
         return ids, hits[:, :lay.ep_size]
 
     def _route_slot(self, slot: int, rows: int) -> None:
@@ -258,7 +261,8 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
     routed = routes.prepare(list(distinct) + list(replay_steps),
                             lambda i, n: progress(i, n, "EP step: source slots routed"))
     timer = _Counted(RankTimer(p, bench.device, timing), progress)
-    budget = p.ep_rank_timings if p.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_type]
+    budget = p.knobs(ServingKnobs).ep_rank_timings
+    budget = budget if budget is not None else DEFAULT_RANK_TIMINGS[device_type]
     workloads, read = _workloads(distinct, layout, routes)
     timer.expect(min(budget, sum(1 for w in workloads if w.rows)), "EP step: rank workloads timed")
     rank_time, times_info = rank_times(workloads, timer, budget, complete=read == len(distinct))

@@ -84,7 +84,7 @@ def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int]
     loads = per_rank_loads(ids, p.num_experts, p.ep_size).tolist()
     if p.ep_size == 1:
         return gemm_rows, loads, int((ids >= 0).any(dim=1).sum().item())
-    epr = EPLayout.of(p).experts_per_rank
+    epr = EPLayout.of(p).local_experts
     dest = torch.where(ids >= 0, ids // epr, torch.full_like(ids, -1))
     in_rank = torch.stack([(dest == r).any(dim=1) for r in range(p.ep_size)], dim=1)
     return gemm_rows, loads, int(in_rank.sum(dim=0).max().item())

@@ -26,11 +26,11 @@ __all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_bu
 
 
 def rank0_expert_map(p, device) -> tuple[torch.Tensor | None, int]:
-    """(expert_map, num_local_experts) of EP rank 0, which owns global experts [0, L); no map when L == E."""
+    """(expert_map, local_experts) of EP rank 0, which owns global experts [0, L); no map when L == E."""
     local = p.local_experts
     if local == p.num_experts:
         return None, p.num_experts
-    return build_expert_map(p.num_experts, num_local_experts=local, device=device), local
+    return build_expert_map(p.num_experts, local_experts=local, device=device), local
 
 
 def canonical_alignment(got, num_routes: int, num_experts: int, block_size: int

@@ -25,13 +25,14 @@ from moebench.registry import Case, CheckResult, RunContext, register_impl
 def trace_capacities(p: Params, device: torch.device) -> tuple[list[int], list[int], list[int]]:
     """(batch sizes, capacities, rows sent) per step of the point's trace, as jit_trace.a2a_fixed computes them."""
     from moebench.bench.jit_trace import step_inputs, trace_batch_sizes
-    from moebench.dispatch.pack import capacity_for
+    from moebench.dispatch.pack import CapacityKnobs, capacity_for
 
     sizes = trace_batch_sizes(p)
     capacities, sent = [], []
     for i, batch in enumerate(sizes):
         step = step_inputs(p, i, batch, device)
-        capacities.append(capacity_for(p.capacity_policy, step["max_rows"], p.num_max_tokens_per_rank))
+        cap = p.knobs(CapacityKnobs)
+        capacities.append(capacity_for(cap.capacity_policy, step["max_rows"], cap.num_max_tokens_per_rank))
         sent.append(int(step["counts"].sum().item()))
     return sizes, capacities, sent
 
@@ -47,6 +48,7 @@ def _validate(p: Params) -> str | None:
                description="the trace's a2a_fixed wire traffic under capacity_policy: one device copy of ep_size "
                            "x capacity wire rows per step (the loopback all-to-all; a lower bound of the transfer)")
 def build(p: Params, ctx: RunContext) -> Case:
+    from moebench.dispatch.pack import CapacityKnobs
     from moebench.dispatch.permute import RowLayout
 
     dev = ctx.device
@@ -70,7 +72,8 @@ def build(p: Params, ctx: RunContext) -> Case:
 
     wire_rows = sum(R * c for c in capacities)
     sent_rows = sum(sent)
-    info = {"policy": p.capacity_policy, "trace_steps": len(sizes), "row_bytes": row_bytes, "wire_rows": wire_rows,
+    info = {"policy": p.knobs(CapacityKnobs).capacity_policy, "trace_steps": len(sizes), "row_bytes": row_bytes,
+            "wire_rows": wire_rows,
             "sent_rows": sent_rows, "wire_overhead": wire_rows / sent_rows if sent_rows else None,
             "wire_bytes": wire_rows * row_bytes, "mean_capacity": sum(capacities) / len(capacities),
             "distinct_capacities": len(set(capacities))}

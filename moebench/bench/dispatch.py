@@ -21,6 +21,7 @@ import torch
 
 from moebench.check import compare_close, poison
 from moebench.dispatch.base import DispatchPath, EPLayout, effective_ids, package_paths
+from moebench.dispatch.pack import CapacityKnobs
 from moebench.dispatch.reference import (
     check_received,
     count_padding_received,
@@ -53,8 +54,9 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
         topk_weights, topk_ids = inputs.route(p, batch)  # -1 on padded rows when p.mask
         x, mask = batch.hidden, batch.mask
         T = x.shape[0]
-        if path_cls.buffers_sized_by_max_tokens and T > p.num_max_tokens_per_rank:
-            raise ValueError(f"{T} rows per rank exceed num_max_tokens_per_rank={p.num_max_tokens_per_rank}")
+        buffer_rows = p.knobs(CapacityKnobs).num_max_tokens_per_rank
+        if path_cls.buffers_sized_by_max_tokens and T > buffer_rows:
+            raise ValueError(f"{T} rows per rank exceed num_max_tokens_per_rank={buffer_rows}")
         path = path_cls.from_point(layout, p, topk_ids, mask, ctx.device)
         out = torch.empty_like(x)
 
@@ -99,7 +101,7 @@ def case_builder(path_cls: type[DispatchPath]) -> Callable[[Params, RunContext],
             path.combine(expert(d), d.handle, out=out)
             g = gather_inputs(x, topk_ids, topk_weights, batch.is_padding, mask is not None, layout)
             results = [check_received(path, d, g)]
-            ref = scaled_expert_reference(x, ids_eff, topk_weights, layout.experts_per_rank)
+            ref = scaled_expert_reference(x, ids_eff, topk_weights, layout.local_experts)
             results.append(compare_close("combined", out, ref, COMBINE_MAX_REL, COMBINE_RMS_REL))
             pads = count_padding_received(path, d, g)
             metrics = {k: float(v) for k, v in pads.items()}

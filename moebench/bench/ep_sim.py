@@ -83,7 +83,7 @@ class RankWork:
 
 def rank_work(sim: SimulatedEP, rank: int) -> RankWork:
     """Rank `rank`'s share of the routing: every (row, rank) pair once, with the row's slots for this rank."""
-    epr = sim.layout.experts_per_rank
+    epr = sim.layout.local_experts
     lo = sim.layout.first_expert(rank)
     ids = sim.topk_ids.to(torch.int64)
     mine = (ids >= lo) & (ids < lo + epr)
@@ -149,7 +149,7 @@ def _build(p: Params, ctx: RunContext) -> Case:
     R, E = p.ep_size, p.num_experts
     use_triton = _use_triton(ctx)
     sim = simulated_batches(p, dev)
-    w13, w2 = make_expert_weights(sim.layout.experts_per_rank, p.hidden, p.intermediate, seed=p.seed, device=dev)
+    w13, w2 = make_expert_weights(sim.layout.local_experts, p.hidden, p.intermediate, seed=p.seed, device=dev)
     reps = REPS_CUDA if dev.type == "cuda" else REPS_CPU
 
     works = [rank_work(sim, r) for r in range(R)]
@@ -174,7 +174,7 @@ def _build(p: Params, ctx: RunContext) -> Case:
     info: dict[str, Any] = {
         "simulated": True,
         "ep_size": R,
-        "experts_per_rank": sim.layout.experts_per_rank,
+        "num_local_experts": sim.layout.local_experts,
         "per_rank_us": [round(t, 3) for t in per_rank_us],
         "slowest_rank": slowest,
         "slowest_us": round(per_rank_us[slowest], 3),
@@ -232,7 +232,7 @@ def _build(p: Params, ctx: RunContext) -> Case:
 def _validate(p: Params) -> str | None:
     if p.ep_mode != "simulated":
         return "ep_mode: ep_sim.experts needs ep_mode: simulated (real EP sizes are measured by dispatch paths)"
-    per_rank = EPLayout.of(p).experts_per_rank
+    per_rank = EPLayout.of(p).local_experts
     if p.num_local_experts is not None and p.num_local_experts != per_rank:
         return (f"num_local_experts: simulated ranks own num_experts / ep_size = {per_rank} "
                 f"experts, got {p.num_local_experts}")

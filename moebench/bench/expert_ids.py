@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from moebench.check import CheckResult, compare_exact, poison
+from moebench.dispatch.pack import CapacityKnobs
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.apply_expert_map import (
@@ -33,18 +34,18 @@ def rows_differing(result: torch.Tensor, truth: torch.Tensor) -> int:
     return int((result.to(torch.int64) != truth.to(torch.int64)).reshape(result.shape[0], -1).any(dim=1).sum())
 
 
-def make_receive_buffer(local_ids: torch.Tensor, capacity: int, num_local_experts: int, *,
+def make_receive_buffer(local_ids: torch.Tensor, capacity: int, local_experts: int, *,
                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A receive buffer as a no-sync dispatch leaves it: (recv [capacity, K] int64, num_recv int32 [1]).
 
     Rows `< len(local_ids)` hold the received local ids; the rest hold garbage that looks valid (ids in
-    [0, num_local_experts) with some -1), as stale memory from an earlier step would.
+    [0, local_experts) with some -1), as stale memory from an earlier step would.
     """
     num_recv, K = local_ids.shape
     if num_recv > capacity:
         raise ValueError(f"{num_recv} received rows do not fit a capacity of {capacity}")
     device = local_ids.device
-    recv = torch.randint(-1, num_local_experts, (capacity, K), generator=generator, device=generator.device,
+    recv = torch.randint(-1, local_experts, (capacity, K), generator=generator, device=generator.device,
                          dtype=torch.int64).to(device)
     recv[:num_recv] = local_ids.to(torch.int64)
     return recv, torch.tensor([num_recv], dtype=torch.int32, device=device)
@@ -127,12 +128,12 @@ def _globalize_build(variant: str, fn=None):
         _, topk_ids = route(p, batch)  # -1 on padded rows when p.mask
         # This rank receives every row with at least one expert it owns, as local ids (-1 for the others).
         layout = EPLayout.of(p, rank=p.ep_size - 1)  # the last rank: a non-zero offset whenever ep_size > 1
-        local_experts, offset = layout.experts_per_rank, layout.expert_offset
+        local_experts, offset = layout.local_experts, layout.expert_offset
         ids = topk_ids.to(torch.int64)
         is_local = (ids >= offset) & (ids < offset + local_experts)
         local_ids = torch.where(is_local, ids - offset, torch.full_like(ids, -1))
         local_ids = local_ids[is_local.any(dim=1)]  # host sync: build time only
-        capacity = max(p.num_max_tokens_per_rank, local_ids.shape[0])
+        capacity = max(p.knobs(CapacityKnobs).num_max_tokens_per_rank, local_ids.shape[0])
         source, num_recv = make_receive_buffer(local_ids, capacity, local_experts,
                                                generator=generator(p.seed + 29, "cpu"))
         buf = source.clone()

@@ -121,13 +121,13 @@ def row_tiles(counts: torch.Tensor) -> dict:
     return out
 
 
-def wrap_minus_one(ids: torch.Tensor, num_local_experts: int):
+def wrap_minus_one(ids: torch.Tensor, local_experts: int):
     """The oblivious twins' pre-fix ids: -1 read as the last local expert (python's expert_map[-1]).
 
     Returns (wrapped, remap): `wrapped` is filled once here, and `remap()` refills it in place inside a timed run
     (the remap is part of the pre-fix cost)."""
     wrapped = torch.empty_like(ids)
-    last = torch.tensor(num_local_experts - 1, dtype=ids.dtype, device=ids.device)
+    last = torch.tensor(local_experts - 1, dtype=ids.dtype, device=ids.device)
 
     def remap():
         torch.where(ids < 0, last, ids, out=wrapped)
@@ -136,11 +136,11 @@ def wrap_minus_one(ids: torch.Tensor, num_local_experts: int):
     return wrapped, remap
 
 
-def oblivious_ids(ids: torch.Tensor, routing_ids: torch.Tensor, num_local_experts: int, info: dict):
+def oblivious_ids(ids: torch.Tensor, routing_ids: torch.Tensor, local_experts: int, info: dict):
     """An oblivious twin's ids: (run_ids, remap, routing_ids). run_ids and remap are wrap_minus_one's; the routing
     reads -1 as the last local expert too; info["computed_routes"] counts the routes the pre-fix kernel computes
     (ids >= E would fault, so they stay skipped)."""
-    E = num_local_experts
+    E = local_experts
     wrapped, remap = wrap_minus_one(ids, E)
     info["computed_routes"] = int(((wrapped >= 0) & (wrapped < E)).sum())
     return wrapped, remap, torch.where(routing_ids < 0, torch.full_like(routing_ids, E - 1), routing_ids)
@@ -165,7 +165,7 @@ def experts_inputs(p, ctx: RunContext) -> ExpertsInputs:
     topk_weights, global_ids = route(p, batch)
     E, H, I = p.local_experts, p.hidden, p.intermediate
     # rank 0's expert map: g -> g if g < E (its local experts) else -1
-    expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=global_ids.device)
+    expert_map = build_expert_map(p.num_experts, local_experts=E, device=global_ids.device)
     ids = apply_expert_map_torch(global_ids, expert_map).to(torch.int32)
     w13, w2 = make_expert_weights(E, H, I, seed=p.seed, device=dev)
     return ExpertsInputs(batch, batch.hidden, w13, w2, topk_weights.float().contiguous(), ids, global_ids)

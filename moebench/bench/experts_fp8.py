@@ -157,7 +157,7 @@ def fp8_inputs(p, ctx: RunContext) -> Fp8Inputs:
                                                              global_ids, batch.mask, G, fmt)
     E, H, I = p.local_experts, p.hidden, p.intermediate
     # rank 0 of an EP layout holding experts [0, E): non-local ids -> -1
-    expert_map = build_expert_map(p.num_experts, num_local_experts=E, device=staged_ids.device)
+    expert_map = build_expert_map(p.num_experts, local_experts=E, device=staged_ids.device)
     ids = apply_expert_map_torch(staged_ids, expert_map).to(torch.int32)
     w13_q, w13_s, w2_q, w2_s = quantized_expert_weights(E, H, I, seed=p.seed, device=dev)
     return Fp8Inputs(batch, x_q, x_sf, G, fmt, staged_ids, ids, topk_weights, w13_q, w13_s, w2_q, w2_s)

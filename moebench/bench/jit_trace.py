@@ -2,9 +2,10 @@
 
 `jit_trace.a2a_fixed` replays a sequence of per-step batch sizes through the `a2a_fixed` pack and combine Triton
 kernels (moebench.dispatch.pack), whose `CAPACITY` is a tl.constexpr: every distinct capacity is one new
-variant of each kernel. The capacity of a step follows `p.capacity_policy` (pack.capacity_for):
+variant of each kernel. The capacity of a step follows the point's `capacity_policy` (pack.CapacityKnobs,
+pack.capacity_for):
   exact  the step's max rows per destination rank,
-  pow2   its next power of two, capped at the buffer (p.num_max_tokens_per_rank rows per destination),
+  pow2   its next power of two, capped at the buffer (num_max_tokens_per_rank rows per destination),
   max    always the buffer.
 The step's max rows per destination comes from real routing of that step's batch: inputs.make_batch (num_tokens =
 the step's batch size, seed_offset = the step) routed with p.num_experts / p.top_k, masked when p.mask, over
@@ -18,8 +19,8 @@ measure.jit.JitCounter (triton.knobs.runtime hooks) on FRESH copies of the two k
 an empty in-memory cache, whatever ran before in this process). A fresh copy still finds variants that
 any earlier process built in Triton's on-disk cache: each step says how many of its compiles were disk-cache loads.
 
-Batch sizes: p.trace when given, else p.trace_steps sizes drawn from p.trace_distribution (seeded by p.seed) in
-[1, p.trace_max_tokens]:
+Batch sizes (traces.knobs.TraceKnobs): trace when given, else trace_steps sizes drawn from trace_distribution
+(seeded by p.seed) in [1, trace_max_tokens]:
   uniform         uniform over 1..max;
   decode_prefill  DECODE_SHARE of the steps are decode batches uniform over 1..DECODE_MAX_TOKENS, the rest prefill
                   chunks uniform over DECODE_MAX_TOKENS+1..max;
@@ -53,6 +54,7 @@ from moebench.dispatch.base import EPLayout, effective_ids, token_in_rank
 from moebench.dispatch.pack import (
     COMBINE_FIXED_KERNEL,
     PACK_FIXED_KERNEL,
+    CapacityKnobs,
     capacity_for,
     combine_fixed,
     combine_fixed_torch,
@@ -65,6 +67,7 @@ from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, uns
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
 from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+from moebench.traces.knobs import ServingKnobs, TraceKnobs
 
 DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
 DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch
@@ -78,30 +81,37 @@ COMBINE_KERNEL = COMBINE_FIXED_KERNEL.fn.__name__
 # ---------------------------------------------------------------------------------------------------------------
 
 def trace_batch_sizes(p: Params) -> list[int]:
-    """The per-step batch sizes of a point: p.trace as given, else drawn (seeded) from p.trace_distribution."""
-    if p.trace is not None:
-        return [int(b) for b in p.trace]
-    top = int(p.trace_max_tokens)
-    if p.trace_distribution in SERVING_MIXES:  # the serving_trace mixes, as its DP rank 0 draws them
-        return serving_tokens(p.trace_distribution, p.trace_steps, top, p.seed, 0)
+    """The per-step batch sizes of a point: its trace as given, else drawn (seeded) from its trace_distribution."""
+    t = p.knobs(TraceKnobs)
+    if t.trace is not None:
+        return [int(b) for b in t.trace]
+    top = int(t.trace_max_tokens)
+    if t.trace_distribution in SERVING_MIXES:  # the serving_trace mixes, as its DP rank 0 draws them
+        return serving_tokens(t.trace_distribution, t.trace_steps, top, p.seed, 0)
     rng = random.Random(p.seed * 1_000_003 + TRACE_SEED_SALT)
     sizes = []
-    for _ in range(p.trace_steps):
-        if p.trace_distribution == "uniform":
+    for _ in range(t.trace_steps):
+        if t.trace_distribution == "uniform":
             b = rng.randint(1, top)
-        elif p.trace_distribution == "decode_prefill":
+        elif t.trace_distribution == "decode_prefill":
             decode_top = min(DECODE_MAX_TOKENS, top)
             if decode_top == top or rng.random() < DECODE_SHARE:
                 b = rng.randint(1, decode_top)
             else:
                 b = rng.randint(decode_top + 1, top)
-        elif p.trace_distribution == "lognormal":
+        elif t.trace_distribution == "lognormal":
             log_top = math.log(top)
             b = int(round(math.exp(rng.gauss(log_top / 2, log_top / 6))))
         else:
-            raise ValueError(f"unknown trace_distribution {p.trace_distribution!r}")
+            raise ValueError(f"unknown trace_distribution {t.trace_distribution!r}")
         sizes.append(min(max(b, 1), top))
     return sizes
+
+
+def trace_source(p: Params) -> str:
+    """Where the point's batch sizes come from: "explicit" (its trace), else the distribution they are drawn from."""
+    t = p.knobs(TraceKnobs)
+    return "explicit" if t.trace is not None else t.trace_distribution
 
 
 def predicted_cumulative(capacities: list[int]) -> list[int]:
@@ -161,11 +171,11 @@ def step_inputs(p: Params, step: int, batch: int, device: torch.device) -> dict[
 
 
 class _Buffers:
-    """The fixed send buffer (p.num_max_tokens_per_rank rows per destination), allocated once: a step with
+    """The fixed send buffer (num_max_tokens_per_rank rows per destination), allocated once: a step with
     capacity c uses its first R*c rows, so block d starts at row d*c as the kernels expect."""
 
     def __init__(self, p: Params, device: torch.device):
-        R, K, rows = p.ep_size, p.top_k, p.ep_size * p.num_max_tokens_per_rank
+        R, K, rows = p.ep_size, p.top_k, p.ep_size * p.knobs(CapacityKnobs).num_max_tokens_per_rank
         self.ep_size = R
         self.send_x = torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=device)
         self.send_meta = torch.empty(rows, 2 * K + 1, dtype=torch.int32, device=device)
@@ -175,17 +185,17 @@ class _Buffers:
         return self.send_x[:n], self.send_meta[:n]
 
 
-def _launch(step: dict, bufs: _Buffers, out: torch.Tensor, capacity: int, experts_per_rank: int,
+def _launch(step: dict, bufs: _Buffers, out: torch.Tensor, capacity: int, local_experts: int,
             kernels: tuple[Any, Any] | None, use_triton: bool) -> None:
     """Pack the step's rows into the capacity-`capacity` blocks, then combine them straight back (loopback)."""
     send_x, send_meta = bufs.views(capacity)
     if use_triton:
         pack_fixed(step["x"], step["send_pos"], step["ids"], step["weights"], send_x, send_meta, capacity,
-                   experts_per_rank, kernel=kernels[0] if kernels else None)
+                   local_experts, kernel=kernels[0] if kernels else None)
         combine_fixed(send_x, step["send_pos"], out, capacity, kernel=kernels[1] if kernels else None)
     else:
         pack_fixed_torch(step["x"], step["send_pos"], step["ids"], step["weights"], send_x, send_meta, capacity,
-                         experts_per_rank)
+                         local_experts)
         combine_fixed_torch(send_x, step["send_pos"], out, capacity)
 
 
@@ -202,8 +212,9 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
     """Replay the point's trace; returns the info dict (see the module docstring) plus private `_last` state
     (the last step's inputs, buffers, output and kernels) for the timed replay and the check."""
     sizes = trace_batch_sizes(p)
-    policy, buffer_rows = p.capacity_policy, p.num_max_tokens_per_rank
-    experts_per_rank = EPLayout.of(p).experts_per_rank
+    cap = p.knobs(CapacityKnobs)
+    policy, buffer_rows = cap.capacity_policy, cap.num_max_tokens_per_rank
+    local_experts = EPLayout.of(p).local_experts
     kernels = (fresh_kernel(PACK_FIXED_KERNEL), fresh_kernel(COMBINE_FIXED_KERNEL)) if use_triton else None
     bufs = _Buffers(p, device)
     steps: list[dict[str, Any]] = []
@@ -218,7 +229,7 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
             capacity = capacity_for(policy, step["max_rows"], buffer_rows)
             out = torch.empty(step["x"].shape[0], p.hidden, dtype=torch.bfloat16, device=device)
             first_event = len(counter.events)
-            _launch(step, bufs, out, capacity, experts_per_rank, kernels, use_triton)
+            _launch(step, bufs, out, capacity, local_experts, kernels, use_triton)
             _sync(device)
             events = [e for e in counter.events[first_event:] if e.completed]
             rec: dict[str, Any] = {"step": i, "batch": int(batch), "max_rows": step["max_rows"],
@@ -242,7 +253,7 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
     distinct = sorted(set(capacities))
     info: dict[str, Any] = {
         "policy": policy,
-        "trace_source": "explicit" if p.trace is not None else p.trace_distribution,
+        "trace_source": trace_source(p),
         "trace_steps": steps,
         "distinct_capacities": distinct,
         "predicted_compiles": len(distinct),
@@ -266,7 +277,7 @@ def run_trace(p: Params, device: torch.device, *, use_triton: bool = True) -> di
         info.update(observed_compiles="unsupported",
                     counting_note=("compile counting unsupported: "
                                    + (unsupported_reason() or "torch reference kernels (no Triton)")))
-    info["_last"] = {**last, "buffers": bufs, "kernels": kernels, "experts_per_rank": experts_per_rank}
+    info["_last"] = {**last, "buffers": bufs, "kernels": kernels, "local_experts": local_experts}
     return info
 
 
@@ -276,14 +287,15 @@ def check_trace(info: dict[str, Any], p: Params) -> CheckResult:
     steps = info["trace_steps"]
     caps = [s["capacity"] for s in steps]
     problems = []
+    cap = p.knobs(CapacityKnobs)
     for s in steps:
-        why = capacity_problem(p.capacity_policy, s["max_rows"], s["capacity"], p.num_max_tokens_per_rank)
+        why = capacity_problem(cap.capacity_policy, s["max_rows"], s["capacity"], cap.num_max_tokens_per_rank)
         if why:
             problems.append(f"step {s['step']}: {why}")
-    expected_pred = {"max": 1}.get(p.capacity_policy, len(set(caps)))
+    expected_pred = {"max": 1}.get(cap.capacity_policy, len(set(caps)))
     if info["predicted_compiles"] != expected_pred or info["predicted_cumulative"] != predicted_cumulative(caps):
         problems.append(f"prediction {info['predicted_compiles']} != {expected_pred} distinct capacities")
-    if p.capacity_policy == "pow2" and info["predicted_compiles"] > info["pow2_bound"]:
+    if cap.capacity_policy == "pow2" and info["predicted_compiles"] > info["pow2_bound"]:
         problems.append(f"pow2: {info['predicted_compiles']} capacities > bound {info['pow2_bound']}")
     metrics = {"predicted_compiles": float(info["predicted_compiles"])}
     if info["counting"]:
@@ -305,11 +317,12 @@ def check_trace(info: dict[str, Any], p: Params) -> CheckResult:
 # ---------------------------------------------------------------------------------------------------------------
 
 def validate_trace(p: Params) -> str | None:
-    top = max(p.trace) if p.trace is not None else p.trace_max_tokens
-    if top > p.num_max_tokens_per_rank:
-        key = "trace" if p.trace is not None else "trace_max_tokens"
-        return f"{key}: batches up to {top} > num_max_tokens_per_rank {p.num_max_tokens_per_rank} (the buffer)"
-    if p.trace_file is not None:
+    t, buffer_rows = p.knobs(TraceKnobs), p.knobs(CapacityKnobs).num_max_tokens_per_rank
+    top = max(t.trace) if t.trace is not None else t.trace_max_tokens
+    if top > buffer_rows:
+        key = "trace" if t.trace is not None else "trace_max_tokens"
+        return f"{key}: batches up to {top} > num_max_tokens_per_rank {buffer_rows} (the buffer)"
+    if p.knobs(ServingKnobs).trace_file is not None:
         return "trace_file: read by the serving_trace target only (jit_trace takes trace: [batch sizes])"
     if p.ep_mode != "real":
         return "ep_mode: jit_trace runs in one process; ep_size only sets the destinations (use ep_mode: real)"
@@ -325,7 +338,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     info = run_trace(p, ctx.device, use_triton=use_triton)
     last = info.pop("_last")
     step, out, cap = last["step"], last["out"], last["capacity"]
-    bufs, kernels, epr = last["buffers"], last["kernels"], last["experts_per_rank"]
+    bufs, kernels, epr = last["buffers"], last["kernels"], last["local_experts"]
     R = p.ep_size
 
     def run():

@@ -8,7 +8,7 @@
               EP dispatch would send). With expert_dtype bf16 the experts consume the bf16 hidden states and the
               staged rows are not read further (the stage is run and timed for its cost); with fp8 the experts
               consume the staged rows and scales.
-  expert_map  rank 0's map (global g -> g if g < num_local_experts else -1) applied to the staged ids.
+  expert_map  rank 0's map (global g -> g if g < p.local_experts else -1) applied to the staged ids.
   align       moe_align_block_size over the local experts, block size = the expert GEMMs' BLOCK_M.
   experts     the grouped_gemm gate/up + SwiGLU kernel and the down-projection kernel (which applies the top-k
               weight), fed the alignment above, writing one row per route: y [T*K, H] = [T, K, H]. expert_dtype
@@ -114,7 +114,7 @@ class LayerPipeline:
         self.R = T * K
         self.grouped = uses_grouped_router(p)
         self.bias = batch.bias if p.bias else None
-        self.expert_map = build_expert_map(E, num_local_experts=L, device=dev)  # EP rank 0's
+        self.expert_map = build_expert_map(E, local_experts=L, device=dev)  # EP rank 0's
         self.fp8 = Fp8LayerExperts(p, T, dev) if p.expert_dtype == "fp8" else None
         experts = self.fp8.workspace.choice if self.fp8 is not None else experts_choice(T, K, L, H, I, dev)
         self.config = experts.config

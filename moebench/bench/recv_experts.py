@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.dispatch.pack import CapacityKnobs
 from moebench.params import EPLayout, Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
 
@@ -48,12 +49,12 @@ def _received(p: Params, ctx: RunContext):
     batch = make_batch(p, dev)
     topk_weights, topk_ids = route(p, batch)
     layout = EPLayout.of(p, rank=p.ep_size - 1)  # the last rank, as the globalize_recv_topk_idx point
-    local_experts, offset = layout.experts_per_rank, layout.expert_offset
+    local_experts, offset = layout.local_experts, layout.expert_offset
     ids = topk_ids.to(torch.int64)
     is_local = (ids >= offset) & (ids < offset + local_experts)
     rows = is_local.any(dim=1).nonzero(as_tuple=True)[0]  # host sync: build time only
     local_ids = torch.where(is_local, ids - offset, torch.full_like(ids, -1))[rows]
-    capacity = max(p.num_max_tokens_per_rank, int(rows.numel()))
+    capacity = max(p.knobs(CapacityKnobs).num_max_tokens_per_rank, int(rows.numel()))
     # same generator seed as the globalize_recv_topk_idx point: the same stale ids
     recv_ids, num_recv = make_receive_buffer(local_ids, capacity, local_experts,
                                              generator=generator(p.seed + 29, "cpu"))
@@ -78,7 +79,7 @@ def _build(p: Params, ctx: RunContext, fixed: bool) -> Case:
     )
 
     dev = ctx.device
-    E_loc, H, I, K = EPLayout.of(p).experts_per_rank, p.hidden, p.intermediate, p.top_k
+    E_loc, H, I, K = EPLayout.of(p).local_experts, p.hidden, p.intermediate, p.top_k
     source, x, weights, num_recv, routing = _received(p, ctx)
     C = source.shape[0]
     w13, w2 = make_expert_weights(E_loc, H, I, seed=p.seed, device=dev)

@@ -54,7 +54,7 @@ from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
 from moebench.check import CheckResult
-from moebench.dispatch.pack import capacity_for
+from moebench.dispatch.pack import CapacityKnobs, capacity_for
 from moebench.inputs.engine_padding import Engine, StepPadding, padding_problem, step_padding
 from moebench.kernels.fused_experts import expert_work
 from moebench.params import Params, Point, Timing
@@ -63,6 +63,7 @@ from moebench.traces.capture_lists import capture_list_label, resolve_capture_si
 from moebench.traces.csv_trace import read_trace_file
 from moebench.traces.distinct import DistinctSteps, distinct_steps
 from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+from moebench.traces.knobs import ServingKnobs, TraceKnobs
 from moebench.traces.step_file import write_step_columns
 
 # How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
@@ -89,23 +90,25 @@ _SHAPES_OWNER: list = [None]
 def trace_tokens(p: Params) -> tuple[DistinctSteps, dict[str, Any]]:
     """(the trace's distinct steps of per-DP-rank real tokens with their counts and per-step index, where they came
     from). A trace file's table is read once, streaming; no Python object is made per step."""
-    if p.trace_file is not None:
-        f = read_trace_file(p.trace_file)
-        return f.distinct_steps(p.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256,
-                                             "columns": f.columns}
-    if p.trace is not None:
-        return distinct_steps([[int(t)] * p.dp_size for t in p.trace]), {"source": "explicit"}
+    t, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
+    if serving.trace_file is not None:
+        f = read_trace_file(serving.trace_file)
+        return f.distinct_steps(serving.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256,
+                                                   "columns": f.columns}
+    if t.trace is not None:
+        return distinct_steps([[int(b)] * serving.dp_size for b in t.trace]), {"source": "explicit"}
     per_rank = []
-    for rank in range(p.dp_size):
-        if p.trace_distribution in SERVING_MIXES:
-            per_rank.append(serving_tokens(p.trace_distribution, p.trace_steps, p.trace_max_tokens, p.seed, rank))
+    for rank in range(serving.dp_size):
+        if t.trace_distribution in SERVING_MIXES:
+            per_rank.append(serving_tokens(t.trace_distribution, t.trace_steps, t.trace_max_tokens, p.seed, rank))
         else:  # jit_trace's own distributions, one seeded stream per DP rank
             per_rank.append(jit_trace.trace_batch_sizes(replace(p, seed=p.seed * 131 + rank)))
-    return distinct_steps([list(step) for step in zip(*per_rank)]), {"source": p.trace_distribution}
+    return distinct_steps([list(step) for step in zip(*per_rank)]), {"source": t.trace_distribution}
 
 
 def engine_of(p: Params) -> Engine:
-    return Engine(tuple(resolve_capture_sizes(p.capture_sizes)), p.dp_size, p.sp_size, p.dbo)
+    serving = p.knobs(ServingKnobs)
+    return Engine(tuple(resolve_capture_sizes(p.capture_sizes)), serving.dp_size, serving.sp_size, serving.dbo)
 
 
 def _layer_key(p: Params, ctx: RunContext) -> tuple:
@@ -154,7 +157,9 @@ def _capacities(step: StepPadding, figures: dict, side: str, p: Params) -> list[
         need = max((figures[(c.rows, c.real)].max_rows_per_rank[side] for c in step.calls if c.micro_batch == m),
                    default=0)
         # a receive larger than the buffer would not fit any capacity: it is counted at the buffer's capacity
-        caps.append(capacity_for(p.capacity_policy, min(need, p.num_max_tokens_per_rank), p.num_max_tokens_per_rank))
+        cap = p.knobs(CapacityKnobs)
+        caps.append(capacity_for(cap.capacity_policy, min(need, cap.num_max_tokens_per_rank),
+                                 cap.num_max_tokens_per_rank))
     return caps
 
 
@@ -335,12 +340,12 @@ def _validate(p: Params) -> str | None:
         return why
     if p.ep_mode != "real":
         return "ep_mode: serving_trace computes the EP ranks' loads itself (leave ep_mode: real)"
-    if p.ep_size > 1 and (why := placement_problem(p.ep_size, p.dp_size, p.sp_size)):
+    t, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
+    if p.ep_size > 1 and (why := placement_problem(p.ep_size, serving.dp_size, serving.sp_size)):
         return why
-    if p.trace_real_points < 0:
-        return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
-    if p.trace_replay and p.trace_file is None and p.trace is None and p.trace_replay > p.trace_steps:
-        return f"trace_replay: {p.trace_replay} steps > trace_steps {p.trace_steps}"
+    replay = serving.trace_replay
+    if replay and serving.trace_file is None and t.trace is None and replay > t.trace_steps:
+        return f"trace_replay: {replay} steps > trace_steps {t.trace_steps}"
     return None
 
 
@@ -351,14 +356,15 @@ def _validate(p: Params) -> str | None:
 def build(p: Params, ctx: RunContext) -> Case:
     dev = ctx.device
     t0 = time.perf_counter()
+    serving = p.knobs(ServingKnobs)
     trace, source = trace_tokens(p)
     engine = engine_of(p)
     counts, index = trace.counts.tolist(), trace.index
     paddings = [step_padding(real, engine) for real in trace.steps]  # one per distinct step
-    replay_steps = [paddings[j] for j in index[:p.trace_replay].tolist()]
+    replay_steps = [paddings[j] for j in index[:serving.trace_replay].tolist()]
     shapes = distinct_shapes(paddings + replay_steps)
     bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
-    n = p.trace_real_points
+    n = serving.trace_real_points
     timed = interpolation_shapes(paddings + replay_steps, n) if n else shapes
     figures, table, measured = measure_shapes(p, bench, shapes, timed, ctx)
     time_of = interpolated_timer(table, n) if n else table
@@ -371,9 +377,10 @@ def build(p: Params, ctx: RunContext) -> Case:
         for c in step.calls:
             calls[(c.rows, c.real)] += count
     info: dict[str, Any] = {
-        "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(paddings), "dp_size": p.dp_size},
+        "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(paddings),
+                  "dp_size": serving.dp_size},
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
-                   "dp_size": p.dp_size, "sp_size": p.sp_size, "dbo": p.dbo, "ep_size": p.ep_size,
+                   "dp_size": serving.dp_size, "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
         "shape_mode": "interpolated" if n else "exact", "trace_real_points": n,
         "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(paddings)),
@@ -403,8 +410,8 @@ def build(p: Params, ctx: RunContext) -> Case:
         info["distinct_step_records"] = [{"count": c, **rec} for rec, c in zip(distinct, counts)]
     if ctx.run_dir is not None and ctx.rank == 0:
         info["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
-                                               step_columns(distinct, index, p.dp_size), STEP_FILE_META)
-    if p.trace_replay:
+                                               step_columns(distinct, index, serving.dp_size), STEP_FILE_META)
+    if serving.trace_replay:
         info["replay"] = _replay_check(bench, replay_steps, time_of)
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
 

@@ -174,7 +174,7 @@ class A2APath(DispatchPath):
         # the pack first (it is the longer job), then the count exchange and its trip to the host beside it
         pack = pack_fixed if self.use_triton else pack_fixed_torch
         send_x, send_meta = self._send_views
-        pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.experts_per_rank, offsets=self.offsets)
+        pack(x, send_pos, topk_ids, topk_weights, send_x, send_meta, 0, lay.local_experts, offsets=self.offsets)
         self._mark("pack")
         with self.side.run():
             all_to_all_single(self.counts[1], self.counts[0], group=lay.group, world_size=lay.ep_size)
@@ -217,7 +217,7 @@ class A2APath(DispatchPath):
                 self.counts_ready_graph.record()
                 send_x, send_meta = self._send_views
                 pack_fixed(x, self.send_pos[:T], topk_ids, topk_weights, send_x, send_meta, 0,
-                           self.layout.experts_per_rank, offsets=self.offsets)
+                           self.layout.local_experts, offsets=self.offsets)
         finally:
             self.timer = timer
         return graph

@@ -14,7 +14,7 @@ back, then one kernel sums each row's returned partial outputs by (row, destinat
 
 `capacity` is a compile-time constant (tl.constexpr) of the pack and combine kernels (moebench.dispatch.pack):
 each distinct capacity is one Triton compilation, which is the recompile cost the capacity policies (exact / pow2
-/ max, `p.capacity_policy`; `from_point` applies it to the step's max rows per rank pair) trade against wasted
+/ max, the point's `capacity_policy`; `from_point` applies it to the step's max rows per rank pair) trade against wasted
 bandwidth. A (source, destination) pair with more rows than the capacity raises an on-device overflow flag
 (never silently accepted): `overflowed()` reads it, outside timed regions, and the benchmark's check fails on it.
 """
@@ -36,7 +36,8 @@ from moebench.dispatch.base import (
     token_in_rank,
 )
 from moebench.dispatch.comm import SideStream, all_to_all_single, max_over_ranks, triton_default
-from moebench.dispatch.pack import capacity_for, combine_fixed, combine_fixed_torch, pack_fixed, pack_fixed_torch
+from moebench.dispatch.pack import (CapacityKnobs, capacity_for, combine_fixed, combine_fixed_torch, pack_fixed,
+                                   pack_fixed_torch)
 from moebench.dispatch.permute import RowLayout, plan_scratch, run_plan
 from moebench.kernels.contract import check_mask
 
@@ -49,16 +50,16 @@ def max_rows_per_pair(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, l
     return max_over_ranks(mx, layout.group, layout.ep_size)
 
 
-def neutralise_blocks(recv_ids: torch.Tensor, recv_counts: torch.Tensor, capacity: int, experts_per_rank: int,
+def neutralise_blocks(recv_ids: torch.Tensor, recv_counts: torch.Tensor, capacity: int, local_experts: int,
                       use_triton: bool) -> torch.Tensor:
     """In place on [R*capacity, K] local ids: per source block, rows >= its count and ids outside
-    [0, experts_per_rank) become -1 (globalize_recv_topk_idx with offset 0, bound E/R: local ids validated)."""
+    [0, local_experts) become -1 (globalize_recv_topk_idx with offset 0, bound E/R: local ids validated)."""
     from moebench.kernels.globalize_recv_topk_idx import globalize_recv_topk_idx, globalize_recv_topk_idx_torch
 
     fn = globalize_recv_topk_idx if use_triton else globalize_recv_topk_idx_torch
     R = recv_counts.shape[0]
     for s in range(R):
-        fn(recv_ids[s * capacity:(s + 1) * capacity], recv_counts[s:s + 1], 0, experts_per_rank)
+        fn(recv_ids[s * capacity:(s + 1) * capacity], recv_counts[s:s + 1], 0, local_experts)
     return recv_ids
 
 
@@ -106,10 +107,11 @@ class A2AFixedPath(DispatchPath):
 
     @classmethod
     def from_point(cls, layout, p, topk_ids, is_padding, device) -> "A2AFixedPath":
-        """The capacity p.capacity_policy gives for this step's max rows per rank pair over every rank (a
-        collective), within p.num_max_tokens_per_rank."""
+        """The capacity the point's capacity_policy gives for this step's max rows per rank pair over every rank (a
+        collective), within its num_max_tokens_per_rank (CapacityKnobs)."""
         max_rows = max_rows_per_pair(topk_ids, is_padding, layout)
-        capacity = capacity_for(p.capacity_policy, max_rows, p.num_max_tokens_per_rank)
+        cap = p.knobs(CapacityKnobs)
+        capacity = capacity_for(cap.capacity_policy, max_rows, cap.num_max_tokens_per_rank)
         return cls(layout, hidden=p.hidden, top_k=p.top_k, num_tokens=topk_ids.shape[0], capacity=capacity,
                    dtype=torch.bfloat16, device=device, max_rows_per_pair=max_rows)
 
@@ -127,8 +129,9 @@ class A2AFixedPath(DispatchPath):
         return results
 
     def record_info(self, p) -> dict:
-        return {"capacity": self.capacity, "capacity_policy": p.capacity_policy,
-                "max_rows_per_pair": self.max_rows_per_pair, "buffer_rows": p.num_max_tokens_per_rank}
+        cap = p.knobs(CapacityKnobs)
+        return {"capacity": self.capacity, "capacity_policy": cap.capacity_policy,
+                "max_rows_per_pair": self.max_rows_per_pair, "buffer_rows": cap.num_max_tokens_per_rank}
 
     def dispatch(self, x, topk_ids, topk_weights, is_padding=None) -> Dispatched:
         lay = self.layout
@@ -141,7 +144,7 @@ class A2AFixedPath(DispatchPath):
         self._mark("plan")
         self.side.fork_here()
         pack = pack_fixed if self.use_triton else pack_fixed_torch
-        pack(x, self.send_pos, topk_ids, topk_weights, self.send_x, self.send_meta, cap, lay.experts_per_rank)
+        pack(x, self.send_pos, topk_ids, topk_weights, self.send_x, self.send_meta, cap, lay.local_experts)
         self._mark("pack")
         with self.side.run():  # the count exchange overlaps the pack (it needs the plan only)
             all_to_all_single(self.recv_counts, self.send_counts, group=lay.group, world_size=R)
@@ -150,7 +153,7 @@ class A2AFixedPath(DispatchPath):
         all_to_all_single(self.recv_buf, self.send_buf, group=lay.group, world_size=R)
         self._mark("payload_a2a")
         self.recv_ids.copy_(self.rows.ids(self.recv_buf))
-        neutralise_blocks(self.recv_ids, self.recv_counts, cap, lay.experts_per_rank, self.use_triton)
+        neutralise_blocks(self.recv_ids, self.recv_counts, cap, lay.local_experts, self.use_triton)
         self._mark("unpack")
         return Dispatched(recv_x=self.recv_x, recv_topk_ids=self.recv_ids,
                           recv_topk_weights=self.rows.weights(self.recv_buf), num_recv=self.recv_counts,
@@ -173,7 +176,7 @@ class A2AFixedPath(DispatchPath):
     def fill_garbage(self, generator: torch.Generator) -> None:
         """Make every buffer look like stale memory: NaN rows and routing that looks valid (local ids in
         [-1, E/R), plausible weights and source rows), so that only the counts can tell real rows from garbage."""
-        E_loc, K, T = self.layout.experts_per_rank, self.top_k, max(self.num_tokens, 1)
+        E_loc, K, T = self.layout.local_experts, self.top_k, max(self.num_tokens, 1)
         dev = self.device
         for buf in (self.send_x, self.recv_x, self.back):
             buf.fill_(float("nan"))

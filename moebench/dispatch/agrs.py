@@ -77,7 +77,7 @@ class AGRSPath(DispatchPath):
         self._mark("gather_meta")
         recv_meta = b["recv_meta"]
         if self.use_triton:
-            recv_ids = localize_ids(recv_meta[:, :K], lay.expert_offset, lay.experts_per_rank, out=b["recv_ids"])
+            recv_ids = localize_ids(recv_meta[:, :K], lay.expert_offset, lay.local_experts, out=b["recv_ids"])
         else:
             recv_ids = b["recv_ids"]
             recv_ids.copy_(local_ids(recv_meta[:, :K], lay))

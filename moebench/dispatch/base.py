@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 
 from moebench.check import CheckResult
+from moebench.dispatch.pack import CapacityKnobs
 from moebench.kernels.contract import check_mask
 from moebench.params import EPLayout, Params  # EPLayout: part of this interface (paths are built on one)
 
@@ -111,7 +112,7 @@ def token_in_rank(ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     T = ids.shape[0]
     R = layout.ep_size
     valid = (ids >= 0) & (ids < layout.num_experts)
-    dest = torch.where(valid, ids.div(layout.experts_per_rank, rounding_mode="floor"), R).to(torch.int64)
+    dest = torch.where(valid, ids.div(layout.local_experts, rounding_mode="floor"), R).to(torch.int64)
     onehot = torch.zeros(T, R + 1, dtype=torch.bool, device=ids.device)
     onehot.scatter_(1, dest, True)  # column R collects the slots that go nowhere
     return onehot[:, :R]
@@ -121,7 +122,7 @@ def local_ids(global_ids: torch.Tensor, layout: EPLayout) -> torch.Tensor:
     """int32: global id -> this rank's local id, -1 where the expert is not on this rank (or the id is -1)."""
     off = layout.expert_offset
     g = global_ids.to(torch.int32)
-    mine = (g >= off) & (g < off + layout.experts_per_rank)
+    mine = (g >= off) & (g < off + layout.local_experts)
     return torch.where(mine, g - off, torch.full_like(g, -1))
 
 
@@ -204,7 +205,7 @@ class DispatchPath:
     receives = "token"
     graph_capturable = False
     sends_weights = True  # False: weights stay on the source and combine applies them (DeepEP low-latency)
-    # True: the path's buffers are sized by p.num_max_tokens_per_rank, so a step may not have more rows
+    # True: the path's buffers are sized by num_max_tokens_per_rank (CapacityKnobs), so a step may not have more rows
     buffers_sized_by_max_tokens = False
 
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
@@ -275,8 +276,9 @@ class DispatchPath:
         """None when point p is possible for the path, else why not (checked before anything runs)."""
         if p.ep_mode == "simulated" and p.ep_size > 1:
             return "ep_mode: dispatch paths run on ep_size real processes (simulated is not supported)"
-        if cls.buffers_sized_by_max_tokens and p.num_tokens > p.num_max_tokens_per_rank:
-            return f"num_tokens: {p.num_tokens} > num_max_tokens_per_rank {p.num_max_tokens_per_rank}"
+        buffer_rows = p.knobs(CapacityKnobs).num_max_tokens_per_rank
+        if cls.buffers_sized_by_max_tokens and p.num_tokens > buffer_rows:
+            return f"num_tokens: {p.num_tokens} > num_max_tokens_per_rank {buffer_rows}"
         return None
 
     @classmethod

@@ -4,8 +4,8 @@
 - `DeepEPNormalPath` (the path `deepep`): intranode normal mode (get_dispatch_layout -> dispatch -> combine).
   Exact sizes (a CPU sync inside dispatch), one row per (token, rank) pair, local ids, combine sums without weights.
 - `DeepEPLowLatencyPath`: low-latency mode (low_latency_dispatch / low_latency_combine), what the path `deepep`
-  builds when p.low_latency: per local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one row per
-  (token, expert) slot; the weights stay on the source and low_latency_combine applies them.
+  builds when low_latency (DeepEPKnobs): per local expert blocks of `num_max_dispatch_tokens_per_rank * R` rows, one
+  row per (token, expert) slot; the weights stay on the source and low_latency_combine applies them.
 
 The calls follow DeepEP's public repository (deep_ep/buffers/legacy.py and its tests). Without `deep_ep` every
 DeepEP impl reports "deep_ep not installed" and its points are recorded as skipped.
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from moebench.dispatch.base import Dispatched, DispatchPath, EPLayout, ReceivedRows, dispatch_path, effective_ids
+from moebench.params import register_knobs
 
 try:  # detected once, at import
     import deep_ep  # type: ignore[import-not-found]
@@ -98,6 +99,16 @@ class NormalHandle:
     ids: torch.Tensor  # the effective int32 routing that was dispatched (for accounting)
 
 
+@register_knobs
+@dataclass(frozen=True)
+class DeepEPKnobs:
+    """The sweep key of the DeepEP paths: low_latency (the legacy Buffer's low-latency mode instead of normal mode)."""
+
+    low_latency: bool = False
+
+    KEYED_AT_DEFAULT = frozenset({"low_latency"})
+
+
 @dispatch_path("deepep", description="DeepEP legacy Buffer: intranode normal mode, or low-latency mode with "
                                       "low_latency: true")
 class DeepEPNormalPath(DispatchPath):
@@ -110,9 +121,9 @@ class DeepEPNormalPath(DispatchPath):
 
     @classmethod
     def from_point(cls, layout, p, topk_ids, is_padding, device) -> DispatchPath:
-        """Normal mode, or low-latency mode (blocks sized for this step's rows) when p.low_latency."""
+        """Normal mode, or low-latency mode (blocks sized for this step's rows) when low_latency (DeepEPKnobs)."""
         common = dict(hidden=p.hidden, top_k=p.top_k, dtype=torch.bfloat16, device=device)
-        if p.low_latency:
+        if p.knobs(DeepEPKnobs).low_latency:
             return DeepEPLowLatencyPath(layout, num_max_dispatch_tokens_per_rank=topk_ids.shape[0], **common)
         return cls(layout, **common)
 
@@ -208,11 +219,11 @@ class DeepEPLowLatencyPath(DispatchPath):
         num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(self.max_tokens, hidden, R, E)
         kwargs = {"explicitly_destroy": True} if accepts(Buffer.__init__, "explicitly_destroy") else {}
         self.buffer = Buffer(process_group(layout), 0, num_rdma_bytes, low_latency_mode=True,
-                             num_qps_per_rank=layout.experts_per_rank, **kwargs)
+                             num_qps_per_rank=layout.local_experts, **kwargs)
         self._explicit = bool(kwargs)
-        rows = layout.experts_per_rank * R * self.max_tokens
+        rows = layout.local_experts * R * self.max_tokens
         self._slot_in_block = torch.arange(R * self.max_tokens, device=self.device)
-        self._expert_of_row = torch.arange(layout.experts_per_rank, device=self.device, dtype=torch.int32) \
+        self._expert_of_row = torch.arange(layout.local_experts, device=self.device, dtype=torch.int32) \
             .repeat_interleave(R * self.max_tokens)
         self._ones = torch.ones(rows, 1, dtype=torch.float32, device=self.device)
 
@@ -244,7 +255,7 @@ class DeepEPLowLatencyPath(DispatchPath):
 
     def combine(self, expert_out, handle: LowLatencyHandle, out=None):
         lay = self.layout
-        y = expert_out.view(lay.experts_per_rank, lay.ep_size * self.max_tokens, self.hidden)
+        y = expert_out.view(lay.local_experts, lay.ep_size * self.max_tokens, self.hidden)
         combined_x, _, _ = self.buffer.low_latency_combine(y, handle.topk_idx, handle.topk_weights,
                                                            handle.deepep_handle, async_finish=False,
                                                            return_recv_hook=False)
@@ -257,7 +268,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         rows, ranks, srcs, experts = [], [], [], []
         lr = layout_range.to(torch.int64).cpu()
         info = src_info.to(torch.int64).cpu()
-        for e in range(lay.experts_per_rank):
+        for e in range(lay.local_experts):
             for j in range(lay.ep_size):  # rank j's rows for expert e: [begin, begin + count)
                 begin, count = int(lr[e, j] >> 32), int(lr[e, j] & 0xFFFFFFFF)
                 r = torch.arange(begin, begin + count)
@@ -274,7 +285,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         d.recv_counts = torch.bincount(got.src_rank, minlength=R)
         # one row per (token, expert) slot: slots this rank sends to each destination
         ids = d.handle.topk_idx.to(torch.int64)
-        dest = torch.where(ids >= 0, ids // self.layout.experts_per_rank, R)
+        dest = torch.where(ids >= 0, ids // self.layout.local_experts, R)
         d.send_counts = torch.bincount(dest.flatten().cpu(), minlength=R + 1)[:R]
         return super().stats(d)
 
@@ -282,7 +293,7 @@ class DeepEPLowLatencyPath(DispatchPath):
         return self.hidden * torch.empty(0, dtype=self.dtype).element_size()
 
     def wire_recv_rows(self, d: Dispatched) -> int:
-        return self.layout.experts_per_rank * self.layout.ep_size * self.max_tokens
+        return self.layout.local_experts * self.layout.ep_size * self.max_tokens
 
     def close(self) -> None:
         if self._explicit and self.buffer is not None:

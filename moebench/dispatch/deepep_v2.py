@@ -26,6 +26,7 @@ from moebench.dispatch.base import (
     token_in_rank,
 )
 from moebench.dispatch.deepep import available_here, combined_into, deep_ep, process_group, require, topk_idx_dtype
+from moebench.dispatch.pack import CapacityKnobs
 
 
 @dataclass
@@ -59,11 +60,12 @@ class DeepEPV2Path(DispatchPath):
 
     @classmethod
     def from_point(cls, layout, p, topk_ids, is_padding, device) -> "DeepEPV2Path":
-        return cls(layout, hidden=p.hidden, top_k=p.top_k, num_max_tokens_per_rank=p.num_max_tokens_per_rank,
+        return cls(layout, hidden=p.hidden, top_k=p.top_k,
+                   num_max_tokens_per_rank=p.knobs(CapacityKnobs).num_max_tokens_per_rank,
                    dtype=torch.bfloat16, device=device)
 
     def record_info(self, p) -> dict:
-        return {"num_max_tokens_per_rank": p.num_max_tokens_per_rank, "do_expand": self.do_expand}
+        return {"num_max_tokens_per_rank": p.knobs(CapacityKnobs).num_max_tokens_per_rank, "do_expand": self.do_expand}
 
     def _num_recv(self, h) -> torch.Tensor:
         return h.psum_num_recv_tokens_per_scaleup_rank[-1:]  # device: total received (token, rank) rows
@@ -79,7 +81,7 @@ class DeepEPV2Path(DispatchPath):
             x, topk_idx=ids.to(topk_idx_dtype()), topk_weights=topk_weights.to(torch.float32),
             num_experts=lay.num_experts, num_max_tokens_per_rank=self.max_tokens, num_sms=self.num_sms,
             do_cpu_sync=False, do_expand=self.do_expand)
-        E_loc = lay.experts_per_rank
+        E_loc = lay.local_experts
         if not self.do_expand:
             # Rows past the device-side count are uninitialised: validate ids as local (offset 0, bound E/R)
             # and drop rows >= num_recv, exactly the neutralisation vLLM applies to this buffer.
@@ -124,7 +126,7 @@ class DeepEPV2Path(DispatchPath):
         d.recv_counts = torch.bincount(got.src_rank, minlength=R)
         if self.do_expand:
             ids = d.handle.ids.to(torch.int64).cpu()
-            dest = torch.where(ids >= 0, ids // self.layout.experts_per_rank, R)
+            dest = torch.where(ids >= 0, ids // self.layout.local_experts, R)
             d.send_counts = torch.bincount(dest.flatten(), minlength=R + 1)[:R]
         else:
             d.send_counts = token_in_rank(d.handle.ids, self.layout).sum(0)

@@ -12,15 +12,36 @@ their compiles on fresh copies).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from moebench.kernels.runtime import check_triton_device, next_pow2
+from moebench.params import Params, register_knobs
 
 BLOCK_H = 1024  # hidden columns per program: 2 KB of bf16 (one 16-byte vector per thread), 7 programs per 7168
 NUM_WARPS = 4
 CAPACITY_POLICIES = ("exact", "pow2", "max")
+
+
+@register_knobs
+@dataclass(frozen=True)
+class CapacityKnobs:
+    """The sweep keys of the fixed-capacity buffers (the a2a_fixed path, DeepEP, the jit_trace and serving_trace
+    capacities): the capacity policy (capacity_for) and the rows each rank's buffer holds per destination."""
+
+    capacity_policy: str = "exact"
+    num_max_tokens_per_rank: int = 8192
+
+    KEYED_AT_DEFAULT = frozenset({"capacity_policy", "num_max_tokens_per_rank"})
+    CHOICES = {"capacity_policy": CAPACITY_POLICIES}
+
+    def problem(self, p: Params) -> str | None:
+        if self.num_max_tokens_per_rank < 1:
+            return f"num_max_tokens_per_rank: must be >= 1, got {self.num_max_tokens_per_rank}"
+        return None
 
 
 def capacity_for(policy: str, max_rows: int, buffer_rows: int) -> int:
@@ -78,7 +99,7 @@ def _slots(send_pos: torch.Tensor, capacity: int, offsets: torch.Tensor | None) 
 # ---------------------------------------------------------------------------------------------------------------
 
 def pack_fixed_torch(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, experts_per_rank: int, *,
+                     send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, local_experts: int, *,
                      offsets: torch.Tensor | None = None) -> None:
     """Reference. For each (row t, destination d) with a slot s (see `_slots`): send_x[s] = x[t];
     send_meta[s] = [ids local to d (-1 where not d's), weights' fp32 bits, t].
@@ -89,8 +110,8 @@ def pack_fixed_torch(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Te
     slot = slot_of[t_idx, d_idx]
     send_x[slot] = x[t_idx]
     g = topk_ids[t_idx].to(torch.int64)
-    loc = g - (d_idx.to(torch.int64) * experts_per_rank).unsqueeze(1)
-    loc = torch.where((g >= 0) & (loc >= 0) & (loc < experts_per_rank), loc, torch.full_like(loc, -1))
+    loc = g - (d_idx.to(torch.int64) * local_experts).unsqueeze(1)
+    loc = torch.where((g >= 0) & (loc >= 0) & (loc < local_experts), loc, torch.full_like(loc, -1))
     send_meta[slot, :K] = loc.to(torch.int32)
     send_meta[slot, K:2 * K] = topk_weights[t_idx].to(torch.float32).contiguous().view(torch.int32)
     send_meta[slot, 2 * K] = t_idx.to(torch.int32)
@@ -98,7 +119,7 @@ def pack_fixed_torch(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Te
 
 @triton.jit
 def _pack_fixed_kernel(x_ptr, stride_x, send_pos_ptr, offsets_ptr, ids_ptr, stride_ids, w_ptr, stride_w,
-                       send_x_ptr, stride_sx, send_meta_ptr, stride_sm, H, experts_per_rank, R: tl.constexpr,
+                       send_x_ptr, stride_sx, send_meta_ptr, stride_sm, H, local_experts, R: tl.constexpr,
                        R_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, CAPACITY: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -126,8 +147,8 @@ def _pack_fixed_kernel(x_ptr, stride_x, send_pos_ptr, offsets_ptr, ids_ptr, stri
         kmask = ks < K
         g = tl.load(ids_ptr + t * stride_ids + ks, mask=kmask, other=-1)  # in its own dtype (int32/int64)
         w = tl.load(w_ptr + t * stride_w + ks, mask=kmask, other=0.0)
-        loc = g[None, :] - (ds * experts_per_rank)[:, None]  # [R_PAD, K_PAD]: local to each destination
-        loc = tl.where((g[None, :] >= 0) & (loc >= 0) & (loc < experts_per_rank), loc, -1).to(tl.int32)
+        loc = g[None, :] - (ds * local_experts)[:, None]  # [R_PAD, K_PAD]: local to each destination
+        loc = tl.where((g[None, :] >= 0) & (loc >= 0) & (loc < local_experts), loc, -1).to(tl.int32)
         meta = send_meta_ptr + slot[:, None] * stride_sm + ks[None, :]
         m2 = ok[:, None] & kmask[None, :]
         tl.store(meta, loc, mask=m2)
@@ -137,7 +158,7 @@ def _pack_fixed_kernel(x_ptr, stride_x, send_pos_ptr, offsets_ptr, ids_ptr, stri
 
 
 def pack_fixed(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, experts_per_rank: int, *,
+               send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int, local_experts: int, *,
                offsets: torch.Tensor | None = None, kernel=None) -> None:
     """Triton: same contract as pack_fixed_torch. CAPACITY is a constexpr: one compile per distinct capacity
     (0: exact blocks at `offsets`, the a2a path). send_x / send_meta may be strided views (rows contiguous), e.g.
@@ -160,7 +181,7 @@ def pack_fixed(x: torch.Tensor, send_pos: torch.Tensor, topk_ids: torch.Tensor, 
     block_h = min(BLOCK_H, next_pow2(H))
     (kernel or _pack_fixed_kernel)[(T, triton.cdiv(H, block_h))](
         x, x.stride(0), send_pos, offsets if offsets is not None else send_pos, ids, ids.stride(0), w, w.stride(0),
-        send_x, send_x.stride(0), send_meta, send_meta.stride(0), H, int(experts_per_rank),
+        send_x, send_x.stride(0), send_meta, send_meta.stride(0), H, int(local_experts),
         R=R, R_PAD=max(2, next_pow2(R)), K=K, K_PAD=max(2, next_pow2(K)), CAPACITY=int(capacity),
         BLOCK_H=block_h, num_warps=NUM_WARPS)
 

@@ -102,13 +102,13 @@ class RowLayout:
 # The send plan
 # ---------------------------------------------------------------------------------------------------------------
 
-def plan_sends_torch(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_per_rank: int,
+def plan_sends_torch(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, local_experts: int,
                      world_size: int, num_experts: int, capacity: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference. -> (send_pos int32 [T, R], counts int32 [R], offsets int32 [R], overflow bool [] on the device).
 
     A slot is live when 0 <= id < num_experts and its row is not padding; row t goes to rank d when a live slot
-    has id // experts_per_rank == d. send_pos[t, d] = the number of rows t' < t that go to d (rows keep their
+    has id // local_experts == d. send_pos[t, d] = the number of rows t' < t that go to d (rows keep their
     order within a destination), -1 when t does not go to d. counts[d] = rows going to d, capped at `capacity`
     when capacity > 0; overflow = capacity > 0 and some uncapped count exceeds it. offsets = exclusive prefix
     sums of counts.
@@ -119,7 +119,7 @@ def plan_sends_torch(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, ex
     live = (ids >= 0) & (ids < num_experts)
     if is_padding is not None:
         live &= ~is_padding.to(torch.bool).unsqueeze(1)
-    dest = torch.where(live, ids.div(experts_per_rank, rounding_mode="floor"), world_size)
+    dest = torch.where(live, ids.div(local_experts, rounding_mode="floor"), world_size)
     goes = torch.zeros(T, world_size + 1, dtype=torch.bool, device=ids.device)
     goes.scatter_(1, dest, True)  # column R collects the slots that go nowhere
     goes = goes[:, :world_size]
@@ -138,7 +138,7 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, EXPERTS_PER_RANK: tl.constexpr,
+def _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, LOCAL_EXPERTS: tl.constexpr,
                       R_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, HAS_PAD: tl.constexpr):
     """[BLOCK_T, R_PAD] int32: 1 where row t has at least one live slot on destination d."""
     ks = tl.arange(0, K_PAD)
@@ -150,7 +150,7 @@ def _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, EXPERT
         pad = tl.load(pad_ptr + t, mask=t_ok, other=1)
         live = live & (pad == 0)[:, None]
     # a compile-time divisor: a shift or a multiply instead of a ~20-instruction integer division per slot
-    dest = tl.where(live, ids // EXPERTS_PER_RANK, -1).to(tl.int32)  # [BLOCK_T, K_PAD]
+    dest = tl.where(live, ids // LOCAL_EXPERTS, -1).to(tl.int32)  # [BLOCK_T, K_PAD]
     if R_PAD <= 32:
         # a row's destinations as a bit set (OR over its slots, within a thread), then one bit per column
         bits = tl.reduce(tl.where(dest >= 0, 1 << tl.maximum(dest, 0), 0), 1, _bit_or)  # [BLOCK_T]
@@ -163,12 +163,12 @@ def _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, EXPERT
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size
 def _plan_block_counts_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, T, num_experts,
-                              EXPERTS_PER_RANK: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, K: tl.constexpr,
+                              LOCAL_EXPERTS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, K: tl.constexpr,
                               K_PAD: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     # pass 1: rows per destination within each block of BLOCK_T rows
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    goes = _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t < T, num_experts, EXPERTS_PER_RANK, R_PAD, K, K_PAD,
+    goes = _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t < T, num_experts, LOCAL_EXPERTS, R_PAD, K, K_PAD,
                              HAS_PAD)
     ds = tl.arange(0, R_PAD)
     tl.store(block_counts_ptr + pid * R + ds, tl.sum(goes, axis=0), mask=ds < R)
@@ -176,7 +176,7 @@ def _plan_block_counts_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, T,
 
 @triton.jit(do_not_specialize=["T", "num_blocks", "capacity"])  # one compile for every batch size and capacity
 def _plan_positions_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, send_pos_ptr, counts_ptr, offsets_ptr,
-                           overflow_ptr, T, num_blocks, num_experts, capacity, EXPERTS_PER_RANK: tl.constexpr,
+                           overflow_ptr, T, num_blocks, num_experts, capacity, LOCAL_EXPERTS: tl.constexpr,
                            R: tl.constexpr, R_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
                            HAS_PAD: tl.constexpr, HAS_OVERFLOW: tl.constexpr, BLOCK_T: tl.constexpr,
                            NB_CHUNK: tl.constexpr):
@@ -195,7 +195,7 @@ def _plan_positions_kernel(ids_ptr, stride_ids, pad_ptr, block_counts_ptr, send_
         total += tl.sum(c, axis=0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
-    goes = _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, EXPERTS_PER_RANK, R_PAD, K, K_PAD,
+    goes = _row_destinations(ids_ptr, stride_ids, pad_ptr, t, t_ok, num_experts, LOCAL_EXPERTS, R_PAD, K, K_PAD,
                              HAS_PAD)
     pos = before[None, :] + tl.cumsum(goes, axis=0) - 1
     tl.store(send_pos_ptr + t[:, None].to(tl.int64) * R + ds[None, :], tl.where(goes > 0, pos, -1),
@@ -225,7 +225,7 @@ def plan_scratch(num_tokens: int, top_k: int, world_size: int, device: torch.dev
     return torch.empty(blocks * world_size, dtype=torch.int32, device=device)
 
 
-def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_per_rank: int, world_size: int,
+def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, local_experts: int, world_size: int,
                num_experts: int, *, capacity: int = 0, send_pos: torch.Tensor | None = None,
                counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                overflow: torch.Tensor | None = None, block_counts: torch.Tensor | None = None,
@@ -263,7 +263,7 @@ def plan_sends(topk_ids: torch.Tensor, is_padding: torch.Tensor | None, experts_
     pad = is_padding.view(torch.uint8) if is_padding is not None and is_padding.dtype == torch.bool else is_padding
     pad_arg = pad if pad is not None else topk_ids
     k_pad, r_pad = max(2, next_pow2(K)), max(2, next_pow2(R))
-    common = dict(EXPERTS_PER_RANK=int(experts_per_rank), R=R, R_PAD=r_pad, K=K, K_PAD=k_pad,
+    common = dict(LOCAL_EXPERTS=int(local_experts), R=R, R_PAD=r_pad, K=K, K_PAD=k_pad,
                   HAS_PAD=pad is not None, BLOCK_T=block_t, num_warps=PLAN_NUM_WARPS)
     _plan_block_counts_kernel[(num_blocks,)](topk_ids, topk_ids.stride(0), pad_arg, block_counts, T,
                                              int(num_experts), **common)
@@ -279,7 +279,7 @@ def run_plan(use_triton: bool, topk_ids: torch.Tensor, is_padding: torch.Tensor 
              overflow: torch.Tensor | None = None, block_counts: torch.Tensor | None = None) -> None:
     """The send plan into the path's buffers: the Triton kernels (`block_counts`: their scratch, see plan_sends),
     or the torch reference (copied in)."""
-    args = (topk_ids, is_padding, layout.experts_per_rank, layout.ep_size, layout.num_experts)
+    args = (topk_ids, is_padding, layout.local_experts, layout.ep_size, layout.num_experts)
     if use_triton:
         plan_sends(*args, capacity=capacity, send_pos=send_pos, counts=counts, offsets=offsets, overflow=overflow,
                    block_counts=block_counts)
@@ -296,28 +296,28 @@ def run_plan(use_triton: bool, topk_ids: torch.Tensor, is_padding: torch.Tensor 
 # Global -> local expert ids
 # ---------------------------------------------------------------------------------------------------------------
 
-def localize_ids_torch(global_ids: torch.Tensor, expert_offset: int, experts_per_rank: int) -> torch.Tensor:
-    """Reference: int32 [N, K], global id - expert_offset where that lies in [0, experts_per_rank) (and the id is
+def localize_ids_torch(global_ids: torch.Tensor, expert_offset: int, local_experts: int) -> torch.Tensor:
+    """Reference: int32 [N, K], global id - expert_offset where that lies in [0, local_experts) (and the id is
     >= 0), else -1."""
     g = global_ids.to(torch.int64)
     loc = g - expert_offset
-    keep = (g >= 0) & (loc >= 0) & (loc < experts_per_rank)
+    keep = (g >= 0) & (loc >= 0) & (loc < local_experts)
     return torch.where(keep, loc, torch.full_like(loc, -1)).to(torch.int32)
 
 
 @triton.jit
-def _localize_ids_kernel(src_ptr, stride_src, out_ptr, n_rows, expert_offset, experts_per_rank, K: tl.constexpr,
+def _localize_ids_kernel(src_ptr, stride_src, out_ptr, n_rows, expert_offset, local_experts, K: tl.constexpr,
                          K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ks = tl.arange(0, K_PAD)
     m = (rows < n_rows)[:, None] & (ks < K)[None, :]
     g = tl.load(src_ptr + rows[:, None] * stride_src + ks[None, :], mask=m, other=-1)
     loc = g - expert_offset
-    keep = (g >= 0) & (loc >= 0) & (loc < experts_per_rank)
+    keep = (g >= 0) & (loc >= 0) & (loc < local_experts)
     tl.store(out_ptr + rows[:, None] * K + ks[None, :], tl.where(keep, loc, -1).to(tl.int32), mask=m)
 
 
-def localize_ids(global_ids: torch.Tensor, expert_offset: int, experts_per_rank: int,
+def localize_ids(global_ids: torch.Tensor, expert_offset: int, local_experts: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton: localize_ids_torch's contract into `out` (int32 [N, K] contiguous; allocated when None).
     `global_ids` may be a strided view (contiguous rows), e.g. the id columns of a metadata buffer."""
@@ -332,6 +332,6 @@ def localize_ids(global_ids: torch.Tensor, expert_offset: int, experts_per_rank:
         return out
     check_triton_device(global_ids, out)
     _localize_ids_kernel[(triton.cdiv(N, LOCALIZE_BLOCK_ROWS),)](
-        global_ids, global_ids.stride(0), out, N, int(expert_offset), int(experts_per_rank), K=K,
+        global_ids, global_ids.stride(0), out, N, int(expert_offset), int(local_experts), K=K,
         K_PAD=max(2, next_pow2(K)), BLOCK_R=LOCALIZE_BLOCK_ROWS, num_warps=LOCALIZE_NUM_WARPS)
     return out

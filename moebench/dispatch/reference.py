@@ -36,11 +36,11 @@ def scaled_expert(recv_x: torch.Tensor, recv_ids: torch.Tensor, recv_w: torch.Te
 
 
 def scaled_expert_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            experts_per_rank: int) -> torch.Tensor:
+                            local_experts: int) -> torch.Tensor:
     """What one process holding every expert computes for rows x (global ids, -1 skipped): each expert scales by
     (its local index on its owner + 1), summed over all slots in fp32, rounded once."""
     ids = topk_ids.to(torch.int64)
-    local = torch.where(ids >= 0, ids % experts_per_rank, torch.full_like(ids, -1))
+    local = torch.where(ids >= 0, ids % local_experts, torch.full_like(ids, -1))
     return scaled_expert(x, local, topk_weights)
 
 
@@ -88,7 +88,7 @@ def expected_received(g: GatheredInputs, layout: EPLayout, receives: str) -> Rec
         sel = (local >= 0).nonzero()  # (src_rank, src_row, k), row-major: sorted by rank, row, slot
         e = local[sel[:, 0], sel[:, 1], sel[:, 2]].to(torch.int64)
         # sort within a token by local expert (paths order slots by expert, not by k)
-        key = (sel[:, 0] * T + sel[:, 1]) * layout.experts_per_rank + e
+        key = (sel[:, 0] * T + sel[:, 1]) * layout.local_experts + e
         order = torch.sort(key, stable=True).indices
         sel, e = sel[order], e[order]
         return ReceivedRows(row_index=torch.arange(sel.shape[0]), src_rank=sel[:, 0].to(torch.int64),
@@ -106,7 +106,7 @@ def check_received(path: DispatchPath, d: Dispatched, g: GatheredInputs, name: s
     exp = expected_received(g, layout, path.receives)
     got = path.received(d)
     ep_size, T, K = g.topk_ids.shape
-    E_loc = layout.experts_per_rank
+    E_loc = layout.local_experts
     # order what was received by origin
     key = got.src_rank.cpu() * T + got.src_row.cpu()
     if got.local_expert is not None:

@@ -26,11 +26,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from moebench.params import Params
+from moebench.params import Params, register_knobs
 from moebench.records import MANIFEST, RECORDS, load_manifest, load_records
 
 DEFAULT_PATH = "dispatch.a2a"
@@ -381,27 +381,42 @@ def calibration_problem(run_dir: str, path: str = DEFAULT_PATH) -> str | None:
     return None
 
 
-def wire_params_problem(p: Params) -> str | None:
-    """Why the wire keys of p cannot make a model (a bandwidth <= 0, a latency < 0, ranks_per_node not dividing
-    ep_size, wire_path without a calibration, a calibration calibrate() refuses), or None; moebench.run.sweep asks
-    it of every point."""
-    if p.ranks_per_node < 1:
-        return f"ranks_per_node: must be >= 1, got {p.ranks_per_node}"
-    for k in ("wire_intra_gbps", "wire_inter_gbps"):
-        if getattr(p, k) is not None and not getattr(p, k) > 0:
-            return f"{k}: must be > 0 GB/s, got {getattr(p, k)}"
-    for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
-        if getattr(p, k) is not None and not getattr(p, k) >= 0:
-            return f"{k}: must be >= 0 us, got {getattr(p, k)}"
-    if p.ep_size > p.ranks_per_node and p.ep_size % p.ranks_per_node:
-        return (f"ranks_per_node: {p.ranks_per_node} does not divide ep_size {p.ep_size} (the EP ranks fill whole "
-                "nodes; set ranks_per_node to the deployment's GPUs per node)")
-    if p.dispatch_calibration is None:
-        if p.wire_path != DEFAULT_PATH:
-            return f"wire_path: {p.wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_PATH})"
-        return None
-    why = calibration_problem(p.dispatch_calibration, p.wire_path)
-    return f"dispatch_calibration: {why}" if why else None
+@register_knobs
+@dataclass(frozen=True)
+class WireKnobs:
+    """The sweep keys of the EP step's wire: the deployment's GPUs per node, the links' figures (None: the model's
+    own), the dispatch run the model is calibrated from, and the path whose overheads it takes."""
+
+    ranks_per_node: int = DEFAULT_RANKS_PER_NODE
+    wire_intra_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank within a node (NVLink)
+    wire_intra_latency_us: Optional[float] = None
+    wire_inter_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank between nodes (the NIC)
+    wire_inter_latency_us: Optional[float] = None
+    dispatch_calibration: Optional[str] = None  # a run directory of `moebench run sweeps/dispatch.yaml`
+    wire_path: str = DEFAULT_PATH  # the dispatch impl of that run whose fit models dispatch and combine
+
+    PATHS = {"dispatch_calibration": (None, True)}  # a run directory, resolved as the sweep names it
+
+    def problem(self, p: Params) -> str | None:
+        """Why these keys cannot make a model at p (a bandwidth <= 0, a latency < 0, ranks_per_node not dividing
+        ep_size, wire_path without a calibration, a calibration calibrate() refuses), or None."""
+        if self.ranks_per_node < 1:
+            return f"ranks_per_node: must be >= 1, got {self.ranks_per_node}"
+        for k in ("wire_intra_gbps", "wire_inter_gbps"):
+            if getattr(self, k) is not None and not getattr(self, k) > 0:
+                return f"{k}: must be > 0 GB/s, got {getattr(self, k)}"
+        for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
+            if getattr(self, k) is not None and not getattr(self, k) >= 0:
+                return f"{k}: must be >= 0 us, got {getattr(self, k)}"
+        if p.ep_size > self.ranks_per_node and p.ep_size % self.ranks_per_node:
+            return (f"ranks_per_node: {self.ranks_per_node} does not divide ep_size {p.ep_size} (the EP ranks fill "
+                    "whole nodes; set ranks_per_node to the deployment's GPUs per node)")
+        if self.dispatch_calibration is None:
+            if self.wire_path != DEFAULT_PATH:
+                return f"wire_path: {self.wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_PATH})"
+            return None
+        why = calibration_problem(self.dispatch_calibration, self.wire_path)
+        return f"dispatch_calibration: {why}" if why else None
 
 
 # Sweep keys over the model's figures: (Params field, figure, source key).
@@ -410,28 +425,29 @@ _SWEEP_KEYS = (("wire_intra_gbps", "intra", "bandwidth_gbps"), ("wire_intra_late
 
 
 def wire_model_of(p: Params) -> WireModel:
-    """The wire model of point p: DEFAULT_WIRE_MODEL, replaced by calibrate(p.dispatch_calibration, p.wire_path)
-    when a calibration run is set (p.wire_path other than the default needs one), then each sweep key that is set
+    """The wire model of point p (its WireKnobs): DEFAULT_WIRE_MODEL, replaced by calibrate(dispatch_calibration,
+    wire_path) when a calibration run is set (a wire_path other than the default needs one), then each key that is set
     (wire_intra_gbps, wire_intra_latency_us, wire_inter_gbps, wire_inter_latency_us). ranks_per_node is always
     the sweep's (the modelled deployment's; a calibration run's own host only decides which of its points ran
     within one node)."""
-    if p.dispatch_calibration is not None:
-        model = _calibration(p.dispatch_calibration, p.wire_path)
-    elif p.wire_path != DEFAULT_PATH:
-        raise ValueError(f"wire_path: {p.wire_path!r} needs dispatch_calibration (the defaults model "
+    w = p.knobs(WireKnobs)
+    if w.dispatch_calibration is not None:
+        model = _calibration(w.dispatch_calibration, w.wire_path)
+    elif w.wire_path != DEFAULT_PATH:
+        raise ValueError(f"wire_path: {w.wire_path!r} needs dispatch_calibration (the defaults model "
                          f"{DEFAULT_PATH})")
     else:
         model = DEFAULT_WIRE_MODEL
     source = dict(model.source)
     links = {"intra": model.intra, "inter": model.inter}
     for key, link, figure in _SWEEP_KEYS:
-        value = getattr(p, key)
+        value = getattr(w, key)
         if value is not None:
             links[link] = dataclasses.replace(links[link], **{figure: float(value)})
             source[f"{link}.{figure}"] = f"sweep key {key}"
-    if p.ranks_per_node != DEFAULT_RANKS_PER_NODE:
+    if w.ranks_per_node != DEFAULT_RANKS_PER_NODE:
         source["ranks_per_node"] = "sweep key ranks_per_node"
     else:
         source["ranks_per_node"] = DEFAULT_WIRE_MODEL.source["ranks_per_node"]
-    return dataclasses.replace(model, intra=links["intra"], inter=links["inter"], ranks_per_node=p.ranks_per_node,
+    return dataclasses.replace(model, intra=links["intra"], inter=links["inter"], ranks_per_node=w.ranks_per_node,
                                source=source)

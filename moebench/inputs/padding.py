@@ -158,20 +158,20 @@ def dp_pad(x: torch.Tensor, num_tokens_across_dp: Sequence[int] | None = None, *
     return _pad_rows(x, max_tokens, is_padding)
 
 
-def sp_pad_and_chunk(x: torch.Tensor, is_padding: torch.Tensor | None, tp_size: int, tp_rank: int
+def sp_pad_and_chunk(x: torch.Tensor, is_padding: torch.Tensor | None, sp_size: int, sp_rank: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence parallelism: pad T up to a multiple of `tp_size` (the mask padded with True), then return
-    TP rank `tp_rank`'s chunk of rows and of the mask (views of the padded batch, `T_padded // tp_size` rows).
+    """Sequence parallelism: pad T up to a multiple of `sp_size` (the mask padded with True), then return
+    SP (TP) rank `sp_rank`'s chunk of rows and of the mask (views of the padded batch, `T_padded // sp_size` rows).
 
     Padding (SP's and any already in `is_padding`, which lives at the tail) lands in the last ranks' chunks.
     """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"sp_pad_and_chunk: need tp_size >= 1 and 0 <= tp_rank < tp_size, got {tp_size}, {tp_rank}")
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_pad_and_chunk: need sp_size >= 1 and 0 <= sp_rank < sp_size, got {sp_size}, {sp_rank}")
     num_rows = x.shape[0]
-    padded_rows = -(-num_rows // tp_size) * tp_size
+    padded_rows = -(-num_rows // sp_size) * sp_size
     x_padded, mask = _pad_rows(x, padded_rows, is_padding)
-    chunk = padded_rows // tp_size
-    rows = slice(tp_rank * chunk, (tp_rank + 1) * chunk)
+    chunk = padded_rows // sp_size
+    rows = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
     return x_padded[rows], mask[rows]
 
 

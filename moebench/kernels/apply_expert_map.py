@@ -22,22 +22,22 @@ BLOCK = 2048
 NUM_WARPS = 4
 
 
-def build_expert_map(num_experts: int, ep_size: int = 1, rank: int = 0, *, num_local_experts: int | None = None,
+def build_expert_map(num_experts: int, ep_size: int = 1, rank: int = 0, *, local_experts: int | None = None,
                      generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """int32 [E] map for `rank`: it owns the L global experts [rank*L, (rank+1)*L), every other expert is -1.
 
-    L is num_local_experts when given (e.g. rank 0 of a layer configured with fewer local experts), else E/ep_size
+    L is local_experts when given (e.g. rank 0 of a layer configured with fewer local experts), else E/ep_size
     (the contract's layout). With a generator the owned experts get their local ids in a random order (a placement
     other than the identity, so a kernel that ignores the map cannot pass); without, local id = global id - rank*L.
     """
-    if num_local_experts is None:
+    if local_experts is None:
         if ep_size < 1 or num_experts % ep_size or not 0 <= rank < ep_size:
             raise ValueError(f"bad EP layout: num_experts={num_experts}, ep_size={ep_size}, rank={rank}")
         local = num_experts // ep_size
     else:
-        local = num_local_experts
+        local = local_experts
         if local < 1 or rank < 0 or (rank + 1) * local > num_experts:
-            raise ValueError(f"bad EP layout: num_experts={num_experts}, num_local_experts={local}, rank={rank}")
+            raise ValueError(f"bad EP layout: num_experts={num_experts}, local_experts={local}, rank={rank}")
     expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
     ids = torch.randperm(local, generator=generator) if generator is not None else torch.arange(local)
     expert_map[rank * local:(rank + 1) * local] = ids.to(torch.int32)

@@ -56,7 +56,7 @@ def per_rank_loads(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> to
     layout = EPLayout(0, ep_size, num_experts)
     ids = _check_routing(topk_ids, layout)
     counts = _expert_counts(ids, ids >= 0, num_experts)
-    return counts.view(ep_size, layout.experts_per_rank).sum(dim=1)
+    return counts.view(ep_size, layout.local_experts).sum(dim=1)
 
 
 def rank_rows(topk_ids: torch.Tensor, layout: EPLayout) -> list[int]:
@@ -72,7 +72,7 @@ def _rank_tokens(ids: torch.Tensor, rows: torch.Tensor, layout: EPLayout) -> lis
         return [0] * ep_size
     valid = (ids >= 0) & rows.unsqueeze(1)
     # -1 slots go to a spare column ep_size that is dropped afterwards.
-    rank_of = torch.where(valid, ids.clamp(min=0) // layout.experts_per_rank, torch.full_like(ids, ep_size))
+    rank_of = torch.where(valid, ids.clamp(min=0) // layout.local_experts, torch.full_like(ids, ep_size))
     hits = torch.zeros(num_tokens, ep_size + 1, dtype=torch.bool, device=ids.device)
     hits.scatter_(1, rank_of, True)
     return [int(v) for v in hits[:, :ep_size].sum(dim=0).tolist()]

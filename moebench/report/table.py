@@ -91,9 +91,9 @@ class Table:
         impls: set[str] = set()
         for pt in points or ():
             impls.add(str(pt.impl))
+            flat = pt.params if isinstance(pt.params, dict) else pt.params.to_dict()  # a family's keys too
             for k in param_keys:
-                v = pt.params.get(k) if isinstance(pt.params, dict) else getattr(pt.params, k, None)
-                seen[k].add(param_cell(v))
+                seen[k].add(param_cell(flat.get(k)))
         self.impl_width = impl_width or max([len(i) for i in impls] or [DEFAULT_IMPL_WIDTH])
         self.widths = {k: max([6, len(_PARAM_TITLES.get(k, k))] + [len(v) for v in seen[k]]) + 1
                        for k in param_keys}

@@ -23,6 +23,7 @@ import torch
 from moebench import registry
 from moebench.measure.roofline import roofline_us, roofs_for
 from moebench.params import Params, Point, Timing
+from moebench.traces.knobs import TraceKnobs
 
 WARN_AFTER_S = 30 * 60.0
 GPU_LAUNCH_S = 5e-6  # one kernel launch, eager
@@ -80,11 +81,13 @@ def call_work(kernel: str, p: Params) -> tuple[float, float, int]:
         flops, nbytes = _expert_work(p, T, p.local_experts)
         return (flops + router[0], nbytes + router[1] + T * H * 3.0 + T * K * (H * 2.0 + 32), launches)
     if kernel in ("dispatch", "jit_trace"):
-        steps = len(p.trace) if p.trace else 1
+        trace = p.knobs(TraceKnobs).trace
+        steps = len(trace) if trace else 1
         return (0.0, steps * T * K * H * 4.0, launches * steps)
     if kernel == "serving_trace":  # masked and oblivious at each distinct shape of the trace (a coarse count)
-        shapes = 2 * min(p.trace_steps if p.trace is None else len(p.trace), 32)
-        rows = min(p.trace_max_tokens, 4096) // 2
+        t = p.knobs(TraceKnobs)
+        shapes = 2 * min(t.trace_steps if t.trace is None else len(t.trace), 32)
+        rows = min(t.trace_max_tokens, 4096) // 2
         flops, nbytes = _expert_work(p, rows, p.local_experts)
         return (shapes * flops, shapes * nbytes, shapes * launches)
     return (*router, launches)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import math
@@ -26,15 +27,13 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from moebench import registry
-from moebench.params import Params, Point, Timing, ep_split_problem
+from moebench.params import Params, Point, Timing, ep_split_problem, registered_knobs
 from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
 from moebench.report.headline import spec_problem
 from moebench.run import strict_yaml
 from moebench.run.paths import PathError, find_sweep_path, resolve_sweep_path, sweep_path_candidates
 from moebench.traces.capture_lists import capture_list_problem
-from moebench.traces.csv_trace import BUNDLED_DIR as BUNDLED_TRACES
-from moebench.traces.csv_trace import trace_file_problem
 
 
 class SweepError(ValueError):
@@ -45,6 +44,7 @@ class SweepError(ValueError):
 # The values a parameter accepts (its type is the Params field's), and the combinations that are impossible.
 # ---------------------------------------------------------------------------------------------------------------
 
+# The core's choices; a knob group declares its own (its CHOICES, moebench.params.register_knobs).
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("bf16", "fp16", "fp32"),
     "padding_fill": ("zeros", "repeat", "stale", "random"),
@@ -53,20 +53,39 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scoring": ("softmax", "sigmoid"),
     "scale_format": ("ue8m0_packed", "fp32"),
     "ep_mode": ("real", "simulated"),
-    "capacity_policy": ("exact", "pow2", "max"),
-    "trace_distribution": ("uniform", "decode_prefill", "lognormal", "chat", "mixed", "prefill_heavy"),
     "pcp_mask": ("gathered", "local"),
     "dbo_mask": ("sliced", "full", "none"),
     "expert_dtype": ("bf16", "fp8"),
 }
 
-# Parameters that name a file, with the folder of the files bundled with moebench (None: none are): the loader
-# resolves them (moebench.run.paths.resolve_sweep_path) and the sweep holds the absolute path.
-PATH_PARAMS: dict[str, Path | None] = {"trace_file": BUNDLED_TRACES, "dispatch_calibration": None}
-DIRECTORY_PARAMS = ("dispatch_calibration",)  # a run directory, not a file
+CORE_NAMES = tuple(f.name for f in fields(Params) if f.name != "groups")
 
-_PARAM_TYPES = get_type_hints(Params)
-PARAM_NAMES = tuple(f.name for f in fields(Params))
+
+def knob_groups() -> tuple[type, ...]:
+    """Every family's knob group (moebench.params.register_knobs): each registers itself as its module is imported,
+    and importing every bench module (registry.load_all) imports every family's."""
+    registry.load_all()
+    return registered_knobs()
+
+
+def param_names() -> tuple[str, ...]:
+    """Every key a sweep may put under `fixed` or `axes`: the core's, then each knob group's."""
+    return CORE_NAMES + tuple(f.name for g in knob_groups() for f in fields(g))
+
+
+@functools.lru_cache(maxsize=8)
+def _declared(groups: tuple[type, ...]) -> tuple[dict[str, Any], dict[str, tuple], dict[str, tuple]]:
+    """(type, choices, path) of every key, the core's then each knob group's (its CHOICES and PATHS: a key naming a
+    file or a directory -> (the folder of the files bundled with moebench or None, whether it is a directory)). The
+    loader resolves a path key (moebench.run.paths.resolve_sweep_path) and the sweep holds the absolute path."""
+    types = {k: v for k, v in get_type_hints(Params).items() if k in CORE_NAMES}
+    choices: dict[str, tuple] = dict(CHOICES)
+    paths: dict[str, tuple] = {}
+    for group in groups:
+        types.update(get_type_hints(group))
+        choices.update(getattr(group, "CHOICES", {}))
+        paths.update(getattr(group, "PATHS", {}))
+    return types, choices, paths
 
 
 def _check_type(value: Any, hint: Any) -> bool:
@@ -100,19 +119,21 @@ def _type_name(hint: Any) -> str:
 
 def check_param_value(key: str, value: Any) -> str | None:
     """Why `value` is not acceptable for parameter `key` on its own, or None."""
-    hint = _PARAM_TYPES[key]
+    types, choices, _ = _declared(knob_groups())
+    hint = types[key]
     if not _check_type(value, hint):
         return f"expected {_type_name(hint)}, got {type(value).__name__} {value!r}"
-    if key in CHOICES and value not in CHOICES[key]:
-        return f"{value!r} is not one of {', '.join(CHOICES[key])}"
+    choices = choices.get(key)
+    if choices is not None and value not in choices:
+        return f"{value!r} is not one of {', '.join(choices)}"
     return None
 
 
 def params_problem(p: Params) -> str | None:
-    """Why a combination of parameters is impossible, or None. Impl-specific limits live in Impl.validate."""
+    """Why a combination of parameters is impossible, or None: the core's checks here, then each knob group's own
+    (its problem(p)). Impl-specific limits live in Impl.validate."""
     positive = ("num_tokens", "num_experts", "top_k", "hidden", "intermediate", "group_size", "block_size",
-                "ep_size", "num_expert_group", "topk_group", "producer_size", "num_max_tokens_per_rank",
-                "trace_steps", "trace_max_tokens", "hot_experts", "dp_size", "sp_size")
+                "ep_size", "num_expert_group", "topk_group", "producer_size", "hot_experts")
     for k in positive:
         if getattr(p, k) < 1:
             return f"{k}: must be >= 1, got {getattr(p, k)}"
@@ -140,29 +161,15 @@ def params_problem(p: Params) -> str | None:
     why = capture_list_problem(p.capture_sizes)
     if why:
         return f"capture_sizes: {why}"
-    if p.trace is not None and (not p.trace or min(p.trace) < 1):
-        return "trace: must be a non-empty list of positive batch sizes"
-    if p.trace_replay < 0:
-        return f"trace_replay: must be >= 0, got {p.trace_replay}"
-    if p.trace_real_points < 0:
-        return f"trace_real_points: must be >= 0, got {p.trace_real_points}"
-    if p.ep_rank_timings is not None and p.ep_rank_timings < 1:
-        return f"ep_rank_timings: must be >= 1, got {p.ep_rank_timings}"
-    why = trace_file_problem(p.trace_file, p.dp_size)  # a bad file is refused here, naming its line
-    if why:
-        return f"trace_file: {why}"
-    # Imported here: the dispatch package loads the Triton kernels, which must wait until the CLI has chosen
-    # Triton's interpreter (TRITON_INTERPRET) for a CPU run.
-    from moebench.dispatch.wire_model import wire_params_problem
-
-    why = wire_params_problem(p)
-    if why:
-        return why
     # pcp_mask / dbo_mask (moebench.inputs.router_mask) only mean something with their producer
     if p.pcp_mask != "gathered" and p.padding_producer != "pcp":
         return f"pcp_mask: {p.pcp_mask!r} needs padding_producer pcp, got {p.padding_producer!r}"
     if p.dbo_mask != "sliced" and p.padding_producer != "dbo":
         return f"dbo_mask: {p.dbo_mask!r} needs padding_producer dbo, got {p.padding_producer!r}"
+    for group in knob_groups():
+        why = group.problem(p.knobs(group), p) if hasattr(group, "problem") else None
+        if why:
+            return why
     return None
 
 
@@ -242,7 +249,7 @@ def _apply_paths(raw: dict, changes: list[tuple[list[str], Any, str]]) -> dict:
                 raise SweepError(f"{expr}: {k} is not a mapping")
             node = node.setdefault(k, {})
         # A parameter set at top level (--set top_k=4) goes to `fixed` and drops the axis of the same name.
-        if len(path) == 1 and path[0] in PARAM_NAMES:
+        if len(path) == 1 and path[0] in param_names():
             raw.setdefault("fixed", {})[path[0]] = value
             if isinstance(raw.get("axes"), dict):
                 raw["axes"].pop(path[0], None)
@@ -367,9 +374,10 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
 
     fixed = raw.get("fixed") or {}
     axes = raw.get("axes") or {}
+    names = param_names()
     for section, table in (("fixed", fixed), ("axes", axes)):
         for k, v in table.items():
-            if k not in PARAM_NAMES:
+            if k not in names:
                 raise _fail(src, f"{section}.{k}", "unknown parameter (see docs/sweeps.md)")
             values = v if section == "axes" else [v]
             if section == "axes":
@@ -454,10 +462,10 @@ def _sweep_dir(src: str) -> Path | None:
 
 
 def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) -> tuple[dict, dict]:
-    """fixed and axes with every PATH_PARAMS value made the absolute path of its file (docs/sweeps.md#paths-in-a-
-    sweep); a file found nowhere is refused naming where it was looked for."""
+    """fixed and axes with every path key's value (a knob group's PATHS) made the absolute path of its file
+    (docs/sweeps.md#paths-in-a-sweep); a file found nowhere is refused naming where it was looked for."""
     fixed, axes = dict(fixed), dict(axes)
-    for key, bundled in PATH_PARAMS.items():
+    for key, (bundled, directory) in _declared(knob_groups())[2].items():
         for section, table in (("fixed", fixed), ("axes", axes)):
             if key not in table:
                 continue
@@ -466,7 +474,7 @@ def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) ->
             for i, value in enumerate(values):
                 try:
                     resolved.append(None if value is None else resolve_sweep_path(
-                        value, sweep_dir, bundled, directory=key in DIRECTORY_PARAMS))
+                        value, sweep_dir, bundled, directory=directory))
                 except PathError as e:
                     raise _fail(src, f"{section}.{key}" + (f"[{i}]" if section == "axes" else ""), str(e)) from None
             table[key] = resolved if section == "axes" else resolved[0]
@@ -513,7 +521,7 @@ def _model_problem(name) -> str | None:
 def _check_headlines(specs: list, src: str, impls: list) -> tuple:
     """The `headlines:` list (moebench.report.headline documents a spec): one line naming the bad entry and key."""
     for i, spec in enumerate(specs):
-        why = spec_problem(spec, PARAM_NAMES, impls)
+        why = spec_problem(spec, param_names(), impls)
         if why:
             raise _fail(src, f"headlines[{i}]", why)
     return tuple(dict(s) for s in specs)
