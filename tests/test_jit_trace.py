@@ -176,6 +176,7 @@ def test_registered_case_with_triton_kernels(device):
 
 
 def test_runner_records_and_jit_plot(tmp_path):
+    from moebench.plots import make_plots
     from moebench.run.results import load_records
     from moebench.run.runner import run_sweep
     from moebench.run.sweep import sweep_from_dict
@@ -185,7 +186,8 @@ def test_runner_records_and_jit_plot(tmp_path):
         "fixed": {"hidden": 32, "num_experts": 8, "top_k": 2, "trace": [3, 9, 3, 5], "num_max_tokens_per_rank": 16},
         "axes": {"capacity_policy": ["exact", "pow2", "max"]},
         "timing": {"warmup": 0, "iters": 1}})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", plots_base=tmp_path / "plots", device="cpu")
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
+    make_plots(run_dir, tmp_path / "plots" / run_dir.name)
     recs = sorted(load_records(run_dir), key=lambda r: r["point"])
     assert code == 0 and [r["status"] for r in recs] == ["ok"] * 3
     for r, pred in zip(recs, (3, 3, 1)):
