@@ -112,9 +112,9 @@ def _load_for_run(args):
 
 def _preset_notices(sweep) -> None:
     """A notice (stderr) for each model preset whose values explicit keys override."""
-    from moebench.run.sweep import preset_notices
+    from moebench.presets import override_notices
 
-    for line in preset_notices(sweep):
+    for line in override_notices(sweep.fixed, sweep.axes):
         sys.stderr.write(f"moebench: note: {line}\n")
 
 
