@@ -225,3 +225,9 @@ def test_reports_and_plots_read_runs_through_records_not_the_runner():
         if module.startswith("moebench.run"):
             bad = sorted(t for t in targets if t == "moebench.plots" or t.startswith("moebench.plots."))
             assert not bad, f"{module} imports {bad} (the command line makes the plots)"
+
+
+def test_no_module_is_over_500_lines():
+    """A module does one job: every module of the package stays at 500 lines or under (split it by job)."""
+    long = {m: n for m, p in module_files().items() if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, f"modules over 500 lines: {long}"
