@@ -2,7 +2,16 @@
 summary.csv. It sits at the bottom of the package (it imports nothing of moebench), so that everything which reads
 or writes a run (the runner in moebench.run, the reports, the plots, the wire model's calibration in
 moebench.dispatch) shares one format without importing the runner. What goes into a manifest (the environment,
-the roofs, the tuned tables) is gathered by moebench.run.results, which writes it through `new_manifest`."""
+the roofs, the tuned tables) is gathered by moebench.run.results, which writes it through `new_manifest`.
+
+A record (moebench.run.point writes it) holds: point, key, impl (kernel, variant, target, mask_aware, twin_of,
+library, ceiling), params, status (ok | wrong | failed | skipped) and reason, device, triton_interpret; once built
+and checked: check {ok, detail, metrics}; once timed: timing_mode, timing_unroll, timing_note, samples_us, stats
+{p50, p10, p90, min, max, mean, cv, n}, stages {name: stats and mode}, ranks (multi-rank), gpu_state (CUDA),
+profile (`moebench profile`);
+bytes, flops, bytes_note, gbps, tflops, roofline_us, roof_fraction; info (the impl's own); imbalance; jit;
+wall_s; traceback and the *_error fields when something failed; isolation and worker_restarted (the point
+worker)."""
 
 from __future__ import annotations
 
