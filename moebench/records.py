@@ -8,10 +8,9 @@ A record (moebench.run.point writes it) holds: point, key, impl (kernel, variant
 library, ceiling), params, status (ok | wrong | failed | skipped) and reason, device, triton_interpret; once built
 and checked: check {ok, detail, metrics}; once timed: timing_mode, timing_unroll, timing_note, samples_us, stats
 {p50, p10, p90, min, max, mean, cv, n}, stages {name: stats and mode}, ranks (multi-rank), gpu_state (CUDA),
-profile (`moebench profile`);
-bytes, flops, bytes_note, gbps, tflops, roofline_us, roof_fraction; info (the impl's own); imbalance; jit;
-wall_s; traceback and the *_error fields when something failed; isolation and worker_restarted (the point
-worker)."""
+profile (`moebench profile`); bytes, flops, bytes_note, gbps, tflops, roofline_us, roof_fraction; info (the impl's
+own); imbalance; jit; wall_s; traceback and the *_error fields when something failed; isolation and
+worker_restarted (the point worker)."""
 
 from __future__ import annotations
 
