@@ -112,9 +112,9 @@ def _load_for_run(args):
 
 def _preset_notices(sweep) -> None:
     """A notice (stderr) for each model preset whose values explicit keys override."""
-    from moebench.run.sweep import preset_notices
+    from moebench.presets import override_notices
 
-    for line in preset_notices(sweep):
+    for line in override_notices(sweep.fixed, sweep.axes):
         sys.stderr.write(f"moebench: note: {line}\n")
 
 
@@ -131,9 +131,10 @@ def cmd_run(args) -> int:
     if args.dry_run:
         return dry_run(sweep, device=args.device)
     signals = getattr(args, "signals", None)
+    plots = None if args.no_plots else (lambda run_dir: _plot_notes(run_dir, args.plots))
     try:
         code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
-                                  make_plots=not args.no_plots, plots_base=args.plots, isolate=not args.in_process)
+                                  end_notes=plots, isolate=not args.in_process)
     except KeyboardInterrupt as e:
         if _run_dir_of(e) is None and args.resume:
             e.run_dir = Path(args.resume)
@@ -141,6 +142,21 @@ def cmd_run(args) -> int:
     if signals is not None:
         signals.settle(run_dir)  # a signal from here on is noted: main exits 130 or 143 naming this run
     return code
+
+
+def _plot_notes(run_dir: Path, plots_base: str | None) -> list[str]:
+    """The plots of a finished run, in `<run dir>/plots/` (`--plots DIR`: DIR/<run name>/), and the line saying
+    so; a figure that fails leaves the run as it is and says why."""
+    from moebench.run.point import error_line
+
+    plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
+    try:
+        from moebench.plots import make_plots  # matplotlib missing is said the same way
+
+        paths = make_plots(run_dir, plot_dir)
+    except Exception as e:
+        return [f"plots not made: {error_line(e)}"]
+    return [f"plots: {len(paths)} written to {plot_dir}"]
 
 
 def cmd_tune(args) -> int:

@@ -99,6 +99,27 @@ def overridden(model: str, explicit: dict[str, Any]) -> list[tuple[str, Any, Any
             if k in values and (v != values[k] if not isinstance(v, list) else v != [values[k]])]
 
 
+def override_notices(fixed: dict[str, Any], axes: dict[str, Any]) -> list[str]:
+    """One line per model preset (`model` in a sweep's fixed values or axes) whose values the sweep's explicit keys
+    override (which keys, the preset's value -> the given one): the sweep runs with the given values, and says so."""
+    models = axes.get("model") or [fixed.get("model")]
+    explicit = {k: v for k, v in {**fixed, **axes}.items() if k != "model"}
+    lines = []
+    for model in dict.fromkeys(m for m in models if m is not None):
+        changes = overridden(model, explicit)
+        if changes:
+            shown = ", ".join(f"{k} {_shown(preset)} -> {_shown(given)}" for k, preset, given in changes)
+            lines.append(f"model {model}: {shown} (set explicitly in the sweep or by --set: they override the "
+                         "preset)")
+    return lines
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(name, shape summary, source) per preset, for `moebench list --models`."""
     rows = []

@@ -125,6 +125,7 @@ def test_validate_and_targets():
 
 
 def test_runner_ep_scaling_records(tmp_path):
+    from moebench.plots import make_plots
     from moebench.run.results import load_records
     from moebench.run.runner import run_sweep
     from moebench.run.sweep import sweep_from_dict
@@ -135,7 +136,8 @@ def test_runner_ep_scaling_records(tmp_path):
                   "ep_mode": "simulated", "padding_ratio": 0.5, "padding_fill": "repeat", "mask": False},
         "axes": {"ep_size": [2, 4]},
         "timing": {"warmup": 0, "iters": 1}})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", plots_base=tmp_path / "plots", device="cpu")
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
+    make_plots(run_dir, tmp_path / "plots" / run_dir.name)
     recs = sorted(load_records(run_dir), key=lambda r: r["point"])
     assert code == 0 and [r["status"] for r in recs] == ["ok", "ok"]
     for r, R in zip(recs, (2, 4)):

@@ -191,8 +191,7 @@ def test_layer_point_through_runner(tmp_path):
            "fixed": {**SMALL, "num_tokens": 8, "padding_fill": "repeat", "padding_ratio": 0.5},
            "timing": {"mode": "auto", "warmup": 0, "iters": 1}}
     sweep = sweep_from_dict(raw)
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", make_plots=False,
-                              plots_base=tmp_path / "plots")
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
     recs = {r["impl"]: r for r in load_records(run_dir)}
     assert code == 0, [(r["status"], r.get("reason")) for r in recs.values()]
     for impl, rec in recs.items():

@@ -203,8 +203,7 @@ def test_fp8_layer_points_through_runner(tmp_path):
            "fixed": {**SMALL, "num_tokens": 8, "padding_fill": "repeat", "padding_ratio": 0.5},
            "axes": {"expert_dtype": ["bf16", "fp8"]},
            "timing": {"mode": "auto", "warmup": 0, "iters": 1}}
-    code, run_dir = run_sweep(sweep_from_dict(raw), out_base=tmp_path / "results", device="cpu", make_plots=False,
-                              plots_base=tmp_path / "plots")
+    code, run_dir = run_sweep(sweep_from_dict(raw), out_base=tmp_path / "results", device="cpu")
     recs = load_records(run_dir)
     assert code == 0, [(r["status"], r.get("reason")) for r in recs]
     assert len(recs) == 4

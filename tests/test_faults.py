@@ -359,7 +359,8 @@ def test_default_location_and_plots_inside_the_run(tmp_path, capsys, monkeypatch
     (run_dir,) = list((tmp_path / "results" / "runs").iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results", "tiny.yaml"]  # no ./plots
     assert (run_dir / "plots" / "index.md").exists()
-    assert "plots: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# plots: " in out and out.index("# plots: ") < out.index("# records: ")  # the last line names the records
     import shutil
 
     shutil.rmtree(run_dir / "plots")

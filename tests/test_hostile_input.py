@@ -233,7 +233,7 @@ def test_cuda_graph_on_a_cpu_says_what_was_used(tmp_path):
                                          "timing: {mode: cuda_graph, warmup: 0, iters: 2}"))
     out = io.StringIO()
     code, run_dir = run_sweep(load_sweep(path, ["axes.padding_ratio=[0.0]", "axes.num_tokens=[8]"]),
-                              out_base=tmp_path / "runs", device="cpu", make_plots=False, out=out)
+                              out_base=tmp_path / "runs", device="cpu", out=out)
     assert code == 0
     text = out.getvalue()
     assert "timing: cuda_graph needs CUDA, wall clock on the CPU" in text

@@ -211,3 +211,23 @@ def test_kernels_details_are_imported_only_inside_kernels(tmp_path):
     probe.write_text("import moebench.kernels._details.jit\nfrom moebench.kernels import _details\n"
                      "from moebench.kernels._details.args import check_mask\nfrom moebench.kernels import runtime\n")
     assert _details_imports(probe, "probe") == [1, 2, 3]
+
+
+def test_reports_and_plots_read_runs_through_records_not_the_runner():
+    """moebench.records (the run directory's format) sits at the bottom: report/ and plots/ read runs through it and
+    import nothing of moebench.run; the runner leaves the plots to the command line and imports nothing of plots/."""
+    graph = import_graph()
+    assert graph["moebench.records"] == set()
+    for module, targets in graph.items():
+        if module.startswith(("moebench.report", "moebench.plots")):
+            bad = sorted(t for t in targets if t == "moebench.run" or t.startswith("moebench.run."))
+            assert not bad, f"{module} imports {bad} (read runs through moebench.records)"
+        if module.startswith("moebench.run"):
+            bad = sorted(t for t in targets if t == "moebench.plots" or t.startswith("moebench.plots."))
+            assert not bad, f"{module} imports {bad} (the command line makes the plots)"
+
+
+def test_no_module_is_over_500_lines():
+    """A module does one job: every module of the package stays at 500 lines or under (split it by job)."""
+    long = {m: n for m, p in module_files().items() if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, f"modules over 500 lines: {long}"

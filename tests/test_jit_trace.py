@@ -12,6 +12,7 @@ from moebench.bench.jit_trace import (capacity_problem, check_trace, predicted_c
                                       trace_batch_sizes)
 from moebench.params import Params
 from moebench.registry import RunContext
+from moebench.traces.distributions import DECODE_MAX_TOKENS
 
 CPU = torch.device("cpu")
 # ep_size 1, no padding: every row has a route to the one destination, so a step's max rows == its batch size
@@ -53,7 +54,7 @@ def test_drawn_traces_are_seeded_and_in_range(dist):
     assert len(sizes) == 2000 and min(sizes) >= 1 and max(sizes) <= 8192
     assert sizes == trace_batch_sizes(p)
     assert sizes != trace_batch_sizes(Params(trace_steps=2000, trace_distribution=dist, seed=6))
-    decode = sum(1 for b in sizes if b <= jit_trace.DECODE_MAX_TOKENS) / len(sizes)
+    decode = sum(1 for b in sizes if b <= DECODE_MAX_TOKENS) / len(sizes)
     median = sorted(sizes)[len(sizes) // 2]
     if dist == "uniform":
         assert 3000 < median < 5200 and decode < 0.1
@@ -61,6 +62,29 @@ def test_drawn_traces_are_seeded_and_in_range(dist):
         assert 0.85 < decode < 0.95 and max(sizes) > 4096  # mostly decode, occasional prefill chunks
     else:
         assert 45 < median < 180  # median sqrt(8192) ~ 90.5
+
+
+# The first draws of each distribution at seed 5 up to 8192 tokens: jit_trace's one stream, and serving_trace's DP
+# rank 1 (moebench.traces.distributions), pinned so that a change of any seeded stream is seen.
+PINNED_DRAWS = {
+    "uniform": ([3842, 41, 5926, 953, 3807, 5243], [741, 4858, 3974, 3895, 1217, 6336]),
+    "decode_prefill": ([121, 2, 5581, 30, 195, 12], [152, 39, 316, 343, 7580, 99]),
+    "lognormal": ([23, 6, 6, 38, 780, 66], [28, 57, 122, 4288, 1268, 102]),
+    "chat": ([25, 24, 35, 10, 56, 1579], [50, 54, 3505, 3, 49, 62]),
+    "mixed": ([97, 94, 138, 579, 8176, 95], [200, 215, 3697, 12, 193, 248]),
+    "prefill_heavy": ([8192, 6233, 138, 579, 8176, 4325], [2902, 3692, 8192, 8192, 193, 999]),
+}
+
+
+@pytest.mark.parametrize("dist", sorted(PINNED_DRAWS))
+def test_drawn_traces_are_the_pinned_streams(dist):
+    from moebench.bench.serving_trace import trace_tokens
+
+    one_stream, rank_1 = PINNED_DRAWS[dist]
+    p = Params(trace_steps=6, trace_distribution=dist, trace_max_tokens=8192, seed=5)
+    assert trace_batch_sizes(p) == one_stream
+    steps, _ = trace_tokens(Params(trace_steps=6, trace_distribution=dist, trace_max_tokens=8192, seed=5, dp_size=2))
+    assert [steps.steps[j][1] for j in steps.index.tolist()] == rank_1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +200,7 @@ def test_registered_case_with_triton_kernels(device):
 
 
 def test_runner_records_and_jit_plot(tmp_path):
+    from moebench.plots import make_plots
     from moebench.run.results import load_records
     from moebench.run.runner import run_sweep
     from moebench.run.sweep import sweep_from_dict
@@ -185,7 +210,8 @@ def test_runner_records_and_jit_plot(tmp_path):
         "fixed": {"hidden": 32, "num_experts": 8, "top_k": 2, "trace": [3, 9, 3, 5], "num_max_tokens_per_rank": 16},
         "axes": {"capacity_policy": ["exact", "pow2", "max"]},
         "timing": {"warmup": 0, "iters": 1}})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", plots_base=tmp_path / "plots", device="cpu")
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
+    make_plots(run_dir, tmp_path / "plots" / run_dir.name)
     recs = sorted(load_records(run_dir), key=lambda r: r["point"])
     assert code == 0 and [r["status"] for r in recs] == ["ok"] * 3
     for r, pred in zip(recs, (3, 3, 1)):

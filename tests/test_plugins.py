@@ -77,7 +77,7 @@ def test_plugin_module_registers_a_correct_and_a_wrong_router(tmp_path, capsys):
     sweep = load_sweep(sweep_file)
     assert sweep.plugins == (str(tmp_path / f"{module}.py"),)  # the sweep keeps the file it found
     assert registry.get("topk_softmax.plugin_good").library == "plugin"
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", make_plots=False)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
     assert code == 1  # a wrong point makes the run exit 1
     status = {}
     for r in load_records(run_dir):

@@ -283,7 +283,7 @@ def test_an_impl_registered_in_the_runner_alone_runs_there_and_says_so(tmp_path)
                                lambda p, ctx: Case(run=lambda: x.mul_(1.0), check=lambda: CheckResult(True))))
     sweep = sweep_from_dict({"name": "ro", "target": "kernel", "impls": ["testonly.runner_only"],
                              "axes": {"num_tokens": [8]}, "timing": {"warmup": 0, "iters": 2}})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu")
     (rec,) = load_records(run_dir)
     assert code == 0 and rec["status"] == "ok"
     assert rec["isolation"] == "in-process: the impl is registered in the runner's process only"

@@ -112,7 +112,7 @@ def test_ep_sim_progress_is_relayed_from_the_point_worker(tmp_path, monkeypatch)
         original(self, done, total, what, detail)
 
     monkeypatch.setattr(RunProgress, "point_report", record)
-    code, _ = run_sweep(_ep_sim_sweep(), out_base=tmp_path, device="cpu", make_plots=False, out=io.StringIO())
+    code, _ = run_sweep(_ep_sim_sweep(), out_base=tmp_path, device="cpu", out=io.StringIO())
     assert code == 0
     assert (0, 2, "simulated ranks timed", "rank 0") in reports and (2, 2, "simulated ranks timed", "") in reports
     phases = [r[3] for r in reports if r[2] == "point phases"]

@@ -15,7 +15,7 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "sweeps" / "quickstart.yam
 
 def _run(tmp_path, device, overrides):
     sweep = load_sweep(QUICKSTART, overrides)
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device=device, make_plots=False)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device=device)
     return code, load_records(run_dir)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from moebench.cli import main
+from moebench.plots import make_plots
 from moebench.report.page import ReportError, find_plots, load_run, write_report
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import sweep_from_dict
@@ -119,9 +120,9 @@ def test_a_real_run_reports_its_declared_headlines(tmp_path):
                              "fixed": {"num_experts": 16, "top_k": 2, "num_tokens": 16, "padding_ratio": 0.5},
                              "axes": {"mask": [False, True]}, "timing": {"warmup": 0, "iters": 2},
                              "headlines": [HEADLINE]})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", plots_base=tmp_path / "plots",
-                              out=open("/dev/null", "w"))
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", out=open("/dev/null", "w"))
     assert code == 0
+    make_plots(run_dir, tmp_path / "plots" / run_dir.name)  # where `moebench run --plots` puts them
     view = load_run(run_dir)
     (row,) = view.headlines
     assert row.without == 16 and row.with_ == 0  # 8 padded rows x top-2, unmasked

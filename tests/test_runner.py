@@ -59,7 +59,7 @@ def test_statuses_recorded_and_sweep_goes_on(tmp_path, capsys):
     sweep = sweep_from_dict({"name": "st", "target": "kernel",
                              "impls": ["testonly.wrong", "testonly.raises", "testonly.ok", "testonly.unavailable"],
                              "axes": {"num_tokens": [4]}, "timing": {"warmup": 1, "iters": 4}})
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu", plots_base=tmp_path / "plots")
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "results", device="cpu")
     assert code == 1  # a wrong or failed point makes the run fail
     recs = {r["impl"]: r for r in load_records(run_dir)}
     assert recs["testonly.wrong"]["status"] == "wrong" and "samples_us" not in recs["testonly.wrong"]

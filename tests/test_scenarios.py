@@ -23,7 +23,7 @@ SIZE = "cpu"
 def _run(name: str, tmp_path) -> tuple[dict[str, headline.HeadlineRow], int, list[dict]]:
     sweep = load_sweep(SCENARIOS / f"{name}.yaml", FAST, size=SIZE)
     out = io.StringIO()
-    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False, out=out)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", out=out)
     records = load_records(run_dir)
     rows = headline.evaluate(records, list(sweep.headlines))
     text = out.getvalue()
@@ -271,7 +271,7 @@ def test_i_sp_padding_prefill(tmp_path):
     oblivious above masked, the straggler's wait and the replay recorded; the timings are the interpreter's."""
     sweep = load_sweep(SCENARIOS / "sp_padding_prefill.yaml", FAST + ["axes.trace_distribution=[prefill_heavy]"],
                        size=SIZE)
-    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", make_plots=False, out=io.StringIO())
+    code, run_dir = run_sweep(sweep, out_base=tmp_path, device="cpu", out=io.StringIO())
     (rec,) = load_records(run_dir)
     assert code == 0 and rec["status"] == "ok"
     ep, head = rec["info"]["ep_step"], rec["info"]["headline"]["ep_step"]

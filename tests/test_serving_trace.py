@@ -498,7 +498,7 @@ def test_a_second_run_in_one_process_measures_its_shapes_again(tmp_path):
     sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "padding_tax.yaml", sets)
     infos = []
     for n in range(2):
-        code, run_dir = run_sweep(sweep, out_base=tmp_path / f"r{n}", device="cpu", make_plots=False, isolate=False,
+        code, run_dir = run_sweep(sweep, out_base=tmp_path / f"r{n}", device="cpu", isolate=False,
                                   out=open(os.devnull, "w"))
         assert code == 0
         infos.append({r["params"]["capture_sizes"]: r["info"] for r in load_records(run_dir)})

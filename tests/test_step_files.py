@@ -119,7 +119,7 @@ def test_every_point_of_a_run_gets_the_run_directory(tmp_path, monkeypatch, isol
     (tmp_path / "moebench_test_rundir_plugin.py").write_text(PLUGIN)
     (tmp_path / "s.yaml").write_text(SWEEP)
     sweep = load_sweep(tmp_path / "s.yaml")
-    code, run_dir = run_sweep(sweep, out_base=tmp_path / "runs", device="cpu", make_plots=False, isolate=isolate)
+    code, run_dir = run_sweep(sweep, out_base=tmp_path / "runs", device="cpu", isolate=isolate)
     assert code == 0
     recs = load_records(run_dir)
     assert len(recs) == 2

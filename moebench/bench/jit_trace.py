@@ -20,13 +20,8 @@ an empty in-memory cache, whatever ran before in this process). A fresh copy sti
 any earlier process built in Triton's on-disk cache: each step says how many of its compiles were disk-cache loads.
 
 Batch sizes (traces.knobs.TraceKnobs): trace when given, else trace_steps sizes drawn from trace_distribution
-(seeded by p.seed) in [1, trace_max_tokens]:
-  uniform         uniform over 1..max;
-  decode_prefill  DECODE_SHARE of the steps are decode batches uniform over 1..DECODE_MAX_TOKENS, the rest prefill
-                  chunks uniform over DECODE_MAX_TOKENS+1..max;
-  lognormal       round(exp(N(mu, sigma))) clipped to [1, max] with mu = ln(max)/2 (median sqrt(max)) and
-                  sigma = ln(max)/6 (+-3 sigma spans [1, max]);
-  chat, mixed, prefill_heavy  moebench.traces.distributions (the serving_trace mixes, DP rank 0's stream).
+(seeded by p.seed) in [1, trace_max_tokens]: uniform, decode_prefill, lognormal or a serving mix (chat, mixed,
+prefill_heavy: DP rank 0's stream), all of moebench.traces.distributions.
 
 The record's `info`: trace_steps [{step, batch, max_rows, capacity, compiles, compile_s, disk_cache_hits}] with
 `compiles` the new capacity variants compiled at that step (compile events of the pack kernel; the combine kernel
@@ -42,7 +37,6 @@ The timed region (`run`) is one replay of the last step's pack + combine (alread
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import replace
 from typing import Any
@@ -66,12 +60,9 @@ from moebench.kernels.runtime import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
-from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+from moebench.traces.distributions import batch_sizes
 from moebench.traces.knobs import ServingKnobs, TraceKnobs
 
-DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
-DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch
-TRACE_SEED_SALT = 4242  # batch sizes draw from their own stream, not the inputs' one
 PACK_KERNEL = PACK_FIXED_KERNEL.fn.__name__  # compile events are matched by the kernels' names
 COMBINE_KERNEL = COMBINE_FIXED_KERNEL.fn.__name__
 
@@ -85,27 +76,7 @@ def trace_batch_sizes(p: Params) -> list[int]:
     t = p.knobs(TraceKnobs)
     if t.trace is not None:
         return [int(b) for b in t.trace]
-    top = int(t.trace_max_tokens)
-    if t.trace_distribution in SERVING_MIXES:  # the serving_trace mixes, as its DP rank 0 draws them
-        return serving_tokens(t.trace_distribution, t.trace_steps, top, p.seed, 0)
-    rng = random.Random(p.seed * 1_000_003 + TRACE_SEED_SALT)
-    sizes = []
-    for _ in range(t.trace_steps):
-        if t.trace_distribution == "uniform":
-            b = rng.randint(1, top)
-        elif t.trace_distribution == "decode_prefill":
-            decode_top = min(DECODE_MAX_TOKENS, top)
-            if decode_top == top or rng.random() < DECODE_SHARE:
-                b = rng.randint(1, decode_top)
-            else:
-                b = rng.randint(decode_top + 1, top)
-        elif t.trace_distribution == "lognormal":
-            log_top = math.log(top)
-            b = int(round(math.exp(rng.gauss(log_top / 2, log_top / 6))))
-        else:
-            raise ValueError(f"unknown trace_distribution {t.trace_distribution!r}")
-        sizes.append(min(max(b, 1), top))
-    return sizes
+    return batch_sizes(t.trace_distribution, t.trace_steps, t.trace_max_tokens, p.seed)
 
 
 def trace_source(p: Params) -> str:

@@ -50,7 +50,8 @@ from moebench.kernels.apply_expert_map import (
     build_expert_map,
 )
 from moebench.kernels.fused_experts import expert_work, fused_experts_torch
-from moebench.kernels.grouped_gemm import down_proj, experts_choice, gate_up_swiglu, launch_tiles, max_blocks
+from moebench.kernels.grouped_gemm import experts_choice, launch_tiles, max_blocks
+from moebench.kernels.grouped_gemm_bf16 import down_proj, gate_up_swiglu
 from moebench.kernels.row_tiles import row_tile_buffers
 from moebench.kernels.grouped_topk import grouped_args_problem, grouped_choice, grouped_topk
 from moebench.kernels.masked_moe_sum import masked_moe_sum, moe_sum_oblivious, sum_choice

@@ -6,8 +6,8 @@ trace with the padding masked and with it routed (both sides in every record), s
           num_experts / ep_size experts as in the layer target), capture_sizes (a name of
           moebench.traces.capture_lists or a list), dp_size, sp_size (the SP / TP ranks), dbo, padding_fill
   trace   trace_file (a CSV: moebench.traces.csv_trace), else trace (one list of token counts for every DP
-          rank), else trace_steps counts per DP rank drawn from trace_distribution (chat, mixed, prefill_heavy:
-          moebench.traces.distributions; uniform, decode_prefill, lognormal: jit_trace's) up to trace_max_tokens
+          rank), else trace_steps counts per DP rank drawn from trace_distribution (chat, mixed, prefill_heavy,
+          uniform, decode_prefill, lognormal: moebench.traces.distributions) up to trace_max_tokens
 Every step goes through the producers (moebench.inputs.engine_padding: capture size, DP max, DBO halves, SP
 divisibility), giving its layer calls (rows, real). Every distinct shape's routing figures are computed
 (_trace_shapes: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from moebench.bench import jit_trace
 from moebench.bench._trace_compose import (
     SIDES,
     compose,
@@ -62,7 +60,7 @@ from moebench.registry import Case, RunContext, register_impl
 from moebench.traces.capture_lists import capture_list_label, resolve_capture_sizes
 from moebench.traces.csv_trace import read_trace_file
 from moebench.traces.distinct import DistinctSteps, distinct_steps
-from moebench.traces.distributions import SERVING_MIXES, serving_tokens
+from moebench.traces.distributions import rank_tokens
 from moebench.traces.knobs import ServingKnobs, TraceKnobs
 from moebench.traces.step_file import write_step_columns
 
@@ -97,12 +95,8 @@ def trace_tokens(p: Params) -> tuple[DistinctSteps, dict[str, Any]]:
                                                    "columns": f.columns}
     if t.trace is not None:
         return distinct_steps([[int(b)] * serving.dp_size for b in t.trace]), {"source": "explicit"}
-    per_rank = []
-    for rank in range(serving.dp_size):
-        if t.trace_distribution in SERVING_MIXES:
-            per_rank.append(serving_tokens(t.trace_distribution, t.trace_steps, t.trace_max_tokens, p.seed, rank))
-        else:  # jit_trace's own distributions, one seeded stream per DP rank
-            per_rank.append(jit_trace.trace_batch_sizes(replace(p, seed=p.seed * 131 + rank)))
+    per_rank = [rank_tokens(t.trace_distribution, t.trace_steps, t.trace_max_tokens, p.seed, rank)
+                for rank in range(serving.dp_size)]
     return distinct_steps([list(step) for step in zip(*per_rank)]), {"source": t.trace_distribution}
 
 

@@ -23,16 +23,15 @@ from moebench.kernels.grouped_gemm import (
     check_routes,
     checked_workspace,
     choose_config,
-    down_proj,
     expert_operand_shapes,
     experts_choice,
-    gate_up_swiglu,
     launch_config,
     make_workspace,
     routes_alignment,
     launch_tiles,
     sum_slots,
 )
+from moebench.kernels.grouped_gemm_bf16 import down_proj, gate_up_swiglu
 
 # the workspace, alignment and argument checks are the launcher's (grouped_gemm), shared with fused_experts_fp8
 __all__ = ["fused_experts", "fused_experts_torch",

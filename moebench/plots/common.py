@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from moebench.run.results import RECORDS, load_manifest, load_records, timing_label
+from moebench.records import RECORDS, load_manifest, load_records, timing_label
 
 FOLDED = ("seed", "repeat")  # repeated measurements of one point: aggregated (median), never split on
 MAX_FIGURES_PER_KIND = 24  # a sweep with many extra axes still gets a bounded number of files
@@ -232,7 +232,7 @@ def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterab
 
 
 def timing_subtitle(records: list[dict]) -> str:
-    """`timing: graph` (the table's mode column: moebench.run.results.timing_label), and for a host-clock mode on
+    """`timing: graph` (the table's mode column: moebench.records.timing_label), and for a host-clock mode on
     the CPU (interp: the Triton kernels in the interpreter) that its figures are not GPU ones; empty when the
     points were timed in several modes."""
     modes = {timing_label(r) for r in records if timing_label(r)}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from moebench.report import cells
-from moebench.run.results import load_manifest, load_records, unique_records
+from moebench.records import load_manifest, load_records, unique_records
 
 MAX_CV = 0.10  # the default cv above which a point is too noisy to enter a geometric mean
 MAX_VALUES = 6  # values listed per differing parameter

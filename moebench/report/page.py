@@ -36,7 +36,7 @@ from moebench.report.figures import draw_plots, find_plots, scratch_dir_for
 from moebench.report.headline import HeadlineRow, evaluate, format_value
 from moebench.report.peers import peer_ratios
 from moebench.report.table import METRICS, metric_title, param_cell, status_lines, timing_statement
-from moebench.run.results import MANIFEST, RECORDS, load_records
+from moebench.records import MANIFEST, RECORDS, load_records
 
 PROFILE = "profile.json"  # what moebench profile writes in its folder (moebench.profile.driver.profile_point)
 TOP_KERNELS = 3

@@ -115,7 +115,7 @@ def compare_within(records: list[dict], impl_a: str, impl_b: str) -> list[dict]:
 
 def compare_within_run(run_dir: Path, impls: str | None = None) -> int:
     """`moebench compare RUN [--impls A,B]`: B/A per point of one run, or (no --impls) every impl vs best peer."""
-    from moebench.run.results import load_records
+    from moebench.records import load_records
 
     if not (Path(run_dir) / "records.jsonl").exists():
         raise ValueError(f"{run_dir}: not a run directory (no records.jsonl)")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, TextIO
 
 from moebench.report import cells
 from moebench.report.ceiling import ceiling_footer_lines
-from moebench.run.results import timing_label
+from moebench.records import timing_label
 
 # Short column titles for the sweep parameters that commonly vary.
 _PARAM_TITLES = {"num_tokens": "tokens", "padding_ratio": "pad", "top_k": "topk", "num_experts": "experts",

@@ -18,7 +18,7 @@ import torch
 
 from moebench.params import Point
 from moebench.registry import RunContext
-from moebench.run.results import RECORDS, RecordWriter, load_records
+from moebench.records import RECORDS, RecordWriter, load_records
 from moebench.run.sweep import Sweep
 
 

@@ -1,17 +1,31 @@
 """Where things come from and where runs go: the bundled sweeps (a checkout's sweeps/ or the installed package's
 moebench/_sweeps/, each with its scenarios/ folder), the paths a sweep names (resolve_sweep_path: beside the sweep
-file, then the current directory, then the bundled data), and the check of an output folder before anything is
+file, then the current directory, then the bundled data; the sweep loader resolves every path key of the knob
+groups (their PATHS) and `plugins:` entry with resolve_param_paths and plugin_entry), and the check of an output folder before anything is
 written there."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
 
 
 class PathError(ValueError):
     """A path that cannot be used. str() is the one line shown to the user (exit 2)."""
+
+
+class SweepPathError(PathError):
+    """A path a sweep names that cannot be used: `key` names where (fixed.trace_file, axes.trace_file[1],
+    plugins[0]); str() is the reason."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(reason)
+        self.key = key
+
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # moebench/, above run/
@@ -114,3 +128,53 @@ def check_output_dir(option: str, path: str | os.PathLike) -> Path:
     except OSError as e:
         raise PathError(f"{head}: cannot write in {existing} ({e.strerror})") from None
     return path
+
+
+def resolve_param_paths(fixed: dict, axes: dict, sweep_dir: Path | None,
+                        paths: dict[str, tuple[Path | None, bool]]) -> tuple[dict, dict]:
+    """fixed and axes with every path key's value made the absolute path of its file (docs/sweeps.md#paths-in-a-
+    sweep); `paths`: key -> (the folder of the files bundled with moebench or None, whether it names a directory),
+    the knob groups' PATHS. A file found nowhere is refused (SweepPathError) naming where it was looked for."""
+    fixed, axes = dict(fixed), dict(axes)
+    for key, (bundled, directory) in paths.items():
+        for section, table in (("fixed", fixed), ("axes", axes)):
+            if key not in table:
+                continue
+            values = table[key] if section == "axes" else [table[key]]
+            resolved = []
+            for i, value in enumerate(values):
+                try:
+                    resolved.append(None if value is None else resolve_sweep_path(
+                        value, sweep_dir, bundled, directory=directory))
+                except PathError as e:
+                    where = f"{section}.{key}" + (f"[{i}]" if section == "axes" else "")
+                    raise SweepPathError(where, str(e)) from None
+            table[key] = resolved if section == "axes" else resolved[0]
+    return fixed, axes
+
+
+def plugin_entry(entry: Any, i: int, sweep_dir: Path | None) -> Any:
+    """A `plugins:` entry (the i-th) as the sweep keeps it: a module found as a file beside the sweep or in the
+    current directory (`mod` -> mod.py or mod/__init__.py, `pkg.mod` -> pkg/mod.py ...), or a path to a .py file,
+    becomes that file's absolute path; a module found only on sys.path (an installed one) stays a name."""
+    if not isinstance(entry, str) or not entry:
+        return entry  # load_plugins refuses it, naming the entry
+    if entry.endswith(".py") or "/" in entry or "\\" in entry:
+        try:
+            return resolve_sweep_path(entry, sweep_dir)
+        except PathError as e:
+            raise SweepPathError(f"plugins[{i}]", str(e)) from None
+    stem = entry.replace(".", "/")
+    for candidate in (f"{stem}.py", f"{stem}/__init__.py"):
+        found = find_sweep_path(candidate, sweep_dir)
+        if found is not None:
+            return found
+    try:
+        installed = importlib.util.find_spec(entry.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        places = [place for place, _ in sweep_path_candidates(f"{stem}.py", sweep_dir)]
+        raise SweepPathError(f"plugins[{i}]", f"no plugin module {entry!r} ({stem}.py or {stem}/__init__.py) "
+                                              f"{', '.join(places)} or on sys.path")
+    return entry

@@ -161,7 +161,7 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
         from moebench.registry import RunContext
         from moebench.run.point import error_line, execute_point
         from moebench.run.progress import throttled
-        from moebench.run.results import json_ready
+        from moebench.records import json_ready
 
         ctx = RunContext(device=dev)
         conn.send(("ready", os.getpid()))

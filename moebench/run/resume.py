@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moebench.run.results import MANIFEST, RECORDS, load_manifest, tuned_tables
+from moebench.records import MANIFEST, RECORDS, load_manifest
+from moebench.run.results import tuned_tables
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
 

@@ -1,5 +1,6 @@
 """The sweep runner: for each point build the case, check it against the reference, time it, measure imbalance
-and JIT compiles, append the record, print the table row.
+and JIT compiles, append the record, print the table row. The summary and the notes under the table close a run;
+the plots are the command line's (moebench.cli): the runner imports nothing of moebench.plots.
 
 A run directory has one writer (`run_lock`), holds one record per point key (a resume skips the recorded points)
 and its summary.csv is rewritten from the records at the end, also after an interrupt."""
@@ -11,7 +12,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -21,20 +22,11 @@ from moebench.registry import RunContext
 from moebench.report.table import Table
 from moebench.run import point_worker
 from moebench.run.lock import RunLock
-from moebench.run.point import error_line, execute_point, interpreting
+from moebench.run.point import execute_point, interpreting
 from moebench.run.estimate import RunEstimate, estimate_lines, estimate_run
 from moebench.run.progress import RunProgress
-from moebench.run.results import (
-    DEFAULT_RUNS_DIR,
-    RECORDS,
-    RecordWriter,
-    load_records,
-    new_run_dir,
-    record_resume,
-    unique_records,
-    write_manifest,
-    write_summary,
-)
+from moebench.records import RECORDS, RecordWriter, load_records, unique_records, write_summary
+from moebench.run.results import DEFAULT_RUNS_DIR, new_run_dir, record_resume, write_manifest
 from moebench.run.resume import check_same_sweep, stored_sweep
 from moebench.run.sweep import Sweep, expand
 
@@ -167,16 +159,18 @@ def _open_run(sweep: Sweep, points: list[Point], dev: torch.device, out_base, re
 
 
 def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: str | None = None,
-              resume: str | Path | None = None, make_plots: bool = True, plots_base: str | Path | None = None,
+              resume: str | Path | None = None, end_notes: Callable[[Path], Iterable[str]] | None = None,
               out=None, isolate: bool = True, progress_prefix: str = "") -> tuple[int, Path]:
     """Run every point; return (exit code, run directory). Exit code 1 when any point was wrong or failed.
 
     Single-rank points run in a worker process (moebench.run.point_worker; `isolate=False`: in this process, for a
     debugger), so a point that crashes, hangs or loses the CUDA context is recorded failed and the run goes on.
 
-    The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal), its plots
-    in `<run dir>/plots/` (`plots_base` given: `plots_base/<run name>/`). An interrupt (KeyboardInterrupt) leaves
-    the records and a summary of them, and carries `run_dir` on the exception.
+    The run directory is `out_base/<sweep>-<UTC>/` (or `resume`, whose stored sweep `sweep` must equal). An
+    interrupt (KeyboardInterrupt) leaves the records and a summary of them, and carries `run_dir` on the exception.
+    `end_notes(run_dir)` is the caller's last step of a finished run (the command line makes the plots there):
+    called on the leader after the summary, with the run directory still locked, its lines printed under the
+    table before the records line.
 
     Launched by torchrun, every rank calls this: rank 0 owns the run directory, the table and the single-rank
     points; the multi-rank points of the torchrun world size run on all ranks; other world sizes are skipped."""
@@ -208,7 +202,7 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
                 raise ValueError(error)
         else:
             run_dir, done = _share_start(None, set(), None, trun)
-        return _run_points(sweep, points, dev, run_dir, done, trun, leader, make_plots, plots_base, out, isolate,
+        return _run_points(sweep, points, dev, run_dir, done, trun, leader, end_notes, out, isolate,
                            progress_prefix)
     except KeyboardInterrupt as e:
         if leader and run_dir is not None:
@@ -232,7 +226,7 @@ def _final_records(run_dir: Path) -> list[dict]:
 
 
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
-                leader: bool, make_plots: bool, plots_base, out, isolate: bool, prefix: str) -> tuple[int, Path]:
+                leader: bool, end_notes, out, isolate: bool, prefix: str) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
     table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points)
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
@@ -253,15 +247,13 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
                            stream=None if leader else open(os.devnull, "w"), terminal=None if leader else False)
     rows = _Rows(table, progress)
     try:
-        return _run_todo(sweep, todo, dev, run_dir, trun, leader, make_plots, plots_base, table, writer, rows,
-                         isolate)
+        return _run_todo(sweep, todo, dev, run_dir, trun, leader, end_notes, table, writer, rows, isolate)
     finally:  # also on an interrupt: its message then starts a line of its own
         progress.clear()
 
 
 def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path, trun, leader: bool,
-              make_plots: bool, plots_base, table: Table, writer: RecordWriter, rows: _Rows,
-              isolate: bool) -> tuple[int, Path]:
+              end_notes, table: Table, writer: RecordWriter, rows: _Rows, isolate: bool) -> tuple[int, Path]:
     single = [pt for pt in todo if _needs_world(pt) == 1]
     multi: dict[int, list[Point]] = {}
     for pt in todo:
@@ -311,15 +303,8 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
 
     for text in peer_footer_lines(records):
         table.comment(text)
-    if make_plots:
-        plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
-        try:
-            from moebench.plots import make_plots as _make_plots
-
-            paths = _make_plots(run_dir, plot_dir)
-            table.comment(f"plots: {len(paths)} written to {plot_dir}")
-        except Exception as e:
-            table.comment(f"plots not made: {error_line(e)}")
+    for text in end_notes(run_dir) if end_notes is not None else ():
+        table.comment(text)
     table.comment(f"records: {run_dir / RECORDS}")
     bad = any(r.get("status") in ("wrong", "failed") for r in records)
     return (1 if bad else 0), run_dir

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.util
 import itertools
 import math
 import re
@@ -32,7 +31,7 @@ from moebench.plugins import PluginError, load_plugins
 from moebench.presets import UnknownModel, apply_preset, get_preset
 from moebench.report.headline import spec_problem
 from moebench.run import strict_yaml
-from moebench.run.paths import PathError, find_sweep_path, resolve_sweep_path, sweep_path_candidates
+from moebench.run.paths import SweepPathError, plugin_entry, resolve_param_paths
 from moebench.traces.capture_lists import capture_list_problem
 
 
@@ -352,8 +351,11 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
     impls = raw["impls"]
     if not impls:
         raise _fail(src, "impls", "empty list")
-    sweep_dir = _sweep_dir(src)
-    plugins = [_plugin_entry(m, i, src, sweep_dir) for i, m in enumerate(raw.get("plugins") or [])]
+    sweep_dir = None if not src or src.startswith("<") else Path(src).parent  # None: a sweep that is no file
+    try:
+        plugins = [plugin_entry(m, i, sweep_dir) for i, m in enumerate(raw.get("plugins") or [])]
+    except SweepPathError as e:
+        raise _fail(src, e.key, str(e)) from None
     try:
         load_plugins(plugins, src)  # before the impl names are looked up
     except PluginError as e:
@@ -389,7 +391,10 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
                 why = check_param_value(k, val) or (_model_problem(val) if k == "model" else None)
                 if why:
                     raise _fail(src, f"{section}.{k}", why)
-    fixed, axes = _resolve_paths(fixed, axes, src, sweep_dir)
+    try:
+        fixed, axes = resolve_param_paths(fixed, axes, sweep_dir, _declared(knob_groups())[2])
+    except SweepPathError as e:
+        raise _fail(src, e.key, str(e)) from None
     both = set(fixed) & set(axes)
     if both:
         k = sorted(both)[0]
@@ -431,81 +436,6 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
                   plugins=tuple(plugins), sizes=sizes)
     expand(sweep)  # validates every combination
     return sweep
-
-
-def preset_notices(sweep: Sweep) -> list[str]:
-    """One line per model preset whose values the sweep's explicit keys override (which keys, the preset's value
-    -> the given one): the sweep runs with the given values, and says so."""
-    from moebench.presets import overridden
-
-    models = sweep.axes.get("model") or [sweep.fixed.get("model")]
-    explicit = {k: v for k, v in {**sweep.fixed, **sweep.axes}.items() if k != "model"}
-    lines = []
-    for model in dict.fromkeys(m for m in models if m is not None):
-        changes = overridden(model, explicit)
-        if changes:
-            shown = ", ".join(f"{k} {_shown(preset)} -> {_shown(given)}" for k, preset, given in changes)
-            lines.append(f"model {model}: {shown} (set explicitly in the sweep or by --set: they override the "
-                         "preset)")
-    return lines
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_shown, value)) + "]"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _sweep_dir(src: str) -> Path | None:
-    """The folder of the sweep file `src` (None for a sweep that is no file: "<memory>")."""
-    return None if not src or src.startswith("<") else Path(src).parent
-
-
-def _resolve_paths(fixed: dict, axes: dict, src: str, sweep_dir: Path | None) -> tuple[dict, dict]:
-    """fixed and axes with every path key's value (a knob group's PATHS) made the absolute path of its file
-    (docs/sweeps.md#paths-in-a-sweep); a file found nowhere is refused naming where it was looked for."""
-    fixed, axes = dict(fixed), dict(axes)
-    for key, (bundled, directory) in _declared(knob_groups())[2].items():
-        for section, table in (("fixed", fixed), ("axes", axes)):
-            if key not in table:
-                continue
-            values = table[key] if section == "axes" else [table[key]]
-            resolved = []
-            for i, value in enumerate(values):
-                try:
-                    resolved.append(None if value is None else resolve_sweep_path(
-                        value, sweep_dir, bundled, directory=directory))
-                except PathError as e:
-                    raise _fail(src, f"{section}.{key}" + (f"[{i}]" if section == "axes" else ""), str(e)) from None
-            table[key] = resolved if section == "axes" else resolved[0]
-    return fixed, axes
-
-
-def _plugin_entry(entry: Any, i: int, src: str, sweep_dir: Path | None) -> Any:
-    """A `plugins:` entry as the sweep keeps it: a module found as a file beside the sweep or in the current
-    directory (`mod` -> mod.py or mod/__init__.py, `pkg.mod` -> pkg/mod.py ...), or a path to a .py file, becomes that
-    file's absolute path; a module found only on sys.path (an installed one) stays a name."""
-    if not isinstance(entry, str) or not entry:
-        return entry  # load_plugins refuses it, naming the entry
-    if entry.endswith(".py") or "/" in entry or "\\" in entry:
-        try:
-            return resolve_sweep_path(entry, sweep_dir)
-        except PathError as e:
-            raise _fail(src, f"plugins[{i}]", str(e)) from None
-    stem = entry.replace(".", "/")
-    for candidate in (f"{stem}.py", f"{stem}/__init__.py"):
-        found = find_sweep_path(candidate, sweep_dir)
-        if found is not None:
-            return found
-    try:
-        installed = importlib.util.find_spec(entry.split(".")[0]) is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
-        places = [place for place, _ in sweep_path_candidates(f"{stem}.py", sweep_dir)]
-        raise _fail(src, f"plugins[{i}]", f"no plugin module {entry!r} ({stem}.py or {stem}/__init__.py) "
-                                          f"{', '.join(places)} or on sys.path")
-    return entry
 
 
 def _model_problem(name) -> str | None:

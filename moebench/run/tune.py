@@ -21,7 +21,7 @@ from pathlib import Path
 from moebench import registry
 from moebench.kernels.runtime import tuning
 from moebench.report import cells
-from moebench.run.results import load_manifest, load_records, unique_records, write_json_atomic
+from moebench.records import load_manifest, load_records, unique_records, write_json_atomic
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import Sweep, SweepError, sweep_from_dict
 
@@ -138,7 +138,7 @@ def run_tune(sweep: Sweep, *, tables_dir: str | Path | None = None, runs_dir: st
     # records the same tuned_tables digest: the winners are written once all the kernels have run.
     results = []
     for i, (kernel, sub) in enumerate(subs.items()):  # the progress line names the kernel being tuned
-        run_code, run_dir = run_sweep(sub, out_base=runs_dir, device=device, make_plots=False, isolate=isolate,
+        run_code, run_dir = run_sweep(sub, out_base=runs_dir, device=device, isolate=isolate,
                                       progress_prefix=f"tune {kernel} ({i + 1}/{len(subs)} kernels) ")
         records = unique_records(load_records(run_dir))
         picks = pick_fastest(records)

@@ -1,6 +1,7 @@
-"""Seeded serving-like distributions of real tokens per step, one independent stream per DP rank.
+"""Every seeded distribution of real tokens per step: jit_trace's batch sizes and serving_trace's per-DP-rank
+streams draw from here (`batch_sizes`, `rank_tokens`).
 
-Each step of a DP rank is a decode step (one token per running sequence: DECODE tokens, uniform over 1..decode_top)
+The serving mixes. Each step of a DP rank is a decode step (one token per running sequence: DECODE tokens, uniform over 1..decode_top)
 or a step carrying a prefill chunk (uniform over decode_top+1..max_tokens, or the whole budget `max_tokens`, as a
 chunked prefill fills it), drawn with the shares below; max_tokens is the sweep's trace_max_tokens (the engine's
 token budget per step). With max_tokens <= decode_top every step is a decode step.
@@ -9,16 +10,27 @@ token budget per step). With max_tokens <= decode_top every step is a decode ste
   mixed          70% decode steps of 1..256, 30% prefill chunks (a fifth of them the whole budget)
   prefill_heavy  25% decode steps of 1..256, 75% prefill chunks (half of them the whole budget)
 
-jit_trace's three distributions (uniform, decode_prefill, lognormal) are moebench.bench.jit_trace's own
-(trace_batch_sizes); the serving-trace bench draws them per DP rank with that function.
+The batch-size distributions, over 1..max_tokens:
+  uniform         uniform over 1..max_tokens;
+  decode_prefill  DECODE_SHARE of the steps are decode batches uniform over 1..DECODE_MAX_TOKENS, the rest
+                  prefill chunks uniform over DECODE_MAX_TOKENS+1..max_tokens;
+  lognormal       round(exp(N(mu, sigma))) clipped to [1, max_tokens] with mu = ln(max_tokens)/2 (median
+                  sqrt(max_tokens)) and sigma = ln(max_tokens)/6 (+-3 sigma spans [1, max_tokens]).
+
+One stream (`batch_sizes`, jit_trace's trace) draws a serving mix as DP rank 0 does; per DP rank (`rank_tokens`,
+serving_trace's trace) a batch-size distribution draws one stream per rank from its own seed.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
-SEED_SALT = 0x5E27  # keeps these streams apart from the other seeded inputs of the same seed
+SEED_SALT = 0x5E27  # keeps the serving mixes' streams apart from the other seeded inputs of the same seed
+DECODE_SHARE = 0.9  # decode_prefill: share of decode steps
+DECODE_MAX_TOKENS = 256  # decode_prefill: largest decode batch
+TRACE_SEED_SALT = 4242  # batch sizes draw from their own stream, not the inputs' one
 
 
 @dataclass(frozen=True)
@@ -53,3 +65,37 @@ def serving_tokens(distribution: str, steps: int, max_tokens: int, seed: int, dp
         else:
             out.append(rng.randint(decode_top + 1, max_tokens))
     return out
+
+
+def batch_sizes(distribution: str, steps: int, max_tokens: int, seed: int) -> list[int]:
+    """`steps` batch sizes in 1..max_tokens, one seeded stream: a serving mix as DP rank 0 draws it, else one of
+    uniform, decode_prefill, lognormal (the module docstring)."""
+    top = int(max_tokens)
+    if distribution in SERVING_MIXES:
+        return serving_tokens(distribution, steps, top, seed, 0)
+    rng = random.Random(seed * 1_000_003 + TRACE_SEED_SALT)
+    sizes = []
+    for _ in range(steps):
+        if distribution == "uniform":
+            b = rng.randint(1, top)
+        elif distribution == "decode_prefill":
+            decode_top = min(DECODE_MAX_TOKENS, top)
+            if decode_top == top or rng.random() < DECODE_SHARE:
+                b = rng.randint(1, decode_top)
+            else:
+                b = rng.randint(decode_top + 1, top)
+        elif distribution == "lognormal":
+            log_top = math.log(top)
+            b = int(round(math.exp(rng.gauss(log_top / 2, log_top / 6))))
+        else:
+            raise ValueError(f"unknown trace_distribution {distribution!r}")
+        sizes.append(min(max(b, 1), top))
+    return sizes
+
+
+def rank_tokens(distribution: str, steps: int, max_tokens: int, seed: int, dp_rank: int) -> list[int]:
+    """`steps` real-token counts of DP rank `dp_rank`: a serving mix's stream of that rank, else the batch sizes
+    drawn from the rank's own seed (seed * 131 + dp_rank)."""
+    if distribution in SERVING_MIXES:
+        return serving_tokens(distribution, steps, max_tokens, seed, dp_rank)
+    return batch_sizes(distribution, steps, max_tokens, seed * 131 + dp_rank)

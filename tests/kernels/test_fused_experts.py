@@ -13,14 +13,11 @@ from moebench.kernels.grouped_gemm import (
     align_routes,
     align_scratch_size,
     choose_config,
-    down_proj,
-    down_proj_torch,
-    gate_up_swiglu,
-    gate_up_swiglu_torch,
     sum_slots,
     sum_slots_torch,
     weight_operand,
 )
+from moebench.kernels.grouped_gemm_bf16 import down_proj, down_proj_torch, gate_up_swiglu, gate_up_swiglu_torch
 from moebench.kernels.fused_experts import (
     fused_experts,
     fused_experts_torch,
