@@ -1,4 +1,4 @@
-"""`moebench` command line: run, tune, plot, compare, list, profile.
+"""`moebench` command line: run, tune, plot, compare, list, report, profile.
 
 Exit codes: 0 every point ok (or skipped); 1 some point wrong or failed; 2 refused (bad sweep or arguments: one
 line on stderr naming the file or option, the key and the reason; nothing written); 130 interrupted (SIGINT),
