@@ -20,6 +20,7 @@ def _load(name: str):
 def test_loading_on_an_unchecked_triton_fails_naming_the_patches_and_the_version(monkeypatch):
     monkeypatch.delenv("MOEBENCH_TEST_UNCHECKED_TRITON", raising=False)
     monkeypatch.delenv("MOEBENCH_TEST_NO_INTERP_FASTPATH", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: "9.99.0")
     with pytest.raises(RuntimeError) as raised:
         _load("_sitecustomize_on_fake_triton")
@@ -36,3 +37,12 @@ def test_the_opt_out_and_a_checked_version_pass(monkeypatch):
     site.check_triton_version(site.installed_triton_version(), environ={})
     with pytest.raises(site.UncheckedTritonError, match="_memoize_np_dtype"):
         site.check_triton_version("9.99.0", environ={})
+
+
+def test_a_gpu_run_neither_checks_nor_patches(monkeypatch):
+    # GPU machines run another Triton, compiled: the interpreter is never called there
+    monkeypatch.delenv("MOEBENCH_TEST_UNCHECKED_TRITON", raising=False)
+    monkeypatch.delenv("MOEBENCH_TEST_NO_INTERP_FASTPATH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "9.99.0")
+    _load("_sitecustomize_on_a_gpu_run")

@@ -13,8 +13,9 @@ Third, a device-function call inside a launch skips re-patching what the launch 
 MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns them all off (to compare, or to rule them out). A subprocess started
 with its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same.
 
-Each patch replaces interpreter internals read in the Triton versions CHECKED_AGAINST names for it; on any other
-installed Triton this module raises at load (tests/conftest.py loads it first, so the test run stops there) naming
+Nothing is patched unless TRITON_INTERPRET is set (a GPU run never calls these functions). Each patch replaces
+interpreter internals read in the Triton versions CHECKED_AGAINST names for it; on any other installed Triton this
+module raises at load (tests/conftest.py loads it first, so the test run stops there) naming
 the patches and the version: read the patched functions in that version's triton/runtime/interpreter.py and add it
 to CHECKED_AGAINST, or set MOEBENCH_TEST_UNCHECKED_TRITON=1 to apply the patches unchecked."""
 
@@ -224,7 +225,10 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("MOEBENCH_TEST_NO_INTERP_FASTPATH") != "1":
+# only where the kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET without a GPU): a GPU run
+# never calls the patched functions, whatever its Triton
+if os.environ.get("MOEBENCH_TEST_NO_INTERP_FASTPATH") != "1" and \
+        os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"):
     check_triton_version(installed_triton_version())
     if TARGET in sys.modules:
         _patch(sys.modules[TARGET])
