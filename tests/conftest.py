@@ -31,38 +31,69 @@ _interpreter_fastpath()
 
 # How pyproject's `-n 2 --dist loadfile` shares the files between the two workers (pytest_xdist_make_scheduler below):
 # one file a unit of work, so a module fixture runs once, except files that share a per-process warm-up, which go to
-# one worker together: torch.compile's first compile (inductor's start, 8-20 s on a CI core) and the session's pool
-# of gloo ranks (four interpreter starts, tests/gloo_pool.py). Paths relative to tests/.
+# one worker together: torch.compile's first compile (inductor's start) and the session's pool of gloo ranks (four
+# interpreter starts, tests/gloo_pool.py). Paths relative to tests/.
 SHARED_GROUPS = {
-    "inductor": ("test_bench_contract.py", "test_peers.py", "test_peers_torch_grouped.py"),
-    "gloo_pool": ("test_dispatch.py", "test_dispatch_paths.py", "test_padding.py", "test_timing.py"),
+    "inductor": ("bench/test_bench_contract.py", "peers/test_peers.py", "peers/test_peers_torch_grouped.py"),
+    "gloo_pool": ("dispatch/test_dispatch.py", "dispatch/test_dispatch_paths.py", "inputs/test_padding.py",
+                  "measure/test_timing.py"),
 }
 _GROUP_OF_FILE = {f: g for g, files in SHARED_GROUPS.items() for f in files}
-# The longest units first (seconds of test time on a 2-core CI machine, measured 2026-12-02), so that the two
-# workers finish together: each worker takes the next unit in this order when it runs dry (xdist hands each two at
-# the start); the rest follow in file order. A stale list costs only balance.
-LONGEST_FIRST = ("test_faults.py", "test_point_isolation.py", "gloo_pool", "inductor", "test_serving_trace.py",
-                 "kernels/test_topk_softmax.py", "test_bench_layer_fp8.py", "test_scenarios.py", "test_install.py",
-                 "test_plots.py", "test_runner_multirank.py", "kernels/test_router_cand.py", "test_bench_ep_sim.py",
-                 "test_dist.py", "kernels/test_fused_experts_fp8.py", "test_bench_layer.py")
+# The units are handed out longest first, so that the two workers finish together: each unit's seconds of test time
+# in the last run that ran it, kept in pytest's cache (.pytest_cache) under this key and written at the end of every
+# run. Units with no recorded time (no cache: a fresh clone, `-p no:cacheprovider`; a new file) follow in file order.
+DURATIONS_KEY = "moebench/unit_durations"
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _work_unit(config, nodeid: str) -> str:
     """The unit of work of a test id: its file relative to tests/, or the shared group that file belongs to."""
     path = os.path.relpath(os.path.join(str(config.rootpath), nodeid.split("::", 1)[0]), _TESTS_DIR)
-    return _GROUP_OF_FILE.get(path.replace(os.sep, "/"), path)
+    return _GROUP_OF_FILE.get(path.replace(os.sep, "/"), path.replace(os.sep, "/"))
 
 
 def _grouped(config) -> bool:
     return config.getvalue("dist") == "loadfile"
 
 
+def _recorded_durations(config) -> dict:
+    cache = getattr(config, "cache", None)
+    got = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    return got if isinstance(got, dict) else {}
+
+
+class _UnitDurations:
+    """Sums each unit's test time (setup, call, teardown) as the reports come in and adds them to the cache at the
+    end. Registered on the controller or in a `-n 0` run, never on an xdist worker (xdist relays the workers'
+    reports to the controller; a worker's sums would be its share only)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        unit = _work_unit(self.config, report.nodeid)
+        self.seconds[unit] = self.seconds.get(unit, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        if self.seconds:
+            recorded = _recorded_durations(self.config)  # a run of a few files keeps the others' times
+            recorded.update({unit: round(s, 3) for unit, s in self.seconds.items()})
+            self.config.cache.set(DURATIONS_KEY, recorded)
+
+
+def pytest_configure(config):
+    if getattr(config, "cache", None) is not None and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_UnitDurations(config), "moebench_unit_durations")
+
+
 @pytest.hookimpl(optionalhook=True)  # xdist's hooks: only called where pytest-xdist is installed
 def pytest_configure_node(node):
     # xdist sends a worker indices into the worker's own collection, so the order must be the workers' own: they
-    # sort what they collect (pytest_collection_modifyitems), and the scheduler keeps that order
-    node.workerinput["moebench_longest_first"] = _grouped(node.config)
+    # sort what they collect (pytest_collection_modifyitems) by the durations handed to them here, and the
+    # scheduler keeps that order
+    if _grouped(node.config):
+        node.workerinput["moebench_unit_durations"] = _recorded_durations(node.config)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -72,9 +103,9 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class SharedWarmupScheduling(LoadFileScheduling):
-        """xdist's loadfile with SHARED_GROUPS as single units, taken in the workers' collection order (LONGEST_FIRST,
-        with `--no-loadscope-reorder`). The test ids stay xdist's plain ones (`--lf` and a pasted failing id work);
-        `-n 0` and `--dist load` keep the file order."""
+        """xdist's loadfile with SHARED_GROUPS as single units, taken in the workers' collection order (longest
+        first, with `--no-loadscope-reorder`). The test ids stay xdist's plain ones (`--lf` and a pasted failing id
+        work); `-n 0` and `--dist load` keep the file order."""
 
         def _split_scope(self, nodeid):
             return _work_unit(self.config, nodeid)
@@ -82,16 +113,21 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedWarmupScheduling(config, log)
 
 
-def _longest_first(config, items) -> None:
-    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_work_unit(config, item.nodeid), len(rank)))  # stable: file order after
+def _longest_first(config, items, durations: dict) -> None:
+    def slowest_first(item):
+        unit = _work_unit(config, item.nodeid)
+        seconds = durations.get(unit)
+        return (0, -seconds, unit) if isinstance(seconds, (int, float)) else (1, 0, "")
+
+    items.sort(key=slowest_first)  # stable: file order within a unit and among the units with no recorded time
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if getattr(config, "workerinput", {}).get("moebench_longest_first"):
-        _longest_first(config, items)
+    durations = getattr(config, "workerinput", {}).get("moebench_unit_durations")
+    if durations:
+        _longest_first(config, items, durations)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_gpu2 = pytest.mark.skip(reason="needs two CUDA GPUs")
@@ -112,7 +148,7 @@ def device():
 @pytest.fixture(scope="session")
 def gloo_ranks():
     """One pool of gloo ranks (up to 4) for this test process, started at its first use (tests/gloo_pool.py)."""
-    from gloo_pool import GlooPool
+    from tests.gloo_pool import GlooPool
 
     pool = GlooPool()
     yield pool

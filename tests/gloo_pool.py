@@ -16,7 +16,7 @@ next `run` starts a fresh pool. The ranks die with the test process (moebench.ru
 fixture closes the pool at the end of the session.
 
 What moebench.run.dist.spawn itself does (start-up, failures, timeouts, environment) is tested on real spawns in
-tests/test_dist.py, and through the runner in tests/test_runner_multirank.py, test_point_isolation.py and
+tests/run/test_dist.py, and through the runner in tests/run/test_runner_multirank.py, test_point_isolation.py and
 test_faults.py: those do not use the pool."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the layer tests share (tests/test_bench_layer.py, tests/test_bench_layer_fp8.py): building a registered impl
+"""What the layer tests share (tests/bench/test_bench_layer.py, tests/bench/test_bench_layer_fp8.py): building a registered impl
 at a point, the relative Frobenius error, what the oblivious layer does to padded rows, and the GPU check of the
 masked and oblivious layers at one shape."""
 

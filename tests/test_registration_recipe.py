@@ -176,9 +176,9 @@ for key, args in (("list", ["list"]), ("configs", ["list", "--configs"])):
     with contextlib.redirect_stdout(buf):
         out[key + "_code"] = main(args)
     out[key] = buf.getvalue()
-from tests.test_bench_contract import contract_impls, skip_reason
-from tests.test_dispatch import cpu_paths
-from tests.test_peers import adapter_points
+from tests.bench.test_bench_contract import contract_impls, skip_reason
+from tests.dispatch.test_dispatch import cpu_paths
+from tests.peers.test_peers import adapter_points
 out["contract"] = contract_impls()
 out["contract_skips"] = {n: skip_reason(registry.get(n)) for n in out["contract"] if n.startswith("throwaway_scale")}
 out["paths"] = list(cpu_paths())

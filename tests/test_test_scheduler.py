@@ -1,5 +1,7 @@
 """tests/conftest.py's xdist scheduling: the files that share a warm-up run on one worker, every file on one worker,
-every test once under its own id, the longest units first. Run on a copy of the conftest over stand-in files."""
+every test once under its own id; each run records every unit's time in pytest's cache and the next run hands the
+units out longest first (no cache: file order). Run on a copy of the conftest over stand-in files."""
+import json
 import re
 import shutil
 import subprocess
@@ -9,40 +11,63 @@ from pathlib import Path
 import conftest
 
 TESTS = Path(__file__).parent
-# collected in this (file-name) order; LONGEST_FIRST puts test_faults first and the gloo_pool pair next
-FILES = ("test_aa.py", "test_dispatch.py", "test_faults.py", "test_padding.py")
-PER_FILE = 6
+# Stand-in files in collection (path) order; the gloo_pool pair is one unit, test_zz the slowest unit but last.
+SLEEP_S = {"dispatch/test_dispatch.py": 0.02, "inputs/test_padding.py": 0.02, "test_aa.py": 0.02,
+           "test_faults.py": 0.02, "test_mm.py": 0.02, "test_zz.py": 0.15}
+PER_FILE = 5
 
 
-def test_shared_groups_and_order_name_files_that_exist():
-    # a renamed file would silently leave its group (its warm-up then paid twice) or the order
-    for unit in conftest.LONGEST_FIRST:
-        assert unit in conftest.SHARED_GROUPS or (TESTS / unit).is_file(), unit
+def test_shared_groups_name_files_that_exist():
+    # a moved file would silently leave its group (its warm-up then paid twice)
     for files in conftest.SHARED_GROUPS.values():
         for name in files:
             assert (TESTS / name).is_file(), name
 
 
-def test_two_workers_take_the_shared_group_whole_and_the_longest_first(tmp_path):
+def _run(root: Path) -> list[tuple[str, str, str]]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "tests"], cwd=root, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = re.findall(r"^\[(gw\d)\] \[\s*\d+%\] PASSED (tests/\S+)::(test_\d+)", proc.stdout, re.M)
+    assert sorted((f, t) for _, f, t in ran) == sorted(
+        (f"tests/{name}", f"test_{i}") for name in SLEEP_S for i in range(PER_FILE))  # each once, plain ids
+    return ran
+
+
+def _units_per_worker(ran) -> dict[str, list[str]]:
+    order: dict[str, list[str]] = {}
+    for worker, path, _ in ran:
+        unit = conftest._GROUP_OF_FILE.get(path[len("tests/"):], path[len("tests/"):])
+        if unit not in order.setdefault(worker, []):
+            order[worker].append(unit)
+    return order
+
+
+def test_two_workers_take_the_shared_group_whole_and_the_longest_first_from_the_last_run(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
     shutil.copy(TESTS / "conftest.py", tests)
     shutil.copytree(TESTS / "_site", tests / "_site")
-    for name in FILES:
+    for name, sleep_s in SLEEP_S.items():
+        (tests / name).parent.mkdir(exist_ok=True)
         (tests / name).write_text("import time\n" + "".join(
-            f"def test_{i}():\n    time.sleep(0.05)\n" for i in range(PER_FILE)))
-    (tmp_path / "pytest.ini").write_text(
-        "[pytest]\naddopts = -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "tests"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ran = re.findall(r"^\[(gw\d)\] \[\s*\d+%\] PASSED (tests/\S+)::(test_\d+)", proc.stdout, re.M)
-    assert sorted((f, t) for _, f, t in ran) == sorted(
-        (f"tests/{name}", f"test_{i}") for name in FILES for i in range(PER_FILE))  # each once, plain ids
+            f"def test_{i}():\n    time.sleep({sleep_s})\n" for i in range(PER_FILE)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -n 2 --dist loadfile --no-loadscope-reorder\n")
+
+    first = _run(tmp_path)  # no cache: file order, so test_zz (last) starts neither worker
     worker_of = {}
-    for worker, path, _ in ran:
+    for worker, path, _ in first:
         worker_of.setdefault(path, set()).add(worker)
     assert all(len(w) == 1 for w in worker_of.values()), worker_of  # a file on one worker
-    assert worker_of["tests/test_dispatch.py"] == worker_of["tests/test_padding.py"]  # the gloo_pool unit
-    assert worker_of["tests/test_faults.py"] != worker_of["tests/test_dispatch.py"]  # the first two units, spread
-    assert ran[0][1] in ("tests/test_faults.py", "tests/test_dispatch.py")  # test_aa (unranked) comes last
+    assert worker_of["tests/dispatch/test_dispatch.py"] == worker_of["tests/inputs/test_padding.py"]  # gloo_pool
+    assert all(units[0] != "test_zz.py" for units in _units_per_worker(first).values())
+
+    cache = tmp_path / ".pytest_cache" / "v" / conftest.DURATIONS_KEY
+    recorded = json.loads(cache.read_text())
+    assert set(recorded) == {"gloo_pool", "test_aa.py", "test_faults.py", "test_mm.py", "test_zz.py"}
+    assert max(recorded, key=recorded.get) == "test_zz.py"
+
+    second = _run(tmp_path)  # the slowest unit of the last run is handed out first
+    assert any(units[0] == "test_zz.py" for units in _units_per_worker(second).values())
+    assert len({w for w, path, _ in second if path in (
+        "tests/dispatch/test_dispatch.py", "tests/inputs/test_padding.py")}) == 1

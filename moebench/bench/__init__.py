@@ -18,6 +18,6 @@ A new kernel is one library file plus one registration:
      NVTX stage. Register the reference with `baseline=True` and an oblivious twin with `twin_of="<op>.triton"`
      (the mask-aware impl it is paired with). The usual triton / torch / oblivious set is one call,
      `register_variants("<op>", {variant: description}, make_build)`, which does exactly that.
-tests/test_bench_contract.py then builds, checks and times every registered impl at a small shape on the CPU, so a
+tests/bench/test_bench_contract.py then builds, checks and times every registered impl at a small shape on the CPU, so a
 new impl gets those tests for free.
 """

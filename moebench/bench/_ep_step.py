@@ -19,7 +19,7 @@ The tax of padding (oblivious minus masked: masked padded rows add no route, no 
   wire_us       sum over m of the added dispatch + combine time
   overlap_us    with DBO, what the overlap hides of those (the rest of the step difference; 0 without DBO)
 which add up to the step difference. The router and the per-source reduce are not in the step (the single-rank
-layer view times them); `compose_steps` is tested against stand-in timers in tests/test_ep_step.py.
+layer view times them); `compose_steps` is tested against stand-in timers in tests/bench/test_ep_step.py.
 """
 
 from __future__ import annotations

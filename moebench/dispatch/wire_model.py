@@ -34,7 +34,7 @@ from moebench.params import Params, register_knobs
 from moebench.records import MANIFEST, RECORDS, load_manifest, load_records
 
 DEFAULT_PATH = "dispatch.a2a"
-# The committed 2 x H200 dispatch run the intra-node defaults are calibrated on (tests/test_wire_model.py checks
+# The committed 2 x H200 dispatch run the intra-node defaults are calibrated on (tests/dispatch/test_wire_model.py checks
 # that calibrate() on it gives DEFAULT_WIRE_MODEL's figures, rounded as below).
 DEFAULT_CALIBRATION_RUN = "results/h200/dispatch_ref-20261130T062359Z"
 DEFAULT_RANKS_PER_NODE = 8  # an HGX H200 node

@@ -5,7 +5,7 @@
                               128x128 block weights (its weight recipe); the layout, the SwiGLU with its 1x128
                               re-quantisation and the combine through torch.compile, as the torch peers
                               (peers.torch_grouped). The glue has no host sync (the capacity is static); whether the
-                              library call has none is unverified (the @gpu test of tests/test_peers_deepgemm.py).
+                              library call has none is unverified (the @gpu test of tests/peers/test_peers_deepgemm.py).
 
 The contiguous layout (compiled, `contiguous_layout`): each expert's routes padded up to a multiple of the alignment
 (get_mk_alignment_for_contiguous_layout(), 128 unless set), the experts one after the other, capacity

@@ -11,23 +11,74 @@ Second, the interpreter's _patch_builtin lists each package's builtins once inst
 Third, a device-function call inside a launch skips re-patching what the launch already patched
 (_patch_device_calls); fourth, _get_np_dtype's fixed table is looked up once per dtype (_memoize_np_dtype).
 MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns them all off (to compare, or to rule them out). A subprocess started
-with its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same."""
+with its own PYTHONPATH (the install test, the docs example) runs without them: slower, otherwise the same.
+
+Nothing is patched unless TRITON_INTERPRET is set (a GPU run never calls these functions). Each patch replaces
+interpreter internals read in the Triton versions CHECKED_AGAINST names for it; on any other installed Triton this
+module raises at load (tests/conftest.py loads it first, so the test run stops there) naming
+the patches and the version: read the patched functions in that version's triton/runtime/interpreter.py and add it
+to CHECKED_AGAINST, or set MOEBENCH_TEST_UNCHECKED_TRITON=1 to apply the patches unchecked."""
 
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import os
 import sys
 
 TARGET = "triton.runtime.interpreter"
+UNCHECKED_ENV = "MOEBENCH_TEST_UNCHECKED_TRITON"
+# The Triton versions whose source each patch was read against (the functions it replaces or relies on, named in
+# its docstring): a version not listed here may have changed them.
+CHECKED_AGAINST = {
+    "_patch_xor_reduce": ("3.9.0",),
+    "_patch_builtin_names": ("3.9.0",),
+    "_patch_device_calls": ("3.9.0",),
+    "_memoize_np_dtype": ("3.9.0",),
+}
+
+
+class UncheckedTritonError(RuntimeError):
+    pass
+
+
+def check_triton_version(version: str | None, environ=os.environ) -> None:
+    """Raise UncheckedTritonError when a patch was not checked against `version` (None: Triton is not installed,
+    nothing to patch), unless UNCHECKED_ENV=1 is set."""
+    if version is None or environ.get(UNCHECKED_ENV) == "1":
+        return
+    unchecked = [f"{name} (checked against Triton {', '.join(versions)})"
+                 for name, versions in CHECKED_AGAINST.items() if version not in versions]
+    if unchecked:
+        raise UncheckedTritonError(
+            f"tests/_site/sitecustomize.py: the Triton interpreter patches {'; '.join(unchecked)} were not checked "
+            f"against the installed Triton {version}: read the functions each replaces in that version's "
+            f"triton/runtime/interpreter.py and add it to CHECKED_AGAINST, or set {UNCHECKED_ENV}=1 to apply them "
+            f"unchecked (MOEBENCH_TEST_NO_INTERP_FASTPATH=1 turns them off)")
+
+
+def installed_triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _patch(mod) -> None:
-    import numpy as np
-
-    ReduceOps = getattr(mod, "ReduceOps", None)
     tl = getattr(mod, "tl", None)
+    ReduceOps = getattr(mod, "ReduceOps", None)
     if ReduceOps is None or tl is None or getattr(ReduceOps, "_moebench_xor_fastpath", False):
         return
+    _patch_xor_reduce(ReduceOps, tl)
+    _patch_builtin_names(mod, tl)
+    _patch_device_calls(mod, tl)
+    _memoize_np_dtype(mod, tl)
+
+
+def _patch_xor_reduce(ReduceOps, tl) -> None:
+    """First: ReduceOps.apply_impl (numpy for sum/min/max/argmin/argmax, else generic_reduce's per-element loop)
+    takes tl.standard._xor_combine (xor_sum's combine) to np.bitwise_xor.reduce over the one input's data."""
+    import numpy as np
+
     slow = ReduceOps.apply_impl
 
     def apply_impl(self, input):
@@ -41,6 +92,10 @@ def _patch(mod) -> None:
     ReduceOps.apply_impl = apply_impl
     ReduceOps._moebench_xor_fastpath = True
 
+
+def _patch_builtin_names(mod, tl) -> None:
+    """Second: _patch_builtin, relying on _patch_attr's lambda keeping the builtin as its keyword default `member`
+    and on tl.core.is_builtin."""
     # _patch_builtin runs inspect.getmembers (dir, a getattr and is_builtin per member, a sort) over tl, tl.core,
     # tl.tensor, tl.math... on every launch and on every @jit device-function call: in the routers' kernels that
     # is half the interpreter's time. The names it can patch are fixed (the builtins of each package), so they
@@ -73,8 +128,6 @@ def _patch(mod) -> None:
                 patch_attr(pkg, name, member, builder, scope)
 
     mod._patch_builtin = _patch_builtin
-    _patch_device_calls(mod, tl)
-    _memoize_np_dtype(mod, tl)
 
 
 def _patch_device_calls(mod, tl) -> None:
@@ -84,7 +137,8 @@ def _patch_device_calls(mod, tl) -> None:
     language modules the launch patched: the builtins are already the interpreter's (none left to patch), the
     other attributes get equal replacements that the launch's restore undoes all the same. That call is skipped;
     any other (a launch, a device function seeing another language module, a call outside a launch) runs as
-    before. About a fifth of an interpreted router kernel's time."""
+    before. Relies on _patch_lang patching only tl and tl.core's builtins, tensor and core attributes and
+    tl.core.tensor_descriptor_base (the same in every call), and on GridExecutor.__call__ being the launch."""
     patch_lang, executor = getattr(mod, "_patch_lang", None), getattr(mod, "GridExecutor", None)
     if patch_lang is None or executor is None or getattr(executor, "_moebench_launch_scope", False):
         return
@@ -171,7 +225,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("MOEBENCH_TEST_NO_INTERP_FASTPATH") != "1":
+# only where the kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET without a GPU): a GPU run
+# never calls the patched functions, whatever its Triton
+if os.environ.get("MOEBENCH_TEST_NO_INTERP_FASTPATH") != "1" and \
+        os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"):
+    check_triton_version(installed_triton_version())
     if TARGET in sys.modules:
         _patch(sys.modules[TARGET])
     else:

@@ -1,5 +1,5 @@
 """The receive buffer shared by the expert-id tests (test_globalize_recv_topk_idx, test_apply_expert_map,
-tests/test_bench_expert_ids)."""
+tests/bench/test_bench_expert_ids)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def test_tune_writes_a_table_the_kernels_then_use(tmp_path, tables, capsys):
 
 def test_shipped_tables_name_their_runs_and_versions():
     """Every entry of a shipped table names a committed tune run and the versions of that run's manifest."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for path in sorted(tuning.TABLES_DIR.glob("*.json")):
         for kernel, entries in json.loads(path.read_text())["kernels"].items():
             for bucket, entry in entries.items():

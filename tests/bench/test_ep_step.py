@@ -258,7 +258,7 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
         return rank_cost(w)
 
     monkeypatch.setattr(_rank_cost.RankTimer, "__call__", stand_in)
-    # the single-rank layer's timings stood in as well (tests/test_serving_trace.py times them)
+    # the single-rank layer's timings stood in as well (tests/bench/test_serving_trace.py times them)
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
     serving_trace._SHAPES.clear()
     p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,

@@ -10,7 +10,7 @@ from moebench.run.results import load_records
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import load_sweep
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "sweeps" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "sweeps" / "quickstart.yaml"
 
 
 def _run(tmp_path, device, overrides):

@@ -30,7 +30,7 @@ FAMILY_POINTS = {"grouped_topk": GROUPED, "apply_expert_map": dict(SMALL, ep_siz
                  "globalize_recv_topk_idx": dict(SMALL, ep_size=2)}
 # fp8 block-scaled experts: 128x128 weight blocks, fp32 group-128 staging
 FP8 = dict(SMALL, num_local_experts=4, top_k=3, hidden=256, intermediate=128, group_size=128, scale_format="fp32")
-IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}  # (tests/test_peers_vllm_experts.py checks these peers further)
+IMPL_POINTS = {"fused_experts.fp8_vllm": FP8}  # (tests/peers/test_peers_vllm_experts.py checks these peers further)
 
 
 def peer_point(impl: registry.Impl) -> dict:
@@ -39,7 +39,7 @@ def peer_point(impl: registry.Impl) -> dict:
 
 
 def own_test_file(library: str) -> Path | None:
-    """tests/test_peers_<module>.py of the moebench.peers module holding the library, when it has one of its own (its
+    """tests/peers/test_peers_<module>.py of the moebench.peers module holding the library, when it has one of its own (its
     peers are checked there, at the points its library needs: DeepGEMM's fp8 blocks)."""
     for info in pkgutil.iter_modules(importlib.import_module(registry.PEERS_PACKAGE).__path__):
         module = importlib.import_module(f"{registry.PEERS_PACKAGE}.{info.name}")

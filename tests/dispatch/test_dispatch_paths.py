@@ -23,7 +23,7 @@ from moebench.dispatch.reference import check_received, gather_inputs, scaled_ex
 from moebench.params import Params
 from moebench.registry import RunContext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The impls and descriptions as registered before the paths moved to hooks and discovery
 EXPECTED = {

@@ -186,7 +186,7 @@ def test_profile_folder_alone_shows_no_empty_manifest(tmp_path, suffix):
 # A page that stands alone: timing mode, stdout's caveats, one number format, stdout's names, figures from records
 # ---------------------------------------------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "results/h200/scenarios/dbo_mask_slices-20261201T104017Z"  # 3 records: a quick draw
 
 

@@ -26,7 +26,7 @@ from moebench.dispatch.wire_model import (
 )
 from moebench.params import Params, Point
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GB = 1e3  # bytes per us at 1 GB/s
 
 

@@ -12,7 +12,7 @@ from moebench.run.results import load_records
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import SweepError, load_sweep, sweep_from_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "sweeps" / "scenarios"
 FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from moebench.cli import main
 from moebench.report.compare import MAX_CV, compare_runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNELS_EXPERTS = REPO / "results/h200/kernels_experts-20261202T064435Z"
 STRAGGLER = REPO / "results/h200/scenarios/sp_padding_straggler-20261201T103951Z"
 LONG_IMPL = "fused_experts.torch_grouped_compiled"

@@ -22,7 +22,7 @@ from moebench.profile import (CSV_COLUMNS, add_breakdown, driver, format_summary
 
 POINT = "moebench/layer/layer.masked"
 STAGES = ("route", "stage", "expert_map", "align", "experts", "reduce")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_profiled_iterations_nest_stage_ranges_and_bracket_the_hook(monkeypatch):

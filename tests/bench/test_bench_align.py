@@ -34,7 +34,7 @@ def test_align_config_parameter_selects_each_candidate(device):
     from moebench.params import Params
     from moebench.registry import RunContext, all_impls, get
 
-    sweep = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "tune_align.yaml").read_text())
+    sweep = yaml.safe_load((Path(__file__).resolve().parents[2] / "sweeps" / "tune_align.yaml").read_text())
     assert sweep["impls"] == ["moe_align_block_size.triton"]
     assert not [n for n in all_impls() if n.startswith("moe_align_block_size.triton_")]
     ctx = RunContext(device=device)

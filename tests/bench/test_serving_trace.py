@@ -26,7 +26,7 @@ from moebench.params import Params, Point, Timing
 from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
 from moebench.traces.csv_trace import BUNDLED_DIR, read_trace_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------------------

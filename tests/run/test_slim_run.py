@@ -12,7 +12,7 @@ import pytest
 from moebench.report.compare import compare_records
 from moebench.run.results import load_manifest, load_records
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SLIM = runpy.run_path(str(REPO / "scripts" / "slim_run.py"))
 # the smallest committed serving_trace reference (a trace record carries every field slim_run drops)
 TRACE_RUN = min((REPO / "results" / "h200" / "scenarios").glob("padding_tax-*"),

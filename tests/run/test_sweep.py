@@ -36,7 +36,7 @@ def test_good_sweep_expands_cartesian_product_in_file_order(tmp_path):
     assert len({pt.key for pt in points}) == 4
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("run", sorted((REPO / "results" / "h200").glob("kernels_align-*")) +
@@ -105,7 +105,7 @@ def test_malformed_sweep_rejected_with_one_line(tmp_path, label, text, message):
     assert message in line, line
 
 
-# The command line in this process (main(argv)); tests/test_hostile_input.py runs the real entry point in a fresh one.
+# The command line in this process (main(argv)); tests/run/test_hostile_input.py runs the real entry point in a fresh one.
 @pytest.mark.parametrize("label,text,message", MALFORMED[:12], ids=[m[0] for m in MALFORMED[:12]])
 def test_cli_exit_2_and_nothing_written(tmp_path, capsys, label, text, message):
     path = _write(tmp_path, text)

@@ -1,7 +1,7 @@
 """peers/vllm_experts.py: vLLM's fused_experts peers (bf16 and fp8 w8a8 block [128, 128]) against the vLLM stand-in
 (tests/standins/vllm_ops.py): skipped routes through an expert_map entry of -1, the launch config vLLM picks (its
 tuned file or default rule) in the record, the fp8 call of both API generations. Their reference checks at the small
-points run in tests/test_peers.py (adapter_points)."""
+points run in tests/peers/test_peers.py (adapter_points)."""
 
 from __future__ import annotations
 
