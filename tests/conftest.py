@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -41,9 +42,12 @@ SHARED_GROUPS = {
 _GROUP_OF_FILE = {f: g for g, files in SHARED_GROUPS.items() for f in files}
 # The units are handed out longest first, so that the two workers finish together: each unit's seconds of test time
 # in the last run that ran it, kept in pytest's cache (.pytest_cache) under this key and written at the end of every
-# run. Units with no recorded time (no cache: a fresh clone, `-p no:cacheprovider`; a new file) follow in file order.
+# run. A fresh clone (CI) has no cache: it reads the times a whole run wrote into UNIT_DURATIONS_FILE (rewritten by
+# any run with MOEBENCH_RECORD_DURATIONS=1: a run's output, never edited by hand; stale times only cost balance).
+# Units with no recorded time (a new file) follow in file order.
 DURATIONS_KEY = "moebench/unit_durations"
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+UNIT_DURATIONS_FILE = os.path.join(_TESTS_DIR, "unit_durations.json")
 
 
 def _work_unit(config, nodeid: str) -> str:
@@ -59,6 +63,9 @@ def _grouped(config) -> bool:
 def _recorded_durations(config) -> dict:
     cache = getattr(config, "cache", None)
     got = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    if not got and os.path.isfile(UNIT_DURATIONS_FILE):
+        with open(UNIT_DURATIONS_FILE) as f:
+            got = json.load(f)
     return got if isinstance(got, dict) else {}
 
 
@@ -80,6 +87,10 @@ class _UnitDurations:
             recorded = _recorded_durations(self.config)  # a run of a few files keeps the others' times
             recorded.update({unit: round(s, 3) for unit, s in self.seconds.items()})
             self.config.cache.set(DURATIONS_KEY, recorded)
+            if os.environ.get("MOEBENCH_RECORD_DURATIONS") == "1":
+                with open(UNIT_DURATIONS_FILE, "w") as f:
+                    json.dump(dict(sorted(recorded.items())), f, indent=1)
+                    f.write("\n")
 
 
 def pytest_configure(config):
