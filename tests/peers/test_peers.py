@@ -3,7 +3,6 @@ signatures (tests/standins), and the ratio of every impl to the best peer at the
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
@@ -15,12 +14,10 @@ from moebench import registry
 from moebench.peers import sglang as peers_sglang, vllm as peers_vllm
 from moebench.peers._lib import libraries
 from moebench.peers.compile import FORMULATIONS, compile_available
-from moebench.params import Params
 from moebench.report.peers import compare_within, peer_footer_lines, peer_ratios
-from moebench.registry import RunContext
+from tests.peers.peer_checks import CPU, checked as _check, params as _params
 from tests.standins import sgl_kernel_standin, standins as standin_modules, vllm_ops
 
-CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
              padding_ratio=0.25, num_max_tokens_per_rank=16)
 GROUPED = dict(SMALL, num_expert_group=4, topk_group=2, scoring="sigmoid", bias=True, routed_scaling_factor=2.5)
@@ -49,16 +46,6 @@ def own_test_file(library: str) -> Path | None:
     return None
 
 
-def _params(**over) -> Params:
-    return dataclasses.replace(Params(), **over)
-
-
-def _check(name: str, p: Params):
-    impl = registry.get(name)
-    assert impl.validate(p) is None, impl.validate(p)
-    assert impl.available(CPU) is None, impl.available(CPU)
-    case = impl.build(p, CPU)
-    return case, case.check()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,18 +5,15 @@ silu(gate) * up, the skip reason of a triton_kernels of another API generation."
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from moebench import registry
-from moebench.params import Params
 from moebench.peers import matmul_ogs as peers_matmul_ogs
-from moebench.registry import RunContext
+from tests.peers.peer_checks import CPU, bound, checked as _check, params as _params
 from tests.standins import triton_kernels_standin
 
-CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, padding_ratio=0.25)
 POINTS = {"small": SMALL, "experts40": dict(SMALL, num_experts=40, top_k=4),
           "ep_rank": dict(SMALL, num_experts=16, num_local_experts=8, top_k=4)}
@@ -24,22 +21,10 @@ POINTS = {"small": SMALL, "experts40": dict(SMALL, num_experts=40, top_k=4),
 
 @pytest.fixture(name="standins")
 def bound_triton_kernels():
-    saved = peers_matmul_ogs.TRITON_KERNELS.lib, peers_matmul_ogs.TRITON_KERNELS.reason
-    peers_matmul_ogs.TRITON_KERNELS.bind(triton_kernels_standin)
-    yield
-    peers_matmul_ogs.TRITON_KERNELS.lib, peers_matmul_ogs.TRITON_KERNELS.reason = saved
+    with bound(peers_matmul_ogs.TRITON_KERNELS, triton_kernels_standin):
+        yield
 
 
-def _params(**over) -> Params:
-    return dataclasses.replace(Params(), **over)
-
-
-def _check(name: str, p: Params):
-    impl = registry.get(name)
-    assert impl.validate(p) is None, impl.validate(p)
-    assert impl.available(CPU) is None, impl.available(CPU)
-    case = impl.build(p, CPU)
-    return case, case.check()
 
 
 def test_every_triton_kernels_peer_is_checked_here():

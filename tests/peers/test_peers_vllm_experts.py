@@ -5,19 +5,15 @@ points run in tests/peers/test_peers.py (adapter_points)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
-import torch
 
 from moebench import registry
 from moebench.families import get_family
-from moebench.params import Params
 from moebench.peers import vllm as peers_vllm
-from moebench.registry import RunContext
+from tests.peers.peer_checks import CPU, bound, checked as _check, params as _params
 from tests.standins import vllm_ops
 
-CPU = RunContext(device=torch.device("cpu"))
 SMALL = dict(num_tokens=16, num_experts=8, top_k=2, hidden=64, intermediate=32, padding_ratio=0.25)
 FP8 = dict(SMALL, num_local_experts=4, top_k=3, hidden=256, intermediate=128, group_size=128, scale_format="fp32")
 POINTS = {"fused_experts.vllm": SMALL, "fused_experts.fp8_vllm": FP8}
@@ -25,22 +21,10 @@ POINTS = {"fused_experts.vllm": SMALL, "fused_experts.fp8_vllm": FP8}
 
 @pytest.fixture(name="standins")
 def bound_vllm():
-    saved = peers_vllm.VLLM.lib, peers_vllm.VLLM.reason
-    peers_vllm.VLLM.bind(vllm_ops)
-    yield
-    peers_vllm.VLLM.lib, peers_vllm.VLLM.reason = saved
+    with bound(peers_vllm.VLLM, vllm_ops):
+        yield
 
 
-def _params(**over) -> Params:
-    return dataclasses.replace(Params(), **over)
-
-
-def _check(name: str, p: Params):
-    impl = registry.get(name)
-    assert impl.validate(p) is None, impl.validate(p)
-    assert impl.available(CPU) is None, impl.available(CPU)
-    case = impl.build(p, CPU)
-    return case, case.check()
 
 
 def test_vllm_fused_experts_hands_skipped_routes_through_its_expert_map(standins):
