@@ -1,30 +1,48 @@
-"""One EP rank's expert work in an EP step: timed on this device, or read off a cost model fitted to such timings.
+"""One EP rank's expert work in an EP step as a cost model fitted to timed workloads, and the plan that decides
+which workloads are timed (moebench.bench._rank_timing times them).
 
 A rank's workload after dispatch is `Workload(rows, counts)`: the rows it received (each has at least one route to
-its experts) and the routes to each of its local experts. Its time is the layer's expert kernel on exactly that
-workload (fused_experts on bf16 rows, fused_experts_fp8 on e4m3 rows staged as the layer stages them), built by
-`workload_ids`: local ids with those per-expert counts over those rows. A grouped GEMM's time depends on the rows,
-the per-expert counts (row tiles, whose weights are read) and top_k, not on the values, so the synthetic rows time
-the rank as its real rows would.
+its experts) and the routes to each of its local experts. The expert kernel's launch config depends on the rows
+(the tuned table's bucket of next_pow2(rows), else the rule's rows per expert), and with it BLOCK_M, so the model
+follows the kernel: per launch config (`Launch`: the config the kernel picks at those rows on this device),
 
-The cost model: time = coef . (1, experts touched, row tiles of TILE_ROWS rows, routes, rows), coef >= 0, fitted
-by non-negative least squares to timed workloads (the weight reads scale with experts touched, the GEMM issue with
-row tiles, staging and the sum with routes and rows). `RankCostModel.record()` keeps the fit's error on its own
-workloads; the EP step's replay check times every rank of the first steps directly and compares.
+    time = coef . (1, experts touched, row tiles, routes, rows),  coef >= 0 (non-negative least squares)
+
+with row tiles counted at that config's BLOCK_M (a paired config's full tiles of two blocks plus an odd last
+one): weight reads scale with the experts touched, the GEMM issue with the row tiles, staging and the sum with the
+routes and rows. A model fitted across configs, or with a fixed tile size, misreads every workload whose config
+differs (that was a 5-6% miss on an H100).
+
+The plan (`plan_rank_times`). An EP step's expert time is, per micro-batch, the slowest rank's (`Contest`: the
+ranks of one micro-batch and side, and how many steps it stands for). When the trace's distinct workloads fit the
+budget they are all timed (`rank_times: timed`). Otherwise (`rank_times: model`):
+  1. design: per launch config, the corners (most and fewest routes, rows, experts touched, row tiles) and an
+     even spread of its workloads by routes, at least MIN_PER_LAUNCH each, about a third of the budget in all;
+     the fit's own error is its k-fold cross-validation (every design point predicted by a fit without it);
+  2. decide: with the model, every contest's candidates for the slowest rank (predicted within twice the model's
+     error of the slowest) are ranked by the time they decide (steps x the contest's time, shared among its
+     candidates); they are timed in that order, in rounds, until the budget is spent or every candidate is. Each
+     round is predicted before it is timed: those predictions are the model's held-out error, on exactly the
+     workloads the answer reads; the model is then refitted with them. Timed workloads are read as timed.
+The record (`info.ep_step.cost_model`) keeps per launch its coefficients, design points and cross-validated error,
+the held-out error over all rounds, and the share of the step's expert time decided by timed workloads (the rest
+is the model's, within its held-out error).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from moebench.params import Params, Timing
-
-TILE_ROWS = 64  # the row tile the alignment pads each expert's routes to (the layer's block size)
 FEATURES = ("launch", "experts_touched", "row_tiles", "routes", "rows")
+MIN_PER_LAUNCH = 8  # design points per launch config (the fit has 5 coefficients; fewer: every workload timed)
+DESIGN_SHARE = 3  # the design takes budget // DESIGN_SHARE timings, the decisive rounds the rest
+CV_FOLDS = 4
+ROUND = 32  # decisive timings between refits
 
 
 @dataclass(frozen=True)
@@ -51,20 +69,6 @@ class Workload:
         return None
 
 
-def features(w: Workload) -> list[float]:
-    """The cost model's features of a workload (FEATURES)."""
-    return [1.0 if w.rows else 0.0, float(sum(1 for c in w.counts if c)),
-            float(sum(math.ceil(c / TILE_ROWS) for c in w.counts)), float(w.routes), float(w.rows)]
-
-
-def features_batch(counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """features() of many workloads at once: counts int64 [R, E], rows int64 [R] -> float64 [R, len(FEATURES)]."""
-    busy = (rows > 0).to(torch.float64)
-    return torch.stack([busy, (counts > 0).sum(dim=1).to(torch.float64),
-                        ((counts + TILE_ROWS - 1) // TILE_ROWS).sum(dim=1).to(torch.float64),
-                        counts.sum(dim=1).to(torch.float64), rows.to(torch.float64)], dim=1)
-
-
 def workload_ids(w: Workload, top_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """int32 [rows, top_k] local expert ids with exactly w.counts routes per expert over w.rows rows (-1: no route).
 
@@ -80,57 +84,6 @@ def workload_ids(w: Workload, top_k: int, device: torch.device | str = "cpu") ->
         j = torch.arange(experts.numel())
         ids[j % w.rows, j // w.rows] = experts
     return ids.to(device)
-
-
-class RankTimer:
-    """Times workloads with the layer's expert kernel on `device` (p50 microseconds of measure(), the shape timing
-    of the serving trace); one rank's weights (p.local_experts experts) built once."""
-
-    def __init__(self, p: Params, device: torch.device, timing: Timing):
-        from moebench.bench.experts_fp8 import quantized_expert_weights
-        from moebench.inputs import cached_expert_weights
-
-        self.p, self.device, self.timing = p, device, timing
-        E, H, I = p.local_experts, p.hidden, p.intermediate
-        if p.expert_dtype == "fp8":
-            self.weights = quantized_expert_weights(E, H, I, seed=p.seed, device=device)
-        else:
-            self.weights = cached_expert_weights(E, H, I, p.seed, device)
-        self.timed = 0
-
-    def _runner(self, w: Workload) -> Callable[[], Any]:
-        from moebench.kernels.fused_experts import fused_experts, make_workspace
-        from moebench.kernels.fused_experts_fp8 import fused_experts_fp8, make_fp8_workspace
-        from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs_torch
-
-        p, dev = self.p, self.device
-        K, E, H, I = p.top_k, p.local_experts, p.hidden, p.intermediate
-        g = torch.Generator(device="cpu").manual_seed(p.seed * 7_919 + w.rows)
-        ids = workload_ids(w, K, dev)
-        topk_w = torch.rand(w.rows, K, generator=g).to(dev)
-        x = torch.randn(w.rows, H, generator=g).to(device=dev, dtype=torch.bfloat16)
-        out = torch.empty(w.rows, H, dtype=torch.bfloat16, device=dev)
-        if p.expert_dtype == "fp8":
-            x_q, x_sf, _, _ = prepare_moe_inputs_torch(x, topk_w, ids.to(torch.int64), None, p.group_size,
-                                                       p.scale_format)
-            ws = make_fp8_workspace(w.rows, K, E, H, I, device=dev, group_size=p.group_size,
-                                    scale_format=p.scale_format)
-            w13_q, w13_s, w2_q, w2_s = self.weights
-            return lambda: fused_experts_fp8(x_q, x_sf, ids, topk_w, w13_q, w13_s, w2_q, w2_s,
-                                             group_size=p.group_size, scale_format=p.scale_format, workspace=ws,
-                                             out=out)
-        w13, w2 = self.weights
-        ws = make_workspace(w.rows, K, E, H, I, dtype=torch.bfloat16, device=dev)
-        return lambda: fused_experts(x, w13, w2, topk_w, ids, workspace=ws, out=out)
-
-    def __call__(self, w: Workload) -> float:
-        if w.rows == 0:
-            return 0.0
-        from moebench.measure.timing import measure
-
-        fn = self._runner(w)
-        self.timed += 1
-        return float(measure(fn, self.timing, self.device, graph_capturable=True).stats["p50"])
 
 
 def nnls(a: Sequence[Sequence[float]], b: Sequence[float], iters: int = 100) -> list[float]:
@@ -161,60 +114,261 @@ def nnls(a: Sequence[Sequence[float]], b: Sequence[float], iters: int = 100) -> 
     return x.tolist()
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What of a launch config the cost depends on: its name (config.short()), BLOCK_M and pairing."""
+
+    name: str
+    block_m: int
+    paired: bool = False
+
+    def row_tiles(self, counts: Sequence[int]) -> int:
+        blocks = [math.ceil(c / self.block_m) for c in counts]
+        return sum((b + 1) // 2 for b in blocks) if self.paired else sum(blocks)
+
+
+def launch_of(p, device) -> Callable[[int], Launch]:
+    """rows -> the Launch the rank's expert kernel picks for that many rows on `device` (cached per rows)."""
+    from moebench.kernels.fused_experts import experts_choice
+    from moebench.kernels.fused_experts_fp8 import fp8_choice
+
+    seen: dict[int, Launch] = {}
+
+    def of(rows: int) -> Launch:
+        got = seen.get(rows)
+        if got is None:
+            dims = (max(1, rows), p.top_k, p.local_experts, p.hidden, p.intermediate)
+            if p.expert_dtype == "fp8":
+                cfg = fp8_choice(*dims, device, group_size=p.group_size, scale_format=p.scale_format).config
+            else:
+                cfg = experts_choice(*dims, device).config
+            got = seen[rows] = Launch(cfg.short(), cfg.block_m, cfg.paired)
+        return got
+    return of
+
+
+def features(w: Workload, launch: Launch) -> list[float]:
+    """The cost model's features of a workload under its launch (FEATURES)."""
+    return [1.0 if w.rows else 0.0, float(sum(1 for c in w.counts if c)), float(launch.row_tiles(w.counts)),
+            float(w.routes), float(w.rows)]
+
+
+def _rel(pred: float, got: float) -> float:
+    return abs(pred - got) / got if got > 0 else 0.0
+
+
+def error_summary(rel: Sequence[float]) -> dict[str, Any]:
+    """{points, rms_rel, max_rel} of relative errors."""
+    return {"points": len(rel), "rms_rel": round(math.sqrt(sum(r * r for r in rel) / len(rel)), 5) if rel else None,
+            "max_rel": round(max(rel), 5) if rel else None}
+
+
+def _fit_coef(points: Sequence[tuple[list[float], float]]) -> list[float]:
+    # relative error is what the record states: weight each row by 1/time so the fit minimises it
+    return nnls([[v / t for v in f] for f, t in points], [1.0] * len(points))
+
+
+def _cross_validated(points: Sequence[tuple[list[float], float]], folds: int = CV_FOLDS) -> list[float]:
+    """Each point's relative error under a fit to the others' folds (point i in fold i % folds)."""
+    if len(points) < 2 * len(FEATURES):
+        return []
+    rel = []
+    for k in range(folds):
+        train = [pt for i, pt in enumerate(points) if i % folds != k]
+        coef = _fit_coef(train)
+        rel += [_rel(sum(c * v for c, v in zip(coef, f)), t) for i, (f, t) in enumerate(points) if i % folds == k]
+    return rel
+
+
 @dataclass
 class RankCostModel:
-    coef: list[float]  # per FEATURES, microseconds per unit
-    fit_workloads: int
-    fit_max_rel: float  # on the workloads it was fitted to
-    fit_rms_rel: float
+    """Per launch config, coefficients over FEATURES (microseconds per unit), fitted to timed workloads."""
+
+    launch_of: Callable[[int], Launch]
+    coef: dict[str, list[float]] = field(default_factory=dict)
+    points: dict[str, int] = field(default_factory=dict)
+    cv_rel: dict[str, list[float]] = field(default_factory=dict)  # per launch: k-fold relative errors
+    fallback: list[float] = field(default_factory=list)  # all launches together, for a launch with no fit
 
     @classmethod
-    def fit(cls, workloads: Sequence[Workload], times_us: Sequence[float]) -> "RankCostModel":
-        rows = [(features(w), t) for w, t in zip(workloads, times_us) if w.rows]
-        if not rows:
+    def fit(cls, launch_of: Callable[[int], Launch], timed: dict[Workload, float]) -> "RankCostModel":
+        by_launch: dict[str, list[tuple[list[float], float]]] = {}
+        every = []
+        for w, t in sorted(timed.items(), key=lambda kv: (kv[0].routes, kv[0].rows, kv[0].counts)):
+            if w.rows and t > 0:
+                launch = launch_of(w.rows)
+                pt = (features(w, launch), t)
+                by_launch.setdefault(launch.name, []).append(pt)
+                every.append(pt)
+        if not every:
             raise ValueError("RankCostModel.fit: no workload with rows to fit to")
-        coef = nnls([f for f, _ in rows], [t for _, t in rows])
-        model = cls(coef, len(rows), 0.0, 0.0)
-        rel = [abs(model.predict(w) - t) / t for w, t in zip(workloads, times_us) if w.rows and t > 0]
-        model.fit_max_rel = max(rel, default=0.0)
-        model.fit_rms_rel = math.sqrt(sum(r * r for r in rel) / len(rel)) if rel else 0.0
+        model = cls(launch_of, fallback=_fit_coef(every))
+        for name, pts in by_launch.items():
+            model.points[name] = len(pts)
+            if len(pts) >= len(FEATURES):
+                model.coef[name] = _fit_coef(pts)
+            model.cv_rel[name] = _cross_validated(pts)
         return model
 
     def predict(self, w: Workload) -> float:
-        return sum(c * f for c, f in zip(self.coef, features(w))) if w.rows else 0.0
+        if not w.rows:
+            return 0.0
+        launch = self.launch_of(w.rows)
+        coef = self.coef.get(launch.name, self.fallback)
+        return sum(c * f for c, f in zip(coef, features(w, launch)))
 
     __call__ = predict
 
-    def batch(self, counts: torch.Tensor, rows: torch.Tensor) -> list[float]:
-        """predict() of every rank of a micro-batch: counts [R, E], rows [R]."""
-        f = features_batch(counts, rows)
-        return ((f @ torch.tensor(self.coef, dtype=torch.float64)) * (rows > 0)).tolist()
-
     def record(self) -> dict[str, Any]:
-        return {"features": list(FEATURES), "coef_us": [round(c, 6) for c in self.coef],
-                "tile_rows": TILE_ROWS, "fit_workloads": self.fit_workloads,
-                "fit_max_rel": round(self.fit_max_rel, 5), "fit_rms_rel": round(self.fit_rms_rel, 5)}
+        return {"features": list(FEATURES), "per_launch": {
+            name: {"coef_us": [round(c, 6) for c in self.coef[name]] if name in self.coef else None,
+                   "points": self.points[name], "cross_validated": error_summary(self.cv_rel[name])}
+            for name in sorted(self.points)}}
 
 
-def fit_sample(workloads: Sequence[Workload], budget: int) -> list[Workload]:
-    """Up to `budget` of the distinct workloads to time for a fit, spread over their range: the extremes of routes,
-    rows, experts touched and row tiles first, then evenly spaced quantiles of routes (the model is linear: its
-    points must span what it will be read at)."""
-    distinct = sorted({w for w in workloads if w.rows}, key=lambda w: (w.routes, w.rows, w.counts))
-    if len(distinct) <= budget:
-        return distinct
-    picked: dict[Workload, None] = {}
-    for key in (lambda w: w.routes, lambda w: w.rows, lambda w: features(w)[1], lambda w: features(w)[2]):
-        for pick in (max(distinct, key=key), min(distinct, key=key)):
-            if len(picked) < budget:
-                picked[pick] = None
-    n, spots = len(distinct), max(2, budget)
-    for i in range(spots):
-        if len(picked) >= budget:
+@dataclass(frozen=True)
+class Contest:
+    """The ranks of one micro-batch and side, whose slowest decides its expert time; `steps`: how many of the
+    trace's steps it stands for."""
+
+    steps: int
+    workloads: tuple[Workload, ...]
+
+
+def design_sample(workloads: Sequence[Workload], target: int, launch_of: Callable[[int], Launch],
+                  limit: int | None = None) -> list[Workload]:
+    """About `target` workloads (never more than `limit`) to time for the fit: per launch config its corners (most
+    and fewest routes, rows, experts touched, row tiles), then an even spread by routes; at least MIN_PER_LAUNCH
+    per launch (all of a launch's workloads where it has fewer), the rest shared by each launch's count of
+    workloads; under `limit`, taken from the launches in turn."""
+    groups: dict[str, list[Workload]] = {}
+    for w in workloads:
+        if w.rows:
+            groups.setdefault(launch_of(w.rows).name, []).append(w)
+    total = sum(len(g) for g in groups.values())
+    picked: list[list[Workload]] = []
+    for name, group in sorted(groups.items()):
+        group.sort(key=lambda w: (w.routes, w.rows, w.counts))
+        launch = launch_of(group[0].rows)
+        want = max(MIN_PER_LAUNCH, round(target * len(group) / max(1, total)))
+        if len(group) <= want:
+            picked.append(group)
+            continue
+        mine: dict[Workload, None] = {}
+        for key in (lambda w: w.routes, lambda w: w.rows, lambda w: features(w, launch)[1],
+                    lambda w: features(w, launch)[2]):
+            mine[max(group, key=key)] = None
+            mine[min(group, key=key)] = None
+        n = len(group)
+        for i in range(want):
+            if len(mine) >= want:
+                break
+            mine.setdefault(group[round(i * (n - 1) / max(1, want - 1))], None)
+        j = 0
+        while len(mine) < want:  # spread points that hit the corners again: the next ones in order
+            mine.setdefault(group[j], None)
+            j += 1
+        picked.append(list(mine))
+    return _round_robin(picked, sum(map(len, picked)) if limit is None else limit)
+
+
+def _round_robin(lists: Sequence[Sequence[Workload]], limit: int) -> list[Workload]:
+    """At most `limit` items taken from each list in turn (a budget below the launches' minimum still reaches
+    every launch)."""
+    out: list[Workload] = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        for x in lists:
+            if i < len(x) and len(out) < limit:
+                out.append(x[i])
+    return out
+
+
+def decisive_order(contests: Sequence[Contest], model: Callable[[Workload], float], error: float,
+                   timed: dict[Workload, float]) -> list[Workload]:
+    """Untimed workloads that may be their contest's slowest rank (read as timed where timed, else predicted within
+    2 x error of the slowest), most decisive first: each contest's steps x its slowest time, shared among its
+    untimed candidates, summed over the contests a workload is a candidate in."""
+    worth: dict[Workload, float] = {}
+    for c in contests:
+        times = [timed[w] if w in timed else model(w) for w in c.workloads]
+        top = max(times, default=0.0)
+        if top <= 0:
+            continue
+        floor = top * (1 - 2 * error)
+        open_ = {w for w, t in zip(c.workloads, times) if t >= floor and w.rows and w not in timed}
+        for w in open_:
+            worth[w] = worth.get(w, 0.0) + c.steps * top / len(open_)
+    return sorted(worth, key=lambda w: (-worth[w], -w.routes, -w.rows, w.counts))
+
+
+def decided_share(contests: Sequence[Contest], lookup: Callable[[Workload], float], timed: dict[Workload, float],
+                  error: float) -> float | None:
+    """Of the contests' expert time (steps x slowest), the share whose every slowest-rank candidate is timed."""
+    total = decided = 0.0
+    for c in contests:
+        times = [lookup(w) for w in c.workloads]
+        top = max(times, default=0.0)
+        if top <= 0:
+            continue
+        floor = top * (1 - 2 * error)
+        total += c.steps * top
+        if all(w in timed for w, t in zip(c.workloads, times) if t >= floor and w.rows):
+            decided += c.steps * top
+    return decided / total if total else None
+
+
+def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], float], budget: int,
+                    launch_of: Callable[[int], Launch], tolerance: float, complete: bool = True,
+                    progress: Callable[[int, int], None] | None = None
+                    ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
+    """(rank time lookup, its record) for the contests' workloads (see the module docstring). `complete`: the
+    contests are all of the trace's (else a model is fitted whatever their count: the steps not read need it)."""
+    t0 = time.perf_counter()
+    progress = progress or (lambda done, total: None)
+    busy = sorted({w for c in contests for w in c.workloads if w.rows}, key=lambda w: (w.routes, w.rows, w.counts))
+    timed: dict[Workload, float] = {}
+
+    def time_all(ws: Sequence[Workload], total: int) -> None:
+        for w in ws:
+            progress(len(timed), total)
+            timed[w] = timer(w)
+
+    if complete and len(busy) <= budget:
+        time_all(busy, len(busy))
+        table = dict(timed)
+        return (lambda w: table[w] if w.rows else 0.0), {
+            "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+    design = design_sample(busy, budget // DESIGN_SHARE, launch_of, limit=budget)
+    time_all(design, budget)
+    model = RankCostModel.fit(launch_of, timed)
+    cv = [r for rels in model.cv_rel.values() for r in rels]
+    error = max(0.01, error_summary(cv)["rms_rel"] or 0.0)
+    held_out: list[float] = []
+    rounds = 0
+    while len(timed) < budget:
+        order = decisive_order(contests, model, error, timed)[:min(ROUND, budget - len(timed))]
+        if not order:
             break
-        picked[distinct[round(i * (n - 1) / (spots - 1))]] = None
-    j = 0
-    while len(picked) < budget:  # quantiles that hit the extremes again: the next workloads in order
-        picked.setdefault(distinct[j], None)
-        j += 1
-    return sorted(picked, key=lambda w: (w.routes, w.rows, w.counts))
+        predicted = [model(w) for w in order]
+        time_all(order, budget)
+        held_out += [_rel(pr, timed[w]) for pr, w in zip(predicted, order)]
+        model = RankCostModel.fit(launch_of, timed)
+        error = max(0.01, error_summary(held_out)["rms_rel"] or 0.0)
+        rounds += 1
+    table = dict(timed)
+
+    def lookup(w: Workload) -> float:
+        got = table.get(w)
+        return got if got is not None else model(w)
+
+    held = error_summary(held_out)
+    info = {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(timed),
+            "design_timings": len(design), "decisive_timings": len(timed) - len(design), "decisive_rounds": rounds,
+            "cost_model": {**model.record(), "cross_validated": error_summary(cv), "held_out": held,
+                           "tolerance": tolerance,
+                           "within_tolerance": held["rms_rel"] is not None and held["rms_rel"] <= tolerance},
+            "decided_by_timing_share": decided_share(contests, lookup, table, error),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+    return lookup, info
+

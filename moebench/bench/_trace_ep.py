@@ -19,7 +19,8 @@ import torch
 
 from moebench.bench._ep_step import (SIDES, CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
                                      totals)
-from moebench.bench._rank_cost import RankCostModel, RankTimer, Workload, fit_sample
+from moebench.bench._rank_cost import Contest, Workload, launch_of, plan_rank_times
+from moebench.bench._rank_timing import RankTimer
 from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes, wire_model_of
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params, Timing
@@ -27,11 +28,11 @@ from moebench.traces.knobs import ServingKnobs
 
 # distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
 # ep_rank_timings unset; the interpreter's budget is a smoke test's
-DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
+DEFAULT_RANK_TIMINGS = {"cuda": 384, "cpu": 6}
 # distinct steps whose rank workloads are read for the choice above and the fit's sample (a bound on time and
 # memory: a million-step trace has ~1e5 distinct steps and 1e6 workloads, a fit needs their range, not all of them)
 COLLECT_STEPS = 4_000
-REPLAY_TOLERANCE = 0.05
+REPLAY_TOLERANCE = 0.03
 SLOT_SEED = 104_729 * 7_919  # the source slots' batches: seed offsets past every single-rank shape's
 
 
@@ -132,40 +133,27 @@ class StepRoutes:
         return self.cache[key][side]
 
 
-def _workloads(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes) -> tuple[set[Workload], int]:
-    """The distinct rank workloads of the steps, and how many steps they were read from: every step up to
-    COLLECT_STEPS; beyond, the largest tenth of that many (the fit must reach the biggest workloads) and an even
-    spread of the rest (a cost model is then fitted: a lookup table would miss the steps not read)."""
+def _contests(steps: Sequence[StepPadding], counts: Sequence[int], layout: Layout, routes: StepRoutes
+              ) -> tuple[list[Contest], int]:
+    """Every micro-batch of every side of the steps as a contest for the slowest rank (the same ranks' workloads
+    merged, their steps added), and how many steps they were read from: every step up to COLLECT_STEPS; beyond,
+    the largest tenth of that many (the model must reach the biggest workloads) and an even spread of the rest (a
+    cost model is then fitted whatever the count: the steps not read need it)."""
     if len(steps) > COLLECT_STEPS:
         by_rows = sorted(range(len(steps)), key=lambda i: -sum(c.rows for c in steps[i].calls))
         top = COLLECT_STEPS // 10
         rest = by_rows[top:]
         picked = by_rows[:top] + [rest[round(j * (len(rest) - 1) / (COLLECT_STEPS - top - 1))]
                                   for j in range(COLLECT_STEPS - top)]
-        steps = [steps[i] for i in sorted(set(picked))]
-    seen: set[Workload] = set()
-    for s in steps:
+        chosen = sorted(set(picked))
+        steps, counts = [steps[i] for i in chosen], [counts[i] for i in chosen]
+    merged: dict[tuple, int] = {}
+    for s, n in zip(steps, counts):
         for side in SIDES:
             for mb in micro_batches(s, layout, routes, side):
-                seen.update(mb.workloads)
-    return seen, len(steps)
-
-
-def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], budget: int, complete: bool = True
-               ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
-    """(rank time lookup, its record): every workload timed when there are at most `budget` and they are all of
-    the trace's (`complete`), else a cost model fitted to `budget` of them."""
-    t0 = time.perf_counter()
-    busy = [w for w in workloads if w.rows]
-    if complete and len(busy) <= budget:
-        table = {w: timer(w) for w in busy}
-        return (lambda w: table[w] if w.rows else 0.0), {
-            "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
-            "wall_s": round(time.perf_counter() - t0, 3)}
-    sample = fit_sample(busy, budget)
-    model = RankCostModel.fit(sample, [timer(w) for w in sample])
-    return model, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
-                   "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
+                key = tuple(mb.workloads)
+                merged[key] = merged.get(key, 0) + n
+    return [Contest(n, key) for key, n in merged.items()], len(steps)
 
 
 def _wire_time(model) -> Callable[[str, list[list[int]]], float]:
@@ -263,10 +251,13 @@ def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequen
     timer = _Counted(RankTimer(p, bench.device, timing), progress)
     budget = p.knobs(ServingKnobs).ep_rank_timings
     budget = budget if budget is not None else DEFAULT_RANK_TIMINGS[device_type]
-    workloads, read = _workloads(distinct, layout, routes)
-    timer.expect(min(budget, sum(1 for w in workloads if w.rows)), "EP step: rank workloads timed")
-    rank_time, times_info = rank_times(workloads, timer, budget, complete=read == len(distinct))
+    contests, read = _contests(distinct, counts, layout, routes)
+    timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows})),
+                 "EP step: rank workloads timed")
+    rank_time, times_info = plan_rank_times(contests, timer, budget, launch_of(p, bench.device), REPLAY_TOLERANCE,
+                                            complete=read == len(distinct))
     times_info["workloads_read_from_steps"] = read
+    times_info["timer"] = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}
     wire_model = wire_model_of(p)
     wire = _wire_time(wire_model)
     per_step = compose_steps(distinct, layout, routes, rank_time, wire)

@@ -12,7 +12,8 @@ import torch
 from moebench.bench import _ep_step, _trace_ep
 from moebench.bench._ep_step import (CallRoutes, Layout, SideStep, call_routes, compose_steps, dbo_step_us,
                                      micro_batches, side_step, tax_split, totals)
-from moebench.bench._rank_cost import (RankCostModel, Workload, features, fit_sample, nnls, workload_ids)
+from moebench.bench._rank_cost import (Contest, Launch, RankCostModel, Workload, decisive_order, design_sample,
+                                       features, nnls, plan_rank_times, workload_ids)
 from moebench.bench._trace_shapes import ShapeBench
 from moebench.inputs.engine_padding import Engine, step_padding
 
@@ -110,8 +111,11 @@ def _trace_setup(dbo=False):
     return steps, lay, routes_of
 
 
+BM64 = Launch("bm64", 64)
+
+
 def rank_cost(w):
-    return 0.0 if not w.rows else 5.0 + 2.0 * w.routes + 1.5 * features(w)[2]
+    return 0.0 if not w.rows else 5.0 + 2.0 * w.routes + 1.5 * features(w, BM64)[2]
 
 
 def test_replay_check_passes_the_composition_and_fails_a_mean_rank_one(monkeypatch):
@@ -181,45 +185,95 @@ def test_impossible_workloads_are_refused():
     assert workload_ids(Workload(0, (0, 0)), 2).shape == (0, 2)
 
 
-def test_nnls_and_the_cost_model_recover_a_linear_cost():
-    coef = [7.0, 0.0, 1.5, 0.25, 0.5]
+def _two_launches(rows):
+    """A stand-in for the kernel's choice: 16-row blocks under 64 rows, paired 64-row blocks from there."""
+    return Launch("bm16", 16) if rows < 64 else Launch("bm64x2", 64, paired=True)
+
+
+def test_a_launch_counts_its_own_row_tiles():
+    assert Launch("bm16", 16).row_tiles([1, 16, 17, 0]) == 1 + 1 + 2
+    # paired: full tiles of two 64-row blocks, an odd last block on its own tile
+    assert Launch("p", 64, paired=True).row_tiles([64, 65, 129, 257]) == 1 + 1 + 2 + 3
+
+
+def test_nnls_and_the_cost_model_recover_a_cost_per_launch():
+    """Each launch config its own coefficients over its own row tiles: recovered exactly; one fit across both
+    launches (what a fixed tile size amounts to) cannot."""
+    coef = {"bm16": [7.0, 0.0, 1.5, 0.25, 0.5], "bm64x2": [20.0, 3.0, 6.0, 0.1, 0.0]}
     assert nnls([[1, 0], [0, 1], [1, 1]], [1, -1, 0]) == pytest.approx([1 / 2, 0], abs=1e-9)
     rng = random.Random(3)
-    loads = [Workload(r, tuple(rng.randint(0, r) for _ in range(4))) for r in range(1, 400, 9)]
-    loads = [w for w in loads if w.problem(8) is None]
-    times = [sum(c * f for c, f in zip(coef, features(w))) for w in loads]
-    model = RankCostModel.fit(loads, times)
-    assert model.coef == pytest.approx(coef, abs=1e-6)
-    assert model.fit_max_rel < 1e-9 and model.predict(Workload(0, (0, 0, 0, 0))) == 0.0
-    assert model.record()["features"][2] == "row_tiles"
+    loads = [Workload(r, tuple(rng.choice((0, rng.randint(1, r))) for _ in range(4))) for r in range(1, 400, 2)]
+    loads = [w for w in loads if w.problem(8) is None and w.rows]  # experts touched 1..4: no feature constant
+
+    def truth(w):
+        launch = _two_launches(w.rows)
+        return sum(c * f for c, f in zip(coef[launch.name], features(w, launch)))
+
+    model = RankCostModel.fit(_two_launches, {w: truth(w) for w in loads})
+    for name in coef:
+        assert model.coef[name] == pytest.approx(coef[name], abs=1e-6)
+        assert model.record()["per_launch"][name]["cross_validated"]["max_rel"] < 1e-9
+    assert model.predict(Workload(0, (0, 0, 0, 0))) == 0.0
+    one = RankCostModel.fit(lambda rows: BM64, {w: truth(w) for w in loads})
+    assert one.record()["per_launch"]["bm64"]["cross_validated"]["rms_rel"] > 0.01
 
 
-def test_fit_sample_spans_the_workloads():
+def test_the_design_spans_each_launch_within_the_limit():
     loads = [Workload(r, (r, r // 2)) for r in range(1, 200)]
-    sample = fit_sample(loads, 12)
-    assert len(sample) == 12 and loads[0] in sample and loads[-1] in sample
-    assert fit_sample(loads[:5], 12) == loads[:5]
+    sample = design_sample(loads, 12, _two_launches)
+    small = [w for w in sample if w.rows < 64]
+    large = [w for w in sample if w.rows >= 64]
+    assert len(small) >= 8 and len(large) >= 8 and len(set(sample)) == len(sample)
+    for group in ([w for w in loads if w.rows < 64], [w for w in loads if w.rows >= 64]):
+        assert group[0] in sample and group[-1] in sample  # the corners
+    limited = design_sample(loads, 12, _two_launches, limit=4)
+    assert len(limited) == 4 and {w.rows < 64 for w in limited} == {True, False}  # both launches reached
+    assert design_sample(loads[:5], 12, _two_launches) == loads[:5]
 
 
-def test_rank_times_time_each_workload_or_fit_a_model():
-    loads = {Workload(r, (r, 1)) for r in range(1, 30)}
+def test_the_decisive_workloads_are_the_candidates_for_the_slowest_rank():
+    a, b, c, d = (Workload(n, (n,)) for n in (100, 99, 40, 10))
+    contests = [Contest(5, (a, b, c)), Contest(1, (c, d))]
+    order = decisive_order(contests, lambda w: float(w.rows), 0.01, {})
+    assert order == [a, b, c]  # a and b within 2% of the slowest; c the slowest of the second contest
+    assert decisive_order(contests, lambda w: float(w.rows), 0.01, {a: 100.0, b: 99.0, c: 40.0}) == []
+
+
+def test_rank_times_time_each_workload_or_model_them_and_time_the_slowest():
+    loads = [Workload(round(10 * 1.05 ** i), (round(10 * 1.05 ** i), 1)) for i in range(60)]  # 5% apart: the
+    # slowest of each contest stands out of the model's 2 x 1% error
+    contests = [Contest(1 + i % 3, tuple(loads[i:i + 4])) for i in range(0, 56, 2)]
     calls = []
 
     def timer(w):
         calls.append(w)
         return rank_cost(w)
 
-    lookup, rec = _trace_ep.rank_times(loads, timer, budget=64)
-    assert rec["rank_times"] == "timed" and len(calls) == len(loads)
+    seen = {w for c in contests for w in c.workloads}
+    lookup, rec = plan_rank_times(contests, timer, 64, lambda rows: BM64, 0.03)
+    assert rec["rank_times"] == "timed" and set(calls) == seen and len(calls) == len(seen)
     calls.clear()
-    lookup, rec = _trace_ep.rank_times(loads, timer, budget=8)
-    assert rec["rank_times"] == "model" and len(calls) == 8 and rec["cost_model"]["fit_workloads"] == 8
-    for w in loads:
+    lookup, rec = plan_rank_times(contests, timer, 20, lambda rows: BM64, 0.03)
+    assert rec["rank_times"] == "model" and len(calls) == len(set(calls)) == rec["rank_timings"] == 20
+    assert rec["design_timings"] >= 8 and rec["decisive_timings"] == 20 - rec["design_timings"]
+    # the model is exact on a linear cost: held out, its error is 0 and within the tolerance
+    assert rec["cost_model"]["held_out"]["points"] == rec["decisive_timings"]
+    assert rec["cost_model"]["held_out"]["max_rel"] < 1e-6 and rec["cost_model"]["within_tolerance"]
+    for w in seen:
         assert lookup(w) == pytest.approx(rank_cost(w), rel=1e-6)
-    counts = torch.tensor([w.counts for w in sorted(loads, key=lambda w: w.rows)] + [[0, 0]])
-    rows = torch.tensor([w.rows for w in sorted(loads, key=lambda w: w.rows)] + [0])
-    assert lookup.batch(counts, rows) == pytest.approx([rank_cost(w) for w in sorted(loads, key=lambda w: w.rows)]
-                                                       + [0.0], rel=1e-6)
+    # the timed ones are what the contests' slowest ranks are
+    slowest = {max(c.workloads, key=rank_cost) for c in contests}
+    assert set(calls[rec["design_timings"]:]) <= slowest
+
+
+def test_a_cost_the_model_cannot_follow_shows_in_its_held_out_error():
+    loads = [Workload(r, (r, 1)) for r in range(1, 200)]
+    contests = [Contest(1, tuple(loads[i:i + 4])) for i in range(0, 196, 4)]
+    lookup, rec = plan_rank_times(contests, lambda w: 10.0 + 1e-3 * w.routes ** 2, 40, lambda rows: BM64, 0.03)
+    held = rec["cost_model"]["held_out"]
+    assert held["points"] > 0 and held["rms_rel"] > 0.03 and not rec["cost_model"]["within_tolerance"]
+    # the workloads it timed are read as timed all the same
+    assert rec["decided_by_timing_share"] is not None
 
 
 def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():
@@ -247,7 +301,7 @@ def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():
 def test_serving_trace_records_the_ep_step(monkeypatch):
     from dataclasses import replace
 
-    from moebench.bench import _rank_cost, serving_trace
+    from moebench.bench import _rank_timing, serving_trace
     from moebench.params import Params
     from moebench.registry import RunContext, get
 
@@ -257,7 +311,7 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
         timed.append(w)
         return rank_cost(w)
 
-    monkeypatch.setattr(_rank_cost.RankTimer, "__call__", stand_in)
+    monkeypatch.setattr(_rank_timing.RankTimer, "__call__", stand_in)
     # the single-rank layer's timings stood in as well (tests/bench/test_serving_trace.py times them)
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
     serving_trace._SHAPES.clear()
@@ -292,7 +346,7 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
     info = impl.build(replace(p, ep_rank_timings=3), run).info
     assert info["shapes_measured"] == 0
     assert info["ep_step"]["rank_times"] == "model" and info["ep_step"]["rank_timings"] == 3
-    assert info["ep_step"]["cost_model"]["fit_workloads"] <= info["ep_step"]["rank_timings"]
+    assert info["ep_step"]["design_timings"] <= info["ep_step"]["rank_timings"]
 
 
 @pytest.mark.parametrize("fill", ["zeros", "repeat", "random"])
@@ -340,12 +394,12 @@ def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_fil
     file every step's figures (read back through the per-step index, equal to the distinct step's)."""
     from dataclasses import replace
 
-    from moebench.bench import _rank_cost, serving_trace
+    from moebench.bench import _rank_timing, serving_trace
     from moebench.params import Params
     from moebench.registry import RunContext, get
     from moebench.traces.step_file import read_step_columns
 
-    monkeypatch.setattr(_rank_cost.RankTimer, "__call__", lambda self, w: rank_cost(w))
+    monkeypatch.setattr(_rank_timing.RankTimer, "__call__", lambda self, w: rank_cost(w))
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
     monkeypatch.setattr(serving_trace, "STEP_RECORDS_MAX", 5)
     monkeypatch.setattr(_trace_ep, "COLLECT_STEPS", 2)  # workloads read from 2 of the 3 distinct steps: a model
