@@ -27,7 +27,7 @@ from moebench.check import CheckResult
 from moebench.inputs import cached_expert_weights, make_batch, route
 from moebench.inputs.padding import fill_rows
 from moebench.measure.imbalance import per_rank_loads
-from moebench.measure.timing import measure
+from moebench.measure.timing import measure, measure_settled
 from moebench.params import EPLayout, Params, Timing
 
 SIDES = ("masked", "oblivious")
@@ -97,6 +97,7 @@ class ShapeBench:
         self.p, self.device, self.timing = p, device, timing
         self.w13, self.w2 = _weights(p, device)
         self.last_spread_us: float | None = None
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # the shapes' graphs share it
         self.last_spreads_us: dict[str, float | None] = {}
 
     def batch(self, rows: int, real: int):
@@ -122,9 +123,14 @@ class ShapeBench:
 
     def time_side(self, sp: Params, batch, side: str) -> float:
         """p50 microseconds of one side's layer on this batch (its pipeline built here and freed); the samples'
-        half p10-p90 spread is left in `last_spread_us` (None under MIN_SPREAD_SAMPLES samples)."""
+        half p10-p90 spread is left in `last_spread_us` (None under MIN_SPREAD_SAMPLES samples). On a GPU timed by
+        measure_settled (samples until they settle, at most timing.iters), under the interpreter by measure()."""
         pipe = self.pipeline(sp, batch, side)
         try:
+            if self.device.type == "cuda":
+                got = measure_settled(pipe.run, self.device, self.timing.iters, pool=self.pool)
+                self.last_spread_us = got.spread * got.us if got.samples >= MIN_SPREAD_SAMPLES else None
+                return got.us
             stats = measure(pipe.run, self.timing, self.device, graph_capturable=True).stats
         finally:
             del pipe

@@ -222,6 +222,76 @@ def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[floa
     return samples
 
 
+# measure_settled: where a call's launches hide behind the GPU, and when its samples have settled
+EAGER_ABOVE_US = 400.0  # above this a call's launches (~10 kernels, ~150 us of host time) queue ahead of the GPU
+SETTLED_REPLAY_US = 200.0  # a graph replay lasts at least this long (calls per graph: ceil(this / call))
+SETTLED_MAX_GRAPH_CALLS = 16
+SETTLED_ROUND = 5
+SETTLED_SPREAD = 0.005  # half the p10-p90 spread over the median at which sampling stops
+
+
+def relative_spread(samples: list[float]) -> float:
+    """Half the p10-p90 spread over the median."""
+    s = sorted(samples)
+    p50 = percentile(s, 50)
+    return (percentile(s, 90) - percentile(s, 10)) / 2 / p50 if p50 > 0 else 0.0
+
+
+@dataclass
+class Settled:
+    us: float  # the median sample
+    mode: str  # "events" (eager calls back to back) or "cuda_graph"
+    samples: int
+    spread: float  # relative_spread of the samples
+    calls_per_sample: int = 1
+
+
+def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: int = 20, *, pool: Any = None
+                    ) -> Settled:
+    """GPU time of one call of `fn`, at the least cost that still gives a settled median: one untimed call
+    (compiles a new specialisation, warms the launch; no further warm-up), one event-timed call to choose the mode,
+    then samples in rounds of SETTLED_ROUND until their relative spread is within SETTLED_SPREAD (at most
+    `max_samples`). A call of EAGER_ABOVE_US or more is GPU-bound, so eager calls back to back with an event between
+    each are its samples; a shorter one is captured in a CUDA graph of enough calls to last SETTLED_REPLAY_US (in the
+    memory pool `pool` when given: many graphs of one run share it) and its replays are the samples. For the many
+    timings of one point (the serving trace's shapes and rank workloads); a point's own run uses measure()."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    call_us = start.elapsed_time(end) * 1e3
+    graph, calls = None, 1
+    if call_us < EAGER_ABOVE_US:
+        calls = max(1, min(SETTLED_MAX_GRAPH_CALLS, math.ceil(SETTLED_REPLAY_US / max(call_us, 1.0))))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize(device)
+    step = graph.replay if graph is not None else fn
+    samples: list[float] = []
+    most = max(SETTLED_ROUND, max_samples)
+    while len(samples) < most:
+        n = min(SETTLED_ROUND, most - len(samples))
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for i in range(n):  # back to back: each call's end is the next one's start
+            step()
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        samples += [events[i].elapsed_time(events[i + 1]) * 1e3 / calls for i in range(n)]
+        if relative_spread(samples) <= SETTLED_SPREAD:
+            break
+    del graph
+    return Settled(percentile(sorted(samples), 50), "events" if call_us >= EAGER_ABOVE_US else "cuda_graph",
+                   len(samples), relative_spread(samples), calls)
+
+
 def host_call_us(fn: Callable[[], Any], device: torch.device, iters: int = 200, *, warmup: int = 5,
                  sync_every: int = 50) -> float:
     """Median host microseconds one call of `fn` takes to return, the device left to run behind it (a launch's
