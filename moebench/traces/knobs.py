@@ -47,7 +47,7 @@ class ServingKnobs:
     trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
     trace_real_points: int = 0  # 0: time every distinct (rows, real); N: time N + 1 real counts per rows, interpolate
     # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
-    # (None: moebench.bench._trace_ep.DEFAULT_RANK_TIMINGS for the device)
+    # (None: moebench.bench.serving_trace.ep_measure.DEFAULT_RANK_TIMINGS for the device)
     ep_rank_timings: Optional[int] = None
 
     PATHS = {"trace_file": (BUNDLED_DIR, False)}  # a file, found beside the sweep or among the bundled traces

@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
-from moebench.bench import _ep_step, _trace_ep
-from moebench.bench._ep_step import (CallRoutes, Layout, SideStep, call_routes, compose_steps, dbo_step_us,
+from moebench.bench.serving_trace import ep_measure as _trace_ep, ep_step as _ep_step
+from moebench.bench.serving_trace.ep_step import (CallRoutes, Layout, SideStep, call_routes, compose_steps, dbo_step_us,
                                      micro_batches, side_step, tax_split, totals)
-from moebench.bench._rank_cost import (Contest, Launch, RankCostModel, Workload, decisive_order, design_sample,
-                                       features, nnls, plan_rank_times, workload_ids)
-from moebench.bench._trace_shapes import ShapeBench
+from moebench.bench.serving_trace.rank_cost import (Contest, Launch, RankCostModel, Workload, decisive_order,
+                                                    design_sample, features, nnls, plan_rank_times,
+                                                    workload_ids)
+from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.inputs.engine_padding import Engine, step_padding
 
 ROW, BACK = 100, 10  # dispatch / combine bytes a row
@@ -301,7 +302,8 @@ def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():
 def test_serving_trace_records_the_ep_step(monkeypatch):
     from dataclasses import replace
 
-    from moebench.bench import _rank_timing, serving_trace
+    from moebench.bench import serving_trace
+    from moebench.bench.serving_trace import rank_timing as _rank_timing
     from moebench.params import Params
     from moebench.registry import RunContext, get
 
@@ -356,7 +358,7 @@ def test_a_calls_routes_are_those_of_its_own_batch(fill):
     zero-filled padding every source's padded rows route alike."""
     from dataclasses import replace
 
-    from moebench.bench._trace_shapes import shape_params
+    from moebench.bench.serving_trace.shapes import shape_params
     from moebench.inputs import make_batch, route
     from moebench.params import Params
 
@@ -394,7 +396,8 @@ def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_fil
     file every step's figures (read back through the per-step index, equal to the distinct step's)."""
     from dataclasses import replace
 
-    from moebench.bench import _rank_timing, serving_trace
+    from moebench.bench import serving_trace
+    from moebench.bench.serving_trace import rank_timing as _rank_timing
     from moebench.params import Params
     from moebench.registry import RunContext, get
     from moebench.traces.step_file import read_step_columns

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moebench.bench._rank_cost import Workload
-from moebench.bench._rank_timing import RankTimer
+from moebench.bench.serving_trace.rank_cost import Workload
+from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.kernels.fused_experts import fused_experts_torch
 from moebench.kernels.fused_experts_fp8_ref import fused_experts_fp8_torch
 from moebench.params import Params, Timing

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from moebench.bench import serving_trace
-from moebench.bench._trace_compose import (SIDES, compose, distinct_shapes, interpolated_timer,
+from moebench.bench.serving_trace.compose import (SIDES, compose, distinct_shapes, interpolated_timer,
                                            interpolation_shapes, padded_row_counts, real_grid, real_only_points,
                                            replay, totals)
-from moebench.bench._trace_shapes import ShapeBench
+from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.cli import main
 from moebench.inputs.engine_padding import Engine, padding_problem, producer_calls, step_padding
 from moebench.inputs.padding import cudagraph_padded_size
@@ -413,7 +413,7 @@ def test_fp8_experts_over_a_trace():
 
 
 def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
-    from moebench.bench._trace_shapes import ShapeFigures
+    from moebench.bench.serving_trace.shapes import ShapeFigures
 
     engine = Engine((4, 8), dp_size=2, dbo=True)
     step = step_padding([8, 3], engine)  # micro-batches of 4 and 4 rows on both DP ranks
@@ -512,7 +512,7 @@ def test_a_tax_inside_the_timings_noise_is_reported_as_such():
     `within noise` instead of a share (never a 3483% recovery or a negative tax); outside it, the figures."""
     from collections import Counter
 
-    from moebench.bench._trace_shapes import ShapeFigures
+    from moebench.bench.serving_trace.shapes import ShapeFigures
     from moebench.report import trace_tax
 
     def shape(rows, real, masked, oblivious, spread):

@@ -10,9 +10,9 @@ trace with the padding masked and with it routed (both sides in every record), s
           uniform, decode_prefill, lognormal: moebench.traces.distributions) up to trace_max_tokens
 Every step goes through the producers (moebench.inputs.engine_padding: capture size, DP max, DBO halves, SP
 divisibility), giving its layer calls (rows, real). Every distinct shape's routing figures are computed
-(_trace_shapes: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
+(shapes.py: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
 trace_real_points: 0 times every distinct shape; N > 0 times each padded row count at N + 1 real counts and the
-real-tokens-alone curve at a few points, and interpolates the rest (_trace_compose, which composes the trace).
+real-tokens-alone curve at a few points, and interpolates the rest (compose.py, which composes the trace).
 Shapes already routed or timed by the point before, in the same run and at the same layer parameters (a what-if
 axis over capture lists shares most of them), are reused; the record says how many. A new run, or a point at other
 layer parameters in between, starts afresh; `repeat` is a layer parameter here, so repeats are measured anew.
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moebench.bench._trace_compose import (
+from moebench.bench.serving_trace.compose import (
     SIDES,
     compose,
     distinct_shapes,
@@ -46,9 +46,9 @@ from moebench.bench._trace_compose import (
     share,
     totals,
 )
-from moebench.bench._ep_step import placement_problem
-from moebench.bench._trace_ep import ep_step
-from moebench.bench._trace_shapes import ShapeBench, ShapeFigures
+from moebench.bench.serving_trace.ep_step import placement_problem
+from moebench.bench.serving_trace.ep_measure import measure_ep_step
+from moebench.bench.serving_trace.shapes import ShapeBench, ShapeFigures
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
 from moebench.check import CheckResult
@@ -389,7 +389,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
     }
     if p.ep_size > 1:
-        ep_info, ep_steps = ep_step(p, bench, "cuda" if dev.type == "cuda" else "cpu", bench.timing, paddings,
+        ep_info, ep_steps = measure_ep_step(p, bench, "cuda" if dev.type == "cuda" else "cpu", bench.timing, paddings,
                                     counts, replay_steps, ctx.progress)
         info["ep_step"] = ep_info
         info["headline"]["ep_step"] = ep_headline(ep_info)

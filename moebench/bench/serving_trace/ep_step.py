@@ -7,7 +7,7 @@ the same token counts, each source its own routing); when smaller, source `slot`
 A source's slot is replica * DP * SP + dp_rank * sp_size + sp_rank.
 Per micro-batch m and side (masked: padded rows route nowhere; oblivious: they are routed like real rows), from
 each call's routing (`CallRoutes`: routes per expert, rows sent to each EP rank; exact, measure.imbalance's counts):
-  rank r's workload  the rows it receives from every source and the routes to each of its experts (_rank_cost)
+  rank r's workload  the rows it receives from every source and the routes to each of its experts (rank_cost.py)
   experts_us(m)      max over r of T_r, T_r its workload's time; mean_us(m) the mean over r; slowest its argmax
   dispatch_us(m)     the wire model's time for bytes[src][dst] = rows src sends dst x dispatch row bytes
   combine_us(m)      the same with the matrix transposed x combine row bytes (every received row goes back)
@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from moebench.bench._rank_cost import Workload
+from moebench.bench.serving_trace.rank_cost import Workload
 from moebench.inputs.engine_padding import StepPadding
 
 SIDES = ("masked", "oblivious")

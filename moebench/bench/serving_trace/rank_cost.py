@@ -1,5 +1,5 @@
 """One EP rank's expert work in an EP step as a cost model fitted to timed workloads, and the plan that decides
-which workloads are timed (moebench.bench._rank_timing times them).
+which workloads are timed (moebench.bench.serving_trace.rank_timing times them).
 
 A rank's workload after dispatch is `Workload(rows, counts)`: the rows it received (each has at least one route to
 its experts) and the routes to each of its local experts. The expert kernel's launch config depends on the rows

@@ -1,10 +1,10 @@
 """The EP step over a serving trace, measured: every source call's routing, every EP rank's expert time (each
 distinct workload timed, or a cost model fitted to timed ones), the wire model, the composition per distinct step
-(moebench.bench._ep_step) and the replay check of its first steps (every rank timed directly, no model, no cache).
+(moebench.bench.serving_trace.ep_step) and the replay check of its first steps (every rank timed directly, no model, no cache).
 
 Rank times. The distinct rank workloads of the trace (rows received, routes per local expert) are collected; when
 there are at most `ep_rank_timings` of them each is timed (`rank_times: timed`), else that many, spread over their
-range (_rank_cost.fit_sample), are timed and a non-negative linear cost model is fitted to them
+range (rank_cost.fit_sample), are timed and a non-negative linear cost model is fitted to them
 (`rank_times: model`). The replay check composes the first `trace_replay` steps again with every rank's workload
 timed afresh and compares the expert time (the part the model reads) and the step time per side: within 5%.
 """
@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from moebench.bench._ep_step import (SIDES, CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
+from moebench.bench.serving_trace.ep_step import (SIDES, CallRoutes, Layout, SideStep, compose_steps, dbo_step_us, micro_batches,
                                      totals)
-from moebench.bench._rank_cost import Contest, Workload, launch_of, plan_rank_times
-from moebench.bench._rank_timing import RankTimer
+from moebench.bench.serving_trace.rank_cost import Contest, Workload, launch_of, plan_rank_times
+from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes, wire_model_of
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params, Timing
@@ -83,7 +83,7 @@ class StepRoutes:
         return ids, hits[:, :lay.ep_size]
 
     def _route_slot(self, slot: int, rows: int) -> None:
-        from moebench.bench._trace_shapes import shape_params
+        from moebench.bench.serving_trace.shapes import shape_params
         from moebench.inputs import make_batch
 
         sp = shape_params(self.p, rows, rows)
@@ -164,7 +164,7 @@ def _wire_time(model) -> Callable[[str, list[list[int]]], float]:
 
 def _replayed_sums(steps: Sequence[StepPadding], layout: Layout, routes: StepRoutes, timer, wire) -> dict:
     """Per side, the steps' expert and step time with every rank of every micro-batch timed by `timer` and the
-    slowest taken: written out here, apart from _ep_step's composition, so that the check holds that too."""
+    slowest taken: written out here, apart from ep_step.py's composition, so that the check holds that too."""
     sums = {side: {"experts_us": 0.0, "step_us": 0.0} for side in SIDES}
     for s in steps:
         for side in SIDES:
@@ -238,7 +238,7 @@ class _Counted:
         return self.timer(w)
 
 
-def ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequence[StepPadding],
+def measure_ep_step(p: Params, bench, device_type: str, timing: Timing, distinct: Sequence[StepPadding],
             counts: Sequence[int], replay_steps: Sequence[StepPadding],
             progress: Callable[..., None] | None = None) -> tuple[dict[str, Any], list[dict[str, SideStep]]]:
     """(info.ep_step, per distinct step {side: SideStep}). `progress(done, total, what)`: RunContext.progress."""
