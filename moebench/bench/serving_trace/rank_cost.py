@@ -153,7 +153,8 @@ def features(w: Workload, launch: Launch) -> list[float]:
             float(w.routes), float(w.rows)]
 
 
-def _rel(pred: float, got: float) -> float:
+def rel_error(pred: float, got: float) -> float:
+    """|pred - got| / got (0 where got is not positive)."""
     return abs(pred - got) / got if got > 0 else 0.0
 
 
@@ -163,20 +164,22 @@ def error_summary(rel: Sequence[float]) -> dict[str, Any]:
             "max_rel": round(max(rel), 5) if rel else None}
 
 
-def _fit_coef(points: Sequence[tuple[list[float], float]]) -> list[float]:
-    # relative error is what the record states: weight each row by 1/time so the fit minimises it
+def fit_relative(points: Sequence[tuple[list[float], float]]) -> list[float]:
+    """Non-negative coefficients of a linear cost over (features, time) points, minimising the relative error (what
+    the record states: each row weighted by 1/time)."""
     return nnls([[v / t for v in f] for f, t in points], [1.0] * len(points))
 
 
-def _cross_validated(points: Sequence[tuple[list[float], float]], folds: int = CV_FOLDS) -> list[float]:
-    """Each point's relative error under a fit to the others' folds (point i in fold i % folds)."""
-    if len(points) < 2 * len(FEATURES):
+def cross_validated(points: Sequence[tuple[list[float], float]], folds: int = CV_FOLDS) -> list[float]:
+    """Each point's relative error under a fit to the others' folds (point i in fold i % folds); none under twice
+    as many points as features."""
+    if not points or len(points) < 2 * len(points[0][0]):
         return []
     rel = []
     for k in range(folds):
         train = [pt for i, pt in enumerate(points) if i % folds != k]
-        coef = _fit_coef(train)
-        rel += [_rel(sum(c * v for c, v in zip(coef, f)), t) for i, (f, t) in enumerate(points) if i % folds == k]
+        coef = fit_relative(train)
+        rel += [rel_error(sum(c * v for c, v in zip(coef, f)), t) for i, (f, t) in enumerate(points) if i % folds == k]
     return rel
 
 
@@ -202,12 +205,12 @@ class RankCostModel:
                 every.append(pt)
         if not every:
             raise ValueError("RankCostModel.fit: no workload with rows to fit to")
-        model = cls(launch_of, fallback=_fit_coef(every))
+        model = cls(launch_of, fallback=fit_relative(every))
         for name, pts in by_launch.items():
             model.points[name] = len(pts)
             if len(pts) >= len(FEATURES):
-                model.coef[name] = _fit_coef(pts)
-            model.cv_rel[name] = _cross_validated(pts)
+                model.coef[name] = fit_relative(pts)
+            model.cv_rel[name] = cross_validated(pts)
         return model
 
     def predict(self, w: Workload) -> float:
@@ -352,7 +355,7 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
             break
         predicted = [model(w) for w in order]
         time_all(order, budget)
-        held_out += [_rel(pr, timed[w]) for pr, w in zip(predicted, order)]
+        held_out += [rel_error(pr, timed[w]) for pr, w in zip(predicted, order)]
         model = RankCostModel.fit(launch_of, timed)
         error = max(0.01, error_summary(held_out)["rms_rel"] or 0.0)
         rounds += 1

@@ -1,0 +1,217 @@
+"""The single-rank view's layer time of every shape of a trace: a designed set timed, the rest read off a cost
+model fitted to them, with the model's error on shapes it was not fitted to.
+
+A shape (rows, real) costs the layer on this rank: the router over every row, the alignment and the expert GEMMs
+over this rank's local routes (masked: the real rows' alone; oblivious: the padded rows' too), the sum. Its launch
+config is the one the layer picks for `rows` rows (rank_cost.launch_of), so per side and launch config
+
+    time = coef . (1, rows, real, local routes, local experts touched, row tiles),  coef >= 0
+
+with the features exact for every shape (shape_streams: prefix sums of two routed streams, no batch per shape).
+
+The plan (`plan_shape_times`): when the trace's distinct shapes fit the budget they are all timed (`exact`);
+otherwise (`model`):
+  1. design: per launch config the corners (fewest and most rows and real tokens) and an even spread over
+     (rows, real), at least MIN_PER_LAUNCH each, about a third of the budget; the fit's k-fold error is recorded;
+  2. weight: the rest of the budget goes, in rounds, to the untimed shapes that weigh most in the trace (the calls
+     that read them x their predicted time). Each round is predicted before it is timed: the model's held-out
+     error per side, on the shapes that decide the total; the model is refitted after each round.
+A call is read as its real tokens alone plus what its padding adds: time(rows, real) = T(real, real) + d with T
+timed where timed, else the model's, and d the timed difference where both shapes are timed, else the model's
+(model(rows, real) - model(real, real)): the padding's part is never a measurement minus a model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, error_summary, fit_relative, rel_error)
+from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
+
+FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
+MIN_PER_LAUNCH = 8
+DESIGN_SHARE = 3
+ROUND = 24
+Shape = tuple[int, int]
+
+
+class ShapeTable:
+    """FEATURES of every shape of a list, per side (arrays over the shapes), and each shape's launch."""
+
+    def __init__(self, shapes: Sequence[Shape], streams: ShapeStreams, launch_of: Callable[[int], Launch]):
+        self.shapes = list(shapes)
+        self.index = {s: i for i, s in enumerate(self.shapes)}
+        rows = np.array([s[0] for s in self.shapes], dtype=np.int64)
+        real = np.array([s[1] for s in self.shapes], dtype=np.int64)
+        launches = {r: launch_of(int(r)) for r in np.unique(rows).tolist()}
+        self.launch = [launches[r].name for r in rows.tolist()]
+        block = np.array([launches[r].block_m for r in rows.tolist()], dtype=np.int64)[:, None]
+        paired = np.array([launches[r].paired for r in rows.tolist()], dtype=bool)
+        self.features: dict[str, np.ndarray] = {}
+        for side in SIDES:
+            counts = streams.counts("local_counts", rows, real, side) if len(rows) else np.zeros((0, 1), np.int64)
+            blocks = -(-counts // block)
+            tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
+            self.features[side] = np.stack([np.ones(len(rows)), rows, real, counts.sum(axis=1),
+                                            (counts > 0).sum(axis=1), tiles], axis=1).astype(np.float64)
+
+    def of(self, side: str, shape: Shape) -> list[float]:
+        return self.features[side][self.index[shape]].tolist()
+
+
+@dataclass
+class ShapeCostModel:
+    """Per side and launch config, coefficients over FEATURES (microseconds per unit)."""
+
+    table: ShapeTable
+    coef: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    points: dict[tuple[str, str], int] = field(default_factory=dict)
+    cv_rel: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    fallback: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, table: ShapeTable, timed: Mapping[tuple[str, int, int], float]) -> "ShapeCostModel":
+        model = cls(table)
+        for side in SIDES:
+            groups: dict[str, list[tuple[list[float], float]]] = {}
+            for (s, rows, real), t in sorted(timed.items()):
+                if s == side and t > 0:
+                    groups.setdefault(table.launch[table.index[(rows, real)]], []).append(
+                        (table.of(side, (rows, real)), t))
+            every = [pt for pts in groups.values() for pt in pts]
+            if not every:
+                raise ValueError("ShapeCostModel.fit: no timed shape")
+            model.fallback[side] = fit_relative(every)
+            for name, pts in groups.items():
+                model.points[(side, name)] = len(pts)
+                if len(pts) >= len(FEATURES):
+                    model.coef[(side, name)] = fit_relative(pts)
+                model.cv_rel[(side, name)] = cross_validated(pts)
+        return model
+
+    def predict(self, side: str, rows: int, real: int) -> float:
+        i = self.table.index[(rows, real)]
+        coef = self.coef.get((side, self.table.launch[i]), self.fallback[side])
+        return float(self.table.features[side][i] @ np.asarray(coef))
+
+    def record(self) -> dict[str, Any]:
+        return {"features": list(FEATURES), "per_launch": {
+            f"{side} {name}": {"coef_us": [round(c, 6) for c in self.coef[(side, name)]]
+                               if (side, name) in self.coef else None, "points": n,
+                               "cross_validated": error_summary(self.cv_rel[(side, name)])}
+            for (side, name), n in sorted(self.points.items())}}
+
+
+def design_shapes(shapes: Sequence[Shape], table: ShapeTable, target: int, limit: int) -> list[Shape]:
+    """About `target` shapes (at most `limit`): per launch its corners and an even spread over (rows, real)."""
+    groups: dict[str, list[Shape]] = {}
+    for s in shapes:
+        groups.setdefault(table.launch[table.index[s]], []).append(s)
+    total = len(shapes)
+    picked: list[list[Shape]] = []
+    for name, group in sorted(groups.items()):
+        group.sort()
+        want = max(MIN_PER_LAUNCH, round(target * len(group) / max(1, total)))
+        if len(group) <= want:
+            picked.append(group)
+            continue
+        mine: dict[Shape, None] = {}
+        for key in (lambda s: (s[0], s[1]), lambda s: (s[1], s[0]), lambda s: (s[0] - s[1], s[0])):
+            mine[min(group, key=key)] = None
+            mine[max(group, key=key)] = None
+        n = len(group)
+        for i in range(want):
+            if len(mine) >= want:
+                break
+            mine.setdefault(group[round(i * (n - 1) / max(1, want - 1))], None)
+        j = 0
+        while len(mine) < want:
+            mine.setdefault(group[j], None)
+            j += 1
+        picked.append(list(mine))
+    out: list[Shape] = []
+    for i in range(max((len(g) for g in picked), default=0)):
+        for g in picked:
+            if i < len(g) and len(out) < limit:
+                out.append(g[i])
+    return out
+
+
+def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table: ShapeTable,
+                     time_shapes: Callable[[Sequence[Shape]], Mapping[tuple[str, int, int], float]], budget: int,
+                     tolerance: float) -> tuple[Callable[[str, int, int], float], dict[str, Any], dict]:
+    """(time_of(side, rows, real), its record, the timed table {(side, rows, real): us}). `reads[s]`: the calls of
+    the trace that read shape s (as their own shape or as their real tokens alone); `time_shapes(list)` times
+    shapes (both sides) and returns their table entries."""
+    t0 = time.perf_counter()
+    shapes = sorted(set(shapes))
+    timed: dict[tuple[str, int, int], float] = {}
+    if len(shapes) <= budget:
+        timed.update(time_shapes(shapes))
+        return (lambda side, rows, real: timed[(side, rows, real)]), {
+            "shape_times": "exact", "distinct_shapes": len(shapes), "shape_timings": len(shapes),
+            "wall_s": round(time.perf_counter() - t0, 3)}, timed
+    design = design_shapes(shapes, table, budget // DESIGN_SHARE, budget)
+    timed.update(time_shapes(design))
+    done = set(design)
+    model = ShapeCostModel.fit(table, timed)
+    held: dict[str, list[float]] = {side: [] for side in SIDES}
+    while len(done) < budget:
+        worth = {s: reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES) for s in shapes if s not in done}
+        batch = sorted((s for s in worth if worth[s] > 0), key=lambda s: (-worth[s], s))[:min(ROUND, budget - len(done))]
+        if not batch:
+            break
+        predicted = {(side, *s): model.predict(side, *s) for s in batch for side in SIDES}
+        got = time_shapes(batch)
+        timed.update(got)
+        done.update(batch)
+        for key, pr in predicted.items():
+            held[key[0]].append(rel_error(pr, got[key]))
+        model = ShapeCostModel.fit(table, timed)
+
+    def either(side: str, rows: int, real: int) -> float:
+        got = timed.get((side, rows, real))
+        return got if got is not None else model.predict(side, rows, real)
+
+    def time_of(side: str, rows: int, real: int) -> float:
+        base = either(side, real, real) if real else 0.0
+        if rows == real:
+            return base
+        if (side, rows, real) in timed and (not real or (side, real, real) in timed):
+            return timed[(side, rows, real)]
+        return base + model.predict(side, rows, real) - (model.predict(side, real, real) if real else 0.0)
+
+    total = sum(n * sum(either(side, *s) for side in SIDES) for s, n in reads.items())
+    timed_part = sum(n * sum(timed[(side, *s)] for side in SIDES) for s, n in reads.items() if s in done)
+    held_out = {side: error_summary(v) for side, v in held.items()}
+    info = {"shape_times": "model", "distinct_shapes": len(shapes), "shape_timings": len(done),
+            "design_timings": len(design), "weighted_timings": len(done) - len(design),
+            "cost_model": {**model.record(), "held_out": held_out, "tolerance": tolerance,
+                           "within_tolerance": all(h["rms_rel"] is not None and h["rms_rel"] <= tolerance
+                                                   for h in held_out.values())},
+            "timed_share": round(timed_part / total, 5) if total else None,
+            "wall_s": round(time.perf_counter() - t0, 3)}
+    return time_of, info, timed
+
+
+def shape_reads(calls: Mapping[Shape, int]) -> dict[Shape, int]:
+    """The calls that read each shape: a call (rows, real) reads its own shape and, when padded with real tokens,
+    its real tokens alone (real, real)."""
+    reads: dict[Shape, int] = {}
+    for (rows, real), n in calls.items():
+        reads[(rows, real)] = reads.get((rows, real), 0) + n
+        if real and rows != real:
+            reads[(real, real)] = reads.get((real, real), 0) + n
+    return reads
+
+
+def model_spread_us(time_of: Callable[[str, int, int], float], info: Mapping[str, Any], side: str, rows: int,
+                    real: int) -> float | None:
+    """The error to carry for a shape the model read: its held-out RMS share of the time (None: no estimate)."""
+    rms = (info.get("cost_model") or {}).get("held_out", {}).get(side, {}).get("rms_rel")
+    return None if rms is None else rms * time_of(side, rows, real)
+
