@@ -11,11 +11,15 @@ The cost model: time = coef . (1, experts touched, row tiles of TILE_ROWS rows, 
 by non-negative least squares to timed workloads (the weight reads scale with experts touched, the GEMM issue with
 row tiles, staging and the sum with routes and rows). `RankCostModel.record()` keeps the fit's error on its own
 workloads; the EP step's replay check times every rank of the first steps directly and compares.
+
+`rank_times(workloads, timer, budget, complete)`: the rank time lookup the EP step reads (every workload timed, or
+the model fitted to a sample), and its record.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -218,3 +222,20 @@ def fit_sample(workloads: Sequence[Workload], budget: int) -> list[Workload]:
         picked.setdefault(distinct[j], None)
         j += 1
     return sorted(picked, key=lambda w: (w.routes, w.rows, w.counts))
+
+
+def rank_times(workloads: set[Workload], timer: Callable[[Workload], float], budget: int, complete: bool = True
+               ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
+    """(rank time lookup, its record): every workload timed when there are at most `budget` and they are all of
+    the trace's (`complete`), else a cost model fitted to `budget` of them."""
+    t0 = time.perf_counter()
+    busy = [w for w in workloads if w.rows]
+    if complete and len(busy) <= budget:
+        table = {w: timer(w) for w in busy}
+        return (lambda w: table[w] if w.rows else 0.0), {
+            "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+    sample = fit_sample(busy, budget)
+    model = RankCostModel.fit(sample, [timer(w) for w in sample])
+    return model, {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(sample),
+                   "cost_model": model.record(), "wall_s": round(time.perf_counter() - t0, 3)}
