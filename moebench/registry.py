@@ -45,8 +45,10 @@ class RunContext:
     world_size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when world_size > 1
     simulated: bool = False  # EP ranks beyond the processes present are computed, not measured
-    # one per run (None: a point on its own): what a case caches across points must not outlive its run
-    run_token: Any = None
+    # what a case keeps across the points of one run (a family's own store under its own key, e.g. the serving
+    # trace's measured shapes): one per RunContext, and the runner makes one RunContext per run, so nothing
+    # outlives its run or leaks into another
+    run_store: dict = field(default_factory=dict)
     # where progress() goes: the runner's progress line (relayed from the point worker); None outside a run
     progress_sink: Callable[[int, int, str, str], None] | None = None
     # the run directory (None outside a run: a profile, a test's own call): where a case may write files of its

@@ -37,7 +37,8 @@ def test_every_committed_record_keeps_its_key_and_its_params():
 
 def test_family_keys_go_to_their_groups_and_read_back_through_knobs():
     from moebench.dispatch.pack import CapacityKnobs
-    from moebench.traces.knobs import ServingKnobs, TraceKnobs
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+    from moebench.traces.knobs import TraceKnobs
 
     p = Params(num_tokens=8, trace_steps=5, dp_size=2, capacity_policy="pow2")
     assert p.knobs(TraceKnobs).trace_steps == 5 and p.knobs(ServingKnobs).dp_size == 2

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.check import compare_close, compare_exact, poison
 from moebench.dispatch.base import EPLayout, effective_ids, token_in_rank
 from moebench.dispatch.pack import (
@@ -61,7 +62,7 @@ from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, uns
 from moebench.params import Params
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
 from moebench.traces.distributions import batch_sizes
-from moebench.traces.knobs import ServingKnobs, TraceKnobs
+from moebench.traces.knobs import TraceKnobs
 
 PACK_KERNEL = PACK_FIXED_KERNEL.fn.__name__  # compile events are matched by the kernels' names
 COMBINE_KERNEL = COMBINE_FIXED_KERNEL.fn.__name__

@@ -30,7 +30,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from moebench.params import Params, register_knobs
 from moebench.records import MANIFEST, RECORDS, load_manifest, load_records
 
 DEFAULT_PATH = "dispatch.a2a"
@@ -98,6 +97,9 @@ class WireModel:
     dispatch_overhead_us: float
     combine_overhead_us: float
     source: dict = field(default_factory=dict)
+    # the card the figures were measured on ("" where unknown) and the run, in words
+    gpu: str = ""
+    measured_on: str = ""
 
     def __post_init__(self):
         if self.ranks_per_node < 1:
@@ -113,7 +115,8 @@ class WireModel:
                            "max(out, in) / bandwidth over the rank's off-rank bytes on that link (0 without any)",
                 "intra": dataclasses.asdict(self.intra), "inter": dataclasses.asdict(self.inter),
                 "ranks_per_node": self.ranks_per_node, "dispatch_overhead_us": self.dispatch_overhead_us,
-                "combine_overhead_us": self.combine_overhead_us, "source": dict(self.source)}
+                "combine_overhead_us": self.combine_overhead_us, "source": dict(self.source),
+                "gpu": self.gpu, "measured_on": self.measured_on}
 
     def phase_us(self, bytes_matrix: Sequence[Sequence[float]], overhead_us: float = 0.0) -> PhaseTime:
         """One phase: `bytes_matrix[src][dst]` = bytes EP rank src sends to EP rank dst (a square list of lists,
@@ -213,6 +216,8 @@ DEFAULT_WIRE_MODEL = WireModel(
             **_INTER_SOURCE,
             "ranks_per_node": "default: an HGX H200 node (8 GPUs)",
             "dispatch_overhead_us": _DEFAULT_SOURCE, "combine_overhead_us": _DEFAULT_SOURCE},
+    gpu="NVIDIA H200",
+    measured_on=f"2 x NVIDIA H200, dispatch run {DEFAULT_CALIBRATION_RUN}",
 )
 
 
@@ -357,6 +362,8 @@ def calibrate(run_dir: str | Path, path: str = DEFAULT_PATH) -> WireModel:
                 "ranks_per_node": f"calibrated: {run / MANIFEST} (GPUs on its host)",
                 "dispatch_overhead_us": said, "combine_overhead_us": said,
                 "fit": f"rms residual {rms:.1f} us over {len(obs)} phase times"},
+        gpu=str(env.get("gpu") or ""),
+        measured_on=f"{gpus} x {env.get('gpu') or 'GPU'}, dispatch run {run}",
     )
 
 
@@ -381,73 +388,59 @@ def calibration_problem(run_dir: str, path: str = DEFAULT_PATH) -> str | None:
     return None
 
 
-@register_knobs
-@dataclass(frozen=True)
-class WireKnobs:
-    """The sweep keys of the EP step's wire: the deployment's GPUs per node, the links' figures (None: the model's
-    own), the dispatch run the model is calibrated from, and the path whose overheads it takes."""
-
-    ranks_per_node: int = DEFAULT_RANKS_PER_NODE
-    wire_intra_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank within a node (NVLink)
-    wire_intra_latency_us: Optional[float] = None
-    wire_inter_gbps: Optional[float] = None  # GB/s of off-rank bytes per rank between nodes (the NIC)
-    wire_inter_latency_us: Optional[float] = None
-    dispatch_calibration: Optional[str] = None  # a run directory of `moebench run sweeps/dispatch.yaml`
-    wire_path: str = DEFAULT_PATH  # the dispatch impl of that run whose fit models dispatch and combine
-
-    PATHS = {"dispatch_calibration": (None, True)}  # a run directory, resolved as the sweep names it
-
-    def problem(self, p: Params) -> str | None:
-        """Why these keys cannot make a model at p (a bandwidth <= 0, a latency < 0, ranks_per_node not dividing
-        ep_size, wire_path without a calibration, a calibration calibrate() refuses), or None."""
-        if self.ranks_per_node < 1:
-            return f"ranks_per_node: must be >= 1, got {self.ranks_per_node}"
-        for k in ("wire_intra_gbps", "wire_inter_gbps"):
-            if getattr(self, k) is not None and not getattr(self, k) > 0:
-                return f"{k}: must be > 0 GB/s, got {getattr(self, k)}"
-        for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
-            if getattr(self, k) is not None and not getattr(self, k) >= 0:
-                return f"{k}: must be >= 0 us, got {getattr(self, k)}"
-        if p.ep_size > self.ranks_per_node and p.ep_size % self.ranks_per_node:
-            return (f"ranks_per_node: {self.ranks_per_node} does not divide ep_size {p.ep_size} (the EP ranks fill "
-                    "whole nodes; set ranks_per_node to the deployment's GPUs per node)")
-        if self.dispatch_calibration is None:
-            if self.wire_path != DEFAULT_PATH:
-                return f"wire_path: {self.wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_PATH})"
-            return None
-        why = calibration_problem(self.dispatch_calibration, self.wire_path)
-        return f"dispatch_calibration: {why}" if why else None
-
-
-# Sweep keys over the model's figures: (Params field, figure, source key).
+# Sweep keys over the model's figures: (key, figure, source key).
 _SWEEP_KEYS = (("wire_intra_gbps", "intra", "bandwidth_gbps"), ("wire_intra_latency_us", "intra", "latency_us"),
                ("wire_inter_gbps", "inter", "bandwidth_gbps"), ("wire_inter_latency_us", "inter", "latency_us"))
 
 
-def wire_model_of(p: Params) -> WireModel:
-    """The wire model of point p (its WireKnobs): DEFAULT_WIRE_MODEL, replaced by calibrate(dispatch_calibration,
-    wire_path) when a calibration run is set (a wire_path other than the default needs one), then each key that is set
-    (wire_intra_gbps, wire_intra_latency_us, wire_inter_gbps, wire_inter_latency_us). ranks_per_node is always
-    the sweep's (the modelled deployment's; a calibration run's own host only decides which of its points ran
-    within one node)."""
-    w = p.knobs(WireKnobs)
-    if w.dispatch_calibration is not None:
-        model = _calibration(w.dispatch_calibration, w.wire_path)
-    elif w.wire_path != DEFAULT_PATH:
-        raise ValueError(f"wire_path: {w.wire_path!r} needs dispatch_calibration (the defaults model "
+def wire_settings_problem(ranks_per_node: int, figures: dict[str, Optional[float]], ep_size: int,
+                          dispatch_calibration: Optional[str], wire_path: str) -> str | None:
+    """Why these settings cannot make a model (a bandwidth <= 0, a latency < 0, ranks_per_node not dividing
+    ep_size, wire_path without a calibration, a calibration calibrate() refuses), or None. `figures`: the
+    _SWEEP_KEYS' values (None: the model's own)."""
+    if ranks_per_node < 1:
+        return f"ranks_per_node: must be >= 1, got {ranks_per_node}"
+    for k in ("wire_intra_gbps", "wire_inter_gbps"):
+        if figures.get(k) is not None and not figures[k] > 0:
+            return f"{k}: must be > 0 GB/s, got {figures[k]}"
+    for k in ("wire_intra_latency_us", "wire_inter_latency_us"):
+        if figures.get(k) is not None and not figures[k] >= 0:
+            return f"{k}: must be >= 0 us, got {figures[k]}"
+    if ep_size > ranks_per_node and ep_size % ranks_per_node:
+        return (f"ranks_per_node: {ranks_per_node} does not divide ep_size {ep_size} (the EP ranks fill "
+                "whole nodes; set ranks_per_node to the deployment's GPUs per node)")
+    if dispatch_calibration is None:
+        if wire_path != DEFAULT_PATH:
+            return f"wire_path: {wire_path!r} needs dispatch_calibration (the defaults model {DEFAULT_PATH})"
+        return None
+    why = calibration_problem(dispatch_calibration, wire_path)
+    return f"dispatch_calibration: {why}" if why else None
+
+
+def configured_wire_model(ranks_per_node: int, figures: dict[str, Optional[float]],
+                          dispatch_calibration: Optional[str], wire_path: str) -> WireModel:
+    """The wire model of a deployment: DEFAULT_WIRE_MODEL, replaced by calibrate(dispatch_calibration, wire_path)
+    when a calibration run is set (a wire_path other than the default needs one), then each figure of `figures`
+    that is set (the _SWEEP_KEYS: wire_intra_gbps, wire_intra_latency_us, wire_inter_gbps,
+    wire_inter_latency_us). ranks_per_node is always the caller's (the modelled deployment's; a calibration run's
+    own host only decides which of its points ran within one node)."""
+    if dispatch_calibration is not None:
+        model = _calibration(dispatch_calibration, wire_path)
+    elif wire_path != DEFAULT_PATH:
+        raise ValueError(f"wire_path: {wire_path!r} needs dispatch_calibration (the defaults model "
                          f"{DEFAULT_PATH})")
     else:
         model = DEFAULT_WIRE_MODEL
     source = dict(model.source)
     links = {"intra": model.intra, "inter": model.inter}
     for key, link, figure in _SWEEP_KEYS:
-        value = getattr(w, key)
+        value = figures.get(key)
         if value is not None:
             links[link] = dataclasses.replace(links[link], **{figure: float(value)})
             source[f"{link}.{figure}"] = f"sweep key {key}"
-    if w.ranks_per_node != DEFAULT_RANKS_PER_NODE:
+    if ranks_per_node != DEFAULT_RANKS_PER_NODE:
         source["ranks_per_node"] = "sweep key ranks_per_node"
     else:
         source["ranks_per_node"] = DEFAULT_WIRE_MODEL.source["ranks_per_node"]
-    return dataclasses.replace(model, intra=links["intra"], inter=links["inter"], ranks_per_node=w.ranks_per_node,
+    return dataclasses.replace(model, intra=links["intra"], inter=links["inter"], ranks_per_node=ranks_per_node,
                                source=source)

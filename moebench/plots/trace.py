@@ -1,11 +1,12 @@
-"""Serving-trace figures, from the records' `info.trace_steps` and `info.headline` (moebench.bench.serving_trace):
-tokens per step (real vs the rows each producer added), the cumulative MoE-layer time masked vs oblivious, and the
-padding tax per capture list."""
+"""Serving-trace figures, from the records' `info.trace_steps` and their typed record (moebench.bench.serving_trace
+.record: TraceRecord): tokens per step (real vs the rows each producer added), the cumulative MoE-layer time masked
+vs oblivious, the padding tax per capture list, and the EP step's bars and timeline."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from moebench.bench.serving_trace.record import SIDES, TraceRecord
 from moebench.plots.common import Run, figure_title, slug, split, value_of, varying
 from moebench.plots.draw import Plot, new_figure, palette, save
 
@@ -23,8 +24,12 @@ def _record_group(recs: list[dict], r: dict) -> dict:
     return {k: value_of(r, k) for k in varying(recs, exclude=("capture_sizes",))}
 
 
+def _typed(r: dict) -> TraceRecord:
+    return TraceRecord.from_info(r["info"])
+
+
 def _list_label(r: dict) -> str:
-    return str(((r.get("info") or {}).get("engine") or {}).get("capture_list"))
+    return _typed(r).capture_list
 
 
 def trace_tokens(run: Run, out: Path) -> list[Plot]:
@@ -99,7 +104,7 @@ def trace_tax(run: Run, out: Path) -> list[Plot]:
         ax = axes[0, 0]
         width = 0.38
         for k, (side, c) in enumerate((("oblivious", "#c44e52"), ("masked", "#55a868"))):
-            vals = [100 * (r["info"]["headline"]["padding_tax"][side] or 0.0) for r in rs]
+            vals = [100 * (_typed(r).headline.padding_tax[side] or 0.0) for r in rs]
             ax.bar([i + (k - 0.5) * width for i in range(len(rs))], vals, width, color=c, label=side)
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels(labels, fontsize=8)
@@ -134,17 +139,17 @@ def ep_step_bars(run: Run, out: Path) -> list[Plot]:
         ax = axes[0, 0]
         xs, labels = [], []
         for i, r in enumerate(rs):
-            ep = r["info"]["headline"]["ep_step"]
-            for k, side in enumerate(("masked", "oblivious")):
+            ep = _typed(r).headline.ep_step
+            for k, side in enumerate(SIDES):
                 x = i + (k - 0.5) * 0.4
-                parts = [ep["mean_rank_us"][side], ep["straggler_wait_us"][side], ep["dispatch_us"][side],
-                         ep["combine_us"][side]]
+                parts = [ep.mean_rank_us[side], ep.straggler_wait_us[side], ep.dispatch_us[side],
+                         ep.combine_us[side]]
                 bottom = 0.0
                 for (name, color), v in zip(_EP_PARTS, parts):
                     ax.bar(x, v / 1e6, 0.36, bottom=bottom, color=color, hatch="//" if side == "oblivious" else None,
                            edgecolor="white", label=name if (i, k) == (0, 0) else None)
                     bottom += v / 1e6
-                ax.plot([x - 0.18, x + 0.18], [ep["step_us"][side] / 1e6] * 2, color="black", lw=1.5)
+                ax.plot([x - 0.18, x + 0.18], [ep.step_us[side] / 1e6] * 2, color="black", lw=1.5)
                 xs.append(x)
                 labels.append(f"EP {r['params'].get('ep_size')}\n{side}")
         ax.set_xticks(xs)
@@ -180,7 +185,7 @@ def _timeline_steps(run: Run, r: dict) -> list[dict]:
     names = ("ep_step_us", "ep_experts_us", "ep_mean_rank_us")
     if f"{names[0]}_masked" not in cols:
         return []
-    return [{"step": i, **{k: {side: float(cols[f"{k}_{side}"][i]) for side in ("masked", "oblivious")}
+    return [{"step": i, **{k: {side: float(cols[f"{k}_{side}"][i]) for side in SIDES}
                            for k in names}} for i in range(n)]
 
 

@@ -6,7 +6,9 @@ what the masks recover (a figure inside the timings' noise says so instead of a 
 computed for padding, the slowest EP rank's excess routes and the predicted fixed-capacity compiles; and, where the
 run sweeps capture lists, the list with the least tax for each configuration.
 
-Every figure is read from a record's `info.headline` (moebench.bench.serving_trace writes it); nothing is re-run.
+Every figure is read from a record's info through its typed record (moebench.bench.serving_trace.record:
+TraceRecord.from_info); nothing is re-run. The footer also says what each phase of a point cost and, where the rank
+times and the wire figures come from different cards, a note saying so.
 The runner prints `footer_lines` under its table and `moebench report` shows `table` before anything else.
 """
 
@@ -14,22 +16,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from moebench.bench.serving_trace.knobs import config_keys
+from moebench.bench.serving_trace.record import TraceHeadline, TraceRecord
 from moebench.report import cells
 from moebench.report.headline import format_value
 
 TARGET = "serving_trace"
 # the figures a serving_trace report shows beside its tables, before everything else (moebench.plots.trace)
 LEAD_PLOTS = ("ep_step_bars", "ep_timeline")
-# The engine parameters a what-if over capture lists holds fixed (records differing in any other way are
-# different configurations, each with its own best list).
-_CONFIG_KEYS = ("model", "num_experts", "top_k", "hidden", "intermediate", "expert_dtype", "ep_size", "dp_size",
-                "sp_size", "dbo", "padding_fill", "trace", "trace_file", "trace_distribution", "trace_steps",
-                "trace_max_tokens", "seed", "capacity_policy")
 
 
 def trace_records(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("target") == TARGET and r.get("status") == "ok"
             and isinstance((r.get("info") or {}).get("headline"), dict)]
+
+
+def typed(r: dict) -> TraceRecord:
+    """A serving_trace record's info, typed (moebench.bench.serving_trace.record)."""
+    return TraceRecord.from_info(r["info"])
 
 
 def _pct(v: Any) -> str:
@@ -41,61 +45,55 @@ def _ms(v: Any) -> str:
     return "n/a" if v is None else cells.fixed(round(v / 1e3, 2) + 0.0, 2)  # + 0.0: no "-0.00"
 
 
-def _within(h: dict, *path: str) -> bool | None:
-    """The headline's noise verdict at `path` under noise.within_noise (None: unknown, or a record without it)."""
-    v: Any = (h.get("noise") or {}).get("within_noise") or {}
-    for k in path:
-        v = v.get(k) if isinstance(v, dict) else None
-    return v
-
-
-def _tax(h: dict, side: str) -> str:
+def _tax(h: TraceHeadline, side: str) -> str:
     """The padding tax, or `within noise` when the padding time is inside the timings' spread."""
-    if _within(h, "padding_tax", side):
+    if h.within_noise("padding_tax", side):
         return "within noise"
-    return _pct(h["padding_tax"][side])
+    return _pct(h.padding_tax[side])
 
 
-def _recovered(h: dict) -> str:
+def _recovered(h: TraceHeadline) -> str:
     """What the masks recover, as a share of the oblivious padding time only where both are outside the noise."""
-    if _within(h, "recovered"):
+    if h.within_noise("recovered"):
         return "within noise"
-    if _within(h, "padding_tax", "oblivious"):
-        return f"{_ms(h['recovered_us'])} ms (the padding time is within noise: no share)"
-    return f"{_ms(h['recovered_us'])} ms ({_pct(h.get('recovered_share'))} of the padding time)"
+    if h.within_noise("padding_tax", "oblivious"):
+        return f"{_ms(h.recovered_us)} ms (the padding time is within noise: no share)"
+    return f"{_ms(h.recovered_us)} ms ({_pct(h.recovered_share)} of the padding time)"
 
 
-def _timed(info: dict) -> str:
+def _timed(t: TraceRecord) -> str:
     """Shapes timed, and how (records from before trace_real_points timed every distinct shape)."""
-    n = info.get("trace_real_points") or 0
-    timed = info.get("timed_shapes", info["distinct_shapes"])
+    n = t.trace_real_points or 0
+    timed = t.timed_shapes if t.timed_shapes is not None else t.distinct_shapes
     return f"{timed}, interpolated N={n}" if n else f"{timed}"
 
 
 def config_label(r: dict) -> str:
-    info = r.get("info") or {}
-    e = info.get("engine") or {}
-    trace = (info.get("trace") or {}).get("source")
+    t = typed(r)
+    e = t.engine or {}
+    trace = (t.trace or {}).get("source")
     return (f"DP {e.get('dp_size')}, SP {e.get('sp_size')}, DBO {'on' if e.get('dbo') else 'off'}, EP {e.get('ep_size')}"
             + (f", trace {trace}" if trace else ""))
 
 
 def _config_key(r: dict) -> str:
+    """The engine configuration a what-if over capture lists holds fixed: the record's params but the capture list
+    and the keys that only say how much was measured (moebench.bench.serving_trace.knobs.config_keys)."""
     params = r.get("params") or {}
-    return repr([(k, params.get(k)) for k in _CONFIG_KEYS])
+    return repr([(k, params[k]) for k in config_keys(params)])
 
 
 def best_lists(records: list[dict]) -> dict[str, str]:
     """Per configuration (its _config_key): the capture list with the least oblivious padding tax."""
     best: dict[str, tuple[float, str]] = {}
     for r in trace_records(records):
-        tax = r["info"]["headline"]["padding_tax"]["oblivious"]
+        t = typed(r)
+        tax = t.headline.padding_tax["oblivious"]
         if tax is None:
             continue
         key = _config_key(r)
-        label = r["info"]["engine"]["capture_list"]
         if key not in best or tax < best[key][0]:
-            best[key] = (tax, label)
+            best[key] = (tax, t.capture_list)
     return {k: v[1] for k, v in best.items()}
 
 
@@ -109,49 +107,31 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     best = best_lists(records)
     rows = []
     for r in trace_records(records):
-        info, h = r["info"], r["info"]["headline"]
-        label = info["engine"]["capture_list"]
-        compiles = h.get("jit_compiles") or {}
-        rows.append([label, config_label(r), f"{info['distinct_shapes']} / {_timed(info)} / {info['trace']['steps']}",
-                     _ms(h["layer_us"]["oblivious"]), _ms(h["layer_us"]["masked"]),
+        t = typed(r)
+        h = t.headline
+        compiles = h.jit_compiles or {}
+        rows.append([t.capture_list, config_label(r), f"{t.distinct_shapes} / {_timed(t)} / {t.steps}",
+                     _ms(h.layer_us["oblivious"]), _ms(h.layer_us["masked"]),
                      _tax(h, "oblivious"), _tax(h, "masked"), _recovered(h),
-                     f"{h['padded_rows']} ({_pct(h.get('padding_row_share'))})",
-                     f"{h['padding_gemm_rows']['oblivious']} / {h['padding_gemm_rows']['masked']}",
-                     format_value(h.get("ep_excess_from_padding")),
+                     f"{h.padded_rows} ({_pct(h.padding_row_share)})",
+                     f"{h.padding_gemm_rows['oblivious']} / {h.padding_gemm_rows['masked']}",
+                     format_value(h.ep_excess_from_padding),
                      f"{format_value(compiles.get('oblivious'))} / {format_value(compiles.get('masked'))}",
-                     "yes" if best.get(_config_key(r)) == label else ""])
+                     "yes" if best.get(_config_key(r)) == t.capture_list else ""])
     return HEAD, rows
-
-
-def _wire_label(info: dict) -> str:
-    """The wire model by name and figures: NVLink and NIC bandwidth and latency, ranks per node, the overheads."""
-    wire = (info.get("ep_step") or {}).get("wire") or {}
-    intra, inter = wire.get("intra") or {}, wire.get("inter") or {}
-    if not intra:
-        return f"{wire.get('kind', 'model')} {wire.get('name', '?')}"
-    return (f"{wire.get('kind', 'model')} {wire.get('name', '?')}: NVLink {intra.get('bandwidth_gbps'):g} GB/s + "
-            f"{intra.get('latency_us'):g} us, NIC {inter.get('bandwidth_gbps'):g} GB/s + {inter.get('latency_us'):g} us, "
-            f"{wire.get('ranks_per_node')} ranks a node, overheads {wire.get('dispatch_overhead_us'):g} / "
-            f"{wire.get('combine_overhead_us'):g} us")
-
-
-def _replay_label(info: dict) -> str:
-    """The EP replay check's verdict per side, with its deviation where it is off."""
-    replay = (info.get("ep_step") or {}).get("replay")
-    if not replay:
-        return "not run"
-    parts = []
-    for side in ("oblivious", "masked"):
-        worst = max((v for v in (replay["rel_diff"].get(side) or {}).values() if v is not None), default=None)
-        ok = replay["within_5pct"].get(side)
-        parts.append(f"{side} {'yes' if ok else 'NO'}" + ("" if ok or worst is None else f" ({100 * worst:.1f}% off)"))
-    return ", ".join(parts)
 
 
 EP_HEAD = ["capture list", "engine", "trace", "step ms oblivious", "step ms masked", "EP tax",
            "slowest rank: expert ms obl / masked", "straggler wait ms obl / masked", "wire ms obl / masked",
            "tax split ms: GEMM / straggler / wire / DBO overlap", "slowest rank's share of padded routes",
-           "rank times", "replay (experts, step) within 5%"]
+           "rank times", "replay (experts, step) within tolerance"]
+
+
+def _replay_cell(t: TraceRecord) -> str:
+    ep = t.ep_step
+    if ep is None or ep.replay is None:
+        return "not run"
+    return f"{ep.replay_label()} (tolerance {_pct(ep.replay.tolerance)})"
 
 
 def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -159,21 +139,19 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     split, the straggler's wait, the wire, how the rank times were had and the replay check."""
     rows = []
     for r in trace_records(records):
-        info, h = r["info"], r["info"]["headline"]
-        ep = h.get("ep_step")
-        if not ep:
+        t = typed(r)
+        ep = t.headline.ep_step
+        if ep is None:
             continue
-        split = ep["tax_split_us"]
-        checked = _replay_label(info)
-        share = ep.get("slowest_rank_padded_route_share")
-        rows.append([info["engine"]["capture_list"], config_label(r),
-                     f"{(info.get('trace') or {}).get('source')}, {info['trace']['steps']} steps",
-                     _ms(ep["step_us"]["oblivious"]), _ms(ep["step_us"]["masked"]), _pct(ep["padding_tax"]),
-                     f"{_ms(ep['experts_us']['oblivious'])} / {_ms(ep['experts_us']['masked'])}",
-                     f"{_ms(ep['straggler_wait_us']['oblivious'])} / {_ms(ep['straggler_wait_us']['masked'])}",
-                     f"{_ms(ep['wire_us']['oblivious'])} / {_ms(ep['wire_us']['masked'])}",
+        split = ep.tax_split_us
+        wire = t.ep_step.wire_label() if t.ep_step is not None else "?"
+        rows.append([t.capture_list, config_label(r), f"{(t.trace or {}).get('source')}, {t.steps} steps",
+                     _ms(ep.step_us["oblivious"]), _ms(ep.step_us["masked"]), _pct(ep.padding_tax),
+                     f"{_ms(ep.experts_us['oblivious'])} / {_ms(ep.experts_us['masked'])}",
+                     f"{_ms(ep.straggler_wait_us['oblivious'])} / {_ms(ep.straggler_wait_us['masked'])}",
+                     f"{_ms(ep.wire_us['oblivious'])} / {_ms(ep.wire_us['masked'])}",
                      " / ".join(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")),
-                     _pct(share), f"{ep['rank_times']}; wire {_wire_label(info)}", checked])
+                     _pct(ep.slowest_rank_padded_route_share), f"{ep.rank_times}; wire {wire}", _replay_cell(t)])
     return EP_HEAD, rows
 
 
@@ -197,22 +175,26 @@ def footer_lines(records: list[dict]) -> list[str]:
         return []
     out = ["padding tax over the trace (oblivious | masked):"]
     for r in recs:
-        info, h = r["info"], r["info"]["headline"]
-        out.append(f"  {info['engine']['capture_list']} ({config_label(r)}): single-rank layer "
-                   f"{_ms(h['layer_us']['oblivious'])} | {_ms(h['layer_us']['masked'])} ms, tax {_tax(h, 'oblivious')}"
-                   f" | {_tax(h, 'masked')}, masks recover {_recovered(h)}, {info['distinct_shapes']} distinct "
-                   f"shapes ({_timed(info)} timed) over {info['trace']['steps']} steps")
-        ep = h.get("ep_step")
-        if ep:
-            split = ep["tax_split_us"]
-            out.append(f"    EP step: {_ms(ep['step_us']['oblivious'])} | {_ms(ep['step_us']['masked'])} ms, tax "
-                       f"{_pct(ep['padding_tax'])}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
+        t = typed(r)
+        h = t.headline
+        out.append(f"  {t.capture_list} ({config_label(r)}): single-rank layer "
+                   f"{_ms(h.layer_us['oblivious'])} | {_ms(h.layer_us['masked'])} ms, tax {_tax(h, 'oblivious')}"
+                   f" | {_tax(h, 'masked')}, masks recover {_recovered(h)}, {t.distinct_shapes} distinct "
+                   f"shapes ({_timed(t)} timed) over {t.steps} steps")
+        ep = h.ep_step
+        if ep is not None and t.ep_step is not None:
+            split = ep.tax_split_us
+            out.append(f"    EP step: {_ms(ep.step_us['oblivious'])} | {_ms(ep.step_us['masked'])} ms, tax "
+                       f"{_pct(ep.padding_tax)}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
                        f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
                        + (f", DBO overlap {_ms(split['overlap_us'])} ms" if split.get("overlap_us") else "")
-                       + f"; rank times {ep['rank_times']}; replay within 5%: {_replay_label(info)}")
-            out.append(f"    wire {_wire_label(info)}")
-    if any(((r["info"]["headline"].get("noise") or {}).get("within_noise") or {}).get("recovered") is None
-           for r in recs):
+                       + f"; rank times {ep.rank_times}; replay {_replay_cell(t)}")
+            out.append(f"    wire {t.ep_step.wire_label()}")
+            if t.ep_step.card_note:
+                out.append(f"    note: {t.ep_step.card_note}")
+        if t.phase_wall_s:
+            out.append(f"    phases: {t.phases_label()}")
+    if any(typed(r).headline.within_noise("recovered") is None for r in recs):
         out.append("  (a figure's noise is unknown where shapes were timed with fewer than 5 samples or interpolated)")
     for key, label in best_lists(records).items():
         example = next(r for r in recs if _config_key(r) == key)

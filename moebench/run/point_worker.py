@@ -181,7 +181,7 @@ def worker_main(fd: int, device: str, parent_pid: int) -> None:
                 _apply_run(*msg[1:])
                 sweep, run_dir = msg[1], msg[-1]
                 # a point's own progress goes to the runner as it happens (moebench.run.progress)
-                ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir) if run_dir else None,
+                ctx = RunContext(device=dev, run_dir=Path(run_dir) if run_dir else None,
                                  progress_sink=throttled(lambda *report: conn.send(("progress", *report))))
                 conn.send(("ok", None))
             except BaseException as e:  # noqa: BLE001

@@ -312,7 +312,7 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
 
 def _in_process_runner(sweep: Sweep, dev: torch.device, run_dir: Path, progress: RunProgress | None = None
                        ) -> Callable[[Point], dict]:
-    ctx = RunContext(device=dev, run_token=object(), run_dir=Path(run_dir).absolute(),
+    ctx = RunContext(device=dev, run_dir=Path(run_dir).absolute(),
                      progress_sink=progress.point_report if progress is not None else None)
     return lambda pt: execute_point(pt, sweep, ctx)
 

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from moebench.bench import serving_trace
-from moebench.bench.serving_trace.compose import (SIDES, compose, distinct_shapes, interpolated_timer,
-                                           interpolation_shapes, padded_row_counts, real_grid, real_only_points,
-                                           replay, totals)
+from moebench.bench.serving_trace import headline, steps as step_figures
+from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer, interpolation_shapes,
+                                                  padded_row_counts, real_grid, real_only_points, replay, totals)
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE
 from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.cli import main
 from moebench.inputs.engine_padding import Engine, padding_problem, producer_calls, step_padding
@@ -322,13 +324,12 @@ def test_build_records_the_trace(monkeypatch):
     """One small point end to end through the impl: per-step rows, distinct shapes, the headline, the check."""
     from moebench.registry import RunContext, get
 
-    serving_trace._SHAPES.clear()
     # one EP rank: every expert is local, so each padded row routed (oblivious) is top_k expert-GEMM rows
     p = replace(Params(), **{**SMALL, "ep_size": 1}, trace=[3, 5, 3], capture_sizes=[4, 8], dp_size=2,
                 trace_replay=1)
     impl = get("serving_trace.layer")
     assert impl.validate(p) is None
-    run = RunContext(device=torch.device("cpu"), run_token=object())
+    run = RunContext(device=torch.device("cpu"))
     case = impl.build(p, run)
     info = case.info
     assert [s["cudagraph_rows"] for s in info["trace_steps"]] == [[4, 4], [8, 8], [4, 4]]
@@ -339,7 +340,8 @@ def test_build_records_the_trace(monkeypatch):
     assert h["padding_gemm_rows"] == {"masked": 0, "oblivious": 2 * 10}
     assert h["jit_compiles"] == {"masked": None, "oblivious": None}  # one rank: nothing dispatched
     assert info["replay"]["steps"] == 1 and info["replay"]["calls"] == 2
-    assert set(info["replay"]["within_5pct"]) == set(SIDES) and set(info["replay"]["rel_diff"]) == set(SIDES)
+    assert set(info["replay"]["within_tolerance"]) == set(SIDES) and set(info["replay"]["rel_diff"]) == set(SIDES)
+    assert info["replay"]["tolerance"] == REPLAY_TOLERANCE
     for key in ("composed_padding_us", "replayed_padding_us", "composed_tax", "replayed_tax"):
         assert set(info["replay"][key]) == set(SIDES), key
     assert case.check().ok
@@ -348,7 +350,7 @@ def test_build_records_the_trace(monkeypatch):
     assert again.info["shapes_measured"] == 1 and again.info["shapes_reused"] == 3  # only (8, 3) is new
     # a new run in the same process measures again (nothing timed in an earlier run is reused)
     fresh = impl.build(replace(p, trace=[3], capture_sizes=[4], trace_replay=0),
-                       RunContext(device=torch.device("cpu"), run_token=object()))
+                       RunContext(device=torch.device("cpu")))
     assert fresh.info["distinct_shapes"] == 2  # (4, 3) and (3, 3), both measured by the first run
     assert fresh.info["shapes_measured"] == 2 and fresh.info["shapes_reused"] == 0
 
@@ -359,7 +361,6 @@ def test_point_check_fails_when_the_step_padding_is_not_the_producers(monkeypatc
     from moebench.inputs import engine_padding
     from moebench.registry import RunContext, get
 
-    serving_trace._SHAPES.clear()
     p = replace(Params(), **{**SMALL, "ep_size": 1}, trace=[3, 5, 3], capture_sizes=[4, 8], dp_size=2)
 
     def padding_as_real(real, engine):
@@ -385,7 +386,6 @@ def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):
     short = tmp_path / "short.csv"
     short.write_text("dp0,dp1\n12,9\n14,0\n")
     argv[argv.index("trace_file=example_chat_dp2.csv")] = f"trace_file={short}"
-    serving_trace._SHAPES.clear()
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "# padding tax over the trace (oblivious | masked):" in stdout
@@ -403,7 +403,6 @@ def test_scenario_runs_reports_and_plots_on_cpu(tmp_path, capsys):
 def test_fp8_experts_over_a_trace():
     from moebench.registry import RunContext, get
 
-    serving_trace._SHAPES.clear()
     p = replace(Params(), num_experts=8, top_k=2, hidden=128, intermediate=128, group_size=32, block_size=16,
                 expert_dtype="fp8", trace=[3], capture_sizes=[4])
     case = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu")))
@@ -425,7 +424,7 @@ def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
 
     figures = {(4, 4): shape(4, 4, [6, 2]), (4, 3): shape(4, 3, [0, 6]), (4, 0): shape(4, 0, [8, 0])}
     # micro-batch 0: [6, 2] + [0, 6] = [6, 8], excess 1; micro-batch 1: [6, 2] + [8, 0] = [14, 2], excess 6
-    assert serving_trace._ep_excess(step, figures, "oblivious") == 1 + 6
+    assert step_figures.ep_excess(step, figures, "oblivious") == 1 + 6
 
 
 def test_interpolated_mode_keeps_the_exact_figures():
@@ -435,9 +434,7 @@ def test_interpolated_mode_keeps_the_exact_figures():
 
     p = replace(Params(), **SMALL, trace=[3, 5, 7, 2], capture_sizes=[8], dp_size=2)
     impl = get("serving_trace.layer")
-    serving_trace._SHAPES.clear()
     exact = impl.build(p, RunContext(device=torch.device("cpu"))).info
-    serving_trace._SHAPES.clear()
     interp = impl.build(replace(p, trace_real_points=2), RunContext(device=torch.device("cpu"))).info
     assert exact["shape_mode"] == "exact" and interp["shape_mode"] == "interpolated"
     assert interp["trace_real_points"] == 2
@@ -468,7 +465,7 @@ def test_bad_trace_real_points_is_refused(tmp_path, capsys):
     assert main(["run", str(sweep), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trace_real_points" in err[0], err
-    from moebench.traces.knobs import ServingKnobs
+    from moebench.bench.serving_trace.knobs import ServingKnobs
     assert ServingKnobs(trace_real_points=-3).problem(Params()) == "trace_real_points: must be >= 0, got -3"
 
 
@@ -486,7 +483,7 @@ def test_a_padded_shape_holds_the_real_rows_of_its_real_only_shape():
 
 
 def test_a_second_run_in_one_process_measures_its_shapes_again(tmp_path):
-    """The shape cache lives for one run (RunContext.run_token): two in-process runs of the same sweep each time
+    """The shape store lives for one run (RunContext.run_store): two in-process runs of the same sweep each time
     every shape; within a run, the second capture list reuses the first's."""
     from moebench.run.runner import run_sweep
     from moebench.run.results import load_records
@@ -523,15 +520,15 @@ def test_a_tax_inside_the_timings_noise_is_reported_as_such():
     figures = {(8, 7): shape(8, 7, 1000.0, 1001.0, 5.0), (7, 7): shape(7, 7, 1000.3, 1000.2, 5.0)}
     tot = {"layer_us": {"masked": 110_003.0, "oblivious": 110_110.0},
            "padding_us": {"masked": -30.0, "oblivious": 80.0}}
-    n = serving_trace.noise(calls, figures, tot)
+    n = headline.noise(calls, figures, tot)
     # the padding time reads (8, 7) and, for its real tokens alone, (7, 7) 100 times each; the unpadded (7, 7)
     # calls add nothing to it (exactly 0), but their two sides' difference is part of the saving
     assert n["padding_us"]["masked"] == pytest.approx(2 ** 0.5 * 100 * 5, abs=1e-3)
     assert n["recovered_us"] == pytest.approx(2 ** 0.5 * ((100 * 5) ** 2 + (10 * 5) ** 2) ** 0.5, abs=1e-3)
     assert n["within_noise"] == {"padding_tax": {"masked": True, "oblivious": True}, "recovered": True}
-    loud = serving_trace.noise(calls, {k: shape(k[0], k[1], 1000, 1000, 0.01) for k in figures}, tot)
+    loud = headline.noise(calls, {k: shape(k[0], k[1], 1000, 1000, 0.01) for k in figures}, tot)
     assert loud["within_noise"] == {"padding_tax": {"masked": False, "oblivious": False}, "recovered": False}
-    unknown = serving_trace.noise(calls, {k: shape(k[0], k[1], 1000, 1000, None) for k in figures}, tot)
+    unknown = headline.noise(calls, {k: shape(k[0], k[1], 1000, 1000, None) for k in figures}, tot)
     assert unknown["within_noise"]["recovered"] is None
 
     def record(noise):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from moebench.bench.serving_trace.wire import wire_model_of
 from moebench.cli import main
 from moebench.dispatch.wire_model import (
     DEFAULT_CALIBRATION_RUN,
@@ -22,7 +23,6 @@ from moebench.dispatch.wire_model import (
     calibrate,
     combine_row_bytes,
     dispatch_row_bytes,
-    wire_model_of,
 )
 from moebench.params import Params, Point
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Callable, Mapping, Sequence
 
+from moebench.bench.serving_trace.record import SIDES
 from moebench.inputs.engine_padding import StepPadding
 
-SIDES = ("masked", "oblivious")
 ShapeTimer = Callable[[str, int, int], float]  # (side, rows, real) -> microseconds
 
 

@@ -11,6 +11,9 @@ each call's routing (`CallRoutes`: routes per expert, rows sent to each EP rank;
   experts_us(m)      max over r of T_r, T_r its workload's time; mean_us(m) the mean over r; slowest its argmax
   dispatch_us(m)     the wire model's time for bytes[src][dst] = rows src sends dst x dispatch row bytes
   combine_us(m)      the same with the matrix transposed x combine row bytes (every received row goes back)
+Each micro-batch is built once per step and side (`micro_batches`) and priced at once (`MicroBatch.priced`: its
+wire times and off-rank bytes, the byte matrices dropped), so the composition, the workload collection and the
+replay read the same small `PricedMicroBatch`es (`StepMicroBatches` keeps them for the steps read more than once).
 The step: sum over m of dispatch + experts + combine; with DBO (two micro-batches) one micro-batch's wire overlaps
 the other's experts:  step = d0 + max(c0, d1) + max(x0, c1) + x1  (d dispatch, c experts, x combine).
 The tax of padding (oblivious minus masked: masked padded rows add no route, no row, no byte) splits into
@@ -20,6 +23,8 @@ The tax of padding (oblivious minus masked: masked padded rows add no route, no 
   overlap_us    with DBO, what the overlap hides of those (the rest of the step difference; 0 without DBO)
 which add up to the step difference. The router and the per-source reduce are not in the step (the single-rank
 layer view times them); `compose_steps` is tested against stand-in timers in tests/bench/test_ep_step.py.
+`placement`, `layout_of`: the sources on the EP ranks of a point; `largest_step`, `padded_route_share`: figures of
+the composed steps the record states.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.rank_cost import Workload
+from moebench.bench.serving_trace.record import SIDES
+from moebench.dispatch.wire_model import combine_row_bytes, dispatch_row_bytes
 from moebench.inputs.engine_padding import StepPadding
-
-SIDES = ("masked", "oblivious")
+from moebench.params import EPLayout, Params
 RankTime = Callable[[Workload], float]
 # (phase "dispatch" | "combine", bytes[src][dst]) -> microseconds
 WireTime = Callable[[str, list[list[int]]], float]
@@ -55,24 +62,43 @@ class CallRoutes:
 
 
 @dataclass(frozen=True)
-class Layout:
-    ep_size: int
-    num_experts: int
-    sp_size: int
-    dispatch_row_bytes: int
-    combine_row_bytes: int
-    dbo: bool
-    replicas: int = 1  # DP x SP groups the EP group holds (ep_size / (DP x SP) when larger)
+class EPStepLayout(EPLayout):
+    """The EP layout (ownership of the experts: EPLayout's ep_size, num_experts, local_experts) as the EP step
+    places its sources on it: SP ranks per DP rank, the bytes of a row on the wire each way, DBO, and `replicas`
+    (DP x SP groups the EP group holds: ep_size / (DP x SP) when larger). `rank` is unused (0): the step sees
+    every rank."""
 
-    @property
-    def local_experts(self) -> int:
-        return self.num_experts // self.ep_size
+    sp_size: int = 1
+    dispatch_row_bytes: int = 0
+    combine_row_bytes: int = 0
+    dbo: bool = False
+    replicas: int = 1
 
     def sources(self, dp_size: int) -> int:
         return dp_size * self.sp_size
 
     def slot(self, replica: int, dp_size: int, dp_rank: int, sp_rank: int) -> int:
         return replica * dp_size * self.sp_size + dp_rank * self.sp_size + sp_rank
+
+
+def layout_of(p: Params) -> EPStepLayout:
+    payload = "fp8" if p.expert_dtype == "fp8" else "bf16"
+    serving = p.knobs(ServingKnobs)
+    return EPStepLayout(0, p.ep_size, p.num_experts, sp_size=serving.sp_size,
+                        dispatch_row_bytes=dispatch_row_bytes(p.hidden, p.top_k, payload),
+                        combine_row_bytes=combine_row_bytes(p.hidden), dbo=serving.dbo,
+                        replicas=max(1, p.ep_size // (serving.dp_size * serving.sp_size)))
+
+
+def placement(p: Params) -> str:
+    serving = p.knobs(ServingKnobs)
+    sources = serving.dp_size * serving.sp_size
+    if sources == p.ep_size:
+        return f"one source (DP rank x SP rank) on each of the {p.ep_size} EP ranks"
+    if sources < p.ep_size:
+        return (f"{p.ep_size // sources} DP groups of DP x SP = {sources} sources, one on each of the {p.ep_size} EP "
+                f"ranks: each group the trace's token counts, its own routing")
+    return f"{sources} sources (DP x SP) on {p.ep_size} EP ranks, source s on rank s mod {p.ep_size}"
 
 
 def placement_problem(ep_size: int, dp_size: int, sp_size: int) -> str | None:
@@ -87,7 +113,6 @@ def placement_problem(ep_size: int, dp_size: int, sp_size: int) -> str | None:
 def call_routes(ids: torch.Tensor, num_experts: int, ep_size: int) -> CallRoutes:
     """A routing [T, K] (-1: none) as routes per expert and rows with a route to each EP rank (measure.imbalance)."""
     from moebench.measure.imbalance import rank_rows
-    from moebench.params import EPLayout
 
     ids = ids.to(torch.int64)
     expert_routes = torch.bincount(ids[ids >= 0], minlength=num_experts)
@@ -122,8 +147,30 @@ class MicroBatch:
         m = self.dispatch_bytes if phase == "dispatch" else self.combine_bytes
         return int(m.sum() - m.diagonal().sum())
 
+    def priced(self, wire_time: WireTime) -> "PricedMicroBatch":
+        """Its rank workloads with the wire's times and off-rank bytes (the byte matrices dropped)."""
+        return PricedMicroBatch(self.counts, self.received, wire_time("dispatch", self.dispatch_bytes),
+                                wire_time("combine", self.combine_bytes), self.off_rank_bytes("dispatch"),
+                                self.off_rank_bytes("combine"))
 
-def micro_batches(step: StepPadding, layout: Layout, routes_of: RoutesOf, side: str) -> list[MicroBatch]:
+
+@dataclass
+class PricedMicroBatch:
+    """One micro-batch of one side as the composition reads it: the rank workloads and the wire's times."""
+
+    counts: torch.Tensor  # int64 [R, E/R]
+    received: torch.Tensor  # int64 [R]
+    dispatch_us: float
+    combine_us: float
+    dispatch_bytes: int  # off-rank bytes summed over the ranks
+    combine_bytes: int
+
+    @property
+    def workloads(self) -> list[Workload]:
+        return [Workload(int(r), tuple(c)) for r, c in zip(self.received.tolist(), self.counts.tolist())]
+
+
+def micro_batches(step: StepPadding, layout: EPStepLayout, routes_of: RoutesOf, side: str) -> list[MicroBatch]:
     """The step's micro-batches (those with calls) as rank workloads and byte matrices."""
     R, epr = layout.ep_size, layout.local_experts
     dp_size = len(step.real)
@@ -173,7 +220,7 @@ class SideStep:
         return self.dispatch_us + self.experts_us + self.combine_us
 
 
-def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTime, dbo: bool) -> SideStep:
+def side_step(mbs: Sequence[PricedMicroBatch], rank_time: RankTime, dbo: bool) -> SideStep:
     out = SideStep()
     parts = []
     for mb in mbs:
@@ -181,14 +228,14 @@ def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTim
         times = (rank_time.batch(mb.counts, mb.received) if hasattr(rank_time, "batch")
                  else [rank_time(w) for w in mb.workloads])
         slowest = max(range(len(times)), key=lambda r: times[r])
-        d, x = wire_time("dispatch", mb.dispatch_bytes), wire_time("combine", mb.combine_bytes)
+        d, x = mb.dispatch_us, mb.combine_us
         parts.append((d, times[slowest], x))
         out.experts_us += times[slowest]
         out.mean_rank_us += sum(times) / len(times)
         out.dispatch_us += d
         out.combine_us += x
-        out.dispatch_bytes += mb.off_rank_bytes("dispatch")
-        out.combine_bytes += mb.off_rank_bytes("combine")
+        out.dispatch_bytes += mb.dispatch_bytes
+        out.combine_bytes += mb.combine_bytes
         routes = mb.counts.sum(dim=1).tolist()
         out.rank_routes = [a + b for a, b in zip(out.rank_routes, routes)] if out.rank_routes else routes
         if times[slowest] >= out.slowest_us:
@@ -197,11 +244,44 @@ def side_step(mbs: Sequence[MicroBatch], rank_time: RankTime, wire_time: WireTim
     return out
 
 
-def compose_steps(steps: Sequence[StepPadding], layout: Layout, routes_of: RoutesOf, rank_time: RankTime,
+StepMBs = Mapping[str, Sequence[PricedMicroBatch]]  # one step's priced micro-batches per side
+
+
+class StepMicroBatches:
+    """Each step's priced micro-batches per side, built once: kept for the steps `keep()` names (those read more
+    than once: the workloads' steps, the replay's), built on the fly and dropped for the others (a long trace's
+    distinct steps are composed once)."""
+
+    def __init__(self, layout: EPStepLayout, routes_of: RoutesOf, wire_time: WireTime):
+        self.layout, self.routes_of, self.wire_time = layout, routes_of, wire_time
+        self.kept: dict[int, tuple[StepPadding, dict[str, list[PricedMicroBatch]]]] = {}
+        self.built = 0  # micro-batch lists built (a step and side each)
+
+    def _build(self, step: StepPadding) -> dict[str, list[PricedMicroBatch]]:
+        self.built += len(SIDES)
+        return {side: [mb.priced(self.wire_time) for mb in micro_batches(step, self.layout, self.routes_of, side)]
+                for side in SIDES}
+
+    def keep(self, steps: Sequence[StepPadding]) -> None:
+        for s in steps:
+            if id(s) not in self.kept:
+                self.kept[id(s)] = (s, self._build(s))
+
+    def __call__(self, step: StepPadding) -> dict[str, list[PricedMicroBatch]]:
+        got = self.kept.get(id(step))
+        return got[1] if got is not None else self._build(step)
+
+
+def compose_priced(step_mbs: Sequence[StepMBs], rank_time: RankTime, dbo: bool) -> list[dict[str, SideStep]]:
+    """Per step {side: SideStep} from its priced micro-batches."""
+    return [{side: side_step(mbs[side], rank_time, dbo) for side in SIDES} for mbs in step_mbs]
+
+
+def compose_steps(steps: Sequence[StepPadding], layout: EPStepLayout, routes_of: RoutesOf, rank_time: RankTime,
                   wire_time: WireTime) -> list[dict[str, SideStep]]:
     """Per step {side: SideStep}."""
-    return [{side: side_step(micro_batches(s, layout, routes_of, side), rank_time, wire_time, layout.dbo)
-             for side in SIDES} for s in steps]
+    built = StepMicroBatches(layout, routes_of, wire_time)
+    return compose_priced([built(s) for s in steps], rank_time, layout.dbo)
 
 
 def tax_split(masked: SideStep, oblivious: SideStep) -> dict[str, float]:
@@ -230,3 +310,31 @@ def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | N
     split = tax_split(m, o)
     split["straggler_wait_us"] = {s: sums[s]["experts_us"] - sums[s]["mean_rank_us"] for s in SIDES}
     return {"sums": sums, "tax": split}
+
+
+def largest_step(steps: Sequence[StepPadding], per_step: Sequence[dict[str, SideStep]]) -> dict:
+    """The step with the most rows: per side its slowest rank, that rank's time, the mean's, every rank's."""
+    if not steps:
+        return {}
+    i = max(range(len(steps)), key=lambda j: (sum(c.rows for c in steps[j].calls), -j))
+    out: dict = {"real": list(steps[i].real), "rows": sum(c.rows for c in steps[i].calls)}
+    for side in SIDES:
+        s = per_step[i][side]
+        out[side] = {"slowest_rank": s.slowest_rank, "slowest_us": round(s.slowest_us, 3),
+                     "mean_rank_us": round(sum(s.rank_us) / len(s.rank_us), 3) if s.rank_us else 0.0,
+                     "rank_us": [round(t, 3) for t in s.rank_us], "rank_routes": s.rank_routes}
+    return out
+
+
+def padded_route_share(per_step: Sequence[dict[str, SideStep]], counts: Sequence[int]) -> float | None:
+    """Of the padded routes over the trace (oblivious routes minus masked, per rank), the share that went to each
+    step's slowest oblivious rank."""
+    to_slowest = total = 0
+    for st, n in zip(per_step, counts):
+        o, m = st["oblivious"], st["masked"]
+        if not o.rank_routes:
+            continue
+        padded = [a - b for a, b in zip(o.rank_routes, m.rank_routes or [0] * len(o.rank_routes))]
+        total += n * sum(padded)
+        to_slowest += n * padded[o.slowest_rank] if o.slowest_rank >= 0 else 0
+    return to_slowest / total if total else None

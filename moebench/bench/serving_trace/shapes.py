@@ -9,6 +9,9 @@ expert weights are the cached ones (inputs.cached_expert_weights: built once for
 side's LayerPipeline is built once per shape, timed through measure.timing.measure with the sweep's timing, and
 freed. The figures (`shape_figures`: make_batch and route, no pipeline) and the timings (`time_shape`) are
 separate: serving_trace routes every exact shape but, in interpolated mode, times only grid shapes.
+The shape store (`ShapeStore`, `measure_shapes`): shapes already routed or timed by the point before, in the same run
+and at the same layer parameters (a what-if axis over capture lists shares most of them), are reused; the store is
+the run's (RunContext.run_store), so nothing outlives the run; a point at other layer parameters starts it afresh.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
   padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
   rank_loads          routes to each of the ep_size EP ranks' experts (the step sums them over the calls that
@@ -18,6 +21,7 @@ Figures from the reference routing of the batch, per side (padding routed when o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,9 +32,10 @@ from moebench.inputs import cached_expert_weights, make_batch, route
 from moebench.inputs.padding import fill_rows
 from moebench.measure.imbalance import per_rank_loads
 from moebench.measure.timing import measure, measure_settled
+from moebench.bench.serving_trace.knobs import TRACE_KEYS
+from moebench.bench.serving_trace.record import SIDES
 from moebench.params import EPLayout, Params, Timing
 
-SIDES = ("masked", "oblivious")
 MIN_SPREAD_SAMPLES = 5  # fewer samples give no p10-p90 spread worth the name
 
 
@@ -45,8 +50,6 @@ def shape_params(p: Params, rows: int, real: int) -> Params:
 
 def shape_seed_offset(rows: int, real: int) -> int:
     return 7_919 * rows + real
-
-
 
 
 @dataclass
@@ -176,3 +179,65 @@ class ShapeBench:
                 res = CheckResult(False, f"{side} layer at ({rows} rows, {real} real): {res.detail}", res.metrics)
             results.append(res)
         return CheckResult.merge(*results)
+
+
+class ShapeStore:
+    """One run's measured shapes, of one layer point at a time: {(rows, real): ShapeFigures} (exact shapes and grid
+    points share entries), kept while the points of the run share their layer parameters (`layer_key`)."""
+
+    RUN_STORE_KEY = "serving_trace.shapes"
+
+    def __init__(self):
+        self.layer_key: tuple | None = None
+        self.shapes: dict[tuple[int, int], ShapeFigures] = {}
+
+    @classmethod
+    def of_run(cls, run_store: dict) -> "ShapeStore":
+        """The run's store (made on the run's first serving_trace point)."""
+        return run_store.setdefault(cls.RUN_STORE_KEY, cls())
+
+    def for_layer(self, layer_key: tuple) -> dict[tuple[int, int], ShapeFigures]:
+        """The shapes of the layer point `layer_key`; another layer point's are dropped first."""
+        if self.layer_key != layer_key:
+            self.shapes, self.layer_key = {}, layer_key
+        return self.shapes
+
+
+def layer_key(p: Params, device: torch.device) -> tuple:
+    """What a shape's figures depend on: the device and every parameter but TRACE_KEYS."""
+    return (str(device), tuple(sorted((k, repr(v)) for k, v in p.to_dict().items() if k not in TRACE_KEYS)))
+
+
+def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], timed: list[tuple[int, int]],
+                   store: ShapeStore, progress=None, clock=None
+                   ) -> tuple[dict[tuple[int, int], ShapeFigures], dict, int]:
+    """The routing figures of every `routed` shape, the timing table {(side, rows, real): us} of every `timed`
+    one (reusing what `store` holds at this layer point), and the count of shapes timed now. `clock`
+    (record.PhaseClock) gets the phases `routing` and `shapes`."""
+    shapes = store.for_layer(layer_key(p, bench.device))
+    phase = clock.phase if clock is not None else (lambda name: contextlib.nullcontext())
+
+    def entry(shape: tuple[int, int]) -> ShapeFigures:
+        if shape not in shapes:
+            shapes[shape] = ShapeFigures(shape[0], shape[1], {}, {}, {}, {})
+        return shapes[shape]
+
+    with phase("routing"):
+        for shape in routed:
+            got = entry(shape)
+            if not got.padding_gemm_rows:
+                f = bench.shape_figures(*shape)
+                got.padding_gemm_rows, got.rank_loads, got.max_rows_per_rank = (
+                    f.padding_gemm_rows, f.rank_loads, f.max_rows_per_rank)
+    timed_now = 0
+    with phase("shapes"):
+        for i, shape in enumerate(timed):
+            got = entry(shape)
+            if progress is not None:
+                progress(i, len(timed), "trace shapes timed", f"rows {shape[0]}, real {shape[1]}")
+            if not got.layer_us:
+                got.layer_us = bench.time_shape(*shape)
+                got.layer_spread_us = dict(bench.last_spreads_us)
+                timed_now += 1
+    table = {(side, *shape): shapes[shape].layer_us[side] for shape in timed for side in SIDES}
+    return {s: shapes[s] for s in routed}, table, timed_now

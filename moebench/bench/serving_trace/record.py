@@ -1,0 +1,279 @@
+"""The serving_trace record, typed: what the family builds and writes into a record's `info`, and what report/ and
+plots/ read back (`from_info`), so that no reader looks a figure up by a string path through nested dicts.
+
+  TraceRecord     the parts of info a reader needs: the engine, the trace, the shape counts, the headline, the
+                  single-rank replay, the EP step, the phase costs
+  TraceHeadline   info.headline: the single-rank view over the trace (and `ep_step`, the EP step's headline)
+  EPHeadline      info.headline.ep_step
+  EPStepRecord    info.ep_step: how the EP step was had (placement, payload, wire, rank times), its totals and tax
+  ReplayRecord    info.replay: the single-rank composition against a call-by-call replay
+  EPReplayRecord  info.ep_step.replay: the EP composition against every rank timed afresh
+
+`to_info()` gives the JSON a record holds (optional parts left out when absent); `from_info(d)` reads it back,
+`from_info(x.to_info()) == x`. A replay states its `tolerance` and its verdict per side, `within_tolerance`;
+records written before the tolerance was recorded held `within_5pct` (a 5% tolerance): they are read as such.
+Imports nothing of moebench: the family builds these, report/trace_tax.py and plots/trace.py read them.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Optional
+
+SIDES = ("masked", "oblivious")
+LEGACY_TOLERANCE = 0.05  # what `within_5pct` meant in records written before `tolerance` was recorded
+
+
+class _Record:
+    """to_info / from_info over the dataclass's fields; NESTED: fields holding a record of their own, OPTIONAL:
+    fields left out of info when None (as the family leaves them out)."""
+
+    NESTED: ClassVar[dict[str, type]] = {}
+    OPTIONAL: ClassVar[frozenset] = frozenset()
+
+    def to_info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if v is None and f.name in self.OPTIONAL:
+                continue
+            out[f.name] = v.to_info() if isinstance(v, _Record) else v
+        return out
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]):
+        kw = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            v = info.get(f.name)
+            nested = cls.NESTED.get(f.name)
+            kw[f.name] = nested.from_info(v) if nested is not None and isinstance(v, dict) else v
+        return cls(**kw)
+
+
+def within_tolerance(rel_diff: Optional[float], tolerance: float) -> bool:
+    """A replay's verdict on one figure: its relative difference is known and at most the tolerance."""
+    return rel_diff is not None and rel_diff <= tolerance
+
+
+def _legacy_verdict(info: dict[str, Any]) -> dict[str, Any]:
+    """A replay's info with `within_tolerance` and `tolerance`, also for a record that held `within_5pct`."""
+    if "within_tolerance" in info or "within_5pct" not in info:
+        return info
+    out = {k: v for k, v in info.items() if k != "within_5pct"}
+    return {**out, "within_tolerance": info["within_5pct"], "tolerance": LEGACY_TOLERANCE}
+
+
+@dataclass
+class ReplayRecord(_Record):
+    """info.replay: the trace's first steps replayed call by call against their composition (layer time, and
+    the padding time and tax both ways)."""
+
+    steps: int
+    calls: int
+    composed_us: dict[str, float]
+    replayed_us: dict[str, float]
+    rel_diff: dict[str, Optional[float]]
+    wall_s: float
+    within_tolerance: dict[str, bool]
+    tolerance: float
+    composed_padding_us: dict[str, float]
+    replayed_padding_us: dict[str, float]
+    composed_tax: dict[str, Optional[float]]
+    replayed_tax: dict[str, Optional[float]]
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> "ReplayRecord":
+        return super().from_info(_legacy_verdict(info))
+
+
+@dataclass
+class EPReplayRecord(_Record):
+    """info.ep_step.replay: per side, the expert and step time composed (the run's rank times) and replayed (every
+    rank timed afresh), their relative differences and the verdict."""
+
+    steps: int
+    composed: dict[str, dict[str, float]]
+    replayed: dict[str, dict[str, float]]
+    rel_diff: dict[str, dict[str, Optional[float]]]
+    within_tolerance: dict[str, bool]
+    tolerance: float
+    wall_s: float
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> "EPReplayRecord":
+        return super().from_info(_legacy_verdict(info))
+
+    def worst(self, side: str) -> Optional[float]:
+        """The larger relative difference of the side's two figures (None: neither known)."""
+        return max((v for v in (self.rel_diff.get(side) or {}).values() if v is not None), default=None)
+
+    def verdict(self) -> str:
+        """Per side, oblivious first: yes, or NO with how far off."""
+        parts = []
+        for side in ("oblivious", "masked"):
+            ok, worst = self.within_tolerance.get(side), self.worst(side)
+            parts.append(f"{side} {'yes' if ok else 'NO'}" + ("" if ok or worst is None else
+                                                              f" ({100 * worst:.1f}% off)"))
+        return ", ".join(parts)
+
+
+@dataclass
+class EPHeadline(_Record):
+    """info.headline.ep_step: the EP step over the trace per side, the tax of padding and its split."""
+
+    step_us: dict[str, float]
+    experts_us: dict[str, float]
+    mean_rank_us: dict[str, float]
+    straggler_wait_us: dict[str, float]
+    wire_us: dict[str, float]
+    dispatch_us: dict[str, float]
+    combine_us: dict[str, float]
+    padding_tax: Optional[float]
+    tax_split_us: dict[str, float]
+    slowest_rank_padded_route_share: Optional[float]
+    rank_times: str
+
+
+@dataclass
+class TraceHeadline(_Record):
+    """info.headline: the single-rank view over the trace (each distinct step weighted by its count)."""
+
+    layer_us: dict[str, float]
+    real_only_us: dict[str, float]
+    padding_us: dict[str, float]
+    padding_tax: dict[str, Optional[float]]
+    recovered_us: float
+    recovered_share: Optional[float]
+    view: str = ""
+    real_tokens: int = 0
+    padded_rows: int = 0
+    padding_row_share: Optional[float] = None
+    padding_gemm_rows: dict[str, int] = field(default_factory=dict)
+    ep_excess_routes: dict[str, float] = field(default_factory=dict)
+    ep_excess_from_padding: Optional[float] = None
+    jit_compiles: dict[str, Optional[int]] = field(default_factory=dict)
+    noise: Optional[dict[str, Any]] = None
+    ep_step: Optional[EPHeadline] = None
+
+    NESTED: ClassVar[dict[str, type]] = {"ep_step": EPHeadline}
+    OPTIONAL: ClassVar[frozenset] = frozenset({"ep_step"})
+
+    def within_noise(self, *path: str) -> Optional[bool]:
+        """The noise verdict at `path` under noise.within_noise (None: unknown, or a record without it)."""
+        v: Any = (self.noise or {}).get("within_noise") or {}
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+
+
+@dataclass
+class EPStepRecord(_Record):
+    """info.ep_step: how the EP step was had and what it came to over the trace."""
+
+    view: str
+    placement: str
+    ranks_per_node: int
+    payload: dict[str, Any]
+    wire: dict[str, Any]
+    rank_times: str
+    distinct_workloads: int
+    rank_timings: int
+    wall_s: float
+    workloads_read_from_steps: int
+    routed_slots: int
+    totals: dict[str, dict[str, float]]
+    tax: dict[str, Any]
+    largest_step: dict[str, Any]
+    slowest_rank_padded_route_share: Optional[float]
+    cost_model: Optional[dict[str, Any]] = None
+    # how the rank times were had: the design and decisive timings, the share of the expert time they decide, the
+    # timer's own cost (rank_cost.plan_rank_times)
+    rank_plan: Optional[dict[str, Any]] = None
+    replay: Optional[EPReplayRecord] = None
+    # the card the rank times came from, where the wire figures came from, and a line when the two differ
+    rank_card: Optional[str] = None
+    wire_card: Optional[str] = None
+    card_note: Optional[str] = None
+
+    NESTED: ClassVar[dict[str, type]] = {"replay": EPReplayRecord}
+    OPTIONAL: ClassVar[frozenset] = frozenset({"cost_model", "rank_plan", "replay", "card_note"})
+
+    def wire_label(self) -> str:
+        """The wire model by name and figures: NVLink and NIC bandwidth and latency, ranks per node, overheads."""
+        wire = self.wire or {}
+        intra, inter = wire.get("intra") or {}, wire.get("inter") or {}
+        if not intra:
+            return f"{wire.get('kind', 'model')} {wire.get('name', '?')}"
+        return (f"{wire.get('kind', 'model')} {wire.get('name', '?')}: NVLink {intra.get('bandwidth_gbps'):g} GB/s + "
+                f"{intra.get('latency_us'):g} us, NIC {inter.get('bandwidth_gbps'):g} GB/s + "
+                f"{inter.get('latency_us'):g} us, {wire.get('ranks_per_node')} ranks a node, overheads "
+                f"{wire.get('dispatch_overhead_us'):g} / {wire.get('combine_overhead_us'):g} us")
+
+    def replay_label(self) -> str:
+        return self.replay.verdict() if self.replay is not None else "not run"
+
+
+PHASES = ("routing", "shapes", "rank_workloads", "replay", "host_composition", "total")
+
+
+@dataclass
+class TraceRecord(_Record):
+    """What report/ and plots/ read of a serving_trace record's info (the per-step lists stay as written)."""
+
+    engine: dict[str, Any]
+    trace: dict[str, Any]
+    distinct_shapes: int
+    headline: TraceHeadline
+    trace_real_points: int = 0
+    timed_shapes: Optional[int] = None
+    replay: Optional[ReplayRecord] = None
+    ep_step: Optional[EPStepRecord] = None
+    phase_wall_s: Optional[dict[str, float]] = None
+
+    NESTED: ClassVar[dict[str, type]] = {"headline": TraceHeadline, "replay": ReplayRecord,
+                                         "ep_step": EPStepRecord}
+    OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes"})
+
+    @property
+    def capture_list(self) -> str:
+        return str(self.engine.get("capture_list"))
+
+    @property
+    def steps(self) -> int:
+        return self.trace.get("steps")
+
+    def phases_label(self) -> str:
+        """What each phase cost, wall seconds ("" for a record without them)."""
+        if not self.phase_wall_s:
+            return ""
+        return ", ".join(f"{k.replace('_', ' ')} {self.phase_wall_s[k]:.1f}" for k in PHASES
+                         if k in self.phase_wall_s) + " s"
+
+
+def card_note(rank_card: str, wire_gpu: str, wire_measured_on: str) -> Optional[str]:
+    """One line where the rank times and the wire figures come from different cards, else None."""
+    if not wire_gpu or rank_card == wire_gpu:
+        return None
+    return (f"the rank times are from {rank_card}, the wire figures from {wire_measured_on or wire_gpu}: "
+            "the step mixes two cards")
+
+
+class PhaseClock:
+    """Wall seconds per phase of a point (PHASES; `total` since the clock was made): `with clock.phase(name):`."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.wall_s = {k: 0.0 for k in PHASES if k != "total"}
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wall_s[name] += time.perf_counter() - t
+
+    def record(self) -> dict[str, float]:
+        return {**{k: round(v, 3) for k, v in self.wall_s.items()}, "total": round(time.perf_counter() - self.t0, 3)}
