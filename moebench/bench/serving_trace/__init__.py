@@ -51,7 +51,10 @@ from moebench.bench.serving_trace.ep_step import placement_problem
 from moebench.bench.serving_trace.headline import trace_headline
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
-from moebench.bench.serving_trace.replay import single_rank_replay
+from moebench.bench.serving_trace.rank_cost import launch_of
+from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
+from moebench.bench.serving_trace.shape_cost import (DEFAULT_SHAPE_TIMINGS, ShapeTable, model_spread_us,
+                                                     plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
@@ -68,6 +71,7 @@ __all__ = ["build", "engine_of", "trace_tokens"]
 # How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
 # the cost per shape fixed: the scenario's 1000 steps time about 550 shapes per capture list), one wall-clock
 # sample under the CPU interpreter (a layer call there takes a good fraction of a second).
+SHAPES_RECORDED_MAX = 5_000  # a trace with more distinct shapes records the timed ones (the step file holds the rest)
 SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, max_seconds=5.0),
                 "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
 
@@ -108,36 +112,60 @@ def build(p: Params, ctx: RunContext) -> Case:
         replay_steps = [paddings[j] for j in index[:serving.trace_replay].tolist()]
         shapes = distinct_shapes(paddings + replay_steps)
         n = serving.trace_real_points
-        timed = interpolation_shapes(paddings + replay_steps, n) if n else shapes
-    bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"])
-    figures, table, measured = measure_shapes(p, bench, shapes, timed, ShapeStore.of_run(ctx.run_store),
-                                              ctx.progress, clock)
-    with clock.phase("host_composition"):
-        time_of = interpolated_timer(table, n) if n else table
-        timed_set = set(timed)
-        per_step = compose(paddings, time_of)
-        distinct = step_figures.step_records(p, paddings, per_step, figures)
-        tot = totals(per_step, counts)
         calls: Counter = Counter()
         for step, count in zip(paddings, counts):
             for c in step.calls:
                 calls[(c.rows, c.real)] += count
+    store = ShapeStore.of_run(ctx.run_store)
+    with clock.phase("routing"):
+        streams = store.streams_for(p, dev, max((r for _, r in shapes), default=1),
+                                    max((rows - r for rows, r in shapes), default=1))
+    bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"], streams)
+    if n:
+        timed = interpolation_shapes(paddings + replay_steps, n)
+        figures, table, measured = measure_shapes(p, bench, shapes, timed, store, ctx.progress, clock)
+        time_of = interpolated_timer(table, n)
+        shape_plan: dict[str, Any] = {"shape_times": "interpolated", "distinct_shapes": len(shapes),
+                                      "shape_timings": len(timed)}
+    else:
+        figures, _, _ = measure_shapes(p, bench, shapes, [], store, None, clock)
+        budget = serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS["cuda" if dev.type == "cuda" else "cpu"]
+        timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
+
+        def time_shapes(batch):
+            base, total = timed_so_far[0], min(budget, len(shapes))
+            progress = lambda i, _n, what, detail="": ctx.progress(base + i, total, what, detail)  # noqa: E731
+            _, got, now = measure_shapes(p, bench, [], list(batch), store, progress, clock)
+            timed_so_far[0] += len(batch)
+            timed_so_far[1] += now
+            return got
+
+        with clock.phase("host_composition"):
+            features = ShapeTable(shapes, streams, launch_of(p, dev))
+        time_of, shape_plan, table = plan_shape_times(shapes, shape_reads(calls), features, time_shapes, budget,
+                                                      REPLAY_TOLERANCE)
+        timed, measured = sorted({(rows, real) for _, rows, real in table}), timed_so_far[1]
+    with clock.phase("host_composition"):
+        timed_set = set(timed)
+        per_step = compose(paddings, time_of)
+        distinct = step_figures.step_records(p, paddings, per_step, figures)
+        tot = totals(per_step, counts)
     info: dict[str, Any] = {
         "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(paddings),
                   "dp_size": serving.dp_size},
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
                    "dp_size": serving.dp_size, "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "shape_mode": "interpolated" if n else "exact", "trace_real_points": n,
+        "shape_mode": shape_plan["shape_times"], "trace_real_points": n, "shape_plan": shape_plan,
         "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(paddings)),
         "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
         "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
         "shape_timing": {"mode": bench.timing.mode, "iters": bench.timing.iters, "stat": "p50"},
         "headline": None,  # below, with the EP step's
         # each distinct shape's routing figures and the layer time the composition used (measured, or read off
-        # the interpolation where the shape was not timed)
+        # the interpolation or the model where the shape was not timed); past SHAPES_RECORDED_MAX, the timed ones
         "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(_time(time_of, side, *s), 3) for side in SIDES},
-                    "timed": s in timed_set} for s in shapes],
+                    "timed": s in timed_set} for s in (shapes if len(shapes) <= SHAPES_RECORDED_MAX else timed)],
         "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
     }
     ep_record = None
@@ -148,7 +176,11 @@ def build(p: Params, ctx: RunContext) -> Case:
         for rec, ep in zip(distinct, ep_steps):
             rec.update(step_figures.ep_fields(ep))
     with clock.phase("host_composition"):
-        info["headline"] = trace_headline(p, distinct, counts, tot, calls, figures, ep_record).to_info()
+        modelled = shape_plan["shape_times"] == "model"
+        spread_of = (lambda s: {side: model_spread_us(time_of, shape_plan, side, *s) for side in SIDES}) \
+            if modelled else None
+        info["headline"] = trace_headline(p, distinct, counts, tot, calls, figures, ep_record,
+                                          spread_of).to_info()
         # every step's figures in the record while the trace is short; a long trace keeps its distinct steps, and
         # every step's figures go to the run's step file (columns indexed by step)
         if trace.num_steps <= step_figures.STEP_RECORDS_MAX:
@@ -185,6 +217,8 @@ def build(p: Params, ctx: RunContext) -> Case:
             if why:
                 problems.append(why)
         for side, rows, real in table:
+            if not (rows == real or real == 0 or (side, real, real) in table):
+                continue  # its padding's part is the model's difference (shape_cost): read as composed, not timed
             got = _time(time_of, side, rows, real)
             if got != table[(side, rows, real)]:
                 problems.append(f"{side} ({rows}, {real}): composed from {got}, measured {table[(side, rows, real)]}")

@@ -12,7 +12,7 @@ from moebench.params import Params
 
 
 def trace_headline(p: Params, distinct: list[dict], counts: list[int], tot: dict, calls: Counter, figures: dict,
-                   ep_step: EPStepRecord | None = None) -> TraceHeadline:
+                   ep_step: EPStepRecord | None = None, spread_of=None) -> TraceHeadline:
     """The single-rank headline over the trace (each distinct step weighted by how often it occurs), its noise, and
     the EP step's headline where the point has one."""
     head = headline(tot)
@@ -31,17 +31,18 @@ def trace_headline(p: Params, distinct: list[dict], counts: list[int], tot: dict
         head["jit_compiles"] = {s: len({c for st in distinct for c in st["capacity"][s]}) for s in SIDES}
     else:
         head["jit_compiles"] = {s: None for s in SIDES}  # one rank: no dispatch to size
-    return TraceHeadline(**head, noise=noise(calls, figures, tot),
+    return TraceHeadline(**head, noise=noise(calls, figures, tot, spread_of),
                          ep_step=ep_headline(ep_step) if ep_step is not None else None)
 
 
-def noise(calls: Counter, figures: dict, tot: dict) -> dict[str, Any]:
+def noise(calls: Counter, figures: dict, tot: dict, spread_of=None) -> dict[str, Any]:
     """How far the trace's padding time and the masks' saving could move with the timings' spread: per shape, half
     its samples' p10-p90 spread times the calls that read it (one shape's error repeats in every call of it),
     summed in quadrature over shapes (their errors are independent); a conservative bound (the p50's own error is
     smaller than the samples' spread). A padded call's padding time reads its shape and its real tokens alone (an
-    unpadded call's is exactly 0); the saving reads every call's shape on both sides. None where a shape has no
-    spread (too few samples, or not timed)."""
+    unpadded call's is exactly 0); the saving reads every call's shape on both sides. A shape the cost model read
+    (not timed) carries `spread_of(shape)`: the model's held-out error on its time. None where a shape has no
+    spread (too few samples, or not timed and no model error)."""
     padding_reads: Counter = Counter()
     for (rows, real), n in calls.items():
         if rows != real:
@@ -51,6 +52,8 @@ def noise(calls: Counter, figures: dict, tot: dict) -> dict[str, Any]:
 
     def spread(shape):
         got = figures[shape].layer_spread_us if shape in figures else {}
+        if not got and spread_of is not None:
+            got = spread_of(shape) or {}
         return None if any(got.get(side) is None for side in SIDES) else got
 
     if any(spread(s) is None for s in set(padding_reads) | set(calls)):

@@ -1,6 +1,6 @@
 """The sweep keys of the serving trace and its EP step, one knob group (moebench.params.register_knobs):
 the serving engine around the layer (DP ranks, SP ranks, dual-batch overlap), a user's trace file, how much of the
-trace is timed (trace_replay, trace_real_points, ep_rank_timings) and the EP step's wire (ranks_per_node, the link
+trace is timed (trace_replay, trace_real_points, trace_shape_timings, ep_rank_timings) and the EP step's wire (ranks_per_node, the link
 figures, the dispatch run the wire model is calibrated from and its path: moebench.dispatch.wire_model).
 The trace of token counts itself is TraceKnobs' (moebench.traces.knobs: jit_trace reads it too).
 
@@ -35,7 +35,11 @@ class ServingKnobs:
     dbo: bool = False  # dual-batch overlap: two micro-batches per step
     trace_file: Optional[str] = None  # CSV of per-step token counts (one column, or one per DP rank)
     trace_replay: int = 0  # also replay the first N steps one by one (every call built and timed, no shape cache)
-    trace_real_points: int = 0  # 0: time every distinct (rows, real); N: time N + 1 real counts per rows, interpolate
+    # 0: every distinct (rows, real) timed while they number at most trace_shape_timings, else that many timed by
+    # design and the rest read off the shape cost model (shape_cost.py); N > 0: N + 1 real counts timed per rows and
+    # interpolated (compose.py)
+    trace_real_points: int = 0
+    trace_shape_timings: Optional[int] = None  # None: shape_cost.DEFAULT_SHAPE_TIMINGS for the device
     # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
     # (None: ep_measure.DEFAULT_RANK_TIMINGS for the device)
     ep_rank_timings: Optional[int] = None
@@ -52,7 +56,7 @@ class ServingKnobs:
     # a trace file is found beside the sweep or among the bundled traces; a calibration run as the sweep names it
     PATHS = {"trace_file": (BUNDLED_DIR, False), "dispatch_calibration": (None, True)}
     # keys that say how much is measured, not what is: records differing only in these are one configuration
-    MEASUREMENT = frozenset({"trace_replay", "trace_real_points", "ep_rank_timings"})
+    MEASUREMENT = frozenset({"trace_replay", "trace_real_points", "trace_shape_timings", "ep_rank_timings"})
 
     @property
     def wire_figures(self) -> dict[str, Optional[float]]:
@@ -65,8 +69,9 @@ class ServingKnobs:
         for k in ("trace_replay", "trace_real_points"):
             if getattr(self, k) < 0:
                 return f"{k}: must be >= 0, got {getattr(self, k)}"
-        if self.ep_rank_timings is not None and self.ep_rank_timings < 1:
-            return f"ep_rank_timings: must be >= 1, got {self.ep_rank_timings}"
+        for k in ("ep_rank_timings", "trace_shape_timings"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                return f"{k}: must be >= 1, got {getattr(self, k)}"
         why = trace_file_problem(self.trace_file, self.dp_size)  # a bad file is refused here, naming its line
         if why:
             return f"trace_file: {why}"

@@ -33,6 +33,9 @@ from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, err
 from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
+# shapes timed when the sweep leaves trace_shape_timings unset (beyond: the model); the interpreter's layer call
+# takes a good fraction of a second
+DEFAULT_SHAPE_TIMINGS = {"cuda": 384, "cpu": 24}
 MIN_PER_LAUNCH = 8
 DESIGN_SHARE = 3
 ROUND = 24

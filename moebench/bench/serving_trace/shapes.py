@@ -2,15 +2,15 @@
 oblivious on a seeded batch of `rows` rows whose first `real` are real tokens, and the figures its routing gives.
 
 A shape is (rows, real): the layer's work depends on both (the masked layer computes the real rows' routes, the
-oblivious one every row's, and repeat-filled padding piles onto the experts the copied row picks). Every shape
-gets its own seeded batch (make_batch at num_tokens = rows, the trailing rows - real rows padding, filled per
-p.padding_fill), the same for both sides, whose real rows are those of the real-only shape (real, real). The
-expert weights are the cached ones (inputs.cached_expert_weights: built once for the run's layer shape); each
-side's LayerPipeline is built once per shape, timed through measure.timing.measure with the sweep's timing, and
-freed. The figures (`shape_figures`: make_batch and route, no pipeline) and the timings (`time_shape`) are
-separate: serving_trace routes every exact shape but, in interpolated mode, times only grid shapes.
-The shape store (`ShapeStore`, `measure_shapes`): shapes already routed or timed by the point before, in the same run
-and at the same layer parameters (a what-if axis over capture lists shares most of them), are reused; the store is
+oblivious one every row's, and repeat-filled padding piles onto the experts the copied row picks). A shape's batch
+is the prefix of two seeded streams (shape_streams: the real tokens, then the padding p.padding_fill makes), the
+same for both sides, so its real rows are those of the real-only shape (real, real). The expert weights are the
+cached ones (inputs.cached_expert_weights: built once for the run's layer shape); each side's LayerPipeline is built
+once per shape, timed (measure.timing.measure_settled on a GPU, measure with the sweep's timing under the
+interpreter) and freed. The figures (`shape_figures`: prefix sums of the streams' routing, no batch, no pipeline)
+and the timings (`time_shape`) are separate: serving_trace reads the figures of every shape but times a set.
+The shape store (`ShapeStore`, `measure_shapes`): the streams, and shapes already routed or timed by the point
+before, in the same run and at the same layer parameters (a what-if axis over capture lists shares most of them), are reused; the store is
 the run's (RunContext.run_store), so nothing outlives the run; a point at other layer parameters starts it afresh.
 Figures from the reference routing of the batch, per side (padding routed when oblivious, -1 when masked):
   padding_gemm_rows   expert-GEMM rows computed for padded rows: their routes to this rank's local experts
@@ -28,12 +28,12 @@ import torch
 
 from moebench.bench.layer import LayerPipeline, check_pipeline
 from moebench.check import CheckResult
-from moebench.inputs import cached_expert_weights, make_batch, route
-from moebench.inputs.padding import fill_rows
+from moebench.inputs import cached_expert_weights
 from moebench.measure.imbalance import per_rank_loads
 from moebench.measure.timing import measure, measure_settled
 from moebench.bench.serving_trace.knobs import TRACE_KEYS
 from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.shape_streams import ShapeStreams
 from moebench.params import EPLayout, Params, Timing
 
 MIN_SPREAD_SAMPLES = 5  # fewer samples give no p10-p90 spread worth the name
@@ -46,10 +46,6 @@ def shape_params(p: Params, rows: int, real: int) -> Params:
     # rows * ((rows - real) / rows) is within an ulp of rows - real, so padding_rows() rounds back to it exactly
     return replace(p, num_tokens=rows, padding_producer="ratio", padding_ratio=(rows - real) / rows, mask=True,
                    trace=None, trace_file=None)
-
-
-def shape_seed_offset(rows: int, real: int) -> int:
-    return 7_919 * rows + real
 
 
 @dataclass
@@ -96,30 +92,21 @@ def routing_figures(p: Params, batch, ids: torch.Tensor) -> tuple[int, list[int]
 class ShapeBench:
     """Builds, times and measures shapes of one layer point (the sweep's layer parameters)."""
 
-    def __init__(self, p: Params, device: torch.device, timing: Timing):
+    def __init__(self, p: Params, device: torch.device, timing: Timing, streams: ShapeStreams | None = None):
         self.p, self.device, self.timing = p, device, timing
+        self.streams = streams
         self.w13, self.w2 = _weights(p, device)
         self.last_spread_us: float | None = None
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # the shapes' graphs share it
         self.last_spreads_us: dict[str, float | None] = {}
 
     def batch(self, rows: int, real: int):
-        """The shape's batch. Its real rows are those of the real tokens alone, (real, real): the padded call and
-        its real-only baseline differ only by the padding (with independent real rows, which of this rank's
-        experts a few decode tokens reach, not the padding, would decide their difference)."""
-        sp = shape_params(self.p, rows, real)
-        padded = make_batch(sp, self.device, seed_offset=shape_seed_offset(rows, real))
-        if real == 0 or rows == real:
-            return sp, padded
-        alone = make_batch(shape_params(self.p, real, real), self.device, seed_offset=shape_seed_offset(real, real))
-        padded.logits[:real] = alone.logits
-        if padded.hidden is not None:
-            padded.hidden[:real] = alone.hidden
-        if self.p.padding_fill == "repeat":  # the padding copies the first real row: the one just replaced
-            fill_rows(padded.logits, padded.is_padding, "repeat", generator=None)
-            if padded.hidden is not None:
-                fill_rows(padded.hidden, padded.is_padding, "repeat", generator=None)
-        return sp, replace(padded, bias=alone.bias)
+        """The shape's batch: the streams' real prefix and pad prefix (shape_streams), so a padded call (rows, real)
+        and its real tokens alone (real, real) differ only by the padding. Without streams (a shape on its own)
+        they are made for this shape."""
+        if self.streams is None or real > self.streams.max_real or rows - real > self.streams.max_pad:
+            self.streams = ShapeStreams(self.p, self.device, real, rows - real)
+        return self.streams.batch(rows, real)
 
     def pipeline(self, sp: Params, batch, side: str) -> LayerPipeline:
         return LayerPipeline(sp, batch, self.w13, self.w2, masked=side == "masked", mask=batch.is_padding)
@@ -142,14 +129,10 @@ class ShapeBench:
         return float(stats["p50"])
 
     def shape_figures(self, rows: int, real: int) -> ShapeFigures:
-        """The routing's figures of one shape (layer_us left empty): make_batch and route only, no timing."""
-        sp, batch = self.batch(rows, real)
-        figures = {}
-        for side in SIDES:
-            _, ids = route(sp, batch, use_mask=side == "masked")
-            figures[side] = routing_figures(sp, batch, ids)
-        return ShapeFigures(rows, real, {}, {s: f[0] for s, f in figures.items()},
-                            {s: f[1] for s, f in figures.items()}, {s: f[2] for s, f in figures.items()})
+        """The routing's figures of one shape (layer_us left empty), read off the streams' prefix sums."""
+        self.batch(rows, real)  # streams large enough
+        gemm, loads, most = self.streams.figures(rows, real)
+        return ShapeFigures(rows, real, {}, gemm, loads, most)
 
     def time_shape(self, rows: int, real: int) -> dict[str, float]:
         """Both sides' p50 microseconds at one shape (the same seeded batch as its figures); their spreads are
@@ -190,6 +173,7 @@ class ShapeStore:
     def __init__(self):
         self.layer_key: tuple | None = None
         self.shapes: dict[tuple[int, int], ShapeFigures] = {}
+        self.streams: ShapeStreams | None = None
 
     @classmethod
     def of_run(cls, run_store: dict) -> "ShapeStore":
@@ -199,8 +183,22 @@ class ShapeStore:
     def for_layer(self, layer_key: tuple) -> dict[tuple[int, int], ShapeFigures]:
         """The shapes of the layer point `layer_key`; another layer point's are dropped first."""
         if self.layer_key != layer_key:
-            self.shapes, self.layer_key = {}, layer_key
+            self.shapes, self.layer_key, self.streams = {}, layer_key, None
         return self.shapes
+
+    def streams_for(self, p: Params, device: torch.device, max_real: int, max_pad: int) -> ShapeStreams:
+        """The layer point's streams, at least max_real / max_pad rows, in powers of two and the padding's at least
+        the real tokens' (a call's padding rarely passes its real tokens' capture size): the points of a what-if
+        axis share them. New streams drop the shapes measured on the old ones."""
+        self.for_layer(layer_key(p, device))
+        max_pad = max(max_pad, max_real)
+        got = self.streams
+        if got is None or got.max_real < max_real or got.max_pad < max_pad:
+            size = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
+            self.streams = ShapeStreams(p, device, size(max(max_real, got.max_real if got else 1)),
+                                        size(max(max_pad, got.max_pad if got else 1)))
+            self.shapes = {}
+        return self.streams
 
 
 def layer_key(p: Params, device: torch.device) -> tuple:
