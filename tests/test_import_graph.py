@@ -231,3 +231,14 @@ def test_no_module_is_over_500_lines():
     """A module does one job: every module of the package stays at 500 lines or under (split it by job)."""
     long = {m: n for m, p in module_files().items() if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}, f"modules over 500 lines: {long}"
+
+
+def test_reports_and_plots_read_the_serving_trace_through_its_typed_record():
+    """report/ and plots/ take nothing of bench/ but the serving trace's typed record and its knob group's derived
+    keys: every figure they show is read through record.py, never by reaching into the family's other modules."""
+    allowed = {"moebench.bench", "moebench.bench.serving_trace", "moebench.bench.serving_trace.record",
+               "moebench.bench.serving_trace.knobs"}
+    for module, targets in import_graph().items():
+        if module.startswith(("moebench.report", "moebench.plots")):
+            bad = sorted(t for t in targets if t.startswith("moebench.bench") and t not in allowed)
+            assert not bad, f"{module} imports {bad} (read a serving_trace record through its typed record)"

@@ -215,6 +215,10 @@ class EPStepRecord(_Record):
         return self.replay.verdict() if self.replay is not None else "not run"
 
 
+# info.phase_wall_s: routing (the single-rank shapes' routing figures and the EP step's source slots), shapes (the
+# single-rank shapes timed), rank_workloads (the EP ranks' workloads timed and the cost model fitted), replay (both
+# replay checks), host_composition (reading the trace, the producers' padding, composing, the per-step records and
+# the step file), total (the point's build, all of these and what is between them)
 PHASES = ("routing", "shapes", "rank_workloads", "replay", "host_composition", "total")
 
 
