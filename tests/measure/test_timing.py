@@ -150,3 +150,17 @@ def test_kernel_time_reads_the_matching_kernels_only():
     nothing = kernel_time(lambda: a @ a, dev, 2, "no_such_kernel_name")
     assert math.isnan(nothing["p50_us"])  # never a zero as a time
     assert top_kernels(lambda: a @ a, dev, iters=2, top=3)
+
+
+@pytest.mark.gpu
+def test_measure_settled_graphs_a_short_call_and_times_a_long_one_eagerly():
+    from moebench.measure.timing import EAGER_ABOVE_US, measure_settled
+
+    dev = torch.device("cuda")
+    small = torch.randn(256, device=dev)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    short = measure_settled(lambda: small.mul_(1.0), dev, 20, pool=torch.cuda.graph_pool_handle())
+    assert short.mode == "cuda_graph" and short.calls_per_sample > 1 and 5 <= short.samples <= 20
+    long = measure_settled(lambda: a @ a, dev, 20)
+    assert long.us >= EAGER_ABOVE_US and long.mode == "events" and long.calls_per_sample == 1
+    assert long.samples % 5 == 0 and long.spread >= 0
