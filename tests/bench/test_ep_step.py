@@ -372,7 +372,6 @@ def test_a_calls_routes_are_those_of_its_own_batch(fill):
     lay = layout(4, 16, 1)
     routes = step_routes.StepRoutes(p, torch.device("cpu"), lay)
     routes.prepare([step_padding([5, 9], Engine((12,), dp_size=2))])
-    real_ids, _, pad_ids, _ = routes.slots[1]
     sp = shape_params(p, 12, 9)
     logits = make_batch(shape_params(p, 12, 12), "cpu", need_hidden=False,
                         seed_offset=step_routes.SLOT_SEED * 2).logits.clone()

@@ -53,8 +53,8 @@ from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.rank_cost import launch_of
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
-from moebench.bench.serving_trace.shape_cost import (DEFAULT_SHAPE_TIMINGS, ShapeTable, model_spread_us,
-                                                     plan_shape_times, shape_reads)
+from moebench.bench.serving_trace.shape_cost import (DEFAULT_SHAPE_TIMINGS, TIMED_ROWS_MAX, ShapeTable,
+                                                     model_spread_us, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
@@ -129,7 +129,8 @@ def build(p: Params, ctx: RunContext) -> Case:
                                       "shape_timings": len(timed)}
     else:
         figures, _, _ = measure_shapes(p, bench, shapes, [], store, None, clock)
-        budget = serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS["cuda" if dev.type == "cuda" else "cpu"]
+        kind = "cuda" if dev.type == "cuda" else "cpu"
+        budget = serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[kind]
         timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
 
         def time_shapes(batch):
@@ -143,7 +144,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         with clock.phase("host_composition"):
             features = ShapeTable(shapes, streams, launch_of(p, dev))
         time_of, shape_plan, table = plan_shape_times(shapes, shape_reads(calls), features, time_shapes, budget,
-                                                      REPLAY_TOLERANCE)
+                                                      REPLAY_TOLERANCE, TIMED_ROWS_MAX[kind])
         timed, measured = sorted({(rows, real) for _, rows, real in table}), timed_so_far[1]
     with clock.phase("host_composition"):
         timed_set = set(timed)

@@ -25,6 +25,7 @@ from moebench.bench.serving_trace.rank_cost import Contest, Workload, launch_of,
 from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, ep_replay
+from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.routes import StepRoutes
 from moebench.bench.serving_trace.wire import cards, wire_model_of, wire_time
 from moebench.inputs.engine_padding import StepPadding
@@ -89,8 +90,9 @@ def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: 
     budget = budget if budget is not None else DEFAULT_RANK_TIMINGS[device.type if device.type == "cuda" else "cpu"]
     timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows})),
                  "EP step: rank workloads timed")
+    kind = "cuda" if device.type == "cuda" else "cpu"
     lookup, times_info = plan_rank_times(contests, timer, budget, launch_of(p, device), REPLAY_TOLERANCE,
-                                         complete=complete)
+                                         complete=complete, rows_max=TIMED_ROWS_MAX[kind])
     times_info["timer"] = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}
     return lookup, times_info, timer
 

@@ -322,10 +322,11 @@ def decided_share(contests: Sequence[Contest], lookup: Callable[[Workload], floa
 
 def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], float], budget: int,
                     launch_of: Callable[[int], Launch], tolerance: float, complete: bool = True,
-                    progress: Callable[[int, int], None] | None = None
+                    progress: Callable[[int, int], None] | None = None, rows_max: int | None = None
                     ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
     """(rank time lookup, its record) for the contests' workloads (see the module docstring). `complete`: the
-    contests are all of the trace's (else a model is fitted whatever their count: the steps not read need it)."""
+    contests are all of the trace's (else a model is fitted whatever their count: the steps not read need it);
+    `rows_max`: no workload of more rows is timed (the model reads them, extrapolated; the record says so)."""
     t0 = time.perf_counter()
     progress = progress or (lambda done, total: None)
     busy = sorted({w for c in contests for w in c.workloads if w.rows}, key=lambda w: (w.routes, w.rows, w.counts))
@@ -336,13 +337,15 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
             progress(len(timed), total)
             timed[w] = timer(w)
 
-    if complete and len(busy) <= budget:
+    timeable = [w for w in busy if rows_max is None or w.rows <= rows_max] or busy[:1]
+    if complete and len(busy) <= budget and len(timeable) == len(busy):
         time_all(busy, len(busy))
         table = dict(timed)
         return (lambda w: table[w] if w.rows else 0.0), {
             "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
             "wall_s": round(time.perf_counter() - t0, 3)}
-    design = design_sample(busy, budget // DESIGN_SHARE, launch_of, limit=budget)
+    design = design_sample(timeable, budget // DESIGN_SHARE, launch_of, limit=budget)
+    untimeable = {w for w in busy if rows_max is not None and w.rows > rows_max}
     time_all(design, budget)
     model = RankCostModel.fit(launch_of, timed)
     cv = [r for rels in model.cv_rel.values() for r in rels]
@@ -350,7 +353,8 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
     held_out: list[float] = []
     rounds = 0
     while len(timed) < budget:
-        order = decisive_order(contests, model, error, timed)[:min(ROUND, budget - len(timed))]
+        order = [w for w in decisive_order(contests, model, error, timed)
+                 if w not in untimeable][:min(ROUND, budget - len(timed))]
         if not order:
             break
         predicted = [model(w) for w in order]
@@ -372,6 +376,7 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
                            "tolerance": tolerance,
                            "within_tolerance": held["rms_rel"] is not None and held["rms_rel"] <= tolerance},
             "decided_by_timing_share": decided_share(contests, lookup, table, error),
+            "timed_rows_max": rows_max, "untimeable_workloads": len(untimeable),
             "wall_s": round(time.perf_counter() - t0, 3)}
     return lookup, info
 

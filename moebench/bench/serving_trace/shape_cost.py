@@ -33,9 +33,11 @@ from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, err
 from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
-# shapes timed when the sweep leaves trace_shape_timings unset (beyond: the model); the interpreter's layer call
-# takes a good fraction of a second
-DEFAULT_SHAPE_TIMINGS = {"cuda": 384, "cpu": 24}
+# shapes timed when the sweep leaves trace_shape_timings unset (beyond: the model)
+DEFAULT_SHAPE_TIMINGS = {"cuda": 384, "cpu": 12}
+# the most rows a timed shape has, per device (None: any): the interpreter's layer call costs ~15 ms a row at the CPU
+# sizes (a 2048-row call over half a minute), so there larger shapes are the model's, extrapolated in rows
+TIMED_ROWS_MAX = {"cuda": None, "cpu": 128}
 MIN_PER_LAUNCH = 8
 DESIGN_SHARE = 3
 ROUND = 24
@@ -146,25 +148,30 @@ def design_shapes(shapes: Sequence[Shape], table: ShapeTable, target: int, limit
 
 def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table: ShapeTable,
                      time_shapes: Callable[[Sequence[Shape]], Mapping[tuple[str, int, int], float]], budget: int,
-                     tolerance: float) -> tuple[Callable[[str, int, int], float], dict[str, Any], dict]:
+                     tolerance: float, rows_max: int | None = None
+                     ) -> tuple[Callable[[str, int, int], float], dict[str, Any], dict]:
     """(time_of(side, rows, real), its record, the timed table {(side, rows, real): us}). `reads[s]`: the calls of
     the trace that read shape s (as their own shape or as their real tokens alone); `time_shapes(list)` times
-    shapes (both sides) and returns their table entries."""
+    shapes (both sides) and returns their table entries; `rows_max`: no shape of more rows is timed (the model
+    reads them, extrapolated; the record says so)."""
     t0 = time.perf_counter()
     shapes = sorted(set(shapes))
     timed: dict[tuple[str, int, int], float] = {}
-    if len(shapes) <= budget:
+    timeable = [s for s in shapes if rows_max is None or s[0] <= rows_max] or shapes[:1]
+    if len(shapes) <= budget and len(timeable) == len(shapes):
         timed.update(time_shapes(shapes))
         return (lambda side, rows, real: timed[(side, rows, real)]), {
             "shape_times": "exact", "distinct_shapes": len(shapes), "shape_timings": len(shapes),
             "wall_s": round(time.perf_counter() - t0, 3)}, timed
-    design = design_shapes(shapes, table, budget // DESIGN_SHARE, budget)
+    design = design_shapes(timeable, table, budget // DESIGN_SHARE, budget)
+    timeable_set = set(timeable)
     timed.update(time_shapes(design))
     done = set(design)
     model = ShapeCostModel.fit(table, timed)
     held: dict[str, list[float]] = {side: [] for side in SIDES}
     while len(done) < budget:
-        worth = {s: reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES) for s in shapes if s not in done}
+        worth = {s: reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES)
+                 for s in timeable if s not in done}
         batch = sorted((s for s in worth if worth[s] > 0), key=lambda s: (-worth[s], s))[:min(ROUND, budget - len(done))]
         if not batch:
             break
@@ -197,6 +204,7 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
                            "within_tolerance": all(h["rms_rel"] is not None and h["rms_rel"] <= tolerance
                                                    for h in held_out.values())},
             "timed_share": round(timed_part / total, 5) if total else None,
+            "timed_rows_max": rows_max, "untimeable_shapes": len(shapes) - len(timeable_set),
             "wall_s": round(time.perf_counter() - t0, 3)}
     return time_of, info, timed
 

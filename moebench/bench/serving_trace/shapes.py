@@ -104,9 +104,12 @@ class ShapeBench:
         """The shape's batch: the streams' real prefix and pad prefix (shape_streams), so a padded call (rows, real)
         and its real tokens alone (real, real) differ only by the padding. Without streams (a shape on its own)
         they are made for this shape."""
+        return self._streams_for(rows, real).batch(rows, real)
+
+    def _streams_for(self, rows: int, real: int) -> ShapeStreams:
         if self.streams is None or real > self.streams.max_real or rows - real > self.streams.max_pad:
             self.streams = ShapeStreams(self.p, self.device, real, rows - real)
-        return self.streams.batch(rows, real)
+        return self.streams
 
     def pipeline(self, sp: Params, batch, side: str) -> LayerPipeline:
         return LayerPipeline(sp, batch, self.w13, self.w2, masked=side == "masked", mask=batch.is_padding)
@@ -130,8 +133,7 @@ class ShapeBench:
 
     def shape_figures(self, rows: int, real: int) -> ShapeFigures:
         """The routing's figures of one shape (layer_us left empty), read off the streams' prefix sums."""
-        self.batch(rows, real)  # streams large enough
-        gemm, loads, most = self.streams.figures(rows, real)
+        gemm, loads, most = self._streams_for(rows, real).figures(rows, real)
         return ShapeFigures(rows, real, {}, gemm, loads, most)
 
     def time_shape(self, rows: int, real: int) -> dict[str, float]:
