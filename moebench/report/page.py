@@ -33,7 +33,7 @@ from typing import Any
 from moebench.report import cells, trace_tax
 from moebench.report.ceiling import ceiling_rows
 from moebench.report.figures import draw_plots, find_plots, scratch_dir_for
-from moebench.report.headline import HeadlineRow, evaluate, format_value
+from moebench.report.headline import HeadlineRow, evaluate, side_text
 from moebench.report.peers import peer_ratios
 from moebench.report.table import METRICS, metric_title, param_cell, status_lines, timing_statement
 from moebench.records import MANIFEST, RECORDS, load_records
@@ -228,8 +228,8 @@ def headline_table(run: RunView) -> tuple[list[str], list[list[str]]]:
     rows = []
     for h in run.headlines:
         check = "" if h.equal is None else ("equal: " if h.equal else "NOT equal: ") + h.equal_detail
-        rows.append([h.label, f"{h.without_label}: {format_value(h.without)}",
-                     f"{h.with_label}: {format_value(h.with_)}", h.change, check])
+        rows.append([h.label, f"{h.without_label}: {side_text(h.without, h.why_without)}",
+                     f"{h.with_label}: {side_text(h.with_, h.why_with)}", h.change, check])
     return head, rows
 
 
