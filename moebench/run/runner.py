@@ -25,6 +25,7 @@ from moebench.run.lock import RunLock
 from moebench.run.point import execute_point, interpreting
 from moebench.run.estimate import RunEstimate, estimate_lines, estimate_run
 from moebench.run.progress import RunProgress
+from moebench.consistency import vet
 from moebench.records import RECORDS, RecordWriter, load_records, unique_records, write_summary
 from moebench.run.results import DEFAULT_RUNS_DIR, new_run_dir, record_resume, write_manifest
 from moebench.run.resume import check_same_sweep, stored_sweep
@@ -284,7 +285,7 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
         rows.working_on(f"point {pt.index} {pt.impl}")
         rec = run_one(pt)
         restarts += bool(rec.get("worker_restarted"))
-        writer.append(rec)
+        writer.append(vet(rec))  # totals equal their parts, or the point is wrong naming the figure
         rows.show(rec)
     progress.clear()
 
