@@ -27,7 +27,9 @@ from moebench.run.estimate import RunEstimate, estimate_lines, estimate_run
 from moebench.run.progress import RunProgress
 from moebench.consistency import vet
 from moebench.records import RECORDS, RecordWriter, load_records, unique_records, write_summary
-from moebench.run.results import DEFAULT_RUNS_DIR, new_run_dir, record_resume, write_manifest
+from moebench.measure.machine_reference import machine_reference
+from moebench.run.results import (DEFAULT_RUNS_DIR, new_run_dir, record_machine_reference, record_resume,
+                                   write_manifest)
 from moebench.run.resume import check_same_sweep, stored_sweep
 from moebench.run.sweep import Sweep, expand
 
@@ -183,6 +185,8 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
+    # the machine's reference before anything else loads it (the point worker starting, below)
+    start_reference = machine_reference(dev) if leader else None
     if isolate and leader and all(_needs_world(pt) == 1 for pt in points):
         # Its interpreter starts while this one opens the run (not beside timed multi-rank points: they come first).
         point_worker.prestart(dev)
@@ -192,6 +196,7 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
             error = None
             try:
                 run_dir, lock = _open_run(sweep, points, dev, out_base, resume, trun)
+                record_machine_reference(run_dir, "start", start_reference)
                 RecordWriter(run_dir)  # drops a torn last line before anyone reads or appends
                 done = {r["key"] for r in load_records(run_dir) if "key" in r}
             except ValueError as e:
@@ -288,6 +293,7 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
         writer.append(vet(rec))  # totals equal their parts, or the point is wrong naming the figure
         rows.show(rec)
     progress.clear()
+    record_machine_reference(run_dir, "end", machine_reference(dev))  # compare reads both ends
 
     records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])
