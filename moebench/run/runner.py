@@ -234,7 +234,8 @@ def _final_records(run_dir: Path) -> list[dict]:
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
                 leader: bool, end_notes, out, isolate: bool, prefix: str) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
-    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points)
+    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points,
+                  target=sweep.target)
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
