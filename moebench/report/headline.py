@@ -21,7 +21,9 @@ metric is present (so `metric: status, reduce: count, without: {status: failed, 
 values only; with none the result is None, shown with the reason (`why`): "not in this run: no point has
 capture_sizes=default (it has pow2, dense)" when the selector matches no record (a size that does not run what the
 headline names), "not recorded: ..." when the selected records lack the metric (e.g. JIT compiles under the CPU
-interpreter, or points that failed); one reason for the row when both sides share it.
+interpreter, or points that failed); one reason for the row when both sides share it. A figure the records say is
+inside the timings' noise is marked `within noise` and gets no ratio; a masked/oblivious pair whose sides are not
+comparable, or two sides that ran the very same trace steps, say so instead of a ratio (moebench.report.noise).
 
 `equal_to` pairs every `with` record with the `equal_to` record of the same impl and parameters, apart from the
 keys the two selectors name, and compares metric with equal_metric exactly (==): "masked equals real-only".
@@ -37,7 +39,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from moebench.report import cells
+from moebench.report import cells, noise
 
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
@@ -94,12 +96,15 @@ class HeadlineRow:
     spec: dict = field(default_factory=dict)
     why_without: str = ""  # why a side has no value ("not in this run: ..."); "" when it has one
     why_with: str = ""
+    note_without: str = ""  # "within noise" where the records say the figure is inside the timings' spread
+    note_with: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "without": self.without, "with": self.with_,
                 "without_label": self.without_label, "with_label": self.with_label, "n_without": self.n_without,
                 "n_with": self.n_with, "change": self.change, "equal": self.equal, "equal_detail": self.equal_detail,
-                "why_without": self.why_without, "why_with": self.why_with}
+                "why_without": self.why_without, "why_with": self.why_with, "note_without": self.note_without,
+                "note_with": self.note_with}
 
 
 _MISSING = object()
@@ -244,19 +249,30 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
     """One row per spec, from the records alone."""
     rows = []
     for spec in specs:
-        sides, counts, why = {}, {}, {}
+        sides, counts, why, note, chosen, paired = {}, {}, {}, {}, {}, ""
         for side in ("without", "with"):
-            chosen = select(records, spec[side])
-            counts[side] = len(chosen)
+            chosen[side] = select(records, spec[side])
+            counts[side] = len(chosen[side])
             # with_metric: both sides read from the same records (a serving_trace record holds masked and oblivious)
             metric = spec.get("with_metric", spec["metric"]) if side == "with" else spec["metric"]
-            sides[side] = reduce_values([metric_value(r, metric) for r in chosen], spec["reduce"])
-            why[side] = "" if sides[side] is not None else why_missing(records, spec[side], chosen, metric)
+            sides[side] = reduce_values([metric_value(r, metric) for r in chosen[side]], spec["reduce"])
+            why[side] = "" if sides[side] is not None else why_missing(records, spec[side], chosen[side], metric)
+            note[side] = noise.metric_note(chosen[side], metric) if sides[side] is not None else ""
+            paired = paired or noise.pair_note(chosen[side], spec["metric"], spec.get("with_metric", spec["metric"]))
+        change = _change(sides["without"], sides["with"])
+        if change and change != "n/a":  # a ratio the records cannot support is not printed as one
+            if spec["without"] != spec["with"] and noise.same_steps(chosen["without"], chosen["with"]):
+                change = "no comparison: both sides ran the same trace steps at this size"
+            elif paired:
+                change = paired
+            elif note["without"] or note["with"]:
+                change = "within noise"
         row = HeadlineRow(label=spec["label"], without=sides["without"], with_=sides["with"],
                           without_label=spec.get("without_label", "without"),
                           with_label=spec.get("with_label", "with"), n_without=counts["without"],
-                          n_with=counts["with"], change=_change(sides["without"], sides["with"]), spec=dict(spec),
-                          why_without=why["without"], why_with=why["with"])
+                          n_with=counts["with"], change=change, spec=dict(spec),
+                          why_without=why["without"], why_with=why["with"], note_without=note["without"],
+                          note_with=note["with"])
         if "equal_to" in spec:
             row.equal, row.equal_detail = _equality(records, spec)
         rows.append(row)
@@ -277,9 +293,11 @@ def format_value(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def side_text(value: Any, why: str) -> str:
-    """A side's value, or n/a with the reason it has none."""
-    return f"n/a ({why})" if value is None and why else format_value(value)
+def side_text(value: Any, why: str, note: str = "") -> str:
+    """A side's value (with `within noise` where it is), or n/a with the reason it has none."""
+    if value is None and why:
+        return f"n/a ({why})"
+    return format_value(value) + (f" ({note})" if note else "")
 
 
 def line(row: HeadlineRow) -> str:
@@ -287,9 +305,10 @@ def line(row: HeadlineRow) -> str:
     has a value for the same reason."""
     if row.without is None and row.with_ is None and row.why_without and row.why_without == row.why_with:
         return f"{row.label}: {row.why_without}"
-    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without)} | {row.with_label} "
-            f"{side_text(row.with_, row.why_with)}")
-    if row.change and row.change != "n/a":
+    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without, row.note_without)} | "
+            f"{row.with_label} {side_text(row.with_, row.why_with, row.note_with)}")
+    said = row.change == "within noise" and (row.note_without or row.note_with)  # already after the values
+    if row.change and row.change != "n/a" and not said:
         text += f" ({row.change})"
     if row.equal is not None:
         text += f"; {'EQUAL' if row.equal else 'NOT EQUAL'} to the reference: {row.equal_detail}"
