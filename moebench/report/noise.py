@@ -21,6 +21,10 @@ VERDICT_OF = {"padding_tax": "padding_tax", "padding_us": "padding_tax", "recove
               "recovered_share": "recovered"}
 # the figures that compare the masked side with the oblivious one (not comparable when the sides' speeds differ)
 PAIRED = ("padding_tax", "padding_us", "recovered_us", "recovered_share", "layer_us")
+# the keys of a trace step (info.trace_steps) that say which rows it ran: two sides with equal ones ran the same
+# steps, whatever their seeded routing made of them
+STEP_ROWS = ("real", "cudagraph_rows", "dp_rows", "micro_batch_rows", "sp_rows", "chunk_rows", "calls", "rows",
+             "padded_rows", "added_rows")
 UNKNOWN_NOISE_SLACK = 0.05  # where the noise is unknown, masked real-only time more than 5% above oblivious
 
 
@@ -86,9 +90,9 @@ def pair_note(records: list[dict], metric: str, with_metric: str) -> str:
 def same_steps(records_a: list[dict], records_b: list[dict]) -> bool:
     """Whether two selections ran the very same trace steps, padding included (two distributions cut to the same
     decode steps at a CPU size, two capture lists that pad a short trace alike): their comparison then measures
-    nothing but the timings' noise."""
-    def shape(step: dict) -> dict:  # the step's rows, not what they took (`*_us`)
-        return {k: v for k, v in step.items() if not k.endswith("_us")} if isinstance(step, dict) else step
+    nothing but the timings' noise and the seeded routing."""
+    def shape(step: dict) -> dict:  # the step's rows, not what they took nor where its routing went
+        return {k: step.get(k) for k in STEP_ROWS} if isinstance(step, dict) else step
 
     def steps(records):
         out = [json.dumps([shape(s) for s in _at(r, "info", "trace_steps")], sort_keys=True, default=str)

@@ -59,7 +59,9 @@ def test_masked_slower_on_the_real_rows_is_not_comparable():
 
 
 def test_two_sides_that_ran_the_same_steps_are_no_comparison():
-    same = [_rec("pow2", tax=(0.04, 0.0)), _rec("default", tax=(0.05, 0.0))]
+    # the same rows, the seeded routing elsewhere (another slowest rank): still the same steps
+    same = [_rec("pow2", tax=(0.04, 0.0), steps=[{"step": 0, "real": [3, 3], "rows": 8, "ep_slowest_rank": 0}]),
+            _rec("default", tax=(0.05, 0.0), steps=[{"step": 0, "real": [3, 3], "rows": 8, "ep_slowest_rank": 3}])]
     (row,) = headline.evaluate(same, [LISTS])
     assert row.change == "no comparison: both sides ran the same trace steps at this size"
     other = [_rec("pow2", steps=[{"step": 0, "real": [3, 3], "rows": 16}]), _rec("default")]
