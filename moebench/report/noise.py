@@ -94,10 +94,11 @@ def same_steps(records_a: list[dict], records_b: list[dict]) -> bool:
     def shape(step: dict) -> dict:  # the step's rows, not what they took nor where its routing went
         return {k: step.get(k) for k in STEP_ROWS} if isinstance(step, dict) else step
 
-    def steps(records):
-        out = [json.dumps([shape(s) for s in _at(r, "info", "trace_steps")], sort_keys=True, default=str)
-               for r in records if _at(r, "info", "trace_steps")]
-        return out if out and len(out) == len(records) else None
+    def steps(records):  # None unless every record keeps its steps as a list (jit_trace's is a count)
+        kept = [_at(r, "info", "trace_steps") for r in records]
+        if not kept or not all(isinstance(k, list) and k and all(isinstance(s, dict) for s in k) for k in kept):
+            return None
+        return [json.dumps([shape(s) for s in k], sort_keys=True, default=str) for k in kept]
     a, b = steps(records_a), steps(records_b)
     return a is not None and a == b
 

@@ -64,6 +64,11 @@ def test_two_sides_that_ran_the_same_steps_are_no_comparison():
             _rec("default", tax=(0.05, 0.0), steps=[{"step": 0, "real": [3, 3], "rows": 8, "ep_slowest_rank": 3}])]
     (row,) = headline.evaluate(same, [LISTS])
     assert row.change == "no comparison: both sides ran the same trace steps at this size"
+    counted = [_rec("pow2"), _rec("default")]  # a family that keeps a count of steps, not the steps
+    for r in counted:
+        r["info"]["trace_steps"] = 3
+    (row,) = headline.evaluate(counted, [LISTS])
+    assert row.change.endswith("x")
     other = [_rec("pow2", steps=[{"step": 0, "real": [3, 3], "rows": 16}]), _rec("default")]
     (row,) = headline.evaluate(other, [LISTS])
     assert row.change.endswith("x")
