@@ -19,7 +19,7 @@ import torch
 
 # (matmul size, copy elements, calls per batch) per device type: small enough to be quick, large enough that the
 # timer's resolution and the launch overhead are a small part of a batch
-SHAPES = {"cpu": (192, 1 << 21, 16), "cuda": (2048, 1 << 26, 20)}
+SHAPES = {"cpu": (128, 1 << 19, 8), "cuda": (2048, 1 << 26, 20)}
 BATCHES = 5
 
 
