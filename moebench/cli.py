@@ -110,11 +110,16 @@ def _load_for_run(args):
     return stored
 
 
-def _preset_notices(sweep) -> None:
-    """A notice (stderr) for each model preset whose values explicit keys override."""
+def _preset_notices(sweep, size: str | None = None) -> None:
+    """A notice (stderr) for each model preset whose values explicit keys override, and for `--size cpu` of a sweep
+    that declares no sizes (it runs as written)."""
     from moebench.presets import override_notices
+    from moebench.run.sweep import CPU_SIZE
 
-    for line in override_notices(sweep.fixed, sweep.axes):
+    notes = list(override_notices(sweep.fixed, sweep.axes))
+    if size == CPU_SIZE and not sweep.sizes:
+        notes.append(f"--size {CPU_SIZE}: {sweep.name} declares no sizes, it runs as written (already CPU-sized)")
+    for line in notes:
         sys.stderr.write(f"moebench: note: {line}\n")
 
 
@@ -122,7 +127,7 @@ def cmd_run(args) -> int:
     from moebench.run.runner import dry_run, pick_device, run_sweep
 
     sweep = _load_for_run(args)
-    _preset_notices(sweep)
+    _preset_notices(sweep, args.size)
     pick_device(args.device)  # what a run checks before its first point, a dry run checks too
     if not args.resume:
         check_output_dir("--out", args.out)
@@ -165,7 +170,7 @@ def cmd_tune(args) -> int:
     from moebench.run.tune import run_tune, tune_sweeps
 
     sweep = load_sweep(sweep_argument_path(args.sweep), args.set or [], max_points=args.max_points, size=args.size)
-    _preset_notices(sweep)
+    _preset_notices(sweep, args.size)
     tune_sweeps(sweep)  # refused here (one line) before anything runs: no tunable impl, a bad config name
     device = pick_device(args.device)
     if device.type == "cpu" and args.out is None:

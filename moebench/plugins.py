@@ -45,12 +45,15 @@ def register_kernel(family: str, variant: str, fn: Callable, *, description: str
 
     `available(ctx)` / `validate(p)` (None when fine, else why not) add to the family's own limits.
     """
-    from moebench.families import get_family
+    from moebench.families import get_family, signature_problem
     from moebench.registry import register_impl
 
     fam = get_family(family)
     if not variant or "." in variant:
         raise ValueError(f"plugin variant {variant!r}: a non-empty name without dots")
+    why = signature_problem(fam, fn)
+    if why:
+        raise PluginError(f"register_kernel {family}.{variant}: {getattr(fn, '__name__', 'fn')} {why}")
     own = fam.validate
 
     def both(p):
@@ -104,6 +107,8 @@ def load_plugins(modules: list, src: str = "<memory>") -> None:
             if mod in _loaded_modules:
                 continue
             importlib.import_module(mod)
+        except PluginError as e:  # already one line naming what is wrong
+            raise PluginError(f"{src}: plugins[{i}]: {entry}: {e}") from None
         except Exception as e:
             what = f"plugin file {entry}" if is_file else f"plugin module {entry!r}"
             raise PluginError(f"{src}: plugins[{i}]: cannot import {what} "

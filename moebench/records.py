@@ -121,11 +121,13 @@ def unique_records(records: Iterable[dict]) -> list[dict]:
 
 def timing_label(rec: dict) -> str | None:
     """How a record was timed, for the table and summary: graph, events, wall, or interp (wall clock with the
-    Triton kernels in the interpreter: a CPU figure, never to be read as a GPU one)."""
+    Triton kernels in the interpreter: a CPU figure, never to be read as a GPU one). interp only where the timed
+    region launched an interpreted kernel (`interpreted_launches`; a record from before it was counted: interp
+    whenever the interpreter was on): a pure-torch or plugin row timed under the interpreter is `wall`."""
     mode = rec.get("timing_mode")
     if mode is None:
         return None
-    if rec.get("triton_interpret"):
+    if rec.get("triton_interpret") and rec.get("interpreted_launches", 1) > 0:
         return "interp"
     return "graph" if mode == "cuda_graph" else mode
 

@@ -201,10 +201,33 @@ def gpu_label(manifest: dict) -> str:
     return "CPU (no GPU)"
 
 
+# The keys that choose a trace: a title names the trace the records ran (info.trace) instead of them, so that an
+# explicit 3-step trace is never titled by the distribution and length the sweep fixed but did not use
+TRACE_KEYS = ("trace", "trace_distribution", "trace_steps", "trace_max_tokens", "trace_file")
+
+
+def trace_label(records: list[dict]) -> str | None:
+    """`trace=chat (1000 steps)`, `trace=explicit (3 steps)`, `trace=file x.csv (..)` when every record ran the
+    same trace, from the records' info.trace; None otherwise."""
+    traces = {json.dumps((r.get("info") or {}).get("trace"), sort_keys=True, default=str) for r in records}
+    if len(traces) != 1:
+        return None
+    trace = json.loads(traces.pop())
+    if not isinstance(trace, dict) or not trace.get("source"):
+        return None
+    source = str(trace["source"])
+    if source == "file" and trace.get("file"):
+        source = f"file {os.path.basename(str(trace['file']))}"
+    return f"trace={source}" + (f" ({trace['steps']} steps)" if trace.get("steps") else "")
+
+
 def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterable[str] = ()) -> str:
     """The parameters that matter and are the same for every plotted point: those the sweep fixed (its `fixed`
-    section), plus the expert count and top_k, in a stable order with short labels."""
+    section), plus the expert count and top_k, in a stable order with short labels; the trace as it was run."""
     skip = set(skip)
+    trace = trace_label(records)
+    if trace:
+        skip |= set(TRACE_KEYS)
     short = dict(TITLE_KEYS)
     wanted = ["num_experts", "top_k"] + [k for k in fixed_keys if k not in ("num_experts", "top_k")]
     if not list(fixed_keys):  # no manifest: fall back to the usual suspects
@@ -225,6 +248,8 @@ def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterab
             v = ",".join(map(str, v[:6])) + (",..." if len(v) > 6 else "")
         label = short.get(key, key)
         parts.append(f"{label}={fmt_value(v)}" if label else fmt_value(v))
+    if trace:
+        parts.append(trace)
     timing = timing_subtitle(records)
     if timing:
         parts.append(timing)

@@ -11,7 +11,8 @@ from moebench.report.peers import peer_ratios, point_of
 
 
 def peer_ratio(run: Run, out: Path) -> list[Plot]:
-    rows = {(r["impl"], point_of(r)): r for r in peer_ratios(run.records)}
+    # a ratio between timing modes (interpreted Triton vs torch on a CPU) is no figure to draw
+    rows = {(r["impl"], point_of(r)): r for r in peer_ratios(run.records) if r["comparable"]}
     recs = [{**r, "peer_ratio": rows[(r["impl"], point_of(r))]["ratio"]} for r in run.ok
             if (r.get("impl"), point_of(r)) in rows and param(r, "num_tokens") is not None]
     if not recs:

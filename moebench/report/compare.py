@@ -2,8 +2,12 @@
 
 A point whose cv (stdev / mean of its samples) is above the threshold in either run (`--max-cv`, default 10%) is
 flagged `noisy`: its ratio is printed but left out of the geometric means, and the summary says how many were. The
-geometric mean is given over all the points kept and per impl. When no point matches, the command says why, one
-line per thing that differs between the runs (sweep, target, impls, parameter keys and values), and exits 2.
+geometric mean is given over all the points kept and per impl. A point whose ratio is far outside both runs' own
+spread is flagged `outside spread` (moebench.report.machine), one inside it (within twice their combined cv)
+`within noise` (moebench.report.noise), as the headlines and the report mark such figures. Both runs' machine references (a fixed matmul and a
+copy at each run's start and end) are printed, and a geometric mean no larger than the machines' difference is said
+not to be a speed-up or slow-down. When no point matches, the command says why, one line per thing that differs
+between the runs (sweep, target, impls, parameter keys and values), and exits 2.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from moebench.report import cells
+from moebench.report import cells, machine, noise
 from moebench.records import load_manifest, load_records, unique_records
 
 MAX_CV = 0.10  # the default cv above which a point is too noisy to enter a geometric mean
@@ -150,15 +154,26 @@ def compare_runs(run_a: Path, run_b: Path, max_cv: float = MAX_CV, out=None, err
     axes = _axes(man_b, rows)
     table = [[r["impl"], *(cells.plain(r["params"].get(k)) for k in axes), cells.us(r["a_p50_us"]),
               cells.pct(r["a_cv"]), cells.us(r["b_p50_us"]), cells.pct(r["b_cv"]), cells.ratio(r["ratio"]),
-              "noisy" if is_noisy(r, max_cv) else ""] for r in rows]
+              _flags(r, max_cv)] for r in rows]
     for line in cells.columns(["impl", *axes, "A p50 us", "A cv %", "B p50 us", "B cv %", "B/A", "flag"], table):
         print(line, file=out)
     clocks = clock_line(rows)
     if clocks:
         print(clocks, file=out)
-    for line in summary_lines(rows, max_cv):
+    for line in machine.reference_lines(man_a, man_b) + summary_lines(rows, max_cv):
         print(line, file=out)
+    caveat = machine.verdict(geomean([r["ratio"] for r in rows if not is_noisy(r, max_cv)]), man_a, man_b)
+    if caveat:
+        print(caveat, file=out)
     return 0
+
+
+def _flags(row: dict, max_cv: float) -> str:
+    """noisy (cv over the limit), within noise (the change is inside the two points' spread: no speed-up or
+    slow-down), outside spread (far outside it)."""
+    quiet = noise.ratio_within_noise(row.get("ratio"), row.get("a_cv"), row.get("b_cv"))
+    return ", ".join(f for f, on in (("noisy", is_noisy(row, max_cv)), ("within noise", quiet),
+                                     ("outside spread", machine.outside_spread(row))) if on)
 
 
 def summary_lines(rows: list[dict], max_cv: float = MAX_CV) -> list[str]:

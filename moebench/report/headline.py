@@ -18,7 +18,12 @@ A selector maps parameter names (`fixed`/`axes` keys) or record fields (`impl`, 
 `twin_of`, `mask_aware`) to a value or a list of accepted values. `count` counts the selected records whose
 metric is present (so `metric: status, reduce: count, without: {status: failed, ...}` counts failed points);
 `first` and `distinct` show values that are not numbers (a failure's reason). Other reduces use the numeric
-values only; with none the result is None (shown as n/a: e.g. JIT compile counts under the CPU interpreter).
+values only; with none the result is None, shown with the reason (`why`): "not in this run: no point has
+capture_sizes=default (it has pow2, dense)" when the selector matches no record (a size that does not run what the
+headline names), "not recorded: ..." when the selected records lack the metric (e.g. JIT compiles under the CPU
+interpreter, or points that failed); one reason for the row when both sides share it. A figure the records say is
+inside the timings' noise is marked `within noise` and gets no ratio; a masked/oblivious pair whose sides are not
+comparable, or two sides that ran the very same trace steps, say so instead of a ratio (moebench.report.noise).
 
 `equal_to` pairs every `with` record with the `equal_to` record of the same impl and parameters, apart from the
 keys the two selectors name, and compares metric with equal_metric exactly (==): "masked equals real-only".
@@ -34,7 +39,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from moebench.report import cells
+from moebench.report import cells, noise
 
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
@@ -89,11 +94,17 @@ class HeadlineRow:
     equal: bool | None = None  # the equal_to verdict; None when the spec has none
     equal_detail: str = ""
     spec: dict = field(default_factory=dict)
+    why_without: str = ""  # why a side has no value ("not in this run: ..."); "" when it has one
+    why_with: str = ""
+    note_without: str = ""  # "within noise" where the records say the figure is inside the timings' spread
+    note_with: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "without": self.without, "with": self.with_,
                 "without_label": self.without_label, "with_label": self.with_label, "n_without": self.n_without,
-                "n_with": self.n_with, "change": self.change, "equal": self.equal, "equal_detail": self.equal_detail}
+                "n_with": self.n_with, "change": self.change, "equal": self.equal, "equal_detail": self.equal_detail,
+                "why_without": self.why_without, "why_with": self.why_with, "note_without": self.note_without,
+                "note_with": self.note_with}
 
 
 _MISSING = object()
@@ -210,22 +221,58 @@ def _equality(records: list[dict], spec: dict) -> tuple[bool, str]:
     return True, f"equal in {pairs} of {pairs} pairs{tail}"
 
 
+def _selector_text(key: str, want: Any) -> str:
+    return f"{key} in [{', '.join(map(str, want))}]" if isinstance(want, list) else f"{key}={want}"
+
+
+def why_missing(records: list[dict], selector: dict, chosen: list[dict], metric: str) -> str:
+    """Why a side selecting `chosen` (by `selector`) out of `records` has no value of `metric`, in one phrase."""
+    if not chosen:
+        for key, want in selector.items():
+            if not any(matches(r, {key: want}) for r in records):
+                seen = []
+                for r in records:
+                    got = _field(r, key)
+                    if got is not _MISSING and str(got) not in seen:
+                        seen.append(str(got))
+                has = f" (it has {', '.join(seen[:6])}{', ...' if len(seen) > 6 else ''})" if seen else ""
+                return f"not in this run: no point has {_selector_text(key, want)}{has}"
+        together = ", ".join(_selector_text(k, v) for k, v in selector.items())
+        return f"not in this run: no point has {together} together"
+    statuses = sorted({str(r.get("status")) for r in chosen})
+    if "ok" not in statuses:
+        return f"not recorded: the {len(chosen)} selected point(s) are {'/'.join(statuses)}"
+    return f"not recorded: {metric} is in none of the {len(chosen)} selected point(s)"
+
+
 def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
     """One row per spec, from the records alone."""
     rows = []
     for spec in specs:
-        sides = {}
-        counts = {}
+        sides, counts, why, note, chosen, paired = {}, {}, {}, {}, {}, ""
         for side in ("without", "with"):
-            chosen = select(records, spec[side])
-            counts[side] = len(chosen)
+            chosen[side] = select(records, spec[side])
+            counts[side] = len(chosen[side])
             # with_metric: both sides read from the same records (a serving_trace record holds masked and oblivious)
             metric = spec.get("with_metric", spec["metric"]) if side == "with" else spec["metric"]
-            sides[side] = reduce_values([metric_value(r, metric) for r in chosen], spec["reduce"])
+            sides[side] = reduce_values([metric_value(r, metric) for r in chosen[side]], spec["reduce"])
+            why[side] = "" if sides[side] is not None else why_missing(records, spec[side], chosen[side], metric)
+            note[side] = noise.metric_note(chosen[side], metric) if sides[side] is not None else ""
+            paired = paired or noise.pair_note(chosen[side], spec["metric"], spec.get("with_metric", spec["metric"]))
+        change = _change(sides["without"], sides["with"])
+        if change and change != "n/a":  # a ratio the records cannot support is not printed as one
+            if spec["without"] != spec["with"] and noise.same_steps(chosen["without"], chosen["with"]):
+                change = "no comparison: both sides ran the same trace steps at this size"
+            elif paired:
+                change = paired
+            elif note["without"] or note["with"]:
+                change = "within noise"
         row = HeadlineRow(label=spec["label"], without=sides["without"], with_=sides["with"],
                           without_label=spec.get("without_label", "without"),
                           with_label=spec.get("with_label", "with"), n_without=counts["without"],
-                          n_with=counts["with"], change=_change(sides["without"], sides["with"]), spec=dict(spec))
+                          n_with=counts["with"], change=change, spec=dict(spec),
+                          why_without=why["without"], why_with=why["with"], note_without=note["without"],
+                          note_with=note["with"])
         if "equal_to" in spec:
             row.equal, row.equal_detail = _equality(records, spec)
         rows.append(row)
@@ -246,11 +293,22 @@ def format_value(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
+def side_text(value: Any, why: str, note: str = "") -> str:
+    """A side's value (with `within noise` where it is), or n/a with the reason it has none."""
+    if value is None and why:
+        return f"n/a ({why})"
+    return format_value(value) + (f" ({note})" if note else "")
+
+
 def line(row: HeadlineRow) -> str:
-    """`label: without-label A | with-label B (change); equality` on one line."""
-    text = (f"{row.label}: {row.without_label} {format_value(row.without)} | {row.with_label} "
-            f"{format_value(row.with_)}")
-    if row.change and row.change != "n/a":
+    """`label: without-label A | with-label B (change); equality` on one line; `label: reason` when neither side
+    has a value for the same reason."""
+    if row.without is None and row.with_ is None and row.why_without and row.why_without == row.why_with:
+        return f"{row.label}: {row.why_without}"
+    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without, row.note_without)} | "
+            f"{row.with_label} {side_text(row.with_, row.why_with, row.note_with)}")
+    said = row.change == "within noise" and (row.note_without or row.note_with)  # already after the values
+    if row.change and row.change != "n/a" and not said:
         text += f" ({row.change})"
     if row.equal is not None:
         text += f"; {'EQUAL' if row.equal else 'NOT EQUAL'} to the reference: {row.equal_detail}"

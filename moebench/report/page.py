@@ -33,9 +33,11 @@ from typing import Any
 from moebench.report import cells, trace_tax
 from moebench.report.ceiling import ceiling_rows
 from moebench.report.figures import draw_plots, find_plots, scratch_dir_for
-from moebench.report.headline import HeadlineRow, evaluate, format_value
-from moebench.report.peers import peer_ratios
-from moebench.report.table import METRICS, metric_title, param_cell, status_lines, timing_statement
+from moebench.report.describe import description_line
+from moebench.report.headline import HeadlineRow, evaluate, side_text
+from moebench.report.peers import MODES_DIFFER, peer_ratios, ratio_text
+from moebench.report.table import (METRICS, metric_title, param_cell, status_lines, timed_call_line,
+                                   timing_statement)
 from moebench.records import MANIFEST, RECORDS, load_records
 
 PROFILE = "profile.json"  # what moebench profile writes in its folder (moebench.profile.driver.profile_point)
@@ -120,7 +122,7 @@ def manifest_items(run: RunView) -> list[tuple[str, str]]:
         gpu = f"{gpu} x{env.get('gpu_count', 1)}" + (f", {env['gpu_memory_gib']} GiB" if env.get("gpu_memory_gib")
                                                     else "")
     items = [("sweep", f"{run.sweep.get('name', '?')} (target {run.sweep.get('target', '?')})"),
-             ("description", run.sweep.get("description") or ""),
+             ("description", description_line(run.sweep, run.records)),
              ("device", m.get("device") or ""), ("GPU", gpu or "none"), ("driver", env.get("driver") or ""),
              ("CUDA", env.get("cuda") or ""), ("torch", env.get("torch") or ""), ("Triton", env.get("triton") or ""),
              ("DeepEP", env.get("deep_ep") or "not installed"), ("commit", m.get("git_commit") or "unknown"),
@@ -206,8 +208,14 @@ def peer_table(run: RunView) -> tuple[list[str], list[list[str]]]:
     keys = _varying_params([r["params"] for r in rows])
     head = ["point", "impl", *keys, "p50 (us)", "best peer", "peer p50 (us)", "ratio"]
     return head, [[_num(r["point"]), str(r["impl"]), *(param_cell(r["params"].get(k)) for k in keys),
-                   cells.us(r["p50"]), str(r["best_peer"]), cells.us(r["best_peer_p50"]), cells.ratio(r["ratio"])]
+                   cells.us(r["p50"]), str(r["best_peer"]), cells.us(r["best_peer_p50"]), ratio_text(r)]
                   for r in rows]
+
+
+def peer_caption(run: RunView) -> str:
+    """The peer table's caption, with the caveat where some rows were timed in different modes."""
+    mixed = not all(r["comparable"] for r in peer_ratios(run.records))
+    return PEER_CAPTION + (f" ({MODES_DIFFER}.)" if mixed else "")
 
 
 def _varying_params(params: list[dict]) -> list[str]:
@@ -228,8 +236,8 @@ def headline_table(run: RunView) -> tuple[list[str], list[list[str]]]:
     rows = []
     for h in run.headlines:
         check = "" if h.equal is None else ("equal: " if h.equal else "NOT equal: ") + h.equal_detail
-        rows.append([h.label, f"{h.without_label}: {format_value(h.without)}",
-                     f"{h.with_label}: {format_value(h.with_)}", h.change, check])
+        rows.append([h.label, f"{h.without_label}: {side_text(h.without, h.why_without, h.note_without)}",
+                     f"{h.with_label}: {side_text(h.with_, h.why_with, h.note_with)}", h.change, check])
     return head, rows
 
 
@@ -339,9 +347,11 @@ def render_html(runs: list[RunView], title: str) -> str:
             parts.append(f"<p>{e(run.plot_note or 'No plots found for this run.')}</p>")
         if run.records:
             parts.append("<h3>Points</h3>")
+            if timed_call_line(run.sweep.get("target")):
+                parts.append(f"<p>{e(timed_call_line(run.sweep.get('target')))}</p>")
             parts.append(_html_table(*table(run)))
         if peer_ratios(run.records):
-            parts.append(f"<h3>Against the best peer</h3><p>{e(PEER_CAPTION)}</p>")
+            parts.append(f"<h3>Against the best peer</h3><p>{e(peer_caption(run))}</p>")
             parts.append(_html_table(*peer_table(run)))
         if ceiling_rows(run.records):
             parts.append(f"<h3>The GEMM ceiling</h3><p>{html.escape(CEILING_CAPTION)}</p>")
@@ -393,9 +403,10 @@ def render_markdown(runs: list[RunView], title: str, out_dir: Path) -> str:
         elif not profile_only(run):
             parts += [run.plot_note or "No plots found for this run.", ""]
         if run.records:
-            parts += ["### Points", "", _md_table(*table(run)), ""]
+            timed = timed_call_line(run.sweep.get("target"))
+            parts += ["### Points", "", *([timed, ""] if timed else []), _md_table(*table(run)), ""]
         if peer_ratios(run.records):
-            parts += ["### Against the best peer", "", PEER_CAPTION, "", _md_table(*peer_table(run)), ""]
+            parts += ["### Against the best peer", "", peer_caption(run), "", _md_table(*peer_table(run)), ""]
         if ceiling_rows(run.records):
             parts += ["### The GEMM ceiling", "", CEILING_CAPTION, "", _md_table(*ceiling_table(run)), ""]
         for prof in run.profiles:

@@ -7,6 +7,10 @@ least one other ok peer record of the same expert dtype (where records name one)
 1 it is faster than every peer there. Ceiling records (`ceiling` set: torch's GEMMs alone) are neither peers nor
 compared; report.ceiling pairs records with them. Used by the table's "vs best peer" footer, `moebench compare RUN`
 (within one run) and the peer_ratio plot.
+
+Two records timed in different modes (moebench.records.timing_label: an interpreted Triton kernel against a torch
+row on a CPU) are not comparable: the row keeps its ratio but `comparable` is False, and every place that prints it
+gives `ratio_text` (the modes, never a number like 1298x) and the CPU caveat instead.
 """
 
 from __future__ import annotations
@@ -15,9 +19,14 @@ import json
 import math
 from pathlib import Path
 
+from moebench.records import timing_label
 from moebench.report import cells
 
-__all__ = ["point_of", "p50_of", "peer_ratios", "peer_footer_lines", "compare_within", "compare_within_run"]
+__all__ = ["point_of", "p50_of", "peer_ratios", "peer_footer_lines", "compare_within", "compare_within_run",
+           "ratio_text", "MODES_DIFFER"]
+
+MODES_DIFFER = ("ratios between rows timed in different modes (an interpreted Triton kernel against torch on the "
+                "CPU) are not given: they say nothing of a GPU")
 
 
 def point_of(rec: dict) -> str:
@@ -63,10 +72,19 @@ def peer_ratios(records: list[dict]) -> list[dict]:
         if not peers:
             continue
         best = min(peers, key=p50_of)
+        modes = (timing_label(r), timing_label(best))
         rows.append({"point": r.get("point"), "impl": r.get("impl"), "library": r.get("library"),
                      "params": r.get("params") or {}, "p50": p50, "best_peer": best.get("impl"),
-                     "best_peer_p50": p50_of(best), "ratio": p50 / p50_of(best)})
+                     "best_peer_p50": p50_of(best), "ratio": p50 / p50_of(best), "modes": modes,
+                     "comparable": modes[0] == modes[1]})
     return rows
+
+
+def ratio_text(row: dict) -> str:
+    """A peer row's ratio as printed: the number, or the two timing modes where they differ."""
+    if row.get("comparable", True):
+        return cells.ratio(row["ratio"])
+    return f"{row['modes'][0]} vs {row['modes'][1]}"
 
 
 def _varying(rows: list[dict]) -> list[str]:
@@ -88,10 +106,11 @@ def peer_footer_lines(records: list[dict]) -> list[str]:
         return []
     keys = _varying(rows)
     table = [[str(r["point"]), str(r["impl"]), cells.us(r["p50"]), str(r["best_peer"]), cells.us(r["best_peer_p50"]),
-              cells.ratio(r["ratio"]), _label(r["params"], keys)] for r in rows]
+              ratio_text(r), _label(r["params"], keys)] for r in rows]
+    caveat = [f"  ({MODES_DIFFER})"] if not all(r["comparable"] for r in rows) else []
     return ["", "vs best peer: p50 / the fastest other peer's p50 at the same point (< 1: faster than every peer)",
             *cells.columns(["point", "impl", "p50 us", "best peer", "peer us", "ratio", "params"], table,
-                           head_prefix="  ", right=[True, False, True, False, True, True, False])]
+                           head_prefix="  ", right=[True, False, True, False, True, True, False]), *caveat]
 
 
 def compare_within(records: list[dict], impl_a: str, impl_b: str) -> list[dict]:

@@ -21,6 +21,19 @@ _PARAM_TITLES = {"num_tokens": "tokens", "padding_ratio": "pad", "top_k": "topk"
                  "ep_size": "ep", "padding_fill": "fill", "capacity_policy": "policy", "num_local_experts": "local",
                  "num_expert_group": "groups", "padding_producer": "producer"}
 DEFAULT_IMPL_WIDTH = 28  # the impl column when the points are not known up front
+# What p50 / p10 / p90 time for targets whose timed call is not one kernel call (the header says it)
+TIMED_CALL = {
+    "serving_trace": "the masked layer at the trace's most frequent call shape (the trace's figures are under the "
+                     "table)",
+    "jit_trace": "one replay of the last step's pack + combine, already compiled (the compiles are the jit column)",
+}
+
+
+def timed_call_line(target: str | None) -> str | None:
+    """The line above the table header saying what the p50 column times, for a target where it is not a kernel
+    call; None for the others."""
+    what = TIMED_CALL.get(target or "")
+    return f"p50 / p10 / p90: {what}" if what else None
 
 
 @dataclass(frozen=True)
@@ -84,8 +97,9 @@ class Table:
     its column widens its row and is never cut."""
 
     def __init__(self, param_keys: list[str], impl_width: int | None = None, out: TextIO | None = None,
-                 points: Iterable[Any] | None = None):
+                 points: Iterable[Any] | None = None, target: str | None = None):
         self.param_keys = param_keys
+        self.target = target
         self.out = out or sys.stdout
         seen: dict[str, set[str]] = {k: set() for k in param_keys}
         impls: set[str] = set()
@@ -106,6 +120,9 @@ class Table:
             self._emit(f"# {line}")
 
     def header(self) -> None:
+        timed = timed_call_line(self.target)
+        if timed:
+            self.comment(timed)
         head = f"{'#':>5} {'impl':<{self.impl_width}}"
         units = f"{'#':>5} {'':<{self.impl_width}}"
         for k in self.param_keys:

@@ -18,6 +18,7 @@ import torch
 
 from moebench.params import Point
 from moebench.registry import RunContext
+from moebench.consistency import vet
 from moebench.records import RECORDS, RecordWriter, load_records
 from moebench.run.sweep import Sweep
 
@@ -198,7 +199,7 @@ def _world_worker(ctx: RunContext, sweep_dict: dict, source: str, indices: list[
         if lost:
             with_lost_context(rec, lost, f"rank group restarted (rank {ctx.rank})")
         if writer is not None:
-            writer.append(rec)
+            writer.append(vet(rec))  # totals equal their parts, or the point is wrong naming the figure
             if show is not None:
                 show(rec)
         if lost:  # this rank's group is done: spawned, the runner starts a fresh one for the rest

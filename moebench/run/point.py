@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from moebench import registry
+from moebench.measure.interpreted_launches import counting_interpreted_launches
 from moebench.measure.gpu_state import around_timing
 from moebench.measure.roofline import roofline_us
 from moebench.params import Point, Timing
@@ -117,8 +118,11 @@ def execute_point(point: Point, sweep: Sweep, ctx: RunContext, *, timing: Timing
                         hook(event)
 
                 ctx.progress(2, phases, "point phases", f"timing ({timing.iters} iterations)")
-                res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
+                with counting_interpreted_launches() as launches:
+                    res = _measure(case.run, timing, ctx, case.graph_capturable, name, _hook)
                 rec["timing_mode"] = res.mode
+                if launches is not None:  # the mode column says interp only where a Triton kernel was interpreted
+                    rec["interpreted_launches"] = launches[0]
                 rec["timing_unroll"] = res.unroll
                 if res.note:
                     rec["timing_note"] = res.note

@@ -57,6 +57,18 @@ def record_resume(run_dir: Path) -> dict:
     return manifest
 
 
+def record_machine_reference(run_dir: Path, when: str, reference: dict) -> None:
+    """Keep a machine reference (moebench.measure.machine_reference) in the manifest: `start` of the run's first
+    start (a resume's start goes into its `resumes` entry), `end` of its last end."""
+    manifest = load_manifest(run_dir)
+    refs = manifest.setdefault("machine_reference", {})
+    if when == "start" and "start" in refs and manifest.get("resumes"):
+        manifest["resumes"][-1]["machine_reference_start"] = reference
+    else:
+        refs[when] = reference
+    write_json_atomic(Path(run_dir) / MANIFEST, manifest)
+
+
 def _git_commit() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:

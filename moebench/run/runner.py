@@ -25,8 +25,11 @@ from moebench.run.lock import RunLock
 from moebench.run.point import execute_point, interpreting
 from moebench.run.estimate import RunEstimate, estimate_lines, estimate_run
 from moebench.run.progress import RunProgress
+from moebench.consistency import vet
 from moebench.records import RECORDS, RecordWriter, load_records, unique_records, write_summary
-from moebench.run.results import DEFAULT_RUNS_DIR, new_run_dir, record_resume, write_manifest
+from moebench.measure.machine_reference import machine_reference
+from moebench.run.results import (DEFAULT_RUNS_DIR, new_run_dir, record_machine_reference, record_resume,
+                                   write_manifest)
 from moebench.run.resume import check_same_sweep, stored_sweep
 from moebench.run.sweep import Sweep, expand
 
@@ -182,6 +185,8 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
     if trun is not None:
         dev = trun.device
     leader = trun is None or trun.rank == 0
+    # the machine's reference before anything else loads it (the point worker starting, below)
+    start_reference = machine_reference(dev) if leader else None
     if isolate and leader and all(_needs_world(pt) == 1 for pt in points):
         # Its interpreter starts while this one opens the run (not beside timed multi-rank points: they come first).
         point_worker.prestart(dev)
@@ -191,6 +196,7 @@ def run_sweep(sweep: Sweep, *, out_base: str | Path = DEFAULT_RUNS_DIR, device: 
             error = None
             try:
                 run_dir, lock = _open_run(sweep, points, dev, out_base, resume, trun)
+                record_machine_reference(run_dir, "start", start_reference)
                 RecordWriter(run_dir)  # drops a torn last line before anyone reads or appends
                 done = {r["key"] for r in load_records(run_dir) if "key" in r}
             except ValueError as e:
@@ -228,7 +234,8 @@ def _final_records(run_dir: Path) -> list[dict]:
 def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: Path, done: set, trun,
                 leader: bool, end_notes, out, isolate: bool, prefix: str) -> tuple[int, Path]:
     writer = RecordWriter(run_dir)
-    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points)
+    table = Table(_param_columns(sweep), out=out if leader else open(os.devnull, "w"), points=points,
+                  target=sweep.target)
     table.comment(f"moebench {sweep.name}: target {sweep.target}, {len(points)} points on {dev}"
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
@@ -284,9 +291,10 @@ def _run_todo(sweep: Sweep, todo: list[Point], dev: torch.device, run_dir: Path,
         rows.working_on(f"point {pt.index} {pt.impl}")
         rec = run_one(pt)
         restarts += bool(rec.get("worker_restarted"))
-        writer.append(rec)
+        writer.append(vet(rec))  # totals equal their parts, or the point is wrong naming the figure
         rows.show(rec)
     progress.clear()
+    record_machine_reference(run_dir, "end", machine_reference(dev))  # compare reads both ends
 
     records = _final_records(run_dir)
     write_summary(run_dir, records, _param_columns(sweep) or ["num_tokens"])

@@ -39,9 +39,7 @@ class SweepError(ValueError):
     """A sweep that cannot run. str() is the one line shown to the user."""
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The values a parameter accepts (its type is the Params field's), and the combinations that are impossible.
-# ---------------------------------------------------------------------------------------------------------------
 
 # The core's choices; a knob group declares its own (its CHOICES, moebench.params.register_knobs).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -172,15 +170,14 @@ def params_problem(p: Params) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Timing and the sweep itself
-# ---------------------------------------------------------------------------------------------------------------
 
 TIMING_MODES = ("auto", "events", "cuda_graph", "wall")
 # Upper bounds: every sample is stored, and CUDA events are allocated per iteration up front.
 TIMING_LIMITS = {"warmup": 100_000, "iters": 100_000, "unroll": 1024, "max_seconds": 86_400.0,
                  "point_timeout_s": 86_400.0}
 DEFAULT_MAX_POINTS = 100_000
+CPU_SIZE = "cpu"  # the size the README tells CPU users to add: every bundled sweep takes it
 # A sweep name becomes a directory name: a newline, a slash or 300 characters must not get that far.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -277,11 +274,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
         raise SweepError(f"{src}: top level: expected a mapping, got {type(raw).__name__}")
     file_raw = raw
     if size is not None:
-        sizes = raw.get("sizes") if isinstance(raw.get("sizes"), dict) else {}
-        if size not in sizes:
-            known = ", ".join(map(str, sizes)) if sizes else "it declares none"
-            raise SweepError(f"--size {size}: {src} has no size {size!r} (sizes: {known})")
-        raw = _apply_paths(raw, _size_changes(src, size, sizes[size]))
+        raw = _apply_paths(raw, _named_size(raw, src, size))
     raw = apply_overrides(raw, overrides or [])
     sweep = sweep_from_dict(raw, src, max_points=max_points)
     _check_sizes(file_raw, src, max_points)  # after the sweep itself: its own problems are named first
@@ -292,12 +285,20 @@ def size_overrides(path: str | Path, size: str) -> list[str]:
     """The size `size` of the sweep file at `path` as `--set KEY=VALUE` expressions (for a process that is handed
     the sweep's path and overrides, as `moebench profile` hands them to the process nsys runs)."""
     raw = strict_yaml.loads(strict_yaml.read_text(path))
-    sizes = raw.get("sizes") if isinstance(raw, dict) and isinstance(raw.get("sizes"), dict) else {}
+    return [f"{'.'.join(p)}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for p, v, _ in _named_size(raw if isinstance(raw, dict) else {}, str(path), size)]
+
+
+def _named_size(raw: dict, src: str, size: str) -> list[tuple[list[str], Any, str]]:
+    """The changes `--size size` makes to `raw`: `cpu` of a file with no sizes runs it as written (every bundled
+    sweep slow on a CPU declares `cpu`), any other missing size is refused."""
+    if size == CPU_SIZE and "sizes" not in raw:
+        return []
+    sizes = raw.get("sizes") if isinstance(raw.get("sizes"), dict) else {}
     if size not in sizes:
         known = ", ".join(map(str, sizes)) if sizes else "it declares none"
-        raise SweepError(f"--size {size}: {path} has no size {size!r} (sizes: {known})")
-    return [f"{'.'.join(p)}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-            for p, v, _ in _size_changes(str(path), size, sizes[size])]
+        raise SweepError(f"--size {size}: {src} has no size {size!r} (sizes: {known})")
+    return _size_changes(src, size, sizes[size])
 
 
 def _size_changes(src: str, name: Any, overrides: Any) -> list[tuple[list[str], Any, str]]:

@@ -363,7 +363,7 @@ def test_a_calls_routes_are_those_of_its_own_batch(fill):
     zero-filled padding every source's padded rows route alike."""
     from dataclasses import replace
 
-    from moebench.bench.serving_trace.shapes import shape_params
+    from moebench.bench.serving_trace.shape_streams import shape_params
     from moebench.inputs import make_batch, route
     from moebench.params import Params
 

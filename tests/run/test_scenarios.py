@@ -244,26 +244,27 @@ def test_new_mask_knobs_keep_the_point_keys_of_committed_runs():
 
 def test_h_padding_tax(tmp_path):
     rows, code, records = _run("padding_tax", tmp_path)
-    assert code == 0 and {r["params"]["capture_sizes"] for r in records} == {"pow2", "dense"}
+    assert code == 0 and {r["params"]["capture_sizes"] for r in records} == {"default", "dense"}
     by_list = {r["params"]["capture_sizes"]: r["info"] for r in records}
-    pow2, dense = by_list["pow2"], by_list["dense"]
-    # trace [3, 5, 1] on both DP ranks: pow2 pads 3 -> 4 and 5 -> 8 (2 ranks each), 1 is a capture size
-    assert [s["padded_rows"] for s in pow2["trace_steps"]] == [2, 6, 0]
+    default, dense = by_list["default"], by_list["dense"]  # the default list pads this trace as pow2 does
+    # trace [3, 5, 1] on both DP ranks: default pads 3 -> 4 and 5 -> 8 (2 ranks each), 1 is a capture size
+    assert [s["padded_rows"] for s in default["trace_steps"]] == [2, 6, 0]
     assert [s["padded_rows"] for s in dense["trace_steps"]] == [0, 0, 0]
     # no padded row with the dense list: no time on padding, exactly (each call is its own real-only shape)
     assert dense["headline"]["padding_us"] == {"masked": 0.0, "oblivious": 0.0}
-    # exact (the scenario's trace_real_points: 0): pow2 timed its calls (4, 3), (8, 5), (1, 1) and their real
+    # exact (the scenario's trace_real_points: 0): default timed its calls (4, 3), (8, 5), (1, 1) and their real
     # tokens alone (3, 3), (5, 5), so dense's calls, all unpadded, are reused (within this run only)
-    assert pow2["shape_mode"] == "exact" and pow2["timed_shapes"] == 5
-    assert pow2["shapes_measured"] == 5 and pow2["shapes_reused"] == 0
+    assert default["shape_mode"] == "exact" and default["timed_shapes"] == 5
+    assert default["shapes_measured"] == 5 and default["shapes_reused"] == 0
     assert dense["shape_mode"] == "exact" and dense["timed_shapes"] == 3
     assert dense["shapes_measured"] == 0 and dense["shapes_reused"] == 3
-    assert pow2["headline"]["padding_gemm_rows"]["masked"] == 0
-    assert pow2["headline"]["jit_compiles"]["oblivious"] >= 1
-    gemm = _by_prefix(rows, "expert-GEMM rows")
-    assert gemm.without is None and gemm.with_ is None  # the small run has no default list: n/a, not 0
-    tax = _by_prefix(rows, "padding tax, oblivious, pow2")
-    assert tax.without is not None and tax.with_ is None
+    assert default["headline"]["padding_gemm_rows"]["masked"] == 0
+    assert default["headline"]["jit_compiles"]["oblivious"] >= 1
+    gemm = _by_prefix(rows, "expert-GEMM rows")  # the headlines name the default list, which the cpu size runs
+    assert gemm.without == 2 and gemm.with_ == 0
+    tax = _by_prefix(rows, "padding tax, oblivious, pow2")  # pow2 is not run: said so, not a bare n/a
+    assert tax.without is None and tax.with_ is not None
+    assert "pow2 n/a (not in this run: no point has capture_sizes=pow2 (it has default, dense))" in headline.line(tax)
 
 
 def test_i_sp_padding_prefill(tmp_path):

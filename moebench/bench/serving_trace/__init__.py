@@ -43,6 +43,7 @@ import torch
 
 from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
+from moebench.bench.serving_trace import checks  # noqa: F401  (registers the family's consistency checks)
 from moebench.bench.serving_trace import steps as step_figures
 from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer,
                                                   interpolation_shapes, padded_row_counts, totals)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from moebench.bench.serving_trace.ep_step import CallRoutes, EPStepLayout
-from moebench.bench.serving_trace.shapes import shape_params
+from moebench.bench.serving_trace.shape_streams import shape_params
 from moebench.inputs import make_batch, route
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params

@@ -20,6 +20,7 @@ million steps has tens of thousands of shapes; their figures are a gather over t
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +30,15 @@ from moebench.params import EPLayout, Params
 
 SIDES = ("masked", "oblivious")
 REAL_SEED, PAD_SEED = 104_723, 104_729  # seed offsets of the two streams (past every per-shape offset)
+
+
+def shape_params(p: Params, rows: int, real: int) -> Params:
+    """The layer point of one shape: `rows` rows, the trailing rows - real of them padding."""
+    if not 0 <= real <= rows or rows < 1:
+        raise ValueError(f"shape ({rows}, {real}): need 0 <= real <= rows and rows >= 1")
+    # rows * ((rows - real) / rows) is within an ulp of rows - real, so padding_rows() rounds back to it exactly
+    return replace(p, num_tokens=rows, padding_producer="ratio", padding_ratio=(rows - real) / rows, mask=True,
+                   trace=None, trace_file=None)
 
 
 def _cumulative(per_row: np.ndarray) -> np.ndarray:
@@ -61,7 +71,6 @@ class ShapeStreams:
     """The two routed streams of one layer point, at least `max_real` real and `max_pad` padded rows."""
 
     def __init__(self, p: Params, device: torch.device, max_real: int, max_pad: int):
-        from moebench.bench.serving_trace.shapes import shape_params
         from moebench.inputs import make_batch, route
 
         self.p, self.device = p, device
@@ -84,7 +93,6 @@ class ShapeStreams:
 
     def batch(self, rows: int, real: int):
         """(the shape's layer point, its batch): the real prefix and the pad prefix, is_padding on the latter."""
-        from moebench.bench.serving_trace.shapes import shape_params
         from moebench.inputs.router_mask import point_masks
 
         if not 0 <= real <= rows or real > self.max_real or rows - real > self.max_pad:

@@ -22,7 +22,7 @@ Figures from the reference routing of the batch, per side (padding routed when o
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,15 +37,6 @@ from moebench.bench.serving_trace.shape_streams import ShapeStreams
 from moebench.params import EPLayout, Params, Timing
 
 MIN_SPREAD_SAMPLES = 5  # fewer samples give no p10-p90 spread worth the name
-
-
-def shape_params(p: Params, rows: int, real: int) -> Params:
-    """The layer point of one shape: `rows` rows, the trailing rows - real of them padding."""
-    if not 0 <= real <= rows or rows < 1:
-        raise ValueError(f"shape ({rows}, {real}): need 0 <= real <= rows and rows >= 1")
-    # rows * ((rows - real) / rows) is within an ulp of rows - real, so padding_rows() rounds back to it exactly
-    return replace(p, num_tokens=rows, padding_producer="ratio", padding_ratio=(rows - real) / rows, mask=True,
-                   trace=None, trace_file=None)
 
 
 @dataclass
