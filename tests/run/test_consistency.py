@@ -93,3 +93,18 @@ def test_the_runner_vets_each_record_before_writing_it(tmp_path, monkeypatch):
     assert code == 1 and rec["status"] == "wrong"
     assert rec["reason"] == "inconsistent figures: info.made_up: 2 != 1 + 0"
     assert json.loads((Path(run_dir) / "records.jsonl").read_text().splitlines()[0])["consistency"]
+
+
+def test_without_dbo_the_overlap_is_the_rounding_of_the_trace_sums_and_no_more():
+    """Over 200,000 steps the tax split's residual is the float sums' rounding (~1e-12 of the steps' sums): it
+    passes; an overlap of real size without DBO does not."""
+    rec = _trace_record()
+    split = rec["info"]["headline"]["ep_step"]["tax_split_us"]
+    rec["info"]["headline"]["ep_step"]["step_us"] = {"masked": 3.4e9, "oblivious": 3.4e9 + 115367.42}
+    for side, t in rec["info"]["ep_step"]["totals"].items():
+        t["step_us"] = rec["info"]["headline"]["ep_step"]["step_us"][side]
+        t["experts_us"] = t["step_us"] - t["dispatch_us"] - t["combine_us"]
+    split["overlap_us"], split["gemm_us"] = 0.005, split["gemm_us"] - 0.005
+    assert consistency.problems(rec) == []
+    split["overlap_us"], split["gemm_us"] = 50.0, split["gemm_us"] - 49.995
+    assert any("overlap_us: 50.0 without DBO" in p for p in consistency.problems(rec))
