@@ -33,7 +33,7 @@ from moebench.params import Params, Timing
 
 # distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
 # ep_rank_timings unset; the interpreter's budget is a smoke test's
-DEFAULT_RANK_TIMINGS = {"cuda": 384, "cpu": 6}
+DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
 # distinct steps whose rank workloads are read for the choice above and the fit's sample (a bound on time and
 # memory: a million-step trace has ~1e5 distinct steps and 1e6 workloads, a fit needs their range, not all of them)
 COLLECT_STEPS = 4_000
