@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from moebench.bench.serving_trace.knobs import ServingKnobs
@@ -52,12 +53,12 @@ class CallRoutes:
     expert_routes: tuple[int, ...]
     rank_rows: tuple[int, ...]
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both as int64 tensors, made once (a call is read by every step that holds it)."""
-        got = self.__dict__.get("_tensors")
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Both as int64 arrays, made once (a call is read by every step that holds it)."""
+        got = self.__dict__.get("_arrays")
         if got is None:
-            got = (torch.tensor(self.expert_routes, dtype=torch.int64), torch.tensor(self.rank_rows, dtype=torch.int64))
-            object.__setattr__(self, "_tensors", got)
+            got = (np.asarray(self.expert_routes, dtype=np.int64), np.asarray(self.rank_rows, dtype=np.int64))
+            object.__setattr__(self, "_arrays", got)
         return got
 
 
@@ -128,16 +129,16 @@ RoutesOf = Callable[[int, int, int, str], CallRoutes]
 class MicroBatch:
     """One micro-batch of one side: what each EP rank received and the bytes on the wire."""
 
-    counts: torch.Tensor  # int64 [R, E/R]: routes to each rank's local experts
-    received: torch.Tensor  # int64 [R]: rows each rank received
-    dispatch_bytes: torch.Tensor  # [src][dst]
-    combine_bytes: torch.Tensor
+    counts: np.ndarray  # int64 [R, E/R]: routes to each rank's local experts
+    received: np.ndarray  # int64 [R]: rows each rank received
+    dispatch_bytes: np.ndarray  # [src][dst]
+    combine_bytes: np.ndarray
 
     @classmethod
     def of_workloads(cls, workloads: Sequence[Workload], dispatch_bytes, combine_bytes) -> "MicroBatch":
-        return cls(torch.tensor([w.counts for w in workloads], dtype=torch.int64),
-                   torch.tensor([w.rows for w in workloads], dtype=torch.int64),
-                   torch.as_tensor(dispatch_bytes), torch.as_tensor(combine_bytes))
+        return cls(np.asarray([w.counts for w in workloads], dtype=np.int64),
+                   np.asarray([w.rows for w in workloads], dtype=np.int64),
+                   np.asarray(dispatch_bytes), np.asarray(combine_bytes))
 
     @property
     def workloads(self) -> list[Workload]:
@@ -145,7 +146,7 @@ class MicroBatch:
 
     def off_rank_bytes(self, phase: str) -> int:
         m = self.dispatch_bytes if phase == "dispatch" else self.combine_bytes
-        return int(m.sum() - m.diagonal().sum())
+        return int(m.sum() - np.trace(m))
 
     def priced(self, wire_time: WireTime) -> "PricedMicroBatch":
         """Its rank workloads with the wire's times and off-rank bytes (the byte matrices dropped)."""
@@ -158,8 +159,8 @@ class MicroBatch:
 class PricedMicroBatch:
     """One micro-batch of one side as the composition reads it: the rank workloads and the wire's times."""
 
-    counts: torch.Tensor  # int64 [R, E/R]
-    received: torch.Tensor  # int64 [R]
+    counts: np.ndarray  # int64 [R, E/R]
+    received: np.ndarray  # int64 [R]
     dispatch_us: float
     combine_us: float
     dispatch_bytes: int  # off-rank bytes summed over the ranks
@@ -176,17 +177,17 @@ def micro_batches(step: StepPadding, layout: EPStepLayout, routes_of: RoutesOf, 
     dp_size = len(step.real)
     out = []
     for m in sorted({c.micro_batch for c in step.calls}):
-        experts = torch.zeros(layout.num_experts, dtype=torch.int64)
-        sent = torch.zeros(R, R, dtype=torch.int64)  # rows [src][dst]
+        experts = np.zeros(layout.num_experts, dtype=np.int64)
+        sent = np.zeros((R, R), dtype=np.int64)  # rows [src][dst]
         for c in step.calls:
             if c.micro_batch != m:
                 continue
             for q in range(layout.replicas):
                 slot = layout.slot(q, dp_size, c.dp_rank, c.sp_rank)
-                per_expert, per_rank = routes_of(c.rows, c.real, slot, side).tensors()
+                per_expert, per_rank = routes_of(c.rows, c.real, slot, side).arrays()
                 experts += per_expert
                 sent[slot % R] += per_rank
-        out.append(MicroBatch(experts.view(R, epr), sent.sum(dim=0), sent * layout.dispatch_row_bytes,
+        out.append(MicroBatch(experts.reshape(R, epr), sent.sum(axis=0), sent * layout.dispatch_row_bytes,
                               sent.T * layout.combine_row_bytes))
     return out
 
@@ -236,7 +237,7 @@ def side_step(mbs: Sequence[PricedMicroBatch], rank_time: RankTime, dbo: bool) -
         out.combine_us += x
         out.dispatch_bytes += mb.dispatch_bytes
         out.combine_bytes += mb.combine_bytes
-        routes = mb.counts.sum(dim=1).tolist()
+        routes = mb.counts.sum(axis=1).tolist()
         out.rank_routes = [a + b for a, b in zip(out.rank_routes, routes)] if out.rank_routes else routes
         if times[slowest] >= out.slowest_us:
             out.slowest_rank, out.slowest_us, out.rank_us = slowest, times[slowest], times

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 FEATURES = ("launch", "experts_touched", "row_tiles", "routes", "rows")
@@ -222,11 +223,55 @@ class RankCostModel:
 
     __call__ = predict
 
+    def batch(self, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """predict() of every rank of a micro-batch at once: counts int [R, E], rows int [R] -> float64 [R]."""
+        counts, rows = np.asarray(counts), np.asarray(rows)
+        launches = [self.launch_of(int(r)) for r in rows.tolist()]
+        block = np.array([lo.block_m for lo in launches], dtype=np.int64)[:, None]
+        paired = np.array([lo.paired for lo in launches], dtype=bool)
+        blocks = -(-counts // block)
+        tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
+        f = np.stack([(rows > 0).astype(np.float64), (counts > 0).sum(axis=1), tiles, counts.sum(axis=1), rows],
+                     axis=1).astype(np.float64)
+        coef = np.array([self.coef.get(lo.name, self.fallback) for lo in launches], dtype=np.float64)
+        return (f * coef).sum(axis=1) * (rows > 0)
+
     def record(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "per_launch": {
             name: {"coef_us": [round(c, 6) for c in self.coef[name]] if name in self.coef else None,
                    "points": self.points[name], "cross_validated": error_summary(self.cv_rel[name])}
             for name in sorted(self.points)}}
+
+
+class RankTimes:
+    """A rank's time: timed where it was timed, else the model's (no model: every workload must be timed).
+    `batch(counts, rows)` reads every rank of a micro-batch at once (the model vectorised, the timed ones looked
+    up by their counts' bytes)."""
+
+    def __init__(self, timed: dict[Workload, float], model: RankCostModel | None = None):
+        self.timed, self.model = timed, model
+        self.by_bytes = {(w.rows, np.asarray(w.counts, dtype=np.int64).tobytes()): t for w, t in timed.items()}
+
+    def __call__(self, w: Workload) -> float:
+        if not w.rows:
+            return 0.0
+        got = self.timed.get(w)
+        if got is None:
+            if self.model is None:
+                raise KeyError(f"rank workload {w} was not timed")
+            got = self.model(w)
+        return got
+
+    def batch(self, counts: np.ndarray, rows: np.ndarray) -> list[float]:
+        counts, rows = np.asarray(counts, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        out = self.model.batch(counts, rows) if self.model is not None else np.zeros(len(rows))
+        for r, n in enumerate(rows.tolist()):
+            got = self.by_bytes.get((n, counts[r].tobytes())) if n else 0.0
+            if got is None and self.model is None:
+                raise KeyError(f"rank workload ({n} rows, {counts[r].tolist()}) was not timed")
+            if got is not None:
+                out[r] = got
+        return out.tolist()
 
 
 @dataclass(frozen=True)
@@ -236,6 +281,15 @@ class Contest:
 
     steps: int
     workloads: tuple[Workload, ...]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(counts int64 [R, E], rows int64 [R]) of its ranks, made once."""
+        got = self.__dict__.get("_arrays")
+        if got is None:
+            got = (np.asarray([w.counts for w in self.workloads], dtype=np.int64).reshape(len(self.workloads), -1),
+                   np.asarray([w.rows for w in self.workloads], dtype=np.int64))
+            object.__setattr__(self, "_arrays", got)
+        return got
 
 
 def design_sample(workloads: Sequence[Workload], target: int, launch_of: Callable[[int], Launch],
@@ -292,8 +346,10 @@ def decisive_order(contests: Sequence[Contest], model: Callable[[Workload], floa
     2 x error of the slowest), most decisive first: each contest's steps x its slowest time, shared among its
     untimed candidates, summed over the contests a workload is a candidate in."""
     worth: dict[Workload, float] = {}
+    read = RankTimes(timed, model) if isinstance(model, RankCostModel) else None
     for c in contests:
-        times = [timed[w] if w in timed else model(w) for w in c.workloads]
+        times = (read.batch(*c.arrays()) if read is not None
+                 else [timed[w] if w in timed else model(w) for w in c.workloads])
         top = max(times, default=0.0)
         if top <= 0:
             continue
@@ -309,7 +365,7 @@ def decided_share(contests: Sequence[Contest], lookup: Callable[[Workload], floa
     """Of the contests' expert time (steps x slowest), the share whose every slowest-rank candidate is timed."""
     total = decided = 0.0
     for c in contests:
-        times = [lookup(w) for w in c.workloads]
+        times = lookup.batch(*c.arrays()) if hasattr(lookup, "batch") else [lookup(w) for w in c.workloads]
         top = max(times, default=0.0)
         if top <= 0:
             continue
@@ -340,8 +396,7 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
     timeable = [w for w in busy if rows_max is None or w.rows <= rows_max] or busy[:1]
     if complete and len(busy) <= budget and len(timeable) == len(busy):
         time_all(busy, len(busy))
-        table = dict(timed)
-        return (lambda w: table[w] if w.rows else 0.0), {
+        return RankTimes(dict(timed)), {
             "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
             "wall_s": round(time.perf_counter() - t0, 3)}
     design = design_sample(timeable, budget // DESIGN_SHARE, launch_of, limit=budget)
@@ -364,11 +419,7 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
         error = max(0.01, error_summary(held_out)["rms_rel"] or 0.0)
         rounds += 1
     table = dict(timed)
-
-    def lookup(w: Workload) -> float:
-        got = table.get(w)
-        return got if got is not None else model(w)
-
+    lookup = RankTimes(table, model)
     held = error_summary(held_out)
     info = {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(timed),
             "design_timings": len(design), "decisive_timings": len(timed) - len(design), "decisive_rounds": rounds,
