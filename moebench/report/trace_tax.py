@@ -18,7 +18,7 @@ from typing import Any
 
 from moebench.bench.serving_trace.knobs import config_keys
 from moebench.bench.serving_trace.record import TraceHeadline, TraceRecord
-from moebench.report import cells
+from moebench.report import cells, noise
 from moebench.report.headline import format_value
 
 TARGET = "serving_trace"
@@ -45,15 +45,32 @@ def _ms(v: Any) -> str:
     return "n/a" if v is None else cells.fixed(round(v / 1e3, 2) + 0.0, 2)  # + 0.0: no "-0.00"
 
 
+def _not_comparable(h: TraceHeadline) -> str | None:
+    """Why this record's two sides are not comparable (report.noise.not_comparable), or None."""
+    return noise.not_comparable({"info": {"headline": h.to_info()}})
+
+
 def _tax(h: TraceHeadline, side: str) -> str:
-    """The padding tax, or `within noise` when the padding time is inside the timings' spread."""
+    """The padding tax, `no padded row` where none was padded, `not comparable` where the masked side is slower on
+    the real rows alone, or `within noise` when the padding time is inside the timings' spread."""
+    if h.padded_rows == 0:
+        return "no padded row"
+    if _not_comparable(h):
+        return "not comparable"
     if h.within_noise("padding_tax", side):
         return "within noise"
     return _pct(h.padding_tax[side])
 
 
 def _recovered(h: TraceHeadline) -> str:
-    """What the masks recover, as a share of the oblivious padding time only where both are outside the noise."""
+    """What the masks recover, as a share of the oblivious padding time only where both are outside the noise;
+    nothing where no row was padded or the two sides are not comparable (a difference that would read as a
+    saving or a loss of the masks is the sides' speeds on the real rows)."""
+    if h.padded_rows == 0:
+        return "nothing (no padded row)"
+    why = _not_comparable(h)
+    if why:
+        return why.replace("not comparable: ", "not comparable (") + ")"
     if h.within_noise("recovered"):
         return "within noise"
     if h.within_noise("padding_tax", "oblivious"):

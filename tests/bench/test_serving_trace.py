@@ -547,3 +547,32 @@ def test_a_tax_inside_the_timings_noise_is_reported_as_such():
     assert "within noise" in text and "133.8%" not in text and "-0.0%" not in text
     _, (row,) = trace_tax.table([record(loud)])
     assert row[5] == "0.1%" and row[6] == "0.0%" and "133.8% of the padding time" in row[7]
+
+
+def test_the_footer_reads_no_saving_where_nothing_was_padded_or_the_sides_are_not_comparable():
+    """The dense list pads no row: no tax and nothing recovered (never "masks recover -308 ms"); where the masked
+    layer is slower on the real rows alone, the tax pair and the recovery say `not comparable`, not a saving."""
+    from moebench.report import trace_tax
+
+    def record(padded_rows, real_only):
+        head = {"layer_us": {"masked": 1_735_000.0, "oblivious": 1_448_000.0},
+                "real_only_us": real_only,
+                "padding_us": {s: {"masked": 1_735_000.0, "oblivious": 1_448_000.0}[s] - real_only[s]
+                               for s in SIDES},
+                "padding_tax": {"masked": 0.03, "oblivious": 0.05}, "recovered_us": -287_000.0,
+                "recovered_share": None, "padded_rows": padded_rows, "padding_row_share": 0.1,
+                "padding_gemm_rows": {"masked": 0, "oblivious": 2 * padded_rows}}
+        return {"target": "serving_trace", "status": "ok", "params": {},
+                "info": {"headline": head, "engine": {"capture_list": "pow2", "dp_size": 1, "sp_size": 1,
+                                                      "dbo": False, "ep_size": 1},
+                         "trace": {"steps": 10, "source": "chat"}, "distinct_shapes": 2, "timed_shapes": 2}}
+
+    same = {"masked": 1_735_000.0, "oblivious": 1_448_000.0}
+    _, (row,) = trace_tax.table([record(0, same)])
+    assert row[5:8] == ["no padded row", "no padded row", "nothing (no padded row)"]
+    text = "\n".join(trace_tax.footer_lines([record(0, same)]))
+    assert "-287" not in text and "nothing (no padded row)" in text
+    slower = {"masked": 1_680_000.0, "oblivious": 1_380_000.0}
+    _, (row,) = trace_tax.table([record(40, slower)])
+    assert row[5:7] == ["not comparable", "not comparable"] and row[7].startswith("not comparable (")
+    assert "-287" not in "\n".join(trace_tax.footer_lines([record(40, slower)]))
