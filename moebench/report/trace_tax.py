@@ -168,7 +168,8 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
                      f"{_ms(ep.straggler_wait_us['oblivious'])} / {_ms(ep.straggler_wait_us['masked'])}",
                      f"{_ms(ep.wire_us['oblivious'])} / {_ms(ep.wire_us['masked'])}",
                      " / ".join(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")),
-                     _pct(ep.slowest_rank_padded_route_share), f"{ep.rank_times}; wire {wire}", _replay_cell(t)])
+                     _pct(ep.slowest_rank_padded_route_share),
+                     f"{t.ep_step.rank_times_label() if t.ep_step else ep.rank_times}; wire {wire}", _replay_cell(t)])
     return EP_HEAD, rows
 
 
@@ -205,10 +206,13 @@ def footer_lines(records: list[dict]) -> list[str]:
                        f"{_pct(ep.padding_tax)}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
                        f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
                        + (f", DBO overlap {_ms(split['overlap_us'])} ms" if split.get("overlap_us") else "")
-                       + f"; rank times {ep.rank_times}; replay {_replay_cell(t)}")
+                       + f"; replay {_replay_cell(t)}")
+            out.append(f"    rank times: {t.ep_step.rank_times_label()}")
             out.append(f"    wire {t.ep_step.wire_label()}")
             if t.ep_step.card_note:
                 out.append(f"    note: {t.ep_step.card_note}")
+        if t.shapes_label():
+            out.append(f"    {t.shapes_label()}")
         if t.phase_wall_s:
             out.append(f"    phases: {t.phases_label()}")
     if any(typed(r).headline.within_noise("recovered") is None for r in recs):

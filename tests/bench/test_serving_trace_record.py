@@ -168,3 +168,16 @@ def test_each_steps_micro_batches_are_built_once(monkeypatch):
     info = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu"))).info
     assert info["trace"]["distinct_steps"] == 3 and info["ep_step"]["replay"]["steps"] == 3
     assert len(built) == len(set(built)) == 2 * 3
+
+
+def test_the_footer_states_each_models_held_out_error_against_its_tolerance():
+    from moebench.bench.serving_trace.record import _model_error
+
+    ep = {"held_out": {"points": 170, "rms_rel": 0.0183, "max_rel": 0.06}, "tolerance": 0.03,
+          "within_tolerance": True}
+    assert _model_error(ep) == "held-out error 1.8% RMS, within 3%"
+    shapes = {"held_out": {"masked": {"points": 9, "rms_rel": 0.041, "max_rel": 0.1},
+                           "oblivious": {"points": 9, "rms_rel": 0.012, "max_rel": 0.02}},
+              "tolerance": 0.03, "within_tolerance": False}
+    assert _model_error(shapes) == "held-out error masked 4.1% RMS, oblivious 1.2% RMS, over 3%"
+    assert _model_error({"held_out": {"points": 0, "rms_rel": None}, "tolerance": 0.03}).startswith("no held-out")

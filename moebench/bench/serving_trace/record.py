@@ -214,11 +214,30 @@ class EPStepRecord(_Record):
     def replay_label(self) -> str:
         return self.replay.verdict() if self.replay is not None else "not run"
 
+    def rank_times_label(self) -> str:
+        """How the rank times were had: every workload timed, or the model with its held-out error."""
+        if self.rank_times != "model" or not self.cost_model:
+            return f"{self.rank_times} ({self.rank_timings} workloads)"
+        return f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed; {_model_error(self.cost_model)})"
+
 
 # info.phase_wall_s: routing (the single-rank shapes' routing figures and the EP step's source slots), shapes (the
 # single-rank shapes timed), rank_workloads (the EP ranks' workloads timed and the cost model fitted), replay (both
 # replay checks), host_composition (reading the trace, the producers' padding, composing, the per-step records and
 # the step file), total (the point's build, all of these and what is between them)
+def _model_error(cost_model: dict[str, Any]) -> str:
+    """A cost model's held-out error against its tolerance, in words (one side's, or each side's)."""
+    held, tol = cost_model.get("held_out") or {}, cost_model.get("tolerance")
+    if "rms_rel" in held:
+        held = {"": held}
+    parts = [f"{side + ' ' if side else ''}{100 * h['rms_rel']:.1f}% RMS" for side, h in held.items()
+             if h and h.get("rms_rel") is not None]
+    if not parts:
+        return "no held-out error (every timing went to the design)"
+    verdict = "within" if cost_model.get("within_tolerance") else "over"
+    return f"held-out error {', '.join(parts)}, {verdict} {100 * tol:.0f}%" if tol else f"held-out {', '.join(parts)}"
+
+
 PHASES = ("routing", "shapes", "rank_workloads", "replay", "host_composition", "total")
 
 
@@ -235,10 +254,19 @@ class TraceRecord(_Record):
     replay: Optional[ReplayRecord] = None
     ep_step: Optional[EPStepRecord] = None
     phase_wall_s: Optional[dict[str, float]] = None
+    shape_plan: Optional[dict[str, Any]] = None  # how the single-rank view's shapes were timed (shape_cost)
 
     NESTED: ClassVar[dict[str, type]] = {"headline": TraceHeadline, "replay": ReplayRecord,
                                          "ep_step": EPStepRecord}
-    OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes"})
+    OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes", "shape_plan"})
+
+    def shapes_label(self) -> str:
+        """How the shapes were timed: every one, an interpolation grid, or the model with its held-out error."""
+        plan = self.shape_plan or {}
+        if plan.get("shape_times") != "model":
+            return ""
+        return (f"shape model: {plan.get('shape_timings')} of {self.distinct_shapes} shapes timed; "
+                f"{_model_error(plan.get('cost_model') or {})}")
 
     @property
     def capture_list(self) -> str:
