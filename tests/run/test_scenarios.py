@@ -261,7 +261,8 @@ def test_h_padding_tax(tmp_path):
     assert default["headline"]["padding_gemm_rows"]["masked"] == 0
     assert default["headline"]["jit_compiles"]["oblivious"] >= 1
     gemm = _by_prefix(rows, "expert-GEMM rows")  # the headlines name the default list, which the cpu size runs
-    assert gemm.without == 2 and gemm.with_ == 0
+    # repeat-filled padding copies the first real row: every padded row routes where it does, here to this rank
+    assert gemm.without == default["headline"]["padding_gemm_rows"]["oblivious"] > 0 and gemm.with_ == 0
     tax = _by_prefix(rows, "padding tax, oblivious, pow2")  # pow2 is not run: said so, not a bare n/a
     assert tax.without is None and tax.with_ is not None
     assert "pow2 n/a (not in this run: no point has capture_sizes=pow2 (it has default, dense))" in headline.line(tax)
