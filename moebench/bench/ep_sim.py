@@ -35,7 +35,8 @@ from moebench.kernels.fused_experts import expert_work, fused_experts, fused_exp
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.measure.cost import PointWork, expected_expert_work
+from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
 REPS_CPU = 1  # on a CPU (the interpreter) one replay: the figures are only a smoke signal there
@@ -242,3 +243,4 @@ def _validate(p: Params) -> str | None:
 register_impl("ep_sim.experts", targets=("dispatch", "layer"), validate=_validate,
               description="simulated EP: exact per-rank loads from every rank's routing; each rank's expert work "
                           "(fused_experts on its received rows) replayed on one GPU; straggler = slowest rank")(_build)
+declare_work("ep_sim", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.num_experts // p.ep_size), launches=12))

@@ -59,7 +59,8 @@ from moebench.dispatch.pack import (
 from moebench.kernels.runtime import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params
-from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
+from moebench.measure.cost import STEP_INPUTS_S, DeviceRates, PointWork
+from moebench.registry import Case, CheckResult, Routing, RunContext, declare_work, register_impl
 from moebench.traces.distributions import batch_sizes
 from moebench.traces.knobs import ServingKnobs, TraceKnobs
 
@@ -353,3 +354,20 @@ def build(p: Params, ctx: RunContext) -> Case:
                            "routing read, metadata written",
                 routing=Routing(step["global_ids"], step["is_padding"], p.num_experts, p.ep_size),
                 graph_capturable=True, info=info, nvtx_stage="jit_trace")
+
+
+def _pack_combine_work(p: Params) -> tuple[float, float]:
+    """The pack and the combine of one step of the trace's largest batch (rows read, sent, written back)."""
+    rows = max(trace_batch_sizes(p))
+    return 0.0, rows * p.top_k * p.hidden * 2.0 * 4 + rows * p.hidden * 4.0
+
+
+def _replay_s(p: Params, rates: DeviceRates) -> float:
+    """The trace replayed before the timed call: each step's batch built and routed, packed and combined (a new
+    capacity compiles on a GPU)."""
+    flops, nbytes = _pack_combine_work(p)
+    return len(trace_batch_sizes(p)) * (STEP_INPUTS_S + rates.seconds(flops, nbytes, 2))
+
+
+# the timed call is the last step's pack + combine; building the point replays the whole trace
+declare_work("jit_trace", PointWork(call=_pack_combine_work, launches=2, build=_replay_s))

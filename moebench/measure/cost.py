@@ -1,0 +1,116 @@
+"""What work costs before it runs: the FLOPs and bytes of the MoE stages, a family's declaration of what one of its
+points does (`PointWork`, declared beside its impls with `moebench.registry.declare_work`), and the rates of a
+device that turn work into seconds (`DeviceRates`). moebench.run.estimate adds them up into a run's estimate.
+
+A GPU's rates are its roofs (moebench.measure.roofline) with at least a launch latency per kernel; a CPU's are the
+Triton interpreter's (Python per program instance, numpy for the arithmetic) for Triton kernels and eager torch's for
+torch code: constants measured on the project's 2-core CPU machines, good to the factor of two that decides
+"seconds, minutes or hours" (tests/run/test_estimate_vs_wall.py holds every bundled sweep to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from moebench.measure.roofline import Roofs, roofline_us
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moebench.params import Params
+
+GPU_LAUNCH_S = 5e-6  # one kernel launch, eager
+GPU_POINT_OVERHEAD_S = 1.0  # build, reference check, CUDA-graph capture of one point
+CPU_POINT_OVERHEAD_S = 0.25  # build, check and record of one point in the point worker
+INTERP_LAUNCH_S = 0.02  # one Triton launch-equivalent in the interpreter (Python per program instance)
+INTERP_FLOPS = 2e9  # tl.dot in the interpreter (numpy)
+INTERP_BYTES_PER_S = 2e8  # loads and stores in the interpreter
+CPU_CALL_S = 1e-4  # one eager torch call on the CPU
+CPU_FLOPS = 2e10
+CPU_BYTES_PER_S = 2e9
+STEP_INPUTS_S = 2e-3  # one step of a trace built and routed on the host (inputs.make_batch + route)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """How fast a device does work: `kind` is "cuda" (roofs given), "interpreter" (Triton kernels on a CPU) or
+    "cpu" (torch code on a CPU)."""
+
+    kind: str
+    roofs: Roofs | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def point_overhead_s(self) -> float:
+        return GPU_POINT_OVERHEAD_S if self.is_cuda else CPU_POINT_OVERHEAD_S
+
+    def seconds(self, flops: float, nbytes: float, launches: float) -> float:
+        """Seconds of `flops` FLOPs and `nbytes` bytes in `launches` launch-equivalents."""
+        if self.is_cuda:
+            return max(roofline_us(int(flops), int(nbytes), self.roofs) * 1e-6, launches * GPU_LAUNCH_S)
+        if self.kind == "interpreter":
+            return launches * INTERP_LAUNCH_S + flops / INTERP_FLOPS + nbytes / INTERP_BYTES_PER_S
+        return launches * CPU_CALL_S + flops / CPU_FLOPS + nbytes / CPU_BYTES_PER_S
+
+    def torch_side(self) -> "DeviceRates":
+        """The rates of the torch code beside the kernels (a reference, a host loop): the CPU's in the interpreter."""
+        return DeviceRates("cpu") if self.kind == "interpreter" else self
+
+
+@dataclass(frozen=True)
+class PointWork:
+    """What one point of a family does, declared once per family (moebench.registry.declare_work).
+
+    A family whose point is one call timed many times declares that call: `call(p) -> (FLOPs, bytes)`, its kernel
+    launches in launch-equivalents (`launches`, a number or a function of p: a GEMM's grid counts several), the
+    stages it also times one by one (`stages_alone`, the layer's), and what building the point costs beyond the
+    usual (`build(p, rates) -> seconds`: a trace replayed step by step before the timed call). A family whose point
+    is not one call timed many times (a trace's shapes timed one by one) declares `point(p, rates) -> seconds` for
+    the whole point instead.
+    """
+
+    call: Callable[["Params"], tuple[float, float]] | None = None
+    launches: float | Callable[["Params"], float] = 1.0
+    stages_alone: int = 0
+    build: Callable[["Params", DeviceRates], float] | None = None
+    point: Callable[["Params", DeviceRates], float] | None = None
+
+    def __post_init__(self):
+        if (self.call is None) == (self.point is None):
+            raise ValueError("PointWork declares either the work of one call (call=) or the whole point (point=)")
+
+    def launches_of(self, p: "Params") -> float:
+        return float(self.launches(p)) if callable(self.launches) else float(self.launches)
+
+
+# The work of the MoE stages, shared by the families that run them.
+
+def router_work(p: "Params") -> tuple[float, float]:
+    """A router over [T, E] logits: softmax and top-k selection, ids and weights written."""
+    T, K, E = p.num_tokens, p.top_k, p.num_experts
+    return 10.0 * T * E, T * E * 4.0 + T * K * 8.0
+
+
+def id_work(p: "Params") -> tuple[float, float]:
+    """A pass over the [T, K] expert ids (remap, globalize, align)."""
+    return 0.0, p.num_tokens * p.top_k * 16.0
+
+
+def expected_expert_work(p: "Params", rows: int, local_experts: int) -> tuple[float, float]:
+    """The grouped expert GEMMs (gate, up, down) over `rows` rows with `local_experts` experts here."""
+    routes = rows * p.top_k * local_experts / p.num_experts
+    weight_bytes = 1 if p.expert_dtype == "fp8" else 2
+    flops = 2.0 * routes * 3 * p.hidden * p.intermediate
+    nbytes = (min(local_experts, routes) * 3 * p.hidden * p.intermediate * weight_bytes
+              + routes * (2 * p.intermediate + p.hidden) * 2)
+    return flops, nbytes + rows * p.hidden * 4
+
+
+def layer_call_work(p: "Params") -> tuple[float, float]:
+    """One MoE layer call: route, stage, map, align, the grouped GEMMs and the sum."""
+    gemm_flops, gemm_bytes = expected_expert_work(p, p.num_tokens, p.local_experts)
+    route_flops, route_bytes = router_work(p)
+    T, K, H = p.num_tokens, p.top_k, p.hidden
+    return gemm_flops + route_flops, gemm_bytes + route_bytes + T * H * 3.0 + T * K * (H * 2.0 + 32)
