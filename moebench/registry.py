@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from moebench.params import Params
 
 __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "register", "register_impl",
-           "register_variants", "declare_work", "work_of", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
+           "register_variants", "declare_work", "declared_work", "work_of", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
 
 # Sweep targets. An impl declares which of them it can be timed under.
 TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace", "serving_trace")
@@ -218,13 +218,16 @@ def declare_work(name: str, work: "PointWork") -> None:
     _WORK[name] = work
 
 
-def work_of(impl: Impl) -> "PointWork":
-    """The work declared for `impl`, else for its family (an error naming the family when neither declared any)."""
+def declared_work(name: str) -> "PointWork | None":
+    """What `name` (a family or one impl) declared so far, or None: for a peer that builds on its family's work."""
+    return _WORK.get(name)
+
+
+def work_of(impl: Impl) -> "PointWork | None":
+    """The work declared for `impl`, else for its family; None where neither declared any (an impl registered at run
+    time under a family of its own: the estimate counts it as one launch a call and says so)."""
     load_all()
-    for name in (impl.name, impl.kernel):
-        if name in _WORK:
-            return _WORK[name]
-    raise ValueError(f"family {impl.kernel!r} declares no work per point (registry.declare_work beside its impls)")
+    return _WORK.get(impl.name) or _WORK.get(impl.kernel)
 
 
 def bench_modules() -> list[str]:

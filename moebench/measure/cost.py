@@ -10,7 +10,7 @@ torch code: constants measured on the project's 2-core CPU machines, good to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from moebench.measure.roofline import Roofs, roofline_us
@@ -27,6 +27,8 @@ INTERP_BYTES_PER_S = 2e8  # loads and stores in the interpreter
 CPU_CALL_S = 1e-4  # one eager torch call on the CPU
 CPU_FLOPS = 2e10
 CPU_BYTES_PER_S = 2e9
+GPU_COMPILE_S = 5.0  # one torch.compile'd function (dynamo, inductor, Triton codegen), cold
+CPU_COMPILE_S = 4.0  # one torch.compile'd function on the CPU (inductor's C++ compile; its on-disk cache helps)
 STEP_INPUTS_S = 2e-3  # one step of a trace built and routed on the host (inputs.make_batch + route)
 
 
@@ -54,6 +56,11 @@ class DeviceRates:
             return launches * INTERP_LAUNCH_S + flops / INTERP_FLOPS + nbytes / INTERP_BYTES_PER_S
         return launches * CPU_CALL_S + flops / CPU_FLOPS + nbytes / CPU_BYTES_PER_S
 
+    @property
+    def compile_s(self) -> float:
+        """One torch.compile'd function compiled afresh."""
+        return GPU_COMPILE_S if self.is_cuda else CPU_COMPILE_S
+
     def torch_side(self) -> "DeviceRates":
         """The rates of the torch code beside the kernels (a reference, a host loop): the CPU's in the interpreter."""
         return DeviceRates("cpu") if self.kind == "interpreter" else self
@@ -80,6 +87,14 @@ class PointWork:
     def __post_init__(self):
         if (self.call is None) == (self.point is None):
             raise ValueError("PointWork declares either the work of one call (call=) or the whole point (point=)")
+
+    def with_compiles(self, functions: int) -> "PointWork":
+        """The same work built with `functions` torch.compile'd functions compiled afresh per point (a peer)."""
+        before = self.build
+
+        def build(p: "Params", rates: DeviceRates) -> float:
+            return functions * rates.compile_s + (before(p, rates) if before is not None else 0.0)
+        return replace(self, build=build)
 
     def launches_of(self, p: "Params") -> float:
         return float(self.launches(p)) if callable(self.launches) else float(self.launches)

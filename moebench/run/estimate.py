@@ -26,6 +26,7 @@ from moebench.params import Params, Point, Timing
 
 WARN_AFTER_S = 30 * 60.0
 CHECK_CALLS = 3  # the check's run on poisoned outputs plus its reference
+UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class RunEstimate:
     capped: int  # points whose estimate reaches their point timeout
     timeout_s: float
     device: str
+    undeclared: tuple[str, ...] = ()  # families of the points that declared no work (counted as UNDECLARED)
 
 
 def _interpreted(impl: registry.Impl) -> bool:
@@ -54,7 +56,7 @@ def rates_for(impl: registry.Impl, device: torch.device) -> DeviceRates:
 def call_s(point: Point, device: torch.device) -> float:
     """Estimated seconds of one call of the point's impl on `device` (a family that declares whole points: 0)."""
     impl = registry.get(point.impl)
-    work = registry.work_of(impl)
+    work = registry.work_of(impl) or UNDECLARED
     if work.call is None:
         return 0.0
     flops, nbytes = work.call(point.params)
@@ -64,7 +66,7 @@ def call_s(point: Point, device: torch.device) -> float:
 def point_s(point: Point, timing: Timing, device: torch.device) -> float:
     """Estimated seconds of the whole point (uncapped): overhead, check, warm-up, timed iterations, stages."""
     impl = registry.get(point.impl)
-    work: PointWork = registry.work_of(impl)
+    work: PointWork = registry.work_of(impl) or UNDECLARED
     rates = rates_for(impl, device)
     if work.point is not None:
         return rates.point_overhead_s + work.point(point.params, rates)
@@ -93,8 +95,11 @@ def estimate_run(points: list[Point], timing: Timing, device: torch.device) -> R
     timeout = point_timeout_s(timing, device)
     skipped = _unavailable(points, device)
     each = [0.0 if pt.impl in skipped else point_s(pt, timing, device) for pt in points]
+    impls = [registry.get(name) for name in {pt.impl for pt in points}]
+    undeclared = sorted({impl.kernel for impl in impls if registry.work_of(impl) is None})
     return RunEstimate(total_s=sum(min(s, timeout) for s in each), points=len(points),
-                       capped=sum(s >= timeout for s in each), timeout_s=timeout, device=str(device))
+                       capped=sum(s >= timeout for s in each), timeout_s=timeout, device=str(device),
+                       undeclared=tuple(undeclared))
 
 
 def serving_trace_estimate(p: Params, rates: DeviceRates) -> float:
@@ -121,6 +126,8 @@ def estimate_lines(est: RunEstimate, sizes: dict | None = None) -> tuple[list[st
     text = f"estimate: ~{duration(est.total_s)} for {est.points} points on {est.device} (from each point's work"
     text += " and the device's roofs)" if est.device.startswith("cuda") else " and the CPU's rates)"
     lines = [text]
+    if est.undeclared:
+        lines.append(f"estimate: {', '.join(est.undeclared)} declare no work per point (counted as one launch a call)")
     if est.capped:
         lines.append(f"estimate: {est.capped} points would reach the point timeout of {duration(est.timeout_s)} "
                      "(recorded failed)")
