@@ -106,4 +106,5 @@ def _capacities_s(p: Params, rates: DeviceRates) -> float:
 
 
 # the timed call copies the whole trace's wire rows, one copy per step
-declare_work("jit_trace.a2a_fixed_wire", PointWork(call=_wire_work, launches=_steps, build=_capacities_s))
+declare_work("jit_trace.a2a_fixed_wire", PointWork(call=_wire_work, launches=_steps, build=_capacities_s,
+                                                   torch_variants=("a2a_fixed_wire",)))

@@ -134,16 +134,16 @@ def register_path_impl(path_cls: type[DispatchPath]) -> None:
     """Register the path as the timed impl `dispatch.<name>` (multi-rank: one process per EP rank)."""
     register_impl(f"dispatch.{path_cls.name}", targets=("dispatch",), description=path_cls.description,
                   available=path_cls.available, validate=path_cls.validate, multi_rank=True)(case_builder(path_cls))
+    declare_work(f"dispatch.{path_cls.name}", PointWork(
+        call=dispatch_work, launches=8, programs=lambda p: path_cls.interpreter_programs_per_row * p.num_tokens))
+
+
+def dispatch_work(p: Params) -> tuple[float, float]:
+    """Dispatch and combine of the point's rows: top_k copies of each row out and back."""
+    return 0.0, p.num_tokens * p.top_k * p.hidden * 4.0
 
 
 for _path_cls in package_paths().values():
     register_path_impl(_path_cls)
 set_path_registrar(register_path_impl)  # moebench.plugins.register_dispatch_path goes through it
 
-
-def dispatch_work(p) -> tuple[float, float]:
-    """Dispatch and combine of the point's rows: top_k copies of each row out and back."""
-    return 0.0, p.num_tokens * p.top_k * p.hidden * 4.0
-
-
-declare_work("dispatch", PointWork(call=dispatch_work, launches=8))

@@ -35,7 +35,7 @@ from moebench.kernels.fused_experts import expert_work, fused_experts, fused_exp
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
-from moebench.measure.cost import PointWork, expected_expert_work
+from moebench.measure.cost import PointWork, expected_expert_work, expert_programs
 from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
@@ -243,4 +243,8 @@ def _validate(p: Params) -> str | None:
 register_impl("ep_sim.experts", targets=("dispatch", "layer"), validate=_validate,
               description="simulated EP: exact per-rank loads from every rank's routing; each rank's expert work "
                           "(fused_experts on its received rows) replayed on one GPU; straggler = slowest rank")(_build)
-declare_work("ep_sim", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.num_experts // p.ep_size), launches=12))
+# every rank's expert work replayed one rank after the other
+declare_work("ep_sim", PointWork(
+    call=lambda p: expected_expert_work(p, p.num_tokens * p.ep_size, p.num_experts // p.ep_size),
+    launches=lambda p: 12 * p.ep_size,
+    programs=lambda p: p.ep_size * expert_programs(p, p.num_tokens, p.num_experts // p.ep_size)))

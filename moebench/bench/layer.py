@@ -71,7 +71,7 @@ from moebench.kernels.prepare_moe_inputs import (
 )
 from moebench.kernels.topk_softmax import MAX_TOP_K, router_limits_problem, router_outputs, softmax_choice, topk_softmax
 from moebench.measure.roofline import roofline_us
-from moebench.measure.cost import PointWork, layer_call_work
+from moebench.measure.cost import PointWork, layer_call_work, layer_programs
 from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 __all__ = ["LayerPipeline", "layer_reference_rows", "check_pipeline", "stage_work", "rows_differing", "STAGES"]
@@ -495,4 +495,4 @@ for _variant in ("masked", "oblivious"):
 
 
 # about 30 launch-equivalents a call (the GEMM grids count several); its six stages are timed alone too
-declare_work("layer", PointWork(call=layer_call_work, launches=30, stages_alone=6))
+declare_work("layer", PointWork(call=layer_call_work, launches=30, stages_alone=6, programs=layer_programs))

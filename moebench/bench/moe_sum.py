@@ -156,4 +156,6 @@ register_family(KernelFamily(
     "fn(intermediate bf16 [T,K,H] (NaN in skipped slots), topk_ids int32 [T,K], out=bf16 [T,H]) -> bf16 [T,H]: "
     "the sum over slots with id >= 0"))
 declare_work("masked_moe_sum", PointWork(call=lambda p: (p.num_tokens * p.top_k * p.hidden * 1.0,
-                                                      p.num_tokens * p.hidden * (p.top_k * 2.0 + 2.0))))
+                                                      p.num_tokens * p.hidden * (p.top_k * 2.0 + 2.0)),
+                                        programs=lambda p: p.num_tokens * (2.5 + 0.75 * p.top_k),  # a row, K slots
+                                        torch_variants=("oblivious",)))

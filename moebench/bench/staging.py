@@ -165,4 +165,5 @@ register_family(KernelFamily(
     "scale_format, out=(x_fp8, x_sf, topk_idx, topk_w)) -> (x_fp8 e4m3 [T,H], x_sf, topk_idx int64, topk_w fp32)",
     staging_problem))
 # hidden read, fp8 and scales written, the routing read and written as int64
-declare_work("prepare_moe_inputs", PointWork(call=lambda p: (0.0, p.num_tokens * (p.hidden * 3.0 + p.top_k * 12.0))))
+declare_work("prepare_moe_inputs", PointWork(call=lambda p: (0.0, p.num_tokens * (p.hidden * 3.0 + p.top_k * 12.0)),
+                                            programs=lambda p: 4 + p.num_tokens * p.hidden / 1024))

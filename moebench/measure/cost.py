@@ -20,16 +20,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 GPU_LAUNCH_S = 5e-6  # one kernel launch, eager
 GPU_POINT_OVERHEAD_S = 1.0  # build, reference check, CUDA-graph capture of one point
-CPU_POINT_OVERHEAD_S = 0.25  # build, check and record of one point in the point worker
-INTERP_LAUNCH_S = 0.02  # one Triton launch-equivalent in the interpreter (Python per program instance)
+CPU_POINT_OVERHEAD_S = 0.1  # build, check and record of one point in the point worker
+INTERP_LAUNCH_S = 0.02  # one Triton launch in the interpreter, for a family that declares no interpreter time
+INTERP_PROGRAM_S = 1e-3  # one program-equivalent in the interpreter: a program instance's few dozen tl ops
 INTERP_FLOPS = 2e9  # tl.dot in the interpreter (numpy)
 INTERP_BYTES_PER_S = 2e8  # loads and stores in the interpreter
-CPU_CALL_S = 1e-4  # one eager torch call on the CPU
+CPU_CALL_S = 1e-3  # one eager torch call on a shared 2-core CPU (its Python dispatch included)
 CPU_FLOPS = 2e10
 CPU_BYTES_PER_S = 2e9
 GPU_COMPILE_S = 5.0  # one torch.compile'd function (dynamo, inductor, Triton codegen), cold
-CPU_COMPILE_S = 4.0  # one torch.compile'd function on the CPU (inductor's C++ compile; its on-disk cache helps)
-STEP_INPUTS_S = 2e-3  # one step of a trace built and routed on the host (inputs.make_batch + route)
+CPU_COMPILE_S = 2.5  # one torch.compile'd function on the CPU (inductor's C++ compile; its on-disk cache helps)
+STEP_INPUTS_S = 0.005  # one step of a trace built and routed on the host (inputs.make_batch + route)
+TRITON_COMPILE_S = 0.4  # one Triton kernel variant compiled on a GPU
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,20 @@ class PointWork:
     """What one point of a family does, declared once per family (moebench.registry.declare_work).
 
     A family whose point is one call timed many times declares that call: `call(p) -> (FLOPs, bytes)`, its kernel
-    launches in launch-equivalents (`launches`, a number or a function of p: a GEMM's grid counts several), the
-    stages it also times one by one (`stages_alone`, the layer's), and what building the point costs beyond the
-    usual (`build(p, rates) -> seconds`: a trace replayed step by step before the timed call). A family whose point
-    is not one call timed many times (a trace's shapes timed one by one) declares `point(p, rates) -> seconds` for
-    the whole point instead.
+    launches in launch-equivalents (`launches`, a number or a function of p: a GEMM's grid counts several), its cost
+    in Triton's CPU interpreter (`programs(p)`: program-equivalents of INTERP_PROGRAM_S, its grids' program
+    instances weighted by their loops: the interpreter runs each instance in Python), the variants whose code is
+    torch rather than Triton (`torch_variants`, besides the family's reference and outside libraries: eager torch
+    rates on a CPU), the stages it also times one by one (`stages_alone`, the layer's), and what building the point
+    costs beyond the usual (`build(p, rates) -> seconds`: a trace replayed step by step before the timed call). A
+    family whose point is not one call timed many times (a trace's shapes timed one by one) declares
+    `point(p, rates) -> seconds` for the whole point instead.
     """
 
     call: Callable[["Params"], tuple[float, float]] | None = None
     launches: float | Callable[["Params"], float] = 1.0
+    programs: Callable[["Params"], float] | None = None
+    torch_variants: tuple[str, ...] = ()
     stages_alone: int = 0
     build: Callable[["Params", DeviceRates], float] | None = None
     point: Callable[["Params", DeviceRates], float] | None = None
@@ -98,6 +105,13 @@ class PointWork:
 
     def launches_of(self, p: "Params") -> float:
         return float(self.launches(p)) if callable(self.launches) else float(self.launches)
+
+    def call_s(self, p: "Params", rates: DeviceRates) -> float:
+        """Seconds of one call at `rates`."""
+        flops, nbytes = self.call(p)
+        if rates.kind == "interpreter" and self.programs is not None:
+            return self.programs(p) * INTERP_PROGRAM_S + flops / INTERP_FLOPS + nbytes / INTERP_BYTES_PER_S
+        return rates.seconds(flops, nbytes, self.launches_of(p))
 
 
 # The work of the MoE stages, shared by the families that run them.
@@ -129,3 +143,23 @@ def layer_call_work(p: "Params") -> tuple[float, float]:
     route_flops, route_bytes = router_work(p)
     T, K, H = p.num_tokens, p.top_k, p.hidden
     return gemm_flops + route_flops, gemm_bytes + route_bytes + T * H * 3.0 + T * K * (H * 2.0 + 32)
+
+
+# Program-equivalents in the interpreter (INTERP_PROGRAM_S each), fitted on the project's 2-core CPU machines at the
+# bundled sweeps' CPU sizes.
+
+def router_programs(p: "Params") -> float:
+    """A row block per program, the top-k picks looping over the experts."""
+    return 10 + p.num_tokens * (0.2 + p.num_experts * p.top_k / 4000)
+
+
+def expert_programs(p: "Params", rows: int, local_experts: int) -> float:
+    """The grouped GEMMs: a tile per (row block, column block) of each local expert, looping over the hidden size,
+    and more row blocks as the routes grow."""
+    width = p.hidden + p.intermediate
+    return local_experts * (6 + width / 5) + rows * p.top_k * local_experts / p.num_experts * width / 64
+
+
+def layer_programs(p: "Params") -> float:
+    """Route, stage, map, align, the experts, the sum."""
+    return router_programs(p) + 30 + expert_programs(p, p.num_tokens, p.local_experts) + 4 * p.num_tokens

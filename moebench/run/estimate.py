@@ -6,7 +6,8 @@ moebench.measure.cost.PointWork): the FLOPs, bytes and launch-equivalents of its
 alone, what building it costs beyond the usual (a trace replayed), or, for a family whose point is not one call
 timed many times, the whole point. This module knows no family by name; the device's rates (DeviceRates: roofs on a
 GPU, the interpreter's or eager torch's rates on a CPU) turn the work into seconds.
-A point costs its overhead (build, check, record), its check (CHECK_CALLS calls), its warm-up and its timed
+A run costs the start of the processes its points run in (the point worker, each group of EP ranks); a point its
+overhead (build, check, record), its check (CHECK_CALLS calls), its warm-up and its timed
 iterations (cut at timing.max_seconds, as the wall-clock timer cuts them), its stages timed alone, capped at its
 point timeout; a point whose impl cannot run here (recorded skipped) costs nothing. It is an estimate within a
 factor of two on the bundled sweeps' CPU sizes (tests/run/test_estimate_vs_wall.py): the progress line replaces it
@@ -15,17 +16,23 @@ with the measured rate once a point ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moebench import registry
-from moebench.measure.cost import DeviceRates, PointWork, expected_expert_work
+from moebench.measure.cost import (INTERP_PROGRAM_S, DeviceRates, PointWork, expected_expert_work, expert_programs,
+                                   layer_call_work, layer_programs)
 from moebench.measure.roofline import roofs_for
 from moebench.params import Params, Point, Timing
 
 WARN_AFTER_S = 30 * 60.0
-CHECK_CALLS = 3  # the check's run on poisoned outputs plus its reference
+CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is part of the point's overhead)
+# Starting the processes a run's points run in: the point worker (an interpreter importing torch and moebench; CUDA's
+# start on a GPU), and each group of EP ranks (one process per rank; a CPU's cores start them a few at a time)
+WORKER_START_S = {"cpu": 8.0, "cuda": 10.0}  # the command's own start too: what a user waits for
+RANK_START_S = {"cpu": 2.5, "cuda": 4.0}
+SHAPE_CALLS = {"cpu": 2, "cuda": 23}  # a serving_trace shape: build-and-check and one call; warm-up and iterations
 UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
 
 
@@ -39,9 +46,9 @@ class RunEstimate:
     undeclared: tuple[str, ...] = ()  # families of the points that declared no work (counted as UNDECLARED)
 
 
-def _interpreted(impl: registry.Impl) -> bool:
+def _interpreted(impl: registry.Impl, work: PointWork) -> bool:
     """Whether the impl's kernels are Triton ones (run in the interpreter on a CPU), not torch code."""
-    return impl.library is None and not impl.baseline and not impl.ceiling
+    return impl.library is None and not impl.baseline and not impl.ceiling and impl.variant not in work.torch_variants
 
 
 def rates_for(impl: registry.Impl, device: torch.device) -> DeviceRates:
@@ -50,7 +57,8 @@ def rates_for(impl: registry.Impl, device: torch.device) -> DeviceRates:
         return DeviceRates("cuda", roofs_for(torch.cuda.get_device_name(device) if torch.cuda.is_available() else None))
     from moebench.kernels.runtime import interpreting
 
-    return DeviceRates("interpreter" if interpreting() and _interpreted(impl) else "cpu")
+    work = registry.work_of(impl) or UNDECLARED
+    return DeviceRates("interpreter" if interpreting() and _interpreted(impl, work) else "cpu")
 
 
 def call_s(point: Point, device: torch.device) -> float:
@@ -59,8 +67,7 @@ def call_s(point: Point, device: torch.device) -> float:
     work = registry.work_of(impl) or UNDECLARED
     if work.call is None:
         return 0.0
-    flops, nbytes = work.call(point.params)
-    return rates_for(impl, device).seconds(flops, nbytes, work.launches_of(point.params))
+    return work.call_s(point.params, rates_for(impl, device))
 
 
 def point_s(point: Point, timing: Timing, device: torch.device) -> float:
@@ -83,6 +90,12 @@ def point_s(point: Point, timing: Timing, device: torch.device) -> float:
     return rates.point_overhead_s + build + CHECK_CALLS * c + timed(c) + stages
 
 
+def _world(point: Point) -> int:
+    """The processes the point runs in: ep_size ranks for a multi-rank impl at a real EP size, else the worker's one."""
+    p = point.params
+    return p.ep_size if registry.get(point.impl).multi_rank and p.ep_size > 1 and p.ep_mode == "real" else 1
+
+
 def _unavailable(points: list[Point], device: torch.device) -> set[str]:
     """The impls of `points` that cannot run here (recorded skipped at once, no cost)."""
     ctx = registry.RunContext(device)
@@ -95,23 +108,39 @@ def estimate_run(points: list[Point], timing: Timing, device: torch.device) -> R
     timeout = point_timeout_s(timing, device)
     skipped = _unavailable(points, device)
     each = [0.0 if pt.impl in skipped else point_s(pt, timing, device) for pt in points]
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    worlds = {_world(pt) for pt in points if pt.impl not in skipped}
+    start = (WORKER_START_S[kind] if 1 in worlds else 0.0) + sum(w * RANK_START_S[kind] for w in worlds - {1})
     impls = [registry.get(name) for name in {pt.impl for pt in points}]
     undeclared = sorted({impl.kernel for impl in impls if registry.work_of(impl) is None})
-    return RunEstimate(total_s=sum(min(s, timeout) for s in each), points=len(points),
+    return RunEstimate(total_s=start + sum(min(s, timeout) for s in each), points=len(points),
                        capped=sum(s >= timeout for s in each), timeout_s=timeout, device=str(device),
                        undeclared=tuple(undeclared))
 
 
 def serving_trace_estimate(p: Params, rates: DeviceRates) -> float:
-    """Seconds of one serving_trace point: the masked and the oblivious layer at each distinct shape of the trace
-    (a coarse count of them: at most 32 per side), each a layer call of half the trace's largest batch."""
-    from moebench.traces.knobs import TraceKnobs
+    """Seconds of one serving_trace point: the masked and the oblivious layer at each distinct call shape of the trace
+    (a coarse count of them: a shape per step and micro-batch, at most 32, each of about half the DP group's largest
+    batch), the EP ranks' workloads (ep_rank_timings of them, or one per rank, on each side) and the steps replayed
+    one by one; each timed as the bench times a shape (SHAPE_CALLS: warm-up and iterations on a GPU, one call in
+    the interpreter)."""
+    from moebench.traces.knobs import ServingKnobs, TraceKnobs
 
-    t = p.knobs(TraceKnobs)
-    shapes = 2 * min(t.trace_steps if t.trace is None else len(t.trace), 32)
-    rows = min(t.trace_max_tokens, 4096) // 2
-    flops, nbytes = expected_expert_work(p, rows, p.local_experts)
-    return shapes * rates.seconds(flops, nbytes, 30)
+    trace, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
+    steps = len(trace.trace) if trace.trace is not None else trace.trace_steps
+    largest = max(trace.trace) if trace.trace is not None else trace.trace_max_tokens
+    shapes = min(steps * (2 if serving.dbo else 1), 32)
+    shape = replace(p, num_tokens=max(1, min(largest * serving.dp_size, 8192) // 2))
+    calls = SHAPE_CALLS["cuda" if rates.is_cuda else "cpu"]
+    if rates.kind == "interpreter":
+        layer_s = layer_programs(shape) * INTERP_PROGRAM_S
+        experts_s = expert_programs(shape, shape.num_tokens, shape.local_experts) * INTERP_PROGRAM_S
+    else:
+        layer_s = rates.seconds(*layer_call_work(shape), 30)
+        experts_s = rates.seconds(*expected_expert_work(shape, shape.num_tokens, shape.local_experts), 12)
+    workloads = (serving.ep_rank_timings or p.ep_size) if p.ep_size > 1 else 0
+    replayed = serving.trace_replay * serving.dp_size
+    return 2 * (shapes * calls * layer_s + workloads * calls * experts_s + replayed * layer_s)
 
 
 # serving_trace's point is a trace's shapes timed one by one: the whole point is declared (here until its package
