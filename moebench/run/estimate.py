@@ -28,9 +28,11 @@ from moebench.params import Params, Point, Timing
 
 WARN_AFTER_S = 30 * 60.0
 CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is part of the point's overhead)
-# Starting the processes a run's points run in: the point worker (an interpreter importing torch and moebench; CUDA's
-# start on a GPU), and each group of EP ranks (one process per rank; a CPU's cores start them a few at a time)
-WORKER_START_S = {"cpu": 8.0, "cuda": 10.0}  # the command's own start too: what a user waits for
+# Starting the processes: the command itself (what a user waits for too), the point worker (an interpreter importing
+# torch and moebench; CUDA's start on a GPU) and each group of EP ranks (one process per rank; a CPU's two cores start
+# them a few at a time)
+COMMAND_START_S = 4.0
+WORKER_START_S = {"cpu": 4.0, "cuda": 6.0}
 RANK_START_S = {"cpu": 2.5, "cuda": 4.0}
 SHAPE_CALLS = {"cpu": 2, "cuda": 23}  # a serving_trace shape: build-and-check and one call; warm-up and iterations
 UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
@@ -110,7 +112,8 @@ def estimate_run(points: list[Point], timing: Timing, device: torch.device) -> R
     each = [0.0 if pt.impl in skipped else point_s(pt, timing, device) for pt in points]
     kind = "cuda" if device.type == "cuda" else "cpu"
     worlds = {_world(pt) for pt in points if pt.impl not in skipped}
-    start = (WORKER_START_S[kind] if 1 in worlds else 0.0) + sum(w * RANK_START_S[kind] for w in worlds - {1})
+    start = COMMAND_START_S + (WORKER_START_S[kind] if 1 in worlds else 0.0) + sum(
+        w * RANK_START_S[kind] for w in worlds - {1})
     impls = [registry.get(name) for name in {pt.impl for pt in points}]
     undeclared = sorted({impl.kernel for impl in impls if registry.work_of(impl) is None})
     return RunEstimate(total_s=start + sum(min(s, timeout) for s in each), points=len(points),

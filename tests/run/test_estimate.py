@@ -99,5 +99,7 @@ def test_a_point_whose_impl_cannot_run_here_costs_nothing(tmp_path):
                     "timing: {warmup: 1, iters: 3}\n")
     sweep = load_sweep(path)
     agrs, deepep = expand(sweep)
-    assert estimate_run([deepep], sweep.timing, CPU).total_s == 0.0  # no deep_ep on a CPU: skipped at once
-    assert estimate_run([agrs], sweep.timing, CPU).total_s > 0
+    from moebench.run.estimate import COMMAND_START_S
+
+    assert estimate_run([deepep], sweep.timing, CPU).total_s == COMMAND_START_S  # no deep_ep on a CPU: skipped at once
+    assert estimate_run([agrs], sweep.timing, CPU).total_s > COMMAND_START_S + 2  # two ranks started, the point run
