@@ -157,7 +157,7 @@ def expert_programs(p: "Params", rows: int, local_experts: int) -> float:
     """The grouped GEMMs: a tile per (row block, column block) of each local expert, looping over the hidden size,
     and more row blocks as the routes grow."""
     width = p.hidden + p.intermediate
-    return local_experts * (6 + width / 5) + rows * p.top_k * local_experts / p.num_experts * width / 64
+    return 60 + 5 * local_experts + rows * p.top_k * local_experts / p.num_experts * width / 64
 
 
 def layer_programs(p: "Params") -> float:
