@@ -31,10 +31,10 @@ CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is p
 # Starting the processes: the command itself (what a user waits for too), the point worker (an interpreter importing
 # torch and moebench; CUDA's start on a GPU) and each group of EP ranks (one process per rank; a CPU's two cores start
 # them a few at a time)
-COMMAND_START_S = 3.0
-WORKER_START_S = {"cpu": 3.0, "cuda": 6.0}
+COMMAND_START_S = 2.0
+WORKER_START_S = {"cpu": 2.5, "cuda": 6.0}
 RANK_START_S = {"cpu": 2.5, "cuda": 4.0}
-SHAPE_CALLS = {"cpu": 2, "cuda": 23}  # a serving_trace shape: build-and-check and one call; warm-up and iterations
+SHAPE_CALLS = {"cpu": 3, "cuda": 23}  # a serving_trace shape: its build and check, one timed call; warm-up, iterations
 UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
 
 
