@@ -24,10 +24,11 @@ from moebench.check import CheckResult
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from moebench.measure.cost import PointWork
     from moebench.params import Params
 
 __all__ = ["TARGETS", "RunContext", "CheckResult", "Routing", "Case", "Impl", "register", "register_impl",
-           "register_variants", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
+           "register_variants", "declare_work", "declared_work", "work_of", "load_all", "get", "all_impls", "BENCH_PACKAGE"]
 
 # Sweep targets. An impl declares which of them it can be timed under.
 TARGETS = ("kernel", "router", "stage", "dispatch", "layer", "jit_trace", "serving_trace")
@@ -205,6 +206,30 @@ def register_variants(family: str, descriptions: dict[str, str], make_build: Cal
                       twin_of=f"{family}.triton" if variant == "oblivious" else None,
                       baseline=variant == "torch",
                       tuned_kernel=tuned_kernel if variant == "triton" else None)(make_build(variant))
+
+
+_WORK: dict[str, "PointWork"] = {}
+
+
+def declare_work(name: str, work: "PointWork") -> None:
+    """Declare what one point of a family (`name` = the family: every impl `<family>.*`) or of one impl (`name` =
+    `<family>.<variant>`, where it differs from its family's) does, beside the impls: moebench.run.estimate turns it
+    into seconds on a device (moebench.measure.cost)."""
+    if name in _WORK:
+        raise ValueError(f"{name!r} declared its work twice")
+    _WORK[name] = work
+
+
+def declared_work(name: str) -> "PointWork | None":
+    """What `name` (a family or one impl) declared so far, or None: for a peer that builds on its family's work."""
+    return _WORK.get(name)
+
+
+def work_of(impl: Impl) -> "PointWork | None":
+    """The work declared for `impl`, else for its family; None where neither declared any (an impl registered at run
+    time under a family of its own: the estimate counts it as one launch a call and says so)."""
+    load_all()
+    return _WORK.get(impl.name) or _WORK.get(impl.kernel)
 
 
 def bench_modules() -> list[str]:

@@ -65,7 +65,8 @@ BENCH = '''
 from moebench.check import compare_close
 from moebench.inputs import make_batch
 from moebench.kernels.throwaway_scale import throwaway_scale, throwaway_scale_torch
-from moebench.registry import Case, Routing, register_variants
+from moebench.measure.cost import PointWork
+from moebench.registry import Case, Routing, declare_work, register_variants
 import torch
 
 
@@ -95,6 +96,7 @@ def _build(variant):
 
 register_variants("throwaway_scale", {"triton": "Triton rows x 2, padded rows zero",
                                       "torch": "eager torch (the reference)"}, _build)
+declare_work("throwaway_scale", PointWork(call=lambda p: (0.0, p.num_tokens * p.hidden * 8.0)))
 '''
 
 PATH = '''

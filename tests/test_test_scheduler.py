@@ -1,6 +1,8 @@
 """tests/conftest.py's xdist scheduling: the files that share a warm-up run on one worker, every file on one worker,
 every test once under its own id; each run records every unit's time in pytest's cache and the next run hands the
-units out longest first (no cache: file order). Run on a copy of the conftest over stand-in files."""
+units out longest first (no cache: file order). Run on a copy of the conftest over stand-in files, with a stand-in
+`torch` beside it (the conftest asks torch only whether there is a GPU): six interpreter starts of the two runs
+(controller and two workers each) would otherwise each import the real torch for that one answer."""
 import json
 import re
 import shutil
@@ -15,6 +17,17 @@ TESTS = Path(__file__).parent
 SLEEP_S = {"dispatch/test_dispatch.py": 0.02, "inputs/test_padding.py": 0.02, "test_aa.py": 0.02,
            "test_faults.py": 0.02, "test_mm.py": 0.02, "test_zz.py": 0.15}
 PER_FILE = 5
+# found first on the copy's sys.path (pytest puts the conftest's folder there): no CUDA, as on the CPU machines
+STANDIN_TORCH = """\
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def device_count():
+        return 0
+"""
 
 
 def test_shared_groups_name_files_that_exist():
@@ -47,6 +60,7 @@ def test_two_workers_take_the_shared_group_whole_and_the_longest_first_from_the_
     tests = tmp_path / "tests"
     tests.mkdir()
     shutil.copy(TESTS / "conftest.py", tests)
+    (tests / "torch.py").write_text(STANDIN_TORCH)
     shutil.copytree(TESTS / "_site", tests / "_site")
     for name, sleep_s in SLEEP_S.items():
         (tests / name).parent.mkdir(exist_ok=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from moebench.params import Params
-from moebench.registry import Case, CheckResult, RunContext, register_impl
+from moebench.measure.cost import STEP_INPUTS_S, DeviceRates, PointWork
+from moebench.registry import Case, CheckResult, RunContext, declare_work, register_impl
 
 
 def trace_capacities(p: Params, device: torch.device) -> tuple[list[int], list[int], list[int]]:
@@ -80,3 +81,30 @@ def build(p: Params, ctx: RunContext) -> Case:
     return Case(run=run, check=check, bytes_moved=2 * wire_rows * row_bytes,
                 bytes_note="every step's ep_size x capacity wire rows read and written once (the whole trace)",
                 info=info, nvtx_stage="wire")
+
+
+def _wire_work(p: Params) -> tuple[float, float]:
+    """Every step's ep_size blocks of wire rows copied once (at most the buffer's capacity each)."""
+    from moebench.bench.jit_trace import trace_batch_sizes
+    from moebench.dispatch.pack import CapacityKnobs
+    from moebench.dispatch.permute import RowLayout
+
+    sizes = trace_batch_sizes(p)
+    rows = sum(min(b * p.top_k, p.knobs(CapacityKnobs).num_max_tokens_per_rank) for b in sizes) * p.ep_size
+    return 0.0, 2.0 * rows * RowLayout(p.hidden, p.top_k).row_bytes
+
+
+def _steps(p: Params) -> int:
+    from moebench.bench.jit_trace import trace_batch_sizes
+
+    return len(trace_batch_sizes(p))
+
+
+def _capacities_s(p: Params, rates: DeviceRates) -> float:
+    """Building the point: each step's batch built and routed for its capacity."""
+    return _steps(p) * STEP_INPUTS_S
+
+
+# the timed call copies the whole trace's wire rows, one copy per step
+declare_work("jit_trace.a2a_fixed_wire", PointWork(call=_wire_work, launches=_steps, build=_capacities_s,
+                                                   torch_variants=("a2a_fixed_wire",)))

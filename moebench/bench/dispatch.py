@@ -32,7 +32,8 @@ from moebench.dispatch.reference import (
 )
 from moebench.families import set_path_registrar
 from moebench.params import Params
-from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
+from moebench.measure.cost import PointWork
+from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl, declare_work
 
 COMBINE_MAX_REL = 2e-2  # partial sums are rounded to bf16 on each rank before they are added
 COMBINE_RMS_REL = 5e-3
@@ -133,8 +134,16 @@ def register_path_impl(path_cls: type[DispatchPath]) -> None:
     """Register the path as the timed impl `dispatch.<name>` (multi-rank: one process per EP rank)."""
     register_impl(f"dispatch.{path_cls.name}", targets=("dispatch",), description=path_cls.description,
                   available=path_cls.available, validate=path_cls.validate, multi_rank=True)(case_builder(path_cls))
+    declare_work(f"dispatch.{path_cls.name}", PointWork(
+        call=dispatch_work, launches=8, programs=lambda p: path_cls.interpreter_programs_per_row * p.num_tokens))
+
+
+def dispatch_work(p: Params) -> tuple[float, float]:
+    """Dispatch and combine of the point's rows: top_k copies of each row out and back."""
+    return 0.0, p.num_tokens * p.top_k * p.hidden * 4.0
 
 
 for _path_cls in package_paths().values():
     register_path_impl(_path_cls)
 set_path_registrar(register_path_impl)  # moebench.plugins.register_dispatch_path goes through it
+

@@ -35,7 +35,8 @@ from moebench.kernels.fused_experts import expert_work, fused_experts, fused_exp
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
 from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.measure.cost import INTERP_PROGRAM_S, PointWork, expected_expert_work, expert_programs
+from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 REPS_CUDA = 5  # timed replays per rank on a GPU (median)
 REPS_CPU = 1  # on a CPU (the interpreter) one replay: the figures are only a smoke signal there
@@ -242,3 +243,18 @@ def _validate(p: Params) -> str | None:
 register_impl("ep_sim.experts", targets=("dispatch", "layer"), validate=_validate,
               description="simulated EP: exact per-rank loads from every rank's routing; each rank's expert work "
                           "(fused_experts on its received rows) replayed on one GPU; straggler = slowest rank")(_build)
+def _one_rank_s(p: Params, rates) -> float:
+    """One simulated rank's expert work (its share of the routes, its local experts)."""
+    local = p.num_experts // p.ep_size
+    if rates.kind == "interpreter":
+        return expert_programs(p, p.num_tokens, local) / p.ep_size * INTERP_PROGRAM_S
+    return rates.seconds(*expected_expert_work(p, p.num_tokens, local), 12)
+
+
+# the timed call replays every rank's expert work one rank after the other; building the point times each rank
+# alone first (a warm-up and REPS calls)
+declare_work("ep_sim", PointWork(
+    call=lambda p: expected_expert_work(p, p.num_tokens * p.ep_size, p.num_experts // p.ep_size),
+    launches=lambda p: 12 * p.ep_size,
+    programs=lambda p: p.ep_size * expert_programs(p, p.num_tokens, p.num_experts // p.ep_size),
+    build=lambda p, rates: p.ep_size * (1 + (REPS_CUDA if rates.is_cuda else REPS_CPU)) * _one_rank_s(p, rates)))

@@ -24,7 +24,8 @@ from moebench.kernels.globalize_recv_topk_idx import (
     globalize_recv_topk_idx_torch,
 )
 from moebench.params import EPLayout
-from moebench.registry import Case, Routing, RunContext, register_variants
+from moebench.measure.cost import PointWork, id_work
+from moebench.registry import Case, Routing, RunContext, register_variants, declare_work
 
 __all__ = ["rows_differing", "make_receive_buffer"]
 
@@ -187,3 +188,8 @@ register_family(KernelFamily(
     "globalize_recv_topk_idx", ("kernel",), lambda fn: _globalize_build("fn", fn),
     "fn(recv_topk_idx int64 [capacity,K], num_recv int32 [1] on the device, rank_expert_offset, num_experts) -> "
     "recv_topk_idx updated in place (rows >= num_recv and bad ids -> -1, no host sync)"))
+# one elementwise kernel over the ids (blocks of 1024); the oblivious twins are plain torch indexing
+declare_work("apply_expert_map", PointWork(call=id_work, programs=lambda p: 1 + p.num_tokens * p.top_k / 1024,
+                                          torch_variants=("oblivious",)))
+declare_work("globalize_recv_topk_idx", PointWork(call=id_work, programs=lambda p: 1 + p.num_tokens * p.top_k / 1024,
+                                                 torch_variants=("oblivious",)))

@@ -34,7 +34,8 @@ from moebench.kernels.fused_experts import (
     fused_experts_torch,
     make_workspace,
 )
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.measure.cost import PointWork, expected_expert_work, expert_programs
+from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 __all__ = ["reference_rows", "check_experts_out", "experts_info", "expert_rows", "equal_rows", "row_tiles", "triton_available", "ExpertsInputs",
            "experts_inputs", "oblivious_ids"]
@@ -271,3 +272,9 @@ register_family(KernelFamily(
     "fused_experts", ("kernel",), lambda fn: lambda p, ctx: _build(p, ctx, "fn", fn),
     "fn(x bf16 [T,H], w13 bf16 [E,2I,H], w2 bf16 [E,H,I], topk_weights fp32 [T,K], topk_ids int32 [T,K] local "
     "(-1 skipped), out=bf16 [T,H]) -> bf16 [T,H]: sum_k w_k * w2[e] @ (silu(gate) * up)"))
+
+
+# the family's every variant (bf16, fp8, ceilings, peers): the grouped GEMMs over the point's local experts; a GEMM
+# grid costs several launch-equivalents
+declare_work("fused_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
+                                       programs=lambda p: expert_programs(p, p.num_tokens, p.local_experts)))

@@ -60,7 +60,8 @@ from moebench.dispatch.pack import (
 from moebench.kernels.runtime import interpreting
 from moebench.measure.jit import JitCounter, fresh_kernel, triton_cache_dir, unsupported_reason
 from moebench.params import Params
-from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
+from moebench.measure.cost import INTERP_PROGRAM_S, STEP_INPUTS_S, TRITON_COMPILE_S, DeviceRates, PointWork
+from moebench.registry import Case, CheckResult, Routing, RunContext, declare_work, register_impl
 from moebench.traces.distributions import batch_sizes
 from moebench.traces.knobs import TraceKnobs
 
@@ -354,3 +355,39 @@ def build(p: Params, ctx: RunContext) -> Case:
                            "routing read, metadata written",
                 routing=Routing(step["global_ids"], step["is_padding"], p.num_experts, p.ep_size),
                 graph_capturable=True, info=info, nvtx_stage="jit_trace")
+
+
+
+def _pack_combine_work(p: Params, rows: int | None = None) -> tuple[float, float]:
+    """The pack and the combine of one step of `rows` rows (default: the trace's largest batch)."""
+    rows = max(trace_batch_sizes(p)) if rows is None else rows
+    return 0.0, rows * p.top_k * p.hidden * 2.0 * 4 + rows * p.hidden * 4.0
+
+
+def _pack_combine_programs(p: Params, rows: int | None = None) -> float:
+    """In the interpreter: a fixed part (the plan) and a few programs per (row, destination) pair."""
+    rows = max(trace_batch_sizes(p)) if rows is None else rows
+    return 30 + 2 * rows * p.top_k
+
+
+def _distinct_capacities(p: Params) -> int:
+    """The capacities the policy will compile (a bound: exact's distinct step maxima are at most the distinct sizes)."""
+    policy, buffer_rows = p.knobs(CapacityKnobs).capacity_policy, p.knobs(CapacityKnobs).num_max_tokens_per_rank
+    return {"max": 1, "pow2": pow2_bound(buffer_rows)}.get(policy, len(set(trace_batch_sizes(p))))
+
+
+def _replay_s(p: Params, rates: DeviceRates) -> float:
+    """The trace replayed before the timed call: each step's batch built and routed, packed and combined; on a GPU
+    each new capacity compiles both kernels."""
+    total = 0.0
+    for rows in trace_batch_sizes(p):
+        if rates.kind == "interpreter":
+            total += STEP_INPUTS_S + _pack_combine_programs(p, rows) * INTERP_PROGRAM_S
+        else:
+            total += STEP_INPUTS_S + rates.seconds(*_pack_combine_work(p, rows), 2)
+    return total + (2 * _distinct_capacities(p) * TRITON_COMPILE_S if rates.is_cuda else 0.0)
+
+
+# the timed call is the last step's pack + combine; building the point replays the whole trace
+declare_work("jit_trace", PointWork(call=_pack_combine_work, launches=2, programs=_pack_combine_programs,
+                                    build=_replay_s))

@@ -71,7 +71,8 @@ from moebench.kernels.prepare_moe_inputs import (
 )
 from moebench.kernels.topk_softmax import MAX_TOP_K, router_limits_problem, router_outputs, softmax_choice, topk_softmax
 from moebench.measure.roofline import roofline_us
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.measure.cost import PointWork, layer_call_work, layer_programs
+from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 __all__ = ["LayerPipeline", "layer_reference_rows", "check_pipeline", "stage_work", "rows_differing", "STAGES"]
 
@@ -491,3 +492,7 @@ for _variant in ("masked", "oblivious"):
     register_impl(f"layer.{_variant}", targets=("layer",), description=_DESCRIPTIONS[_variant],
                   available=triton_available, validate=layer_point_problem,
                   twin_of="layer.masked" if _variant == "oblivious" else None)(_build(_variant))
+
+
+# about 30 launch-equivalents a call (the GEMM grids count several); its six stages are timed alone too
+declare_work("layer", PointWork(call=layer_call_work, launches=30, stages_alone=6, programs=layer_programs))

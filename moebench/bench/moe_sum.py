@@ -9,7 +9,8 @@ from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious, sum_choice
-from moebench.registry import Case, Routing, register_variants
+from moebench.measure.cost import PointWork
+from moebench.registry import Case, Routing, register_variants, declare_work
 
 __all__ = ["compare_nan_aware", "compare_within_bf16_ulps", "input_dtype_sum_ulps", "oblivious_build_for"]
 
@@ -154,3 +155,7 @@ register_family(KernelFamily(
     "masked_moe_sum", ("kernel",), lambda fn: _build_sum("fn", fn),
     "fn(intermediate bf16 [T,K,H] (NaN in skipped slots), topk_ids int32 [T,K], out=bf16 [T,H]) -> bf16 [T,H]: "
     "the sum over slots with id >= 0"))
+declare_work("masked_moe_sum", PointWork(call=lambda p: (p.num_tokens * p.top_k * p.hidden * 1.0,
+                                                      p.num_tokens * p.hidden * (p.top_k * 2.0 + 2.0)),
+                                        programs=lambda p: p.num_tokens * (2.5 + 0.75 * p.top_k),  # a row, K slots
+                                        torch_variants=("oblivious",)))

@@ -26,7 +26,8 @@ import torch
 
 from moebench.dispatch.pack import CapacityKnobs
 from moebench.params import EPLayout, Params
-from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl
+from moebench.measure.cost import PointWork, expected_expert_work, expert_programs
+from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl, declare_work
 
 STALE_SEED_SALT = 31  # the stale rows' contents draw from their own stream
 
@@ -141,3 +142,5 @@ def build_fixed(p: Params, ctx: RunContext) -> Case:
                            "experts like received rows")
 def build_oblivious(p: Params, ctx: RunContext) -> Case:
     return _build(p, ctx, fixed=False)
+declare_work("recv_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
+                                      programs=lambda p: expert_programs(p, p.num_tokens, p.local_experts)))

@@ -31,7 +31,8 @@ from moebench.kernels.topk_softmax import (
     topk_softmax_scores_torch,
     topk_softmax_torch,
 )
-from moebench.registry import Case, Routing, register_impl
+from moebench.measure.cost import PointWork, router_programs, router_work
+from moebench.registry import Case, Routing, register_impl, declare_work
 
 __all__ = ["RouterReference", "topk_softmax_reference", "grouped_topk_reference", "compare_routing",
            "expected_weights", "NEAR_TIE_ULPS", "router_case"]
@@ -319,3 +320,7 @@ register_router_impls(
     call="fn(logits, top_k=, num_expert_group=, topk_group=, scoring=, renormalize=, routed_scaling_factor=, "
          "is_padding=mask or None, bias=fp32 [E] or None, out=(weights, ids)) -> (weights fp32 [T,K], ids int32 "
          "[T,K]); padded rows -1 / +0.0")
+declare_work("topk_softmax", PointWork(call=router_work, programs=router_programs))
+# the group scores first, then the expert picks: a fixed part and the picks over every expert per row
+declare_work("grouped_topk", PointWork(call=router_work,
+                                       programs=lambda p: 8 + p.num_tokens * p.num_experts * p.top_k / 1000))

@@ -17,7 +17,8 @@ from moebench.kernels.prepare_moe_inputs import (
     prepare_moe_inputs_torch,
     stage_routing_torch,
 )
-from moebench.registry import Case, Routing, RunContext, register_variants
+from moebench.measure.cost import PointWork
+from moebench.registry import Case, Routing, RunContext, register_variants, declare_work
 
 __all__ = ["fp8_interpreter_tolerant_mismatches", "compare_staging", "rows_differing", "staging_problem"]
 
@@ -163,3 +164,6 @@ register_family(KernelFamily(
     "fn(hidden bf16 [T,H], topk_weights fp32 [T,K], topk_ids int32 [T,K], is_padding or None, group_size, "
     "scale_format, out=(x_fp8, x_sf, topk_idx, topk_w)) -> (x_fp8 e4m3 [T,H], x_sf, topk_idx int64, topk_w fp32)",
     staging_problem))
+# hidden read, fp8 and scales written, the routing read and written as int64
+declare_work("prepare_moe_inputs", PointWork(call=lambda p: (0.0, p.num_tokens * (p.hidden * 3.0 + p.top_k * 12.0)),
+                                            programs=lambda p: 4 + p.num_tokens * p.hidden / 1024))

@@ -36,6 +36,7 @@ class AGRSHandle:
 class AGRSPath(DispatchPath):
     receives = "all"
     graph_capturable = True
+    interpreter_programs_per_row = 0.25  # elementwise kernels over whole blocks: a few programs a call
 
     def __init__(self, layout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", use_triton: bool | None = None):

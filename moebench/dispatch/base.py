@@ -207,6 +207,9 @@ class DispatchPath:
     sends_weights = True  # False: weights stay on the source and combine applies them (DeepEP low-latency)
     # True: the path's buffers are sized by num_max_tokens_per_rank (CapacityKnobs), so a step may not have more rows
     buffers_sized_by_max_tokens = False
+    # Triton's CPU interpreter: program-equivalents of one dispatch + combine per row of the batch (the run's
+    # estimate, moebench.measure.cost); the plan / pack / combine kernels' grids grow with the rows
+    interpreter_programs_per_row = 20.0
 
     def __init__(self, layout: EPLayout, *, hidden: int, top_k: int, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu"):

@@ -22,7 +22,7 @@ import moebench.bench.moe_sum  # noqa: F401
 import moebench.bench.routers  # noqa: F401
 import moebench.bench.staging  # noqa: F401
 from moebench.families import get_family
-from moebench.registry import register_impl
+from moebench.registry import declare_work, declared_work, register_impl
 
 LIBRARY = "torch.compile"
 
@@ -170,3 +170,4 @@ for _family, (_fn, _text) in FORMULATIONS.items():
     register_impl(f"{_family}.compile", targets=_fam.targets, description=f"torch.compile of the plain formulation: "
                   f"{_text}", available=compile_available, validate=_fam.validate,
                   library=LIBRARY)(compile_build(_family, _fn))
+    declare_work(f"{_family}.compile", declared_work(_family).with_compiles(1))  # the family's call, compiled

@@ -56,7 +56,7 @@ from moebench.kernels.fp8_quant import E4M3, rowwise_rows
 from moebench.kernels.fused_experts_fp8_ref import BF16_REL
 from moebench.kernels.prepare_moe_inputs import AMAX_FLOOR, FP8_MAX
 from moebench.peers.compile import compile_available
-from moebench.registry import register_impl
+from moebench.registry import declare_work, declared_work, register_impl
 
 __all__ = ["LIBRARY", "sort_routes", "swiglu", "swiglu_rowwise_fp8", "combine", "GroupedMmExperts",
            "ScaledGroupedMmExperts", "build_grouped_mm", "build_scaled_grouped_mm", "warm", "compiled"]
@@ -218,3 +218,6 @@ register_impl("fused_experts.fp8_scaled_grouped_mm", targets=("kernel",), availa
               validate=fp8_layout_problem, library=LIBRARY,
               description="torch._scaled_grouped_mm (row-wise fp8) the same way: device offsets, compiled SwiGLU + "
                           "per-row re-quantisation + combine, no host sync")(build_scaled_grouped_mm())
+# the experts' work, with the three compiled glue functions (sort_routes, swiglu, combine) compiled per build
+declare_work("fused_experts.grouped_mm", declared_work("fused_experts").with_compiles(3))
+declare_work("fused_experts.fp8_scaled_grouped_mm", declared_work("fused_experts").with_compiles(3))

@@ -1,46 +1,41 @@
 """The cost of a run before it starts: an estimate of each point's time on the chosen device, printed by
 `moebench run` (and `--dry-run`) above the table, with a warning past WARN_AFTER_S.
 
-Each point's work per call comes from its parameters (FLOPs and bytes of the stages its impl runs: the expert
-GEMMs' 2*routes*3*H*I FLOPs and the weights of the experts hit, the router's logits, the sum's slots, ...), and
-its time from the device:
-- a GPU: the roofline time of that work on the device's roofs (moebench.measure.roofline), at least a launch
-  latency per kernel, plus a fixed cost per point (build, check, graph capture: GPU_POINT_OVERHEAD_S);
-- a CPU: Triton kernels in the interpreter at INTERP_* rates, torch code at CPU_* rates (constants measured on
-  the project's CPU machines, the order of magnitude that matters for "minutes or hours"), plus
-  CPU_POINT_OVERHEAD_S.
-A point costs its check (CHECK_CALLS calls), its warm-up and its timed iterations (cut at timing.max_seconds, as
-the wall-clock timer cuts them), its stages timed alone (the layer's), capped at its point timeout. It is an
-estimate of the order of magnitude: the progress line replaces it with the measured rate once a point ends.
+What a point does is what its family declared beside its impls (moebench.registry.declare_work, a
+moebench.measure.cost.PointWork): the FLOPs, bytes and launch-equivalents of its timed call, the stages it times
+alone, what building it costs beyond the usual (a trace replayed), or, for a family whose point is not one call
+timed many times, the whole point. This module knows no family by name; the device's rates (DeviceRates: roofs on a
+GPU, the interpreter's or eager torch's rates on a CPU) turn the work into seconds.
+A run costs the start of the processes its points run in (the point worker, each group of EP ranks); a point its
+overhead (build, check, record), its check (CHECK_CALLS calls), its warm-up and its timed
+iterations (cut at timing.max_seconds, as the wall-clock timer cuts them), its stages timed alone, capped at its
+point timeout; a point whose impl cannot run here (recorded skipped) costs nothing. It is an estimate within a
+factor of two on the bundled sweeps' CPU sizes (tests/run/test_estimate_vs_wall.py): the progress line replaces it
+with the measured rate once a point ends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moebench import registry
-from moebench.measure.roofline import roofline_us, roofs_for
+from moebench.measure.cost import (INTERP_PROGRAM_S, DeviceRates, PointWork, expected_expert_work, expert_programs,
+                                   layer_call_work, layer_programs)
+from moebench.measure.roofline import roofs_for
 from moebench.params import Params, Point, Timing
-from moebench.traces.knobs import TraceKnobs
 
 WARN_AFTER_S = 30 * 60.0
-GPU_LAUNCH_S = 5e-6  # one kernel launch, eager
-GPU_POINT_OVERHEAD_S = 1.0  # build, reference check, CUDA-graph capture of one point
-CPU_POINT_OVERHEAD_S = 0.3
-INTERP_LAUNCH_S = 0.05  # one Triton kernel launch in the interpreter (Python per program instance)
-INTERP_FLOPS = 2e9  # tl.dot in the interpreter (numpy)
-INTERP_BYTES_PER_S = 2e8  # loads and stores in the interpreter
-CPU_CALL_S = 1e-4  # one eager torch call on the CPU
-CPU_FLOPS = 2e10
-CPU_BYTES_PER_S = 2e9
-CHECK_CALLS = 3  # the check's run on poisoned outputs plus its reference
-_KERNELS_PER_CALL = {"topk_softmax": 1, "grouped_topk": 1, "prepare_moe_inputs": 1, "apply_expert_map": 1,
-                     "globalize_recv_topk_idx": 1, "masked_moe_sum": 1, "moe_align_block_size": 3,
-                     "fused_experts": 12, "recv_experts": 12, "layer": 30, "ep_sim": 12, "dispatch": 8,
-                     "jit_trace": 4, "serving_trace": 30}  # launch-equivalents: GEMM grids cost several
-_LAYER_STAGES = 6  # the layer times each stage alone too
+CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is part of the point's overhead)
+# Starting the processes: the command itself (what a user waits for too), the point worker (an interpreter importing
+# torch and moebench; CUDA's start on a GPU) and each group of EP ranks (one process per rank; a CPU's two cores start
+# them a few at a time)
+COMMAND_START_S = 2.0
+WORKER_START_S = {"cpu": 2.5, "cuda": 6.0}
+RANK_START_S = {"cpu": 2.5, "cuda": 4.0}
+SHAPE_CALLS = {"cpu": 3, "cuda": 23}  # a serving_trace shape: its build and check, one timed call; warm-up, iterations
+UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
 
 
 @dataclass(frozen=True)
@@ -50,91 +45,110 @@ class RunEstimate:
     capped: int  # points whose estimate reaches their point timeout
     timeout_s: float
     device: str
+    undeclared: tuple[str, ...] = ()  # families of the points that declared no work (counted as UNDECLARED)
 
 
-def _expert_work(p: Params, rows: int, local: int) -> tuple[float, float]:
-    """FLOPs and bytes of the grouped expert GEMMs over `rows` rows with `local` local experts."""
-    routes = rows * p.top_k * local / p.num_experts
-    wbytes = 1 if p.expert_dtype == "fp8" else 2
-    flops = 2.0 * routes * 3 * p.hidden * p.intermediate
-    nbytes = min(local, routes) * 3 * p.hidden * p.intermediate * wbytes + routes * (2 * p.intermediate + p.hidden) * 2
-    return flops, nbytes + rows * p.hidden * 4
-
-
-def call_work(kernel: str, p: Params) -> tuple[float, float, int]:
-    """(FLOPs, bytes, kernel launches) of one call of an impl of `kernel` at point p."""
-    T, K, E, H = p.num_tokens, p.top_k, p.num_experts, p.hidden
-    launches = _KERNELS_PER_CALL.get(kernel, 1)
-    router = (10.0 * T * E, T * E * 4.0 + T * K * 8.0)
-    if kernel in ("topk_softmax", "grouped_topk"):
-        return (*router, launches)
-    if kernel == "prepare_moe_inputs":
-        return (0.0, T * H * 3.0 + T * K * 12.0, launches)
-    if kernel in ("apply_expert_map", "globalize_recv_topk_idx", "moe_align_block_size"):
-        return (0.0, T * K * 16.0, launches)
-    if kernel == "masked_moe_sum":
-        return (T * K * H * 1.0, T * K * H * 2.0 + T * H * 2.0, launches)
-    if kernel in ("fused_experts", "recv_experts", "ep_sim"):
-        flops, nbytes = _expert_work(p, T, p.local_experts if kernel != "ep_sim" else E // p.ep_size)
-        return (flops, nbytes, launches)
-    if kernel == "layer":
-        flops, nbytes = _expert_work(p, T, p.local_experts)
-        return (flops + router[0], nbytes + router[1] + T * H * 3.0 + T * K * (H * 2.0 + 32), launches)
-    if kernel in ("dispatch", "jit_trace"):
-        trace = p.knobs(TraceKnobs).trace
-        steps = len(trace) if trace else 1
-        return (0.0, steps * T * K * H * 4.0, launches * steps)
-    if kernel == "serving_trace":  # masked and oblivious at each distinct shape of the trace (a coarse count)
-        t = p.knobs(TraceKnobs)
-        shapes = 2 * min(t.trace_steps if t.trace is None else len(t.trace), 32)
-        rows = min(t.trace_max_tokens, 4096) // 2
-        flops, nbytes = _expert_work(p, rows, p.local_experts)
-        return (shapes * flops, shapes * nbytes, shapes * launches)
-    return (*router, launches)
-
-
-def _interpreted(impl: registry.Impl) -> bool:
+def _interpreted(impl: registry.Impl, work: PointWork) -> bool:
     """Whether the impl's kernels are Triton ones (run in the interpreter on a CPU), not torch code."""
-    return impl.library is None and not impl.baseline
+    return impl.library is None and not impl.baseline and not impl.ceiling and impl.variant not in work.torch_variants
+
+
+def rates_for(impl: registry.Impl, device: torch.device) -> DeviceRates:
+    """The rates `impl`'s code runs at on `device`."""
+    if device.type == "cuda":
+        return DeviceRates("cuda", roofs_for(torch.cuda.get_device_name(device) if torch.cuda.is_available() else None))
+    from moebench.kernels.runtime import interpreting
+
+    work = registry.work_of(impl) or UNDECLARED
+    return DeviceRates("interpreter" if interpreting() and _interpreted(impl, work) else "cpu")
 
 
 def call_s(point: Point, device: torch.device) -> float:
-    """Estimated seconds of one call of the point's impl on `device`."""
+    """Estimated seconds of one call of the point's impl on `device` (a family that declares whole points: 0)."""
     impl = registry.get(point.impl)
-    flops, nbytes, launches = call_work(impl.kernel, point.params)
-    if device.type == "cuda":
-        roofs = roofs_for(torch.cuda.get_device_name(device) if torch.cuda.is_available() else None)
-        return max(roofline_us(int(flops), int(nbytes), roofs) * 1e-6, launches * GPU_LAUNCH_S)
-    from moebench.kernels.runtime import interpreting
-
-    if interpreting() and _interpreted(impl):
-        return launches * INTERP_LAUNCH_S + flops / INTERP_FLOPS + nbytes / INTERP_BYTES_PER_S
-    return launches * CPU_CALL_S + flops / CPU_FLOPS + nbytes / CPU_BYTES_PER_S
+    work = registry.work_of(impl) or UNDECLARED
+    if work.call is None:
+        return 0.0
+    return work.call_s(point.params, rates_for(impl, device))
 
 
 def point_s(point: Point, timing: Timing, device: torch.device) -> float:
     """Estimated seconds of the whole point (uncapped): overhead, check, warm-up, timed iterations, stages."""
+    impl = registry.get(point.impl)
+    work: PointWork = registry.work_of(impl) or UNDECLARED
+    rates = rates_for(impl, device)
+    if work.point is not None:
+        return rates.point_overhead_s + work.point(point.params, rates)
     c = call_s(point, device)
-    cpu = device.type != "cuda"
 
     def timed(per_call: float) -> float:
         iters = timing.iters * per_call
-        if cpu:  # the wall-clock timer stops after max_seconds (at least one iteration)
+        if not rates.is_cuda:  # the wall-clock timer stops after max_seconds (at least one iteration)
             iters = min(iters, max(timing.max_seconds, per_call))
         return timing.warmup * per_call + iters
 
-    stages = _LAYER_STAGES * timed(c / _LAYER_STAGES) if registry.get(point.impl).kernel == "layer" else 0.0
-    overhead = CPU_POINT_OVERHEAD_S if cpu else GPU_POINT_OVERHEAD_S
-    return overhead + CHECK_CALLS * c + timed(c) + stages
+    stages = work.stages_alone * timed(c / work.stages_alone) if work.stages_alone else 0.0
+    build = work.build(point.params, rates) if work.build is not None else 0.0
+    return rates.point_overhead_s + build + CHECK_CALLS * c + timed(c) + stages
+
+
+def _world(point: Point) -> int:
+    """The processes the point runs in: ep_size ranks for a multi-rank impl at a real EP size, else the worker's one."""
+    p = point.params
+    return p.ep_size if registry.get(point.impl).multi_rank and p.ep_size > 1 and p.ep_mode == "real" else 1
+
+
+def _unavailable(points: list[Point], device: torch.device) -> set[str]:
+    """The impls of `points` that cannot run here (recorded skipped at once, no cost)."""
+    ctx = registry.RunContext(device)
+    return {name for name in {pt.impl for pt in points} if registry.get(name).available(ctx)}
 
 
 def estimate_run(points: list[Point], timing: Timing, device: torch.device) -> RunEstimate:
     from moebench.run.point_worker import point_timeout_s
 
     timeout = point_timeout_s(timing, device)
-    each = [point_s(pt, timing, device) for pt in points]
-    return RunEstimate(total_s=sum(min(s, timeout) for s in each), points=len(points),
-                       capped=sum(s >= timeout for s in each), timeout_s=timeout, device=str(device))
+    skipped = _unavailable(points, device)
+    each = [0.0 if pt.impl in skipped else point_s(pt, timing, device) for pt in points]
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    worlds = {_world(pt) for pt in points if pt.impl not in skipped}
+    start = COMMAND_START_S + (WORKER_START_S[kind] if 1 in worlds else 0.0) + sum(
+        w * RANK_START_S[kind] for w in worlds - {1})
+    impls = [registry.get(name) for name in {pt.impl for pt in points}]
+    undeclared = sorted({impl.kernel for impl in impls if registry.work_of(impl) is None})
+    return RunEstimate(total_s=start + sum(min(s, timeout) for s in each), points=len(points),
+                       capped=sum(s >= timeout for s in each), timeout_s=timeout, device=str(device),
+                       undeclared=tuple(undeclared))
+
+
+def serving_trace_estimate(p: Params, rates: DeviceRates) -> float:
+    """Seconds of one serving_trace point: the masked and the oblivious layer at each distinct call shape of the trace
+    (a coarse count of them: a shape per step and micro-batch, at most 32, each of about half the DP group's largest
+    batch), the EP ranks' workloads (ep_rank_timings of them, or one per rank, on each side) and the steps replayed
+    one by one; each timed as the bench times a shape (SHAPE_CALLS: warm-up and iterations on a GPU, one call in
+    the interpreter)."""
+    from moebench.traces.knobs import ServingKnobs, TraceKnobs
+
+    trace, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
+    steps = len(trace.trace) if trace.trace is not None else trace.trace_steps
+    largest = max(trace.trace) if trace.trace is not None else trace.trace_max_tokens
+    shapes = min(steps * (2 if serving.dbo else 1), 32)
+    shape = replace(p, num_tokens=max(1, min(largest * serving.dp_size, 8192) // 2))
+    calls = SHAPE_CALLS["cuda" if rates.is_cuda else "cpu"]
+    if rates.kind == "interpreter":
+        layer_s = layer_programs(shape) * INTERP_PROGRAM_S
+        experts_s = expert_programs(shape, shape.num_tokens, shape.local_experts) * INTERP_PROGRAM_S
+    else:
+        layer_s = rates.seconds(*layer_call_work(shape), 30)
+        experts_s = rates.seconds(*expected_expert_work(shape, shape.num_tokens, shape.local_experts), 12)
+    workloads = (serving.ep_rank_timings or p.ep_size) if p.ep_size > 1 else 0
+    replayed = serving.trace_replay * serving.dp_size
+    return 2 * (shapes * calls * layer_s + workloads * calls * experts_s + replayed * layer_s)
+
+
+# serving_trace's point is a trace's shapes timed one by one: the whole point is declared (here until its package
+# declares it beside its impls)
+registry.declare_work("serving_trace", PointWork(point=serving_trace_estimate))
 
 
 def estimate_lines(est: RunEstimate, sizes: dict | None = None) -> tuple[list[str], str | None]:
@@ -144,6 +158,8 @@ def estimate_lines(est: RunEstimate, sizes: dict | None = None) -> tuple[list[st
     text = f"estimate: ~{duration(est.total_s)} for {est.points} points on {est.device} (from each point's work"
     text += " and the device's roofs)" if est.device.startswith("cuda") else " and the CPU's rates)"
     lines = [text]
+    if est.undeclared:
+        lines.append(f"estimate: {', '.join(est.undeclared)} declare no work per point (counted as one launch a call)")
     if est.capped:
         lines.append(f"estimate: {est.capped} points would reach the point timeout of {duration(est.timeout_s)} "
                      "(recorded failed)")

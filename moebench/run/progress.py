@@ -5,7 +5,8 @@ the point worker).
 On a terminal (stderr) it is one line, redrawn in place and erased before a table row is printed; otherwise (a log)
 a line every REPORT_EVERY_S seconds. The estimate of what is left is the measured rate once a point has finished
 (counting the current point's own fraction done), the run's cost estimate before that (moebench.run.estimate), and
-never a made-up zero: with neither it says it has none yet.
+never a made-up zero: with neither it says it has none yet. A point's own estimate (its rate so far) never counts up:
+between two of its reports it counts down from the figure last shown.
 """
 
 from __future__ import annotations
@@ -33,13 +34,28 @@ def duration(seconds: float) -> str:
 
 @dataclass
 class _Inner:
-    """The latest report of the point in flight, and when its series (what, total) began."""
+    """The latest report of the point in flight, when its series (what, total) began, and the time it had left as
+    last shown (`left_s` at `left_at`): what the line shows next never exceeds that minus the time since."""
 
     done: int
     total: int
     what: str
     detail: str
     since: float
+    left_s: float | None = None
+    left_at: float = 0.0
+
+    def left(self, now: float) -> float | None:
+        """Seconds the series has left at `now`: its rate so far, and never more than the last figure shown counted
+        down (between two reports the rate alone would grow with the time waited)."""
+        took = now - self.since
+        if not (0 < self.done < self.total and took > 0):
+            return None
+        rate_left = took / self.done * (self.total - self.done)
+        if self.left_s is not None:
+            rate_left = min(rate_left, max(self.left_s - (now - self.left_at), 0.0))
+        self.left_s, self.left_at = rate_left, now
+        return rate_left
 
 
 def throttled(send: Callable[[int, int, str, str], None], clock: Callable[[], float] = time.monotonic,
@@ -88,7 +104,8 @@ class RunProgress:
         same = self.inner is not None and (self.inner.what, self.inner.total) == (what, total) and \
             done >= self.inner.done
         since = self.inner.since if same else now
-        self.inner = _Inner(int(done), int(total), str(what), str(detail), since)
+        left = (self.inner.left_s, self.inner.left_at) if same else (None, 0.0)
+        self.inner = _Inner(int(done), int(total), str(what), str(detail), since, *left)
         self._show()
 
     def tick(self) -> None:
@@ -133,9 +150,9 @@ class RunProgress:
         i = self.inner
         if i is not None:
             text += f": {i.what} {i.done}/{i.total}" + (f" ({i.detail})" if i.detail else "")
-            took = now - i.since
-            if 0 < i.done < i.total and took > 0:
-                text += f", ~{duration(took / i.done * (i.total - i.done))} left in it"
+            left = i.left(now)
+            if left is not None:
+                text += f", ~{duration(left)} left in it"
         text += f", {duration(now - self.point_t0)} in this point" if self.label else ""
         return text
 

@@ -67,3 +67,41 @@ def test_profile_hands_a_size_on_as_overrides():
     sets = size_overrides(layer, "cpu")
     assert "axes.num_tokens=[32]" in sets and "timing.iters=3" in sets
     assert load_sweep(layer, sets).to_dict() == load_sweep(layer, size="cpu").to_dict()
+
+
+def test_every_registered_impl_has_declared_work_and_estimate_knows_no_family():
+    """Each family (or impl) declares its work beside its impls; the estimate holds no table of family names."""
+    from moebench import registry
+    from moebench.run import estimate
+
+    bundled = {name: impl for name, impl in registry.all_impls().items()
+               if impl.build.__module__.startswith("moebench.")}  # not the impls tests register at run time
+    assert not [name for name, impl in bundled.items() if registry.work_of(impl) is None]
+    source = Path(estimate.__file__).read_text()
+    families = {impl.kernel for impl in registry.all_impls().values()} - {"serving_trace"}
+    assert not [f for f in families if f'"{f}"' in source]
+
+
+def test_a_family_without_declared_work_is_named_above_the_table(tmp_path, capsys):
+    from moebench import registry
+
+    if "undeclared_family.x" not in registry.all_impls():
+        registry.register(registry.Impl("undeclared_family.x", targets=("kernel",), build=lambda p, ctx: None))
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntarget: kernel\nimpls: [undeclared_family.x]\naxes: {num_tokens: [8]}\n")
+    assert main(["run", str(path), "--dry-run", "--device", "cpu"]) == 0
+    assert "# estimate: undeclared_family declare no work per point (counted as one launch a call)" in \
+        capsys.readouterr().out
+
+
+def test_a_point_whose_impl_cannot_run_here_costs_nothing(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntarget: dispatch\nimpls: [dispatch.agrs, dispatch.deepep]\n"
+                    "fixed: {num_tokens: 32, hidden: 64, num_experts: 16, top_k: 4, ep_size: 2}\n"
+                    "timing: {warmup: 1, iters: 3}\n")
+    sweep = load_sweep(path)
+    agrs, deepep = expand(sweep)
+    from moebench.run.estimate import COMMAND_START_S
+
+    assert estimate_run([deepep], sweep.timing, CPU).total_s == COMMAND_START_S  # no deep_ep on a CPU: skipped at once
+    assert estimate_run([agrs], sweep.timing, CPU).total_s > COMMAND_START_S + 2  # two ranks started, the point run

@@ -103,18 +103,14 @@ def test_a_kernel_that_never_returns_is_killed_at_the_point_timeout(tmp_path, ca
     assert "worker restarts: 1" in capsys.readouterr().out
 
 
-def test_a_kernel_that_raises_is_failed_in_a_worker_that_carries_on(tmp_path, capsys):
+def test_a_kernel_that_raises_is_failed_in_a_worker_that_carries_on_across_points_and_runs(tmp_path, capsys):
+    w = point_worker.get_worker(torch.device("cpu"))  # the worker of this process's earlier runs, or a new one
+    assert point_worker.get_worker(torch.device("cpu")) is w and w.alive()
     code, recs = _run(tmp_path, "raise")
     assert code == 1
     _assert_one_point_lost(recs, "raise", "RuntimeError: the kernel refused")
     assert not recs[(16, "isolation_raise")].get("worker_restarted")
     assert "worker restarts" not in capsys.readouterr().out
-
-
-def test_the_worker_is_kept_across_points_and_runs(tmp_path):
-    w = point_worker.get_worker(torch.device("cpu"))
-    assert point_worker.get_worker(torch.device("cpu")) is w and w.alive()
-    _run(tmp_path, "raise")
     assert point_worker.get_worker(torch.device("cpu")) is w  # no restart for a point that merely raised
     assert w.proc.pid != os.getpid()
 

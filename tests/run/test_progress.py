@@ -4,6 +4,7 @@ point worker, one line on a terminal, a line every 30 s in a log) and the interr
 from __future__ import annotations
 
 import io
+import re
 
 from moebench.cli import main
 from moebench.registry import RunContext
@@ -138,3 +139,22 @@ def test_the_interrupt_message_starts_a_line_of_its_own(tmp_path, monkeypatch):
     assert "[0/1]" in err  # the progress line was drawn
     shown = err.split("\r")[-1]  # what the terminal shows last, from the start of a line
     assert shown.startswith("moebench: interrupted; resume with:"), repr(err[-300:])
+
+
+def test_a_points_own_estimate_never_counts_up():
+    """Between two reports the rate alone (time taken / done) grows with the wait: the line counts down instead."""
+    clock = Clock()
+    p = RunProgress(1, stream=io.StringIO(), terminal=True, clock=clock)
+    p.start_point("point 0 layer.masked")
+    p.point_report(0, 8, "rank workloads")
+    clock.now += 10
+    p.point_report(1, 8, "rank workloads")
+    shown = []
+    for _ in range(12):  # the next report is late: 60 s with no word
+        shown.append(p.line().split("left in it")[0].rsplit("~", 1)[1])
+        clock.now += 5
+    p.point_report(2, 8, "rank workloads")  # a slower rate than the first: still no higher than the last shown
+    shown.append(p.line().split("left in it")[0].rsplit("~", 1)[1])
+    seconds = [int(m or 0) * 60 + int(s) for m, s in (re.fullmatch(r"(?:(\d+)m)?(\d+)s ", x).groups() for x in shown)]
+    assert seconds[0] == 70 and all(b <= a for a, b in zip(seconds, seconds[1:])), shown
+    assert seconds[-2] == 15 and seconds[-1] <= 15, shown
