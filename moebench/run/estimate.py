@@ -16,15 +16,14 @@ with the measured rate once a point ends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from moebench import registry
-from moebench.measure.cost import (INTERP_PROGRAM_S, DeviceRates, PointWork, expected_expert_work, expert_programs,
-                                   layer_call_work, layer_programs)
+from moebench.measure.cost import DeviceRates, PointWork
 from moebench.measure.roofline import roofs_for
-from moebench.params import Params, Point, Timing
+from moebench.params import Point, Timing
 
 WARN_AFTER_S = 30 * 60.0
 CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is part of the point's overhead)
@@ -34,7 +33,6 @@ CHECK_CALLS = 1  # the check's run on poisoned outputs (its torch reference is p
 COMMAND_START_S = 2.0
 WORKER_START_S = {"cpu": 2.5, "cuda": 6.0}
 RANK_START_S = {"cpu": 2.5, "cuda": 4.0}
-SHAPE_CALLS = {"cpu": 3, "cuda": 23}  # a serving_trace shape: its build and check, one timed call; warm-up, iterations
 UNDECLARED = PointWork(call=lambda p: (0.0, 0.0))  # a family that declared no work: one launch a call
 
 
@@ -121,34 +119,6 @@ def estimate_run(points: list[Point], timing: Timing, device: torch.device) -> R
                        undeclared=tuple(undeclared))
 
 
-def serving_trace_estimate(p: Params, rates: DeviceRates) -> float:
-    """Seconds of one serving_trace point: the masked and the oblivious layer at each distinct call shape of the trace
-    (a coarse count of them: a shape per step and micro-batch, at most 32, each of about half the DP group's largest
-    batch), the EP ranks' workloads (ep_rank_timings of them, or one per rank, on each side) and the steps replayed
-    one by one; each timed as the bench times a shape (SHAPE_CALLS: warm-up and iterations on a GPU, one call in
-    the interpreter)."""
-    from moebench.traces.knobs import ServingKnobs, TraceKnobs
-
-    trace, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
-    steps = len(trace.trace) if trace.trace is not None else trace.trace_steps
-    largest = max(trace.trace) if trace.trace is not None else trace.trace_max_tokens
-    shapes = min(steps * (2 if serving.dbo else 1), 32)
-    shape = replace(p, num_tokens=max(1, min(largest * serving.dp_size, 8192) // 2))
-    calls = SHAPE_CALLS["cuda" if rates.is_cuda else "cpu"]
-    if rates.kind == "interpreter":
-        layer_s = layer_programs(shape) * INTERP_PROGRAM_S
-        experts_s = expert_programs(shape, shape.num_tokens, shape.local_experts) * INTERP_PROGRAM_S
-    else:
-        layer_s = rates.seconds(*layer_call_work(shape), 30)
-        experts_s = rates.seconds(*expected_expert_work(shape, shape.num_tokens, shape.local_experts), 12)
-    workloads = (serving.ep_rank_timings or p.ep_size) if p.ep_size > 1 else 0
-    replayed = serving.trace_replay * serving.dp_size
-    return 2 * (shapes * calls * layer_s + workloads * calls * experts_s + replayed * layer_s)
-
-
-# serving_trace's point is a trace's shapes timed one by one: the whole point is declared (here until its package
-# declares it beside its impls)
-registry.declare_work("serving_trace", PointWork(point=serving_trace_estimate))
 
 
 def estimate_lines(est: RunEstimate, sizes: dict | None = None) -> tuple[list[str], str | None]:

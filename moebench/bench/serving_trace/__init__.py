@@ -62,7 +62,9 @@ from moebench.check import CheckResult
 from moebench.inputs.engine_padding import padding_problem, step_padding
 from moebench.kernels.fused_experts import expert_work
 from moebench.params import Params, Point, Timing
-from moebench.registry import Case, RunContext, register_impl
+from moebench.bench.serving_trace.estimate import point_seconds
+from moebench.measure.cost import PointWork
+from moebench.registry import Case, RunContext, declare_work, register_impl
 from moebench.traces.capture_lists import capture_list_label
 from moebench.traces.knobs import TraceKnobs
 from moebench.traces.step_file import write_step_columns
@@ -96,6 +98,10 @@ def _validate(p: Params) -> str | None:
     return None
 
 
+# a point is the trace's shapes and rank workloads timed one by one, and its composition: declared whole
+declare_work("serving_trace", PointWork(point=point_seconds))
+
+
 @register_impl("serving_trace.layer", targets=("serving_trace",), available=triton_available, validate=_validate,
                description="the MoE layer over a serving trace through the engine's padding producers: time masked "
                            "vs oblivious, padding tax, EP excess and fixed-capacity compiles, timed per shape or "
@@ -117,6 +123,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         for step, count in zip(paddings, counts):
             for c in step.calls:
                 calls[(c.rows, c.real)] += count
+    kind = "cuda" if dev.type == "cuda" else "cpu"
     store = ShapeStore.of_run(ctx.run_store)
     with clock.phase("routing"):
         streams = store.streams_for(p, dev, max((r for _, r in shapes), default=1),
@@ -130,7 +137,6 @@ def build(p: Params, ctx: RunContext) -> Case:
                                       "shape_timings": len(timed)}
     else:
         figures, _, _ = measure_shapes(p, bench, shapes, [], store, None, clock)
-        kind = "cuda" if dev.type == "cuda" else "cpu"
         budget = serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[kind]
         timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
 
@@ -208,7 +214,9 @@ def build(p: Params, ctx: RunContext) -> Case:
     local = (ids >= 0) & (ids < p.local_experts)
     flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
                                      int(local.any(dim=1).sum()), p.hidden, p.intermediate)
-    most_padded = max(shapes, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
+    # the check's shape: the most padded one the device times (the interpreter's layer takes ~15 ms a row)
+    checkable = [s for s in shapes if TIMED_ROWS_MAX[kind] is None or s[0] <= TIMED_ROWS_MAX[kind]] or shapes
+    most_padded = max(checkable, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
 
     def check() -> CheckResult:
         # every distinct step is what the tensor producers make of its real tokens, the composition reads back

@@ -1,0 +1,103 @@
+"""What a serving_trace point costs, before it runs (declared at registration: moebench.measure.cost.PointWork).
+
+The point's time is what it times plus what it composes, counted from the trace itself (its distinct steps and
+shapes, made on the host in seconds, no routing and no timing):
+  shapes         the shapes the plan times (every distinct one up to trace_shape_timings, else that many; the
+                 interpolation grid's for trace_real_points > 0), both sides, each a pipeline built and its layer
+                 called SHAPE_CALLS times (the settled samples on a GPU; the check's call and one timed in the
+                 interpreter), at the mean rows of the shapes it may time (the interpreter times none over
+                 TIMED_ROWS_MAX);
+  rank workloads min(ep_rank_timings, the steps' rank workloads) expert-kernel timings at a rank's mean rows;
+  replay         the replayed steps' calls (both sides) and every EP rank of theirs, timed afresh;
+  host           the routing figures and the composition: HOST_S_PER_STEP per distinct step and HOST_S_PER_RANK_STEP
+                 per distinct step and EP rank (on the project's CPU machines: ~0.6 ms a distinct step at EP 2,
+                 ~3.5 ms at EP 64);
+  the point's own  its check (both sides' layers and references at the most padded shape it may time) and its timed
+                 run (RUN_CALLS calls of the layer at the most frequent call shape).
+The distinct steps and shapes are counted over the first ESTIMATE_STEPS distinct steps and scaled to all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moebench.measure.cost import (INTERP_PROGRAM_S, DeviceRates, expected_expert_work, expert_programs,
+                                   layer_call_work, layer_programs)
+from moebench.params import Params
+
+SHAPE_CALLS = {"cuda": 12, "interpreter": 2, "cpu": 2}  # calls a timed shape side costs (untimed + samples)
+SHAPE_BUILD_S = {"cuda": 0.03, "interpreter": 0.05, "cpu": 0.05}  # a side's pipeline built, its graph captured
+RANK_CALLS = {"cuda": 10, "interpreter": 1, "cpu": 1}
+RANK_BUILD_S = 0.005
+HOST_S_PER_STEP = 5e-4
+HOST_S_PER_RANK_STEP = 5e-5
+RUN_CALLS = 22  # the point's timed run: warm-up and iterations of the sweep's timing (20 by default)
+CHECK_CALLS = 4  # both sides' layers and their references
+ESTIMATE_STEPS = 20_000
+
+
+def planned(p: Params) -> dict[str, float]:
+    """What the point will time and compose: distinct steps, shapes, timed shapes and their mean rows, calls per
+    step, and the EP ranks' workloads (a step's sides and micro-batches, each of ep_size ranks)."""
+    from moebench.bench.serving_trace.compose import distinct_shapes, interpolation_shapes
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+    from moebench.bench.serving_trace.shape_cost import DEFAULT_SHAPE_TIMINGS, TIMED_ROWS_MAX
+    from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
+    from moebench.inputs.engine_padding import step_padding
+
+    serving = p.knobs(ServingKnobs)
+    trace, _ = trace_tokens(p)
+    engine = engine_of(p)
+    steps = [step_padding(real, engine) for real in trace.steps[:ESTIMATE_STEPS]]
+    scale = len(trace.steps) / max(1, len(steps))
+    shapes = distinct_shapes(steps)
+    return {"distinct_steps": len(trace.steps), "shapes": len(shapes) * scale, "shape_list": shapes,
+            "interpolated": len(interpolation_shapes(steps, serving.trace_real_points))
+            if serving.trace_real_points else None,
+            "calls_per_step": sum(len(s.calls) for s in steps) / max(1, len(steps)),
+            "micro_batches": sum(len({c.micro_batch for c in s.calls}) for s in steps) / max(1, len(steps)),
+            "budget": {kind: serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[kind] for kind in ("cuda", "cpu")},
+            "rows_max": TIMED_ROWS_MAX}
+
+
+def point_seconds(p: Params, rates: DeviceRates) -> float:
+    """Seconds of one serving_trace point on a device of `rates` (the module docstring)."""
+    from moebench.bench.serving_trace.ep_measure import DEFAULT_RANK_TIMINGS
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+
+    serving = p.knobs(ServingKnobs)
+    plan = planned(p)
+    device = "cuda" if rates.is_cuda else "cpu"
+    rows_max = plan["rows_max"][device]
+    timeable = [s for s in plan["shape_list"] if rows_max is None or s[0] <= rows_max] or plan["shape_list"][:1]
+    budget = plan["budget"][device]
+    if plan["interpolated"] is not None:
+        timed = plan["interpolated"]
+    elif plan["shapes"] <= budget and len(timeable) == len(plan["shape_list"]):
+        timed = plan["shapes"]  # exact: every shape
+    else:
+        timed = min(budget, len(timeable))
+    mean_rows = max(1, round(sum(s[0] for s in timeable) / max(1, len(timeable))))
+    shape = replace(p, num_tokens=mean_rows)
+    if rates.kind == "interpreter":
+        layer_s = layer_programs(shape) * INTERP_PROGRAM_S
+    else:
+        layer_s = rates.seconds(*layer_call_work(shape), 30)
+    shapes_s = 2 * timed * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
+    replay_calls = serving.trace_replay * plan["calls_per_step"]
+    replay_s = 2 * replay_calls * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
+    ep_s = 0.0
+    if p.ep_size > 1:
+        rank_rows = max(1, round(mean_rows * plan["calls_per_step"] / max(1, plan["micro_batches"])
+                                 * p.local_experts * p.top_k / p.num_experts))
+        rank_rows = min(rank_rows, rows_max) if rows_max else rank_rows
+        if rates.kind == "interpreter":
+            rank_s = expert_programs(p, rank_rows, p.local_experts) * INTERP_PROGRAM_S
+        else:
+            rank_s = rates.seconds(*expected_expert_work(p, rank_rows, p.local_experts), 12)
+        rank_budget = serving.ep_rank_timings or DEFAULT_RANK_TIMINGS[device]
+        workloads = 2 * plan["distinct_steps"] * plan["micro_batches"] * p.ep_size
+        timings = min(rank_budget, workloads) + serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
+        ep_s = timings * (RANK_BUILD_S + RANK_CALLS[rates.kind] * rank_s)
+    host_s = plan["distinct_steps"] * (HOST_S_PER_STEP + max(1, p.ep_size) * HOST_S_PER_RANK_STEP)
+    return shapes_s + replay_s + ep_s + host_s + (RUN_CALLS + CHECK_CALLS) * layer_s
