@@ -295,25 +295,36 @@ class Contest:
 def design_sample(workloads: Sequence[Workload], target: int, launch_of: Callable[[int], Launch],
                   limit: int | None = None) -> list[Workload]:
     """About `target` workloads (never more than `limit`) to time for the fit: per launch config its corners (most
-    and fewest routes, rows, experts touched, row tiles), then an even spread by routes; at least MIN_PER_LAUNCH
-    per launch (all of a launch's workloads where it has fewer), the rest shared by each launch's count of
-    workloads; under `limit`, taken from the launches in turn."""
+    and fewest routes, rows, experts touched, row tiles), then an even spread by routes (designed_set)."""
     groups: dict[str, list[Workload]] = {}
     for w in workloads:
         if w.rows:
             groups.setdefault(launch_of(w.rows).name, []).append(w)
-    total = sum(len(g) for g in groups.values())
-    picked: list[list[Workload]] = []
-    for name, group in sorted(groups.items()):
-        group.sort(key=lambda w: (w.routes, w.rows, w.counts))
+
+    def corners(group: list[Workload]) -> list[Callable[[Workload], Any]]:
         launch = launch_of(group[0].rows)
+        return [lambda w: w.routes, lambda w: w.rows, lambda w: features(w, launch)[1],
+                lambda w: features(w, launch)[2]]
+    for group in groups.values():
+        group.sort(key=lambda w: (w.routes, w.rows, w.counts))
+    return designed_set(groups, corners, target, limit)
+
+
+def designed_set(groups: dict[str, list], corners: Callable[[list], Sequence[Callable]], target: int,
+                 limit: int | None = None) -> list:
+    """A designed set of points to time, from `groups` (per launch config, each list sorted in the order to spread
+    over): per group the extremes of each of corners(group)'s keys, then an even spread over the list; at least
+    MIN_PER_LAUNCH a group (all of a group with fewer), the rest of `target` shared by the groups' sizes; at most
+    `limit` in all, taken from the groups in turn (a limit below the groups' minimum still reaches every group)."""
+    total = sum(len(g) for g in groups.values())
+    picked: list[list] = []
+    for name, group in sorted(groups.items()):
         want = max(MIN_PER_LAUNCH, round(target * len(group) / max(1, total)))
         if len(group) <= want:
-            picked.append(group)
+            picked.append(list(group))
             continue
-        mine: dict[Workload, None] = {}
-        for key in (lambda w: w.routes, lambda w: w.rows, lambda w: features(w, launch)[1],
-                    lambda w: features(w, launch)[2]):
+        mine: dict = {}
+        for key in corners(group):
             mine[max(group, key=key)] = None
             mine[min(group, key=key)] = None
         n = len(group)
@@ -326,17 +337,12 @@ def design_sample(workloads: Sequence[Workload], target: int, launch_of: Callabl
             mine.setdefault(group[j], None)
             j += 1
         picked.append(list(mine))
-    return _round_robin(picked, sum(map(len, picked)) if limit is None else limit)
-
-
-def _round_robin(lists: Sequence[Sequence[Workload]], limit: int) -> list[Workload]:
-    """At most `limit` items taken from each list in turn (a budget below the launches' minimum still reaches
-    every launch)."""
-    out: list[Workload] = []
-    for i in range(max((len(x) for x in lists), default=0)):
-        for x in lists:
-            if i < len(x) and len(out) < limit:
-                out.append(x[i])
+    limit = sum(map(len, picked)) if limit is None else limit
+    out: list = []
+    for i in range(max((len(g) for g in picked), default=0)):
+        for g in picked:
+            if i < len(g) and len(out) < limit:
+                out.append(g[i])
     return out
 
 

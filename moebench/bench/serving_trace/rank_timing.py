@@ -1,10 +1,10 @@
 """Timing one EP rank's expert work on this device: the layer's expert kernel on exactly the rank's workload.
 
-A rank's workload after dispatch is `Workload(rows, counts)` (moebench.bench.serving_trace.rank_cost): the rows it received and
-the routes to each of its local experts. `RankTimer` times fused_experts (bf16 rows) or fused_experts_fp8 (e4m3
-rows staged as the layer stages them) on `workload_ids(w)`: local ids with exactly those counts. A grouped GEMM's
-time depends on the rows, the per-expert counts (the row tiles and whose weights are read) and top_k, not on the
-values, so synthetic rows time the rank as its real rows would.
+A rank's workload after dispatch is `Workload(rows, counts)` (moebench.bench.serving_trace.rank_cost): the rows it
+received and the routes to each of its local experts. `RankTimer` times fused_experts (bf16 rows) or
+fused_experts_fp8 (e4m3 rows staged as the layer stages them) on `workload_ids(w)`: local ids with exactly those
+counts. A grouped GEMM's time depends on the rows, the per-expert counts (the row tiles and whose weights are read)
+and top_k, not on the values, so synthetic rows time the rank as its real rows would.
 
 What a timing costs, and why it is cheap:
 - the weights of one rank (p.local_experts experts) are built once; the activations, routing weights and output

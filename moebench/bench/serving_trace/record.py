@@ -218,7 +218,8 @@ class EPStepRecord(_Record):
         """How the rank times were had: every workload timed, or the model with its held-out error."""
         if self.rank_times != "model" or not self.cost_model:
             return f"{self.rank_times} ({self.rank_timings} workloads)"
-        return f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed; {_model_error(self.cost_model)})"
+        return (f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed; "
+                f"{_model_error(self.cost_model)})")
 
 
 # info.phase_wall_s: routing (the single-rank shapes' routing figures and the EP step's source slots), shapes (the

@@ -12,7 +12,8 @@ with the features exact for every shape (shape_streams: prefix sums of two route
 The plan (`plan_shape_times`): when the trace's distinct shapes fit the budget they are all timed (`exact`);
 otherwise (`model`):
   1. design: per launch config the corners (fewest and most rows and real tokens) and an even spread over
-     (rows, real), at least MIN_PER_LAUNCH each, about a third of the budget; the fit's k-fold error is recorded;
+     (rows, real), at least rank_cost.MIN_PER_LAUNCH each, about a third of the budget; the fit's k-fold
+     error is recorded;
   2. weight: the rest of the budget goes, in rounds, to the untimed shapes that weigh most in the trace (the calls
      that read them x their predicted time). Each round is predicted before it is timed: the model's held-out
      error per side, on the shapes that decide the total; the model is refitted after each round.
@@ -29,7 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, error_summary, fit_relative, rel_error)
+from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, designed_set, error_summary, fit_relative,
+                                                    rel_error)
 from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
@@ -38,7 +40,6 @@ DEFAULT_SHAPE_TIMINGS = {"cuda": 192, "cpu": 12}
 # the most rows a timed shape has, per device (None: any): the interpreter's layer call costs ~15 ms a row at the CPU
 # sizes (a 2048-row call over half a minute), so there larger shapes are the model's, extrapolated in rows
 TIMED_ROWS_MAX = {"cuda": None, "cpu": 128}
-MIN_PER_LAUNCH = 8
 DESIGN_SHARE = 3
 ROUND = 24
 Shape = tuple[int, int]
@@ -112,38 +113,13 @@ class ShapeCostModel:
 
 
 def design_shapes(shapes: Sequence[Shape], table: ShapeTable, target: int, limit: int) -> list[Shape]:
-    """About `target` shapes (at most `limit`): per launch its corners and an even spread over (rows, real)."""
+    """About `target` shapes (at most `limit`): per launch its corners (fewest and most rows, real tokens and
+    padded rows) and an even spread over (rows, real) (rank_cost.designed_set)."""
     groups: dict[str, list[Shape]] = {}
-    for s in shapes:
+    for s in sorted(shapes):
         groups.setdefault(table.launch[table.index[s]], []).append(s)
-    total = len(shapes)
-    picked: list[list[Shape]] = []
-    for name, group in sorted(groups.items()):
-        group.sort()
-        want = max(MIN_PER_LAUNCH, round(target * len(group) / max(1, total)))
-        if len(group) <= want:
-            picked.append(group)
-            continue
-        mine: dict[Shape, None] = {}
-        for key in (lambda s: (s[0], s[1]), lambda s: (s[1], s[0]), lambda s: (s[0] - s[1], s[0])):
-            mine[min(group, key=key)] = None
-            mine[max(group, key=key)] = None
-        n = len(group)
-        for i in range(want):
-            if len(mine) >= want:
-                break
-            mine.setdefault(group[round(i * (n - 1) / max(1, want - 1))], None)
-        j = 0
-        while len(mine) < want:
-            mine.setdefault(group[j], None)
-            j += 1
-        picked.append(list(mine))
-    out: list[Shape] = []
-    for i in range(max((len(g) for g in picked), default=0)):
-        for g in picked:
-            if i < len(g) and len(out) < limit:
-                out.append(g[i])
-    return out
+    corners = [lambda s: (s[0], s[1]), lambda s: (s[1], s[0]), lambda s: (s[0] - s[1], s[0])]
+    return designed_set(groups, lambda group: corners, target, limit)
 
 
 def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table: ShapeTable,
@@ -172,7 +148,8 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
     while len(done) < budget:
         worth = {s: reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES)
                  for s in timeable if s not in done}
-        batch = sorted((s for s in worth if worth[s] > 0), key=lambda s: (-worth[s], s))[:min(ROUND, budget - len(done))]
+        batch = sorted((s for s in worth if worth[s] > 0),
+                       key=lambda s: (-worth[s], s))[:min(ROUND, budget - len(done))]
         if not batch:
             break
         predicted = {(side, *s): model.predict(side, *s) for s in batch for side in SIDES}
