@@ -11,6 +11,7 @@ import torch
 
 from moebench.bench.serving_trace import ep_measure, replay, routes as step_routes
 from moebench.bench.serving_trace import ep_step as _ep_step
+from moebench.bench.serving_trace.shape_streams import SLOT_SEED
 from moebench.bench.serving_trace.ep_step import (CallRoutes, EPStepLayout, SideStep, StepMicroBatches, call_routes,
                                                   compose_steps, dbo_step_us, micro_batches, side_step, tax_split,
                                                   totals)
@@ -373,26 +374,27 @@ def test_a_calls_routes_are_those_of_its_own_batch(fill):
     routes = step_routes.StepRoutes(p, torch.device("cpu"), lay)
     routes.prepare([step_padding([5, 9], Engine((12,), dp_size=2))])
     sp = shape_params(p, 12, 9)
-    logits = make_batch(shape_params(p, 12, 12), "cpu", need_hidden=False,
-                        seed_offset=step_routes.SLOT_SEED * 2).logits.clone()
+    # slot 1's streams: its real tokens' and its padding's, each a power of two at least its most real tokens (9)
+    logits = make_batch(shape_params(p, 16, 16), "cpu", need_hidden=False,
+                        seed_offset=SLOT_SEED * 2).logits[:12].clone()
     if fill == "zeros":
         logits[9:] = 0
     elif fill == "repeat":
         logits[9:] = logits[0]
     else:
-        logits[9:] = make_batch(shape_params(p, 12, 0), "cpu", need_hidden=False,
-                                seed_offset=step_routes.SLOT_SEED * 2 + 1).logits[:3]
+        logits[9:] = make_batch(shape_params(p, 16, 0), "cpu", need_hidden=False,
+                                seed_offset=SLOT_SEED * 2 + 1).logits[:3]
     batch = make_batch(sp, "cpu", need_hidden=False)
     batch = replace(batch, logits=logits, bias=routes.bias)
     for side in ("masked", "oblivious"):
         _, ids = route(sp, batch, use_mask=side == "masked")
         assert routes(12, 9, 1, side) == call_routes(ids, 16, 4), side
-    assert routes(12, 9, 0, "masked") != routes(12, 9, 1, "masked")
+    assert routes(12, 5, 0, "masked") != routes(12, 5, 1, "masked")  # a shape both slots have: their own rows
     if fill == "zeros":  # the padding alone: identical on every source
         def pad_only(slot):
-            o, m = routes(12, 9, slot, "oblivious"), routes(12, 9, slot, "masked")
+            o, m = routes(12, 5, slot, "oblivious"), routes(12, 5, slot, "masked")
             return [a - b for a, b in zip(o.expert_routes, m.expert_routes)]
-        assert pad_only(0) == pad_only(1) and max(pad_only(0)) == 3
+        assert pad_only(0) == pad_only(1) and max(pad_only(0)) == 7
 
 
 def test_a_long_trace_keeps_distinct_steps_and_writes_every_step_to_the_step_file(monkeypatch, tmp_path):
@@ -458,3 +460,25 @@ def test_on_the_gpu_the_ep_step_times_its_plan_and_states_its_verdicts():
         assert checked["within_tolerance"][side] == all(v <= checked["tolerance"] for v in rel.values())
     shapes = info["shape_plan"]
     assert shapes["shape_times"] == "model" and shapes["shape_timings"] == 24
+
+
+def test_a_capture_list_leaves_the_real_tokens_routing_where_it_was():
+    """The what-if over capture lists compares like with like: the same real tokens route the same way whatever
+    the padding around them (the slot's real stream is sized by its real tokens, the bias drawn apart), and slot 0
+    is the single-rank view's stream."""
+    from dataclasses import replace
+
+    from moebench.bench.serving_trace.shape_streams import ShapeStreams
+    from moebench.params import Params
+
+    p = replace(Params(), num_experts=16, top_k=4, hidden=64, intermediate=32, ep_size=4, padding_fill="zeros",
+                bias=True, scoring="sigmoid")
+    lay = layout(4, 16, 1)
+    got = {}
+    for capture in ((6, 12), (5, 9, 16), (64,)):
+        routes = step_routes.StepRoutes(p, torch.device("cpu"), lay)
+        routes.prepare([step_padding([5, 9], Engine(capture, dp_size=2))])
+        got[capture] = [routes(9, 9, 1, "masked"), routes(5, 5, 0, "masked")]
+    assert len({tuple(v) for v in got.values()}) == 1
+    streams = ShapeStreams(p, torch.device("cpu"), 16, 16)
+    assert routes(5, 5, 0, "masked").rank_rows == tuple(streams.counts("rank_rows", [5], [5], "masked")[0].tolist())

@@ -10,12 +10,11 @@ import numpy as np
 import torch
 
 from moebench.bench.serving_trace.ep_step import CallRoutes, EPStepLayout
-from moebench.bench.serving_trace.shape_streams import shape_params
+from moebench.bench.serving_trace.shape_streams import SLOT_SEED, routing_bias, shape_params, stream_size
 from moebench.inputs import make_batch, route
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params
 
-SLOT_SEED = 104_729 * 7_919  # the source slots' batches: seed offsets past every single-rank shape's
 
 
 class StepRoutes:
@@ -26,7 +25,9 @@ class StepRoutes:
     prefix's plus its padding's: routed once per slot, then counted per call (the padding, oblivious only: masked
     padded rows route nowhere). The padded rows are what padding_fill makes them: zeros (the same router input on
     every source), repeat (copies of the call's first real row: row 0 of the slot's batch), random / stale (rows of
-    a second batch per slot). One selection bias for every source (slot 0's): it is the model's, not a source's.
+    a second batch per slot). One selection bias for every source (shape_streams.routing_bias): it is the model's,
+    not a source's. Slot 0's batches are the single-rank view's streams (shape_streams): that rank's calls route
+    alike in both views.
     Each batch is kept as prefix sums (routes to each expert and rows to each EP rank over its first n rows, int32),
     so a call is counted in O(experts), not O(rows): a trace of 10^5 distinct steps reads them 10^6 times."""
 
@@ -34,7 +35,7 @@ class StepRoutes:
         self.p, self.device, self.layout = p, device, layout
         self.slots: dict[int, tuple] = {}  # slot -> (rows, real prefix sums, pad prefix sums: (experts, ranks))
         self.cache: dict[tuple[int, int, int], dict] = {}
-        self.bias = None
+        self.bias = routing_bias(p, device)
 
     def _routed(self, sp: Params, batch) -> torch.Tensor:
         batch = dataclasses.replace(batch, bias=self.bias)
@@ -57,32 +58,35 @@ class StepRoutes:
             out.append(table)
         return out[0], out[1]
 
-    def _route_slot(self, slot: int, rows: int) -> None:
-        sp = shape_params(self.p, rows, rows)
+    def _route_slot(self, slot: int, real_rows: int, pad_rows: int) -> None:
+        sp = shape_params(self.p, real_rows, real_rows)
         real = make_batch(sp, self.device, need_hidden=False, seed_offset=SLOT_SEED * (slot + 1))
-        if self.bias is None:
-            self.bias = real.bias
         real_ids = self._routed(sp, real)
         if self.p.padding_fill == "repeat":
-            pad_ids = real_ids[:1].expand(rows, -1)
+            pad_ids = real_ids[:1].expand(pad_rows, -1)
         else:
-            pad = make_batch(shape_params(self.p, rows, 0), self.device, need_hidden=False,
+            pad = make_batch(shape_params(self.p, pad_rows, 0), self.device, need_hidden=False,
                              seed_offset=SLOT_SEED * (slot + 1) + 1)
-            pad_ids = self._routed(shape_params(self.p, rows, 0), pad)
-        self.slots[slot] = (rows, self._prefix_sums(real_ids), self._prefix_sums(pad_ids))
+            pad_ids = self._routed(shape_params(self.p, pad_rows, 0), pad)
+        self.slots[slot] = ((real_rows, pad_rows), self._prefix_sums(real_ids), self._prefix_sums(pad_ids))
 
     def prepare(self, steps: Sequence[StepPadding], progress: Callable[[int, int], None] | None = None) -> int:
-        """Route every slot the steps' calls need, at the most rows any of its calls has; returns the slots routed."""
+        """Route every slot the steps' calls need: its real batch at the most real tokens of its calls, its padding at
+        the most padded rows (or that, whichever is more), each a power of two (stream_size: the capture list of a
+        what-if axis leaves a slot's real rows where they were); returns the slots routed."""
         lay = self.layout
-        rows: dict[int, int] = {}
+        need: dict[int, tuple[int, int]] = {}
         for s in steps:
             for c in s.calls:
                 for q in range(lay.replicas):
                     slot = lay.slot(q, len(s.real), c.dp_rank, c.sp_rank)
-                    rows[slot] = max(rows.get(slot, 0), c.rows)
-        todo = sorted(k for k in rows if k not in self.slots or self.slots[k][0] < rows[k])
+                    real, pad = need.get(slot, (1, 1))
+                    need[slot] = (max(real, c.real), max(pad, c.rows - c.real))
+        sizes = {k: (stream_size(r), stream_size(max(r, p))) for k, (r, p) in need.items()}
+        todo = sorted(k for k in sizes if k not in self.slots or self.slots[k][0][0] < sizes[k][0]
+                      or self.slots[k][0][1] < sizes[k][1])
         for i, slot in enumerate(todo):
-            self._route_slot(slot, rows[slot])
+            self._route_slot(slot, *sizes[slot])
             if progress:
                 progress(i + 1, len(todo))
         if todo:

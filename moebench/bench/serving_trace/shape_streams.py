@@ -3,11 +3,11 @@ a shape as prefix sums, with no batch made or routed per shape.
 
 A shape (rows, real) is a layer call whose first `real` rows are real tokens and whose other rows are padding. Its
 rows are the first `real` rows of the REAL stream (one seeded batch of real tokens at the largest real count of the
-trace) followed by rows - real padded rows: copies of the real stream's row 0 for `padding_fill: repeat` (the
+trace: source slot 0's, so this rank's calls are the EP step's source 0) followed by rows - real padded rows: copies of the real stream's row 0 for `padding_fill: repeat` (the
 call's first real row; for a call with no real token, the row the fill would copy is an equally random draw), else
 the first rows of the PAD stream (one seeded batch of padded rows at the largest padding, filled by make_batch as
-the fill says: zeros, random or stale). Routing is per row, so each stream is routed once (the real stream's
-selection bias for both) and a shape's routes are the prefixes' sums:
+the fill says: zeros, random or stale). Routing is per row, so each stream is routed once (with routing_bias, the
+bias every source shares) and a shape's routes are the prefixes' sums:
 
   masked     the real prefix alone (padded rows route nowhere)
   oblivious  the real prefix plus the pad prefix
@@ -29,7 +29,21 @@ import torch
 from moebench.params import EPLayout, Params
 
 SIDES = ("masked", "oblivious")
-REAL_SEED, PAD_SEED = 104_723, 104_729  # seed offsets of the two streams (past every per-shape offset)
+SLOT_SEED = 104_729 * 7_919  # source slot s's real batch: offset SLOT_SEED * (s + 1), its padding's one more
+BIAS_SEED = 104_723  # the routing's selection bias: drawn apart, so no stream's length moves it
+
+
+def stream_size(rows: int) -> int:
+    """A stream's rows for a need of `rows`: a power of two (a stream's values depend on its length on a GPU)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def routing_bias(p: Params, device):
+    """The selection bias every source's routing uses (None without one): the model's, not a source's, and the same
+    whatever the streams' lengths (make_batch draws a batch's bias after its rows)."""
+    from moebench.inputs import make_batch
+
+    return make_batch(shape_params(p, 1, 1), device, need_hidden=False, seed_offset=BIAS_SEED).bias
 
 
 def shape_params(p: Params, rows: int, real: int) -> Params:
@@ -77,7 +91,8 @@ class ShapeStreams:
         self.layout = EPLayout.of(p)
         n_real, n_pad = max(1, max_real), max(1, max_pad)
         sp_real = shape_params(p, n_real, n_real)
-        self.real = make_batch(sp_real, device, seed_offset=REAL_SEED)
+        self.real = dataclasses.replace(make_batch(sp_real, device, seed_offset=SLOT_SEED),
+                                        bias=routing_bias(p, device))
         _, real_ids = route(sp_real, self.real, use_mask=False)
         if p.padding_fill == "repeat":
             self.pad = dataclasses.replace(
@@ -86,7 +101,7 @@ class ShapeStreams:
             pad_ids = real_ids[:1].expand(n_pad, -1)
         else:
             sp_pad = shape_params(p, n_pad, 0)
-            self.pad = dataclasses.replace(make_batch(sp_pad, device, seed_offset=PAD_SEED), bias=self.real.bias)
+            self.pad = dataclasses.replace(make_batch(sp_pad, device, seed_offset=SLOT_SEED + 1), bias=self.real.bias)
             _, pad_ids = route(sp_pad, dataclasses.replace(self.pad, mask=None), use_mask=False)
         self.real_tables, self.pad_tables = _tables(real_ids, self.layout), _tables(pad_ids, self.layout)
         self.max_real, self.max_pad = n_real, n_pad

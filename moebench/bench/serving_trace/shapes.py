@@ -33,7 +33,7 @@ from moebench.measure.imbalance import per_rank_loads
 from moebench.measure.timing import measure, measure_settled
 from moebench.bench.serving_trace.knobs import TRACE_KEYS
 from moebench.bench.serving_trace.record import SIDES
-from moebench.bench.serving_trace.shape_streams import ShapeStreams
+from moebench.bench.serving_trace.shape_streams import ShapeStreams, stream_size
 from moebench.params import EPLayout, Params, Timing
 
 MIN_SPREAD_SAMPLES = 5  # fewer samples give no p10-p90 spread worth the name
@@ -187,9 +187,8 @@ class ShapeStore:
         max_pad = max(max_pad, max_real)
         got = self.streams
         if got is None or got.max_real < max_real or got.max_pad < max_pad:
-            size = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
-            self.streams = ShapeStreams(p, device, size(max(max_real, got.max_real if got else 1)),
-                                        size(max(max_pad, got.max_pad if got else 1)))
+            self.streams = ShapeStreams(p, device, stream_size(max(max_real, got.max_real if got else 1)),
+                                        stream_size(max(max_pad, got.max_pad if got else 1)))
             self.shapes = {}
         return self.streams
 
