@@ -198,8 +198,9 @@ def ceiling_table(run: RunView) -> tuple[list[str], list[list[str]]]:
 
 def notes(run: RunView) -> list[str]:
     """The caveats `moebench run` prints under its table (moebench.report.table.status_lines: points by status,
-    failures, reasons for skipping); its GEMM-ceiling and best-peer blocks are the page's own tables."""
-    return status_lines(run.records)
+    failures, reasons for skipping; a serving trace's footer: how its times were had, the models' errors, the cards,
+    what each phase cost); its GEMM-ceiling and best-peer blocks are the page's own tables."""
+    return status_lines(run.records) + trace_tax.footer_lines(run.records)
 
 
 def peer_table(run: RunView) -> tuple[list[str], list[list[str]]]:

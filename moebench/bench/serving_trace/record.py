@@ -218,8 +218,10 @@ class EPStepRecord(_Record):
         """How the rank times were had: every workload timed, or the model with its held-out error."""
         if self.rank_times != "model" or not self.cost_model:
             return f"{self.rank_times} ({self.rank_timings} workloads)"
+        decided = (self.rank_plan or {}).get("decided_by_timing_share")
+        share = f"; {100 * decided:.0f}% of the expert time decided by timed ranks" if decided is not None else ""
         return (f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed; "
-                f"{_model_error(self.cost_model)})")
+                f"{_model_error(self.cost_model)}{share})")
 
 
 # info.phase_wall_s: routing (the single-rank shapes' routing figures and the EP step's source slots), shapes (the
@@ -234,7 +236,7 @@ def _model_error(cost_model: dict[str, Any]) -> str:
     parts = [f"{side + ' ' if side else ''}{100 * h['rms_rel']:.1f}% RMS" for side, h in held.items()
              if h and h.get("rms_rel") is not None]
     if not parts:
-        return "no held-out error (every timing went to the design)"
+        return "its error unchecked: every timing went to the design (raise the budget for held-out rounds)"
     verdict = "within" if cost_model.get("within_tolerance") else "over"
     return f"held-out error {', '.join(parts)}, {verdict} {100 * tol:.0f}%" if tol else f"held-out {', '.join(parts)}"
 
