@@ -101,3 +101,12 @@ def test_the_run_table_sizes_a_family_key_column_from_the_points():
     knob_groups()
     table = Table(["trace_steps"], out=io.StringIO(), points=[Point(0, "x.y", Params(trace_steps=123456789012))])
     assert table.widths["trace_steps"] == len("123456789012") + 1
+
+
+def test_the_header_marks_the_drawn_trace_keys_a_given_trace_supersedes():
+    from moebench.traces.knobs import TraceKnobs
+
+    fixed = {"trace_steps": 1000, "trace_distribution": "chat", "trace": [3, 5, 1], "top_k": 2}
+    assert set(TraceKnobs.unused(fixed)) == {"trace_steps", "trace_distribution"}
+    assert set(TraceKnobs.unused({**fixed, "trace_file": "t.csv"})) == {"trace_steps", "trace_distribution", "trace"}
+    assert TraceKnobs.unused({"trace_steps": 10, "trace_distribution": "chat"}) == {}

@@ -84,14 +84,22 @@ def _param_columns(sweep: Sweep) -> list[str]:
     return [k for k in sweep.axes]
 
 
+def _fixed_lines(table: Table, sweep: Sweep) -> None:
+    """The sweep's fixed values above the table, each a key the run does not read marked so."""
+    from moebench.traces.knobs import TraceKnobs
+
+    unused = TraceKnobs.unused(sweep.fixed)
+    for k, v in sweep.fixed.items():
+        table.comment(f"  {k} = {v}" + (f"  ({unused[k]})" if k in unused else ""))
+
+
 def dry_run(sweep: Sweep, out=None, device: str | None = None) -> int:
     """List the points and the run's cost estimate on `device`; run nothing."""
     dev = pick_device(device)
     points = expand(sweep)
     table = Table(_param_columns(sweep), out=out, points=points)
     table.comment(f"sweep {sweep.name} ({sweep.source}): target {sweep.target}, {len(points)} points (dry run)")
-    for k, v in sweep.fixed.items():
-        table.comment(f"  {k} = {v}")
+    _fixed_lines(table, sweep)
     _state_estimate(table, estimate_run(points, sweep.timing, dev), sweep)
     table.header()
     for pt in points:
@@ -240,8 +248,7 @@ def _run_points(sweep: Sweep, points: list[Point], dev: torch.device, run_dir: P
                   + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
                   + (f", torchrun world of {trun.world_size}" if trun is not None else ""))
     table.comment(_timing_line(sweep, dev, run_dir))
-    for k, v in sweep.fixed.items():
-        table.comment(f"  {k} = {v}")
+    _fixed_lines(table, sweep)
     if done:
         table.comment(f"resuming: {len(done)} points already recorded are skipped")
     todo = [pt for pt in points if pt.key not in done]

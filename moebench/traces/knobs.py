@@ -25,6 +25,20 @@ class TraceKnobs:
     KEYED_AT_DEFAULT = frozenset({"trace", "trace_steps", "trace_distribution", "trace_max_tokens"})
     CHOICES = {"trace_distribution": TRACE_DISTRIBUTIONS}
 
+    @staticmethod
+    def unused(fixed: dict) -> dict[str, str]:
+        """{key: why} for the trace keys a sweep's fixed values set that its trace does not read: a trace file or an
+        explicit list supersedes the drawn trace's keys (the run's header says so beside them)."""
+        if fixed.get("trace_file") is not None:
+            source = "trace_file"
+        elif fixed.get("trace") is not None:
+            source = "trace"
+        else:
+            return {}
+        drawn = ["trace_steps", "trace_distribution", "trace_max_tokens"]
+        drawn += ["trace"] if source == "trace_file" else []
+        return {k: f"not used: {source} gives the trace" for k in drawn if k in fixed}
+
     def problem(self, p: Params) -> str | None:
         for k in ("trace_steps", "trace_max_tokens"):
             if getattr(self, k) < 1:
