@@ -24,30 +24,17 @@ def interpreted_kernel_ranges() -> Iterator[bool]:
     """Wrap every interpreted Triton launch in a `triton/<kernel name>` record_function range while active.
     Yields whether it could (False outside the interpreter, or when this Triton has no InterpretedFunction.run:
     the profile then lists the torch ops of each range instead). Launches outside the block are untouched."""
-    from moebench.kernels.runtime import interpreting  # here: the kernels load once the CLI chose the interpreter
-
-    if not interpreting():
-        yield False
-        return
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except Exception:  # a Triton without the interpreter module
-        yield False
-        return
-    original = InterpretedFunction.__dict__.get("run")
-    if original is None:
-        yield False
-        return
     from torch.autograd.profiler import record_function
 
-    def run(self, *args, **kwargs):
-        if kwargs.get("warmup"):  # a warm-up launch does no work in the interpreter
-            return original(self, *args, **kwargs)
-        with record_function(kernel_range_name(self.fn.__name__)):
-            return original(self, *args, **kwargs)
+    from moebench.measure.interpreted_launches import patched_interpreted_launches
 
-    InterpretedFunction.run = run
-    try:
-        yield True
-    finally:
-        InterpretedFunction.run = original
+    def wrap(original):
+        def run(self, *args, **kwargs):
+            if kwargs.get("warmup"):  # a warm-up launch does no work in the interpreter
+                return original(self, *args, **kwargs)
+            with record_function(kernel_range_name(self.fn.__name__)):
+                return original(self, *args, **kwargs)
+        return run
+
+    with patched_interpreted_launches(wrap) as patched:
+        yield patched
