@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable

@@ -12,7 +12,7 @@ import torch
 from moebench.bench.serving_trace import ep_measure, replay, routes as step_routes
 from moebench.bench.serving_trace import ep_step as _ep_step
 from moebench.bench.serving_trace.shape_streams import SLOT_SEED
-from moebench.bench.serving_trace.ep_step import (CallRoutes, EPStepLayout, SideStep, StepMicroBatches, call_routes,
+from moebench.bench.serving_trace.ep_step import (EPStepLayout, SideStep, StepMicroBatches, call_routes,
                                                   compose_steps, dbo_step_us, micro_batches, side_step, tax_split,
                                                   totals)
 from moebench.bench.serving_trace.rank_cost import (Contest, Launch, RankCostModel, Workload, decisive_order,

@@ -22,7 +22,7 @@ from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE
 from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.cli import main
-from moebench.inputs.engine_padding import Engine, padding_problem, producer_calls, step_padding
+from moebench.inputs.engine_padding import Engine, producer_calls, step_padding
 from moebench.inputs.padding import cudagraph_padded_size
 from moebench.params import Params, Point, Timing
 from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes

@@ -9,10 +9,12 @@ trace with the padding masked and with it routed (both sides in every record), s
           rank), else trace_steps counts per DP rank drawn from trace_distribution (chat, mixed, prefill_heavy,
           uniform, decode_prefill, lognormal: moebench.traces.distributions) up to trace_max_tokens
 Every step goes through the producers (moebench.inputs.engine_padding: capture size, DP max, DBO halves, SP
-divisibility), giving its layer calls (rows, real). Every distinct shape's routing figures are computed
-(shapes.py: make_batch and route, no timing). The timings (both sides' layers built once and timed) follow
-trace_real_points: 0 times every distinct shape; N > 0 times each padded row count at N + 1 real counts and the
-real-tokens-alone curve at a few points, and interpolates the rest (compose.py, which composes the trace).
+divisibility), giving its layer calls (rows, real). Every distinct shape's routing figures are exact, prefix sums of
+two routed streams (shape_streams.py, no batch per shape). The timings (both sides' layers built once and timed)
+follow trace_real_points: 0 times every distinct shape while they number at most trace_shape_timings, else a
+designed set and the heaviest shapes, the rest read off a cost model with its held-out error (shape_cost.py);
+N > 0 times each padded row count at N + 1 real counts and the real-tokens-alone curve at a few points, and
+interpolates the rest (compose.py, which composes the trace).
 Shapes already routed or timed by the point before, in the same run and at the same layer parameters (a what-if
 axis over capture lists shares most of them), are reused from the run's store (shapes.ShapeStore); the record says
 how many. A new run, or a point at other layer parameters in between, starts afresh; `repeat` is a layer parameter
@@ -24,11 +26,13 @@ dispatch's compiles are predicted from the capacities (capacity_policy, num_max_
 micro-batch's largest per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
 The record (record.py: TraceHeadline, EPStepRecord, ReplayRecord) states what each phase cost, `phase_wall_s`.
 
-The package: trace_input (the trace and the engine), shapes (one padded shape measured, the shape store), compose
-(the single-rank composition and interpolation), steps (per-step records, the step file), headline, ep_step (the EP
-step's arithmetic), routes (the source slots' routing), rank_cost (a rank's expert time: timed or modelled),
-ep_measure (the EP step measured), wire (the wire model at a point and its card), replay (both replay checks),
-record (the typed record), knobs (the sweep keys).
+The package: trace_input (the trace and the engine), shapes (one padded shape measured, the shape store),
+shape_streams (a shape's rows and routing figures), shape_cost (the shape plan and model), compose (the single-rank
+composition and interpolation), steps (per-step records, the step file), headline, ep_step (the EP step's
+arithmetic), routes (the source slots' routing), rank_cost (a rank's expert time: the model and the plan),
+rank_timing (the rank timer), ep_measure (the EP step measured), wire (the wire model at a point and its card),
+replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
+estimate (what a point costs before it runs).
 
 Case.run (what the runner times) is the masked layer at the trace's most frequent call shape.
 """
@@ -48,6 +52,7 @@ from moebench.bench.serving_trace import steps as step_figures
 from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer,
                                                   interpolation_shapes, padded_row_counts, totals)
 from moebench.bench.serving_trace.ep_measure import measure_ep_step
+from moebench.bench.serving_trace.estimate import point_seconds
 from moebench.bench.serving_trace.ep_step import placement_problem
 from moebench.bench.serving_trace.headline import trace_headline
 from moebench.bench.serving_trace.knobs import ServingKnobs
@@ -61,9 +66,8 @@ from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
 from moebench.inputs.engine_padding import padding_problem, step_padding
 from moebench.kernels.fused_experts import expert_work
-from moebench.params import Params, Point, Timing
-from moebench.bench.serving_trace.estimate import point_seconds
 from moebench.measure.cost import PointWork
+from moebench.params import Params, Point, Timing
 from moebench.registry import Case, RunContext, declare_work, register_impl
 from moebench.traces.capture_lists import capture_list_label
 from moebench.traces.knobs import TraceKnobs
@@ -71,16 +75,12 @@ from moebench.traces.step_file import write_step_columns
 
 __all__ = ["build", "engine_of", "trace_tokens"]
 
-# How each shape is timed: one CUDA-graph replay per sample on a GPU (what a serving engine replays; unroll 1 keeps
-# the cost per shape fixed: the scenario's 1000 steps time about 550 shapes per capture list), one wall-clock
-# sample under the CPU interpreter (a layer call there takes a good fraction of a second).
 SHAPES_RECORDED_MAX = 5_000  # a trace with more distinct shapes records the timed ones (the step file holds the rest)
+# How each shape (and rank workload) is timed: on a GPU measure_settled, at most `iters` samples (eager events where
+# the call is GPU-bound, graph replays below); one wall-clock sample under the CPU interpreter (a layer call there
+# takes a good fraction of a second).
 SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, max_seconds=5.0),
                 "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
-
-
-def _time(time_of, side: str, rows: int, real: int) -> float:
-    return time_of(side, rows, real) if callable(time_of) else time_of[(side, rows, real)]
 
 
 def _validate(p: Params) -> str | None:
@@ -128,7 +128,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     with clock.phase("routing"):
         streams = store.streams_for(p, dev, max((r for _, r in shapes), default=1),
                                     max((rows - r for rows, r in shapes), default=1))
-    bench = ShapeBench(p, dev, SHAPE_TIMING["cuda" if dev.type == "cuda" else "cpu"], streams)
+    bench = ShapeBench(p, dev, SHAPE_TIMING[kind], streams)
     if n:
         timed = interpolation_shapes(paddings + replay_steps, n)
         figures, table, measured = measure_shapes(p, bench, shapes, timed, store, ctx.progress, clock)
@@ -168,11 +168,12 @@ def build(p: Params, ctx: RunContext) -> Case:
         "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(paddings)),
         "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
         "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
-        "shape_timing": {"mode": bench.timing.mode, "iters": bench.timing.iters, "stat": "p50"},
+        "shape_timing": {"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
+                         "iters": bench.timing.iters, "stat": "p50"},
         "headline": None,  # below, with the EP step's
         # each distinct shape's routing figures and the layer time the composition used (measured, or read off
         # the interpolation or the model where the shape was not timed); past SHAPES_RECORDED_MAX, the timed ones
-        "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(_time(time_of, side, *s), 3) for side in SIDES},
+        "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(time_of(side, *s), 3) for side in SIDES},
                     "timed": s in timed_set} for s in (shapes if len(shapes) <= SHAPES_RECORDED_MAX else timed)],
         "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
     }
@@ -229,7 +230,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         for side, rows, real in table:
             if not (rows == real or real == 0 or (side, real, real) in table):
                 continue  # its padding's part is the model's difference (shape_cost): read as composed, not timed
-            got = _time(time_of, side, rows, real)
+            got = time_of(side, rows, real)
             if got != table[(side, rows, real)]:
                 problems.append(f"{side} ({rows}, {real}): composed from {got}, measured {table[(side, rows, real)]}")
         composition = CheckResult(not problems, "; ".join(problems[:3]),
