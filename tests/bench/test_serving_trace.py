@@ -469,6 +469,18 @@ def test_bad_trace_real_points_is_refused(tmp_path, capsys):
     assert ServingKnobs(trace_real_points=-3).problem(Params()) == "trace_real_points: must be >= 0, got -3"
 
 
+@pytest.mark.parametrize("value, message", [("0", "trace_shape_timings: must be >= 1, got 0"),
+                                            ("abc", "trace_shape_timings")])
+def test_a_bad_shape_budget_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys, value, message):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv"))
+    out = tmp_path / "out"
+    assert main(["run", str(sweep), "--out", str(out), "--set", f"trace_shape_timings={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_a_padded_shape_holds_the_real_rows_of_its_real_only_shape():
     """(rows, real) and (real, real) differ by the padding only: same real rows (logits, hidden, bias), padding
     repeat-filled from the first of them, so their time difference is the padding's."""
