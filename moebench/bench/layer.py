@@ -50,7 +50,7 @@ from moebench.kernels.apply_expert_map import (
     build_expert_map,
 )
 from moebench.kernels.fused_experts import expert_work, fused_experts_torch
-from moebench.kernels.grouped_gemm import experts_choice, launch_tiles, max_blocks
+from moebench.kernels.grouped_gemm import experts_choice, launch_tiles, max_blocks, staging_buffer
 from moebench.kernels.grouped_gemm_bf16 import down_proj, gate_up_swiglu
 from moebench.kernels.row_tiles import row_tile_buffers
 from moebench.kernels.grouped_topk import grouped_args_problem, grouped_choice, grouped_topk
@@ -151,6 +151,8 @@ class LayerPipeline:
             self.tile_buffers = (row_tile_buffers(self.align_out[1].numel(), dev) if self.config.paired
                                  else None)
             self.y = torch.empty(self.R, H, dtype=torch.bfloat16, device=dev)
+            self.x_rows = staging_buffer(self.config.gate_up, self.config.paired, blocks * self.block_m, H,
+                                         torch.bfloat16, dev)
             self.expert_buffers = (self.act, self.y)
         self.out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         # the pre-fix plain sum reads every slot: only right when every route is computed (all experts local)
@@ -200,7 +202,7 @@ class LayerPipeline:
         sorted_ids, expert_ids, num_post = self.align_out
         tiles = launch_tiles(self.config, expert_ids, num_post, self.tile_buffers)
         gate_up_swiglu(self.batch.hidden, self.w13, sorted_ids, expert_ids, num_post, self.K, self.block_m,
-                       self.config.gate_up, self.act, tiles)
+                       self.config.gate_up, self.act, tiles, self.x_rows)
         down_proj(self.act, self.w2, self.staged[3], sorted_ids, expert_ids, num_post, self.block_m,
                   self.config.down, self.y, tiles)
 

@@ -76,7 +76,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     ws = workspace
     sorted_ids, expert_ids, num_post = routes_alignment(topk_ids, E, cfg.block_m, ws, alignment)
     tiles = launch_tiles(cfg, expert_ids, num_post, ws.tiles)
-    gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act, tiles)
+    gate_up_swiglu(x, w13, sorted_ids, expert_ids, num_post, K, cfg.block_m, cfg.gate_up, ws.act, tiles, ws.x_rows)
     down_proj(ws.act, w2, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.down, ws.y, tiles)
     return sum_slots(ws.y, topk_ids, E, out, block_h=cfg.reduce_block_h)
 

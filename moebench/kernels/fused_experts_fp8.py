@@ -52,12 +52,14 @@ from moebench.kernels.grouped_gemm import (
     check_routes,
     checked_workspace,
     expert_operand_shapes,
+    gate_up_rows,
     launch_config,
     launch_persistent,
     make_workspace,
     routes_alignment,
     sum_slots,
-    tile_prologue,
+    swizzle,
+    tile_rows,
 )
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "fit_fp8_config",
@@ -98,10 +100,10 @@ def make_fp8_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: in
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _x_step(x_ptrs, xs_row, row_ok, kb, offs_k, X_SCALE: tl.constexpr, GROUP_STEPS: tl.constexpr,
+def _x_step(a, xs_row, row_ok, kb, offs_k, X_SCALE: tl.constexpr, GROUP_STEPS: tl.constexpr,
             SOFT_FP8: tl.constexpr):
-    """The A tile of K step kb (fp8 [BM, BLOCK_K]) and its per-row scale [BM] fp32."""
-    a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    """The A tile `a` of K step kb (fp8 [BM, BLOCK_K], as loaded) as the MMA takes it, and its per-row scale [BM]
+    fp32."""
     if X_SCALE == 2:  # ue8m0 group 32: word kb holds the step's 4 exponents; align them to the largest
         word = tl.load(xs_row + kb, mask=row_ok, other=0)
         e_max = tl.maximum(tl.maximum(word & 0xFF, (word >> 8) & 0xFF),
@@ -125,19 +127,25 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
                         stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am, stride_asm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         X_SCALE: tl.constexpr, GROUP_STEPS: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                        UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
+                        ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Persistent over the tiles of the blocks that exist. w13: e4m3 [E, 2I, H] (or a TMA descriptor over its
     [E*2I, H] view, [BLOCK_N, BLOCK_K] boxes); w13s: fp32 [E, 2I/128, H/128]. Writes act (e4m3, sorted
-    positions x I) and its scales (fp32 [positions, I/128]); BLOCK_N == 128 == the re-quantisation group."""
+    positions x I) and its scales (fp32 [positions, I/128]); BLOCK_N == 128 == the re-quantisation group.
+    ACT_TMA: x_ptr is a TMA descriptor over the staged rows (kernels.stage_rows) with [BLOCK_M, BLOCK_K] boxes,
+    else x's rows are gathered by token. FLATTEN: the tile loop and the K loop in one software pipeline."""
     num_pid_m = tl.load(num_post_ptr) // BLOCK_M
     num_pid_n = inter // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
-                                                             num_routes, BLOCK_M, GROUP_M)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        first_row = pid_m * BLOCK_M
+        expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
+                                                  BLOCK_M)
         token = (route // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+        if not ACT_TMA:
+            x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
         xs_row = xs_ptr + token * stride_xsm
         gs_ptr = w13s_ptr + expert * stride_wse + pid_n * stride_wsn  # scale row of the gate block, + kb
         us_ptr = gs_ptr + (inter // BLOCK_K) * stride_wsn
@@ -149,7 +157,11 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, hidden // BLOCK_K):
-            a, sa = _x_step(x_ptrs, xs_row, row_ok, kb, offs_k, X_SCALE, GROUP_STEPS, SOFT_FP8)
+            if ACT_TMA:  # pad rows are zeros in the staged copy
+                a = x_ptr.load([first_row.to(tl.int32), kb * BLOCK_K])
+            else:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            a, sa = _x_step(a, xs_row, row_ok, kb, offs_k, X_SCALE, GROUP_STEPS, SOFT_FP8)
             if WEIGHT_TMA:
                 g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
                 u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
@@ -164,7 +176,8 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
                 u = u.to(tl.float32)
             acc_g += tl.dot(a, g) * (sa * sg)[:, None]
             acc_u += tl.dot(a, u) * (sa * su)[:, None]
-            x_ptrs += BLOCK_K
+            if not ACT_TMA:
+                x_ptrs += BLOCK_K
             if not WEIGHT_TMA:
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
@@ -180,18 +193,24 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
                      num_routes, hidden, inter, num_programs,
                      stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     WEIGHT_TMA: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+                     WEIGHT_TMA: tl.constexpr, ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+                     UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
     """Persistent like the gate/up kernel. w2: e4m3 [E, H, I] (or a descriptor over [E*H, I]); w2s fp32
-    [E, H/128, I/128]; act scales one per row per K step. y[route] = topk_weight * act @ w2[e].T in bf16."""
+    [E, H/128, I/128]; act scales one per row per K step. y[route] = topk_weight * act @ w2[e].T in bf16.
+    ACT_TMA: act_ptr is a descriptor over act [positions, I] with [BLOCK_M, BLOCK_K] boxes."""
     num_pid_m = tl.load(num_post_ptr) // BLOCK_M
     num_pid_n = hidden // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
-        pid_n, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr,
-                                                             num_routes, BLOCK_M, GROUP_M)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
+        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+        first_row = pid_m * BLOCK_M
+        expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
+                                                  BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_m.to(tl.int64)
-        a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        if not ACT_TMA:
+            a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
         as_ptrs = acts_ptr + rows * stride_asm
         ws_ptrs = w2s_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn
         if WEIGHT_TMA:
@@ -200,7 +219,11 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
             w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, inter // BLOCK_K):
-            a = tl.load(a_ptrs)  # every row of an existing block was written by the gate/up kernel
+            # every row of an existing block was written by the gate/up kernel
+            if ACT_TMA:
+                a = act_ptr.load([first_row.to(tl.int32), kb * BLOCK_K])
+            else:
+                a = tl.load(a_ptrs)
             sa = tl.load(as_ptrs + kb)
             if WEIGHT_TMA:
                 w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
@@ -211,7 +234,8 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
-            a_ptrs += BLOCK_K
+            if not ACT_TMA:
+                a_ptrs += BLOCK_K
             if not WEIGHT_TMA:
                 w_ptrs += BLOCK_K
         weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
@@ -312,15 +336,17 @@ def _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws: 
     E, inter = w13_q.shape[0], w13_q.shape[1] // 2
     R = M * top_k
     assert cfg.gate_up.block_n == ACT_GROUP, "gate/up BLOCK_N is the re-quantisation group"
+    sorted_ids, _, num_post = alignment
     launch_persistent(_fp8_gate_up_kernel, FP8_BLOCK, cfg.block_m, cfg.gate_up, alignment, R, E, ("w13", w13_q),
-                      inter, 2, x_ptr=x_q, xs_ptr=x_scales, w13s_ptr=w13_scales, act_ptr=ws.act,
+                      inter, 2, **gate_up_rows(cfg.gate_up, x_q, sorted_ids, num_post, top_k, ws.x_rows, False),
+                      xs_ptr=x_scales, w13s_ptr=w13_scales, act_ptr=ws.act,
                       acts_ptr=ws.act_scales, top_k=top_k, hidden=H, inter=inter, stride_xm=x_q.stride(0),
                       stride_xsm=x_scales.stride(0), stride_we=w13_q.stride(0), stride_wn=w13_q.stride(1),
                       stride_wse=w13_scales.stride(0), stride_wsn=w13_scales.stride(1), stride_am=ws.act.stride(0),
                       stride_asm=ws.act_scales.stride(0), X_SCALE=x_scale_mode(group_size, scale_format),
                       GROUP_STEPS=max(1, group_size // BLOCK_K), SOFT_FP8=soft_fp8())
     launch_persistent(_fp8_down_kernel, FP8_BLOCK, cfg.block_m, cfg.down, alignment, R, E, ("w2", w2_q), H, 1,
-                      act_ptr=ws.act, acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y, topk_w_ptr=topk_weights,
+                      act=("act_ptr", ws.act), acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y, topk_w_ptr=topk_weights,
                       hidden=H, inter=inter, stride_am=ws.act.stride(0), stride_asm=ws.act_scales.stride(0),
                       stride_we=w2_q.stride(0), stride_wn=w2_q.stride(1), stride_wse=w2_scales.stride(0),
                       stride_wsn=w2_scales.stride(1), stride_ym=ws.y.stride(0), SOFT_BF16=soft_bf16(ws.y))

@@ -45,12 +45,13 @@ from moebench.kernels.fp8_quant import ACT_GROUP, E4M3
 from moebench.kernels.masked_moe_sum import sum_slots, sum_slots_torch
 from moebench.kernels.moe_align_block_size import align_capacity, moe_align_block_size
 from moebench.kernels.row_tiles import row_tile_buffers, row_tile_map
+from moebench.kernels.stage_rows import stage_rows
 
 __all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config",
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
            "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
-           "check_routes", "expert_operand_shapes", "swizzle", "tile_prologue", "persistent_programs",
-           "weight_operand", "launch_persistent", "sum_slots", "sum_slots_torch"]
+           "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "tile_prologue", "persistent_programs",
+           "tma_ready", "weight_operand", "staging_buffer", "gate_up_rows", "launch_persistent", "sum_slots", "sum_slots_torch"]
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -152,6 +153,7 @@ class ExpertsWorkspace:
     act_scales: torch.Tensor | None = None  # fp8_block: fp32 [max_blocks*BM, I/128], one per 128 columns of act
     tile_map: torch.Tensor | None = None  # paired configs: row_tile_map's int32 [block capacity] and counts [5]
     num_tiles: torch.Tensor | None = None
+    x_rows: torch.Tensor | None = None  # gate_up.act_tma: x's rows staged in sorted order [max_blocks*BM, H]
 
     @property
     def tiles(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -195,7 +197,8 @@ def make_workspace(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
         act=torch.empty(rows, intermediate, dtype=E4M3 if fp8 else dtype, device=device),
         y=torch.empty(R, hidden, dtype=torch.bfloat16 if fp8 else dtype, device=device), choice=choice,
         act_scales=torch.empty(rows, intermediate // ACT_GROUP, dtype=torch.float32, device=device) if fp8 else None,
-        tile_map=tile_map, num_tiles=num_tiles)
+        tile_map=tile_map, num_tiles=num_tiles,
+        x_rows=staging_buffer(cfg.gate_up, cfg.paired, rows, hidden, E4M3 if fp8 else dtype, device))
 
 
 def checked_workspace(workspace, shape: tuple[int, int, int, int, int], make):
@@ -317,30 +320,66 @@ def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg:
     return max(1, min(max_tiles, sms * per_sm))
 
 
-def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
-    """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
-    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
-    if not cfg.weight_tma:
-        return w, False
-    ok = (w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-          and tile_dim % cfg.block_n == 0 and w.shape[0] * w.shape[1] < 2**31)
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover t's [rows, last dim] view: contiguous, 16-byte aligned rows, a row count
+    within int32, and a Triton with host-side descriptors."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - triton without host-side descriptors
-        ok = False
-    if not ok:
-        return w, False
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[rows_per_box, cfg.block_k]), True
+        TensorDescriptor = None
+    if TensorDescriptor is None:  # pragma: no cover
+        return False
+    rows = t.numel() // max(1, t.shape[-1])
+    return (t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+            and rows < 2**31)
+
+
+def _descriptor(t: torch.Tensor, box_rows: int, box_cols: int, ok: bool):
+    """(kernel argument, uses TMA): a TMA descriptor over t's [rows, last dim] view with [box_rows, box_cols] boxes
+    where `ok` and the layout allow it (tma_ready), else t itself."""
+    if not (ok and tma_ready(t)):
+        return t, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape=[box_rows, box_cols]), True
+
+
+def staging_buffer(gate_up: GemmConfig, paired: bool, rows: int, hidden: int, dtype: torch.dtype,
+                   device) -> torch.Tensor | None:
+    """The staged-rows buffer a gate/up launch of `gate_up` reads through TMA (kernels.stage_rows): [rows, H] of
+    x's dtype where gate_up.act_tma asks and the launch is unpaired, else None (A rows gathered by token)."""
+    if not gate_up.act_tma or paired:
+        return None
+    return torch.empty(rows, hidden, dtype=dtype, device=device)
+
+
+def gate_up_rows(gate_up: GemmConfig, x: torch.Tensor, sorted_ids: torch.Tensor, num_post: torch.Tensor,
+                 top_k: int, x_rows: torch.Tensor | None, paired: bool) -> dict:
+    """The gate/up kernels' A arguments: with a staging buffer (staging_buffer) that TMA can read, x's rows are
+    staged into it in sorted order and passed as launch_persistent's `act` (a [BLOCK_M, BLOCK_K]-box descriptor,
+    ACT_TMA); otherwise x itself, gathered by token in the kernel (ACT_TMA False)."""
+    if gate_up.act_tma and not paired and x_rows is not None and tma_ready(x_rows) and x.shape[0] > 0:
+        stage_rows(x, sorted_ids, num_post, top_k, x_rows)
+        return dict(act=("x_ptr", x_rows))
+    return dict(x_ptr=x, ACT_TMA=False)
+
+
+def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
+    """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
+    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
+    return _descriptor(w, rows_per_box, cfg.block_k, cfg.weight_tma and tile_dim % cfg.block_n == 0)
 
 def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, alignment, num_routes: int,
                       num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int, *,
-                      paired: bool = False, **args) -> bool:
+                      paired: bool = False, act: tuple[str, torch.Tensor] | None = None, **args) -> bool:
     """One persistent grouped-GEMM launch of `kernel` (a gate/up or down kernel of `precision`) over the tiles of
     the aligned blocks: tile_dim output columns per expert (I or H) in BLOCK_N tiles; weight = (the kernel's
     argument name, w13 or w2), passed as a TMA descriptor where gemm asks and the layout allows, `weight_tiles`
     weight tiles per K step (gate/up: 2). `paired`: the kernel walks a row tile map (kernels.row_tiles) whose full
-    tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. Every kernel takes the arguments named here;
-    `args` holds the rest of its own. False (nothing launched) when there is no route."""
+    tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. `act` (down kernels): (argument name, act of
+    contiguous sorted-position rows), passed as a [BLOCK_M, BLOCK_K]-box descriptor where gemm.act_tma asks and the
+    launch is unpaired (ACT_TMA). FLATTEN, WARP_SPEC: gemm.flatten, .warp_specialize, unpaired only. Every kernel takes the arguments named
+    here; `args` holds the rest of its own. False (nothing launched) when there is no route."""
     num_pid_m = max_blocks(num_routes, num_experts, block_m)  # tiles <= blocks, paired or not
     if num_routes == 0 or num_pid_m == 0:
         return False
@@ -350,9 +389,13 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
     programs = persistent_programs(w.device, num_pid_m * triton.cdiv(tile_dim, gemm.block_n), tile_m, gemm,
                                    weight_tiles, operand_bytes(precision))
     w_arg, tma = weight_operand(w, gemm.block_n, gemm, tile_dim)
+    if act is not None:
+        act_arg, act_tma = _descriptor(act[1], tile_m, gemm.block_k, gemm.act_tma and not paired)
+        args.update({act[0]: act_arg, "ACT_TMA": act_tma})
     kernel[(programs,)](
         sorted_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_ptr=num_post, num_routes=num_routes,
         num_programs=programs, **{w_name: w_arg}, **args,
         BLOCK_M=tile_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, WEIGHT_TMA=tma,
-        UPCAST_DOT=interpreting(), num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+        FLATTEN=gemm.flatten and not paired, WARP_SPEC=gemm.warp_specialize and not paired, UPCAST_DOT=interpreting(), num_warps=gemm.num_warps,
+        num_stages=gemm.num_stages)
     return True

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from moebench.kernels._details.experts_config import BF16, GemmConfig
 from moebench.kernels._details.rounding import round_store_value, soft_bf16
-from moebench.kernels.grouped_gemm import launch_persistent, max_blocks, swizzle, tile_rows
+from moebench.kernels.grouped_gemm import gate_up_rows, launch_persistent, max_blocks, swizzle, tile_rows
 
 __all__ = ["gate_up_swiglu", "down_proj", "gate_up_swiglu_torch", "down_proj_torch"]
 
@@ -41,15 +41,18 @@ def _release_tile_counter(counter_ptr, num_programs):
 def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k, hidden,
                   inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                  UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """One [BLOCK_M, 2*BLOCK_N] tile of the gate/up GEMM and its SwiGLU: act rows first_row .. + BLOCK_M."""
+                  ACT_TMA: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One [BLOCK_M, 2*BLOCK_N] tile of the gate/up GEMM and its SwiGLU: act rows first_row .. + BLOCK_M.
+    ACT_TMA: x_ptr is a TMA descriptor over the staged rows (kernels.stage_rows: row j = x of the route at sorted
+    position j, pad rows zero) with [BLOCK_M, BLOCK_K] boxes; else the rows are gathered from x by token."""
     expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, ALIGN_M)
     offs_k = tl.arange(0, BLOCK_K)
     token = (route // top_k).to(tl.int64)
     # columns wrap modulo I so loads need no N mask (the store masks them); gate rows n, up rows I + n
     offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = offs_n_store % inter
-    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    if not ACT_TMA:
+        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     if WEIGHT_TMA:
         gate_row = (expert * 2 * inter + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -58,10 +61,13 @@ def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
+        if not EVEN_K:
+            k_ok = offs_k < hidden - kb * BLOCK_K
+        if ACT_TMA:  # pad rows are zeros in the staged copy; a K tail is zero-filled
+            a = x_ptr.load([first_row.to(tl.int32), kb * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            k_ok = offs_k < hidden - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
             g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
@@ -78,7 +84,8 @@ def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_
             u = u.to(tl.float32)
         acc_g = tl.dot(a, g, acc_g)
         acc_u = tl.dot(a, u, acc_u)
-        x_ptrs += BLOCK_K
+        if not ACT_TMA:
+            x_ptrs += BLOCK_K
         if not WEIGHT_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -94,6 +101,7 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
                            stride_xm, stride_we, stride_wn, stride_am,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                           ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
                            ALIGN_M: tl.constexpr):
     """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded is
@@ -112,44 +120,50 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
             if two_blocks:
                 _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
                               hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, ALIGN_M, BLOCK_N,
-                              BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
             else:
                 _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
                               hidden, inter, stride_xm, stride_we, stride_wn, stride_am, ALIGN_M, ALIGN_M, BLOCK_N,
-                              BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
             tile = tl.atomic_add(num_tiles_ptr + 1, 1, sem="relaxed")
         _release_tile_counter(num_tiles_ptr + 1, num_programs)
     else:
         num_pid_m = tl.load(num_post_ptr) // BLOCK_M
-        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
             pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
             _gate_up_tile(pid_m * BLOCK_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                           top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                          BLOCK_K, EVEN_K, WEIGHT_TMA, ACT_TMA, UPCAST_DOT, SOFT_BF16)
 
 
 @triton.jit
 def _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes, hidden,
                inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-               UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of the down GEMM: y at the routes of sorted positions first_row .. + BLOCK_M."""
+               ACT_TMA: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of the down GEMM: y at the routes of sorted positions first_row .. + BLOCK_M.
+    ACT_TMA: act_ptr is a TMA descriptor over act [positions, I] with [BLOCK_M, BLOCK_K] boxes."""
     expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, ALIGN_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_n_store = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = offs_n_store % hidden
     # act rows are sorted positions: a block's rows are contiguous, every one written by the gate/up kernel
-    a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if not ACT_TMA:
+        a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     if WEIGHT_TMA:
         w_row = (expert * hidden + pid_n * BLOCK_N).to(tl.int32)
     else:
         w_ptrs = w2 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
+        if not EVEN_K:
+            k_ok = offs_k < inter - kb * BLOCK_K
+        if ACT_TMA:  # a K tail is zero-filled by the TMA unit
+            a = act_ptr.load([first_row.to(tl.int32), kb * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
-            k_ok = offs_k < inter - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if WEIGHT_TMA:
             w = tl.trans(w2.load([w_row, kb * BLOCK_K]))
@@ -161,7 +175,8 @@ def _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, exp
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
+        if not ACT_TMA:
+            a_ptrs += BLOCK_K
         if not WEIGHT_TMA:
             w_ptrs += BLOCK_K
     weight = tl.load(topk_w_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
@@ -177,10 +192,10 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
                       stride_am, stride_we, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                      UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
-                      ALIGN_M: tl.constexpr):
+                      ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                      SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr, ALIGN_M: tl.constexpr):
     """Persistent like the gate/up kernel, over the same tiles. w2: a pointer to [E, H, I], or (WEIGHT_TMA) a
-    descriptor over its [E*H, I] view (H % BLOCK_N == 0)."""
+    descriptor over its [E*H, I] view (H % BLOCK_N == 0); act likewise (ACT_TMA: unpaired launches only)."""
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     if PAIRED:  # the counter num_tiles[3]
         num_pid_m = tl.load(num_tiles_ptr)
@@ -190,20 +205,21 @@ def _down_proj_kernel(act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr
             if two_blocks:
                 _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                            hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, ALIGN_M, BLOCK_N,
-                           BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                           BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
             else:
                 _down_tile(first_row, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                            hidden, inter, stride_am, stride_we, stride_wn, stride_ym, ALIGN_M, ALIGN_M, BLOCK_N,
-                           BLOCK_K, EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                           BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
             tile = tl.atomic_add(num_tiles_ptr + 3, 1, sem="relaxed")
         _release_tile_counter(num_tiles_ptr + 3, num_programs)
     else:
         num_pid_m = tl.load(num_post_ptr) // BLOCK_M
-        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
             pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
             _down_tile(pid_m * BLOCK_M, pid_n, act_ptr, w2, y_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                        hidden, inter, stride_am, stride_we, stride_wn, stride_ym, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, WEIGHT_TMA, UPCAST_DOT, SOFT_BF16)
+                       EVEN_K, WEIGHT_TMA, ACT_TMA, UPCAST_DOT, SOFT_BF16)
 
 
 def _tile_args(tiles, sorted_ids: torch.Tensor, block_m: int) -> dict:
@@ -217,18 +233,22 @@ def _tile_args(tiles, sorted_ids: torch.Tensor, block_m: int) -> dict:
 
 def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                    num_post: torch.Tensor, top_k: int, block_m: int, cfg: GemmConfig, act: torch.Tensor,
-                   tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """act[j, :] for every sorted position j < num_post (rows of pad entries are zeros). `tiles`: row_tile_map's
-    (tile_map, num_tiles) for these blocks: a paired launch (two blocks a tile); None: one block a tile."""
+    (tile_map, num_tiles) for these blocks: a paired launch (two blocks a tile); None: one block a tile.
+    `x_rows`: the staging buffer of a cfg.act_tma launch (grouped_gemm.staging_buffer): x's rows are staged into it
+    and read through TMA; None: gathered by token."""
     M, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
     assert M * top_k == 0 or (act.shape[0] >= max_blocks(M * top_k, E, block_m) * block_m
                               and act.shape[1] == inter and act.stride(1) == 1)
     launch_persistent(_gate_up_swiglu_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), M * top_k, E,
-                      ("w13", w13), inter, 2, x_ptr=x, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
+                      ("w13", w13), inter, 2, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
                       stride_xm=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
                       stride_am=act.stride(0), EVEN_K=H % cfg.block_k == 0, SOFT_BF16=soft_bf16(act),
+                      **gate_up_rows(cfg, x, sorted_ids, num_post, top_k, x_rows, tiles is not None),
                       **_tile_args(tiles, sorted_ids, block_m))
     return act
 
@@ -242,7 +262,7 @@ def down_proj(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, s
     num_routes = topk_weights.numel()
     assert num_routes == 0 or (y.shape == (num_routes, H) and y.stride(1) == 1 and topk_weights.is_contiguous())
     launch_persistent(_down_proj_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), num_routes, E,
-                      ("w2", w2), H, 1, act_ptr=act, y_ptr=y, topk_w_ptr=topk_weights, hidden=H, inter=inter,
+                      ("w2", w2), H, 1, act=("act_ptr", act), y_ptr=y, topk_w_ptr=topk_weights, hidden=H, inter=inter,
                       stride_am=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_ym=y.stride(0),
                       EVEN_K=inter % cfg.block_k == 0, SOFT_BF16=soft_bf16(y),
                       **_tile_args(tiles, sorted_ids, block_m))

@@ -70,19 +70,28 @@ CONFIGS = [
     ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True), GemmConfig(16, 32, 8, 4, 2, weight_tma=True)),
     # TMA asked for where BLOCK_N does not divide I / H: falls back to pointer loads
     ExpertsConfig(16, GemmConfig(64, 32, 8, 4, 2, weight_tma=True), GemmConfig(128, 32, 8, 4, 2, weight_tma=True)),
+    # both down operands through descriptors, a K tail (I=48) zero-filled in act's boxes; the tile and K loops
+    # flattened into one pipeline
+    ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True, flatten=True),
+                  GemmConfig(16, 32, 8, 4, 2, weight_tma=True, act_tma=True, flatten=True)),
+    # gate/up's A rows staged in sorted order and read through a descriptor too (stage_rows), a K tail (H=80)
+    ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True, act_tma=True),
+                  GemmConfig(16, 32, 8, 4, 2, weight_tma=True, act_tma=True, warp_specialize=True)),
 ]
 
 
 @pytest.mark.parametrize("cfg_i", range(len(CONFIGS)))
 def test_other_configs(device, cfg_i):
     cfg = CONFIGS[cfg_i]
-    h, i = (80, 48) if cfg_i in (1, 3) else (H, I)
+    h, i = (80, 48) if cfg_i in (1, 3, 5, 6) else (H, I)
     x, w13, w2, w, ids = _problem(device, 3, seed=10 + cfg_i, h=h, i=i)
-    want_tma = cfg_i in (2, 3)
+    want_tma = cfg_i in (2, 3, 5, 6)
     assert weight_operand(w13, cfg.gate_up.block_n, cfg.gate_up, i)[1] == want_tma
     assert weight_operand(w2, cfg.down.block_n, cfg.down, h)[1] == want_tma
     out = poison(torch.empty(M, h, dtype=torch.bfloat16, device=device))
-    fused_experts(x, w13, w2, w, ids, config=cfg, out=out)
+    ws = make_workspace(M, 3, E, h, i, config=cfg, device=device)
+    assert (ws.x_rows is not None) == cfg.gate_up.act_tma
+    fused_experts(x, w13, w2, w, ids, workspace=ws, out=out)
     ref = fused_experts_torch(x, w13, w2, w, ids, out_dtype=torch.float32)
     assert _frob(out, ref) < 1e-2
 

@@ -264,6 +264,26 @@ def test_fp8_candidates_within_derived_bound(device, name):
     assert res.ok, res.detail
 
 
+@pytest.mark.parametrize("G,fmt", FORMATS[:2])  # (128, ue8m0) needs H a multiple of 512
+def test_fp8_staged_rows_and_descriptors_within_derived_bound(device, G, fmt):
+    """Both GEMMs' A tiles through TMA descriptors (gate/up on x's rows staged in sorted order), the tile and K
+    loops flattened, the down loop warp-specialised: the same function, within the derived bound."""
+    from moebench.kernels._details.experts_config import Fp8ExpertsConfig, Fp8GemmConfig
+
+    cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, act_tma=True, flatten=True),
+                           Fp8GemmConfig(128, 4, 4, 1, act_tma=True, warp_specialize=True), reduce_block_h=256)
+    T, K = 16, 2
+    args = _problem(device, T, K, G, fmt, seed=7)
+    ws = make_fp8_workspace(T, K, E, H, I, config=cfg, device=device, group_size=G, scale_format=fmt)
+    assert ws.x_rows is not None and ws.x_rows.dtype == E4M3
+    out = poison(torch.empty(T, H, dtype=torch.bfloat16, device=device))
+    fused_experts_fp8(*args, group_size=G, scale_format=fmt, workspace=ws, out=out)
+    ref, bound = fp8_reference_with_bound(*args, group_size=G, scale_format=fmt,
+                                          model=error_model(torch.device(device), H, I))
+    res = check_within_bound("out", out.float(), ref, bound)
+    assert res.ok, res.detail
+
+
 def test_registered_fp8_impls_check(device):
     from moebench.registry import RunContext, get
     from moebench.params import Params

@@ -44,10 +44,21 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     weight_tma: bool = False  # weight tiles through a TMA descriptor (where the layout allows), else cp.async
+    # the down GEMM's A tiles (act: contiguous rows of sorted positions) through a TMA descriptor too; unpaired
+    # launches only (a descriptor's box has one row count); ignored by gate/up, whose A rows are gathered
+    act_tma: bool = False
+    # the persistent tile loop and the K loop fused into one software pipeline (tl.range(flatten=True)), so the
+    # next tile's first loads are in flight during this tile's epilogue; unpaired launches only
+    flatten: bool = False
+    # the persistent tile loop warp-specialised (tl.range(warp_specialize=True): loads issued by a producer
+    # partition, MMAs by consumers); unpaired launches only, where the Triton build supports it
+    warp_specialize: bool = False
 
     def short(self, with_k: bool = True) -> str:
         return (f"N{self.block_n}" + (f"K{self.block_k}" if with_k else "")
-                + f"w{self.num_warps}s{self.num_stages}g{self.group_m}" + ("tma" if self.weight_tma else ""))
+                + f"w{self.num_warps}s{self.num_stages}g{self.group_m}" + ("tma" if self.weight_tma else "")
+                + ("+a" if self.act_tma else "") + ("+f" if self.flatten else "")
+                + ("+ws" if self.warp_specialize else ""))
 
 
 @dataclass(frozen=True)
@@ -71,9 +82,11 @@ class ExpertsConfig:
 
 
 def Fp8GemmConfig(block_n: int, group_m: int = 8, num_warps: int = 8, num_stages: int = 3,
-                  weight_tma: bool = True) -> GemmConfig:
+                  weight_tma: bool = True, act_tma: bool = False, flatten: bool = False,
+                  warp_specialize: bool = False) -> GemmConfig:
     """An fp8 GEMM's config: BLOCK_K is the scale block; gate/up block_n 128 (one re-quantisation group)."""
-    return GemmConfig(block_n, FP8_BLOCK_K, group_m, num_warps, num_stages, weight_tma)
+    return GemmConfig(block_n, FP8_BLOCK_K, group_m, num_warps, num_stages, weight_tma, act_tma, flatten,
+                      warp_specialize)
 
 
 def Fp8ExpertsConfig(block_m: int, gate_up: GemmConfig, down: GemmConfig, reduce_block_h: int = 1024,
