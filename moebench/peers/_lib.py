@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
+import sys
 from typing import Any, Callable
 
 import torch
@@ -27,25 +28,57 @@ __all__ = ["Library", "libraries", "register_adapter", "accepts", "router_out", 
 
 
 class Library:
-    def __init__(self, name: str, top_module: str, load: Callable[[], Any]):
+    """One peer library: found without importing it, imported on first use (`get`), or bound to a stand-in.
+
+    `vendored`: module paths of copies bundled inside another package, tried in order when `top_module` is not
+    installed (vLLM's wheel carries DeepGEMM and triton_kernels as `vllm.third_party.*`; vLLM imports the top-level
+    module first and falls back to its copy, aliasing the copy as the top-level name, which the copy's own absolute
+    imports need). `origin` says what was loaded: the copy ("installed", "vendored", "stand-in"), the module, its
+    file and version; `status()` is the records' `adapter_status`."""
+
+    def __init__(self, name: str, top_module: str, load: Callable[[], Any], vendored: tuple[str, ...] = ()):
         self.name = name
-        self._load = load  # imports the library, returns its namespace
+        self.top_module = top_module
+        self._load = load  # imports the library (as top_module), returns its namespace
         self.lib: Any = None
         self.reason: str | None = None
+        self.origin: dict[str, Any] | None = None
+        self._source: str | None = top_module
         if importlib.util.find_spec(top_module) is None:
-            self.reason = f"{name} is not installed (no module {top_module!r})"
+            self._source = next((v for v in vendored if _findable(v)), None)
+            if self._source is None:
+                where = "".join(f" or {v!r}" for v in vendored)
+                self.reason = f"{name} is not installed (no module {top_module!r}{where})"
 
     def bind(self, lib: Any) -> None:
         """Use `lib` (a stand-in module in tests) as the library."""
         self.lib, self.reason = lib, None
+        self.origin = {"copy": "stand-in", "module": getattr(lib, "__name__", type(lib).__name__),
+                       "version": getattr(lib, "__version__", None)}
 
     def get(self) -> Any:
         if self.lib is None and self.reason is None:
             try:
+                module = importlib.import_module(self._source)
+                if self._source != self.top_module:  # the bundled copy under the name its code imports itself by
+                    sys.modules.setdefault(self.top_module, module)
                 self.lib = self._load()
+                self.origin = {"copy": "installed" if self._source == self.top_module else "vendored",
+                               "module": self._source, "path": getattr(module, "__file__", None),
+                               "version": _version(module, self._source)}
             except Exception as e:
                 self.reason = f"{self.name} does not import here ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         return self.lib
+
+    def status(self) -> str:
+        """What a record's `adapter_status` says: the real library and which copy ran, or the stand-in."""
+        o = self.origin
+        if o is None:
+            return f"{self.name} not loaded: {self.reason}"
+        version = f" {o['version']}" if o.get("version") else ""
+        if o["copy"] == "stand-in":
+            return f"stand-in for {self.name} ({o['module']}{version}), not the real library"
+        return f"real {self.name}{version}, {o['copy']} copy {o['module']} ({o['path']})"
 
     def available(self, ctx, needs: str) -> str | None:
         lib = self.get()
@@ -56,6 +89,29 @@ class Library:
         if not ctx.is_cuda and not getattr(lib, "MOEBENCH_STANDIN", False):
             return f"{self.name} kernels run on CUDA only"
         return None
+
+
+def _findable(module: str) -> bool:
+    """Whether `module` can be imported (its parent packages are imported to look: a broken parent is a no)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except Exception:  # noqa: BLE001 - a parent package that fails to import
+        return False
+
+
+def _version(module: Any, source: str) -> str | None:
+    """The module's __version__, else its distribution's, else (a bundled copy) the bundling package's."""
+    version = getattr(module, "__version__", None)
+    if version:
+        return str(version)
+    from importlib import metadata
+
+    top = source.split(".")[0]
+    try:
+        dist = metadata.version(top)
+    except metadata.PackageNotFoundError:
+        return None
+    return dist if top == source else f"bundled with {top} {dist}"
 
 
 def libraries() -> dict[str, Library]:
@@ -126,6 +182,7 @@ def register_adapter(library: Library, family: str, variant: str, needs: str, ma
         if isinstance(getattr(fn, "info", None), dict):
             case.info.update(fn.info)
             fn.info = case.info  # the adapter's later notes go to the record too
+        case.info["adapter_status"] = library.status()
         return case
 
     def check_point(p):

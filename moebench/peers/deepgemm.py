@@ -27,10 +27,12 @@ the sm100 recipe: there the library packs scales into UE8M0 and rejects fp32 sfa
 moebench's fp32 scales are not powers of two, so the peer runs on sm90 only (available() says so elsewhere) and
 passes disable_ue8m0_cast=True as DeepGEMM's own tests do for fp32 scales.
 
-Not run against a real DeepGEMM by moebench: its tests use tests/standins/deep_gemm_standin.py, a stand-in with
-this call's signature and layout rules, and no GPU run of the library has completed (GPU.md: the first call of a
-hand build segfaulted). DeepGEMM is not installable from the package index: on the GPU machine it is built from its
-repository (`git clone --recursive`, `./install.sh`), never committed, like DeepEP.
+Which copy runs: an installed `deep_gemm` first, else the copy vLLM's wheel bundles (`vllm.third_party.deep_gemm`),
+the order vLLM itself imports them in; the record's `adapter_status` names the copy, its path and version. Run
+against the real library: DeepGEMM 2.8.1 as vLLM 0.33.0 bundles it (its TORCH_LIBRARY extension loads on torch 2.11,
+its JIT compiles each shape on the first call, outside the timed region). DeepGEMM is not installable from the
+package index and is never committed, like DeepEP. The tests use tests/standins/deep_gemm_standin.py, a stand-in
+with this call's signature and layout rules.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _load():
                            get_mk_alignment_for_contiguous_layout=deep_gemm.get_mk_alignment_for_contiguous_layout)
 
 
-DEEP_GEMM = Library("deep_gemm", "deep_gemm", _load)
+DEEP_GEMM = Library("deep_gemm", "deep_gemm", _load, vendored=("vllm.third_party.deep_gemm",))
 
 
 def capacity(num_routes: int, num_experts: int, align: int) -> int:
@@ -137,7 +139,7 @@ class DeepGemmExperts:
         self.h = torch.empty(self.rows, two_i, dtype=torch.bfloat16, device=dev)  # outputs made once: no allocation
         self.y = torch.empty(self.rows, H, dtype=torch.bfloat16, device=dev)  # in a timed call
         self.info = {"deepgemm_rows": self.rows, "deepgemm_align": self.align,
-                     "adapter_status": "written from DeepGEMM v2.6.1's sources; not yet run against the real library"}
+                     "adapter_status": DEEP_GEMM.status()}
 
     def __call__(self, topk_ids, topk_weights, *, out):
         inp = self.inp
@@ -198,5 +200,5 @@ register_impl("fused_experts.fp8_deepgemm", targets=("kernel",), validate=_probl
               available=lambda ctx: DEEP_GEMM.available(ctx, NEEDS) or sm90_only(ctx) or compile_available(ctx),
               description="DeepGEMM m_grouped_fp8_gemm_nt_contiguous (1x128 / 128x128 block scales, sm90) on the "
                           "staged rows, compiled contiguous layout with MN-major scales + SwiGLU/requant + combine, "
-                          "glue without host sync (the library call: not run on a GPU yet)"
+                          "glue without host sync"
               )(build_deepgemm())

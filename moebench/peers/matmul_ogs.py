@@ -17,10 +17,9 @@ triton_kernels.routing is gone) and triton_kernels' own bench (python/triton_ker
 Sources read (triton-lang/triton): python/triton_kernels/triton_kernels/matmul_ogs.py at 02adf8fd (RoutingData,
 GatherIndx, ScatterIndx, FusedActivation, PrecisionConfig, matmul_ogs, reduce_grouped), tensor.py at 022bb95d
 (Bitmatrix, BIT, SparseMatrix, make_ragged_tensor_metadata), swiglu_details/_swiglu.py at 002402cf, bench_mlp.py at
-0206ecf9. The v3.6.0 tag itself could not be read here (the repository is past the fetch limit): the API was matched
-on the generation vLLM calls "v3.6.0+" (triton_kernels.routing removed in October 2025; matmul_ogs renamed matmul on
-Triton's main in January 2026, triton-lang/triton#9539). A triton_kernels of another generation (v3.5's routing
-module without SparseMatrix, or the later `matmul`) does not import here, and the peer is skipped saying why.
+0206ecf9; the API was matched on the generation vLLM calls "v3.6.0+" (triton_kernels.routing removed in October
+2025; matmul_ogs renamed matmul on Triton's main in January 2026, triton-lang/triton#9539). The later `matmul`
+generation does not import here, and the peer is skipped saying why.
 
 What the adapter does around the library, all timed:
 - skipped routes (-1: padding, non-local): -1 is triton_kernels' sentinel of "no expert" in the top-k ids. Its
@@ -35,7 +34,13 @@ What the adapter does around the library, all timed:
   linear columns (fp32, added before the activation): s * ((up - 1) + 1). The interleaved weights and the bias are
   made once per weights (untimed), as a serving stack converts weights at load time.
 - the top-k weights go in as bf16 (vLLM's make_routing_data).
-Not run against a real triton_kernels by moebench: its tests use tests/standins/triton_kernels_standin.py.
+Two API generations run: v3.6.0's (above) and v3.5.1's, the copy vLLM 0.33.0 bundles as
+`vllm.third_party.triton_kernels`, whose routing metadata comes from `triton_kernels.routing.routing_from_bitmatrix`
+(bitmatrix, bf16 weights with -1 at skipped routes, int16 ids; vLLM's make_routing_data for that generation, read in
+vLLM 0.33.0's wheel) and whose Bitmatrix takes no dtype. An installed `triton_kernels` comes first, else vLLM's copy
+(aliased as `triton_kernels`, as vLLM does: its modules import themselves by that name); the record's
+`adapter_status` names the copy and `matmul_ogs_generation` the API. The tests use
+tests/standins/triton_kernels_standin.py (the v3.6.0 generation).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 
 from moebench.peers._lib import Library, accepts, register_adapter
 
-__all__ = ["TRITON_KERNELS", "interleave_gate_up", "linear_bias", "pack_bitmatrix", "make_matmul_ogs"]
+__all__ = ["TRITON_KERNELS", "generation", "interleave_gate_up", "linear_bias", "pack_bitmatrix", "make_matmul_ogs"]
 
 NO_CLIP = float(torch.finfo(torch.float32).max)  # the SwiGLU's limit: every finite value passes
 SKIPPED = ("-1 in the top-k ids (triton_kernels' sentinel): no bitmatrix bit, dispatch index -1, never computed, "
@@ -57,15 +62,28 @@ def _load():
     from triton_kernels.matmul_ogs import (FnSpecs, FusedActivation, GatherIndx, PrecisionConfig, RoutingData,
                                            ScatterIndx, matmul_ogs)
     from triton_kernels.swiglu import swiglu_fn
-    from triton_kernels.tensor import BIT, Bitmatrix, SparseMatrix, make_ragged_tensor_metadata
+    from triton_kernels.tensor import BIT, Bitmatrix
 
-    return SimpleNamespace(matmul_ogs=matmul_ogs, RoutingData=RoutingData, GatherIndx=GatherIndx,
-                           ScatterIndx=ScatterIndx, FnSpecs=FnSpecs, FusedActivation=FusedActivation,
-                           PrecisionConfig=PrecisionConfig, swiglu_fn=swiglu_fn, BIT=BIT, Bitmatrix=Bitmatrix,
-                           SparseMatrix=SparseMatrix, make_ragged_tensor_metadata=make_ragged_tensor_metadata)
+    lib = SimpleNamespace(matmul_ogs=matmul_ogs, RoutingData=RoutingData, GatherIndx=GatherIndx,
+                          ScatterIndx=ScatterIndx, FnSpecs=FnSpecs, FusedActivation=FusedActivation,
+                          PrecisionConfig=PrecisionConfig, swiglu_fn=swiglu_fn, BIT=BIT, Bitmatrix=Bitmatrix)
+    try:  # the v3.6.0 generation: routing metadata from a SparseMatrix
+        from triton_kernels.tensor import SparseMatrix, make_ragged_tensor_metadata
+
+        lib.SparseMatrix, lib.make_ragged_tensor_metadata = SparseMatrix, make_ragged_tensor_metadata
+    except ImportError:  # the v3.5.1 generation (the copy vLLM 0.33.0 bundles): its routing module
+        from triton_kernels.routing import routing_from_bitmatrix
+
+        lib.routing_from_bitmatrix = routing_from_bitmatrix
+    return lib
 
 
-TRITON_KERNELS = Library("triton_kernels", "triton_kernels", _load)
+TRITON_KERNELS = Library("triton_kernels", "triton_kernels", _load, vendored=("vllm.third_party.triton_kernels",))
+
+
+def generation(lib) -> str:
+    """The triton_kernels API generation of `lib`: "v3.6.0" (SparseMatrix) or "v3.5.1" (routing_from_bitmatrix)."""
+    return "v3.6.0" if hasattr(lib, "SparseMatrix") else "v3.5.1"
 
 
 def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
@@ -115,6 +133,7 @@ def _ragged_sizes(ragged):
 
 def make_matmul_ogs(lib):
     act = _activation(lib)
+    legacy = generation(lib) == "v3.5.1"
     precision = lib.PrecisionConfig()
     prepared: dict = {}
 
@@ -130,9 +149,13 @@ def make_matmul_ogs(lib):
         T, K = topk_ids.shape
         ids = topk_ids.to(torch.int16)
         words = -(-num_experts // 32)
+        vals = torch.where(topk_ids < 0, -1.0, topk_weights.to(torch.bfloat16)).to(torch.bfloat16)
+        if legacy:  # v3.5.1: a Bitmatrix without dtype (its row sums' scratchpad made in the call), then routing
+            mask = lib.Bitmatrix(pack_bitmatrix(topk_ids, num_experts), shape=[T, words * 32], shape_max=[T, None],
+                                 scratchpad=None)
+            return lib.routing_from_bitmatrix(mask, vals, ids, num_experts, K)
         mask = lib.Bitmatrix(pack_bitmatrix(topk_ids, num_experts), dtype=lib.BIT, shape=[T, words * 32],
                              shape_max=[T, None])
-        vals = torch.where(topk_ids < 0, -1.0, topk_weights.to(torch.bfloat16)).to(torch.bfloat16)
         sparse = lib.SparseMatrix(indx=ids, vals=vals, mask=mask)
         dispatch, combine = sparse.mask_metadata.row_sorted_indx, sparse.mask_metadata.col_sorted_indx
         ragged = lib.make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
@@ -156,9 +179,7 @@ def make_matmul_ogs(lib):
                        precision_config=precision, gammas=data.gate_scal, y=out.view(1, T, H))
         return out
     fn.buffers = {}
-    fn.info = {"adapter_status": "written from triton_kernels' sources (the v3.6.0+ API generation); not yet run "
-                                 "against the real library",
-               "matmul_ogs_skipped_routes": SKIPPED,
+    fn.info = {"matmul_ogs_generation": generation(lib), "matmul_ogs_skipped_routes": SKIPPED,
                "matmul_ogs_swiglu": "triton_kernels' SwiGLU, alpha 1, no clipping, -1 bias on the linear columns "
                                     "(silu(gate) * up)",
                "matmul_ogs_zeroed_out": "output zeroed before the call (timed): the reduction skips tokens with no "

@@ -53,7 +53,7 @@ __all__ = ["skip_map", "picked_config", "make_fused_experts", "make_fp8_vllm", "
 BLOCK_SHAPE = [WEIGHT_BLOCK, WEIGHT_BLOCK]  # vLLM's block-quantised fp8: 128x128 weight blocks, 1x128 activations
 SKIPPED = ("as id E through an (E + 1)-entry identity expert_map whose last entry is -1 (vLLM's alignment reads no "
            "-1 id); the -1 -> E replacement is timed")
-STATUS = "written from vLLM's fused_moe sources; not yet run against a real vLLM"
+SOURCE = "written from vLLM's fused_moe sources"
 NO_MAP = "none: this vLLM's fused_experts takes no expert_map (a point with skipped routes is refused)"
 
 
@@ -121,7 +121,7 @@ def make_fused_experts(lib):
         if "vllm_config_source" not in fn.info:  # the first, untimed call
             fn.info.update(picked_config(lib, w13.shape, w2.shape, topk_ids.shape[1], None, x.shape[0]))
         return op(x, w13, w2, topk_weights, **skipped(topk_ids, w13.shape[0]), **extra)
-    fn.info = {"adapter_status": STATUS, "vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP}
+    fn.info = {"adapter_source": SOURCE, "vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP}
     return fn
 
 
@@ -154,7 +154,8 @@ def make_fp8_vllm(lib):
         def fn(topk_ids, topk_weights, *, out):
             out.copy_(op(hidden, inp.w13_q, inp.w2_q, topk_weights, **skipped(topk_ids, E), **quant, **extra))
             return out
-        fn.info = {"adapter_status": STATUS, "vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP,
+        fn.info = {"adapter_status": VLLM.status(), "adapter_source": SOURCE,
+                   "vllm_skipped_routes": SKIPPED if skipped.takes_map else NO_MAP,
                    "vllm_fp8_input": "bf16 rows, quantised by vLLM (timed)",
                    "vllm_fp8_api": "quant_config" if takes_quant_config else "use_fp8_w8a8 keywords",
                    **picked_config(lib, inp.w13_q.shape, inp.w2_q.shape, inp.ids.shape[1], "fp8_w8a8",

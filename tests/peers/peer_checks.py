@@ -31,9 +31,9 @@ def checked(name: str, p: Params):
 @contextlib.contextmanager
 def bound(library, standin):
     """`library` (a peers._lib.Library) using `standin`, restored afterwards."""
-    saved = library.lib, library.reason
+    saved = library.lib, library.reason, library.origin
     library.bind(standin)
     try:
         yield
     finally:
-        library.lib, library.reason = saved
+        library.lib, library.reason, library.origin = saved

@@ -69,7 +69,7 @@ def test_deepgemm_peer_checks_against_its_standin(standin):
     case.run()  # a timed call: both GEMMs' activation scales already in DeepGEMM's MN-major TMA-aligned layout
     assert deep_gemm_standin.SFA_TRANSPOSES[0] == before
     assert case.info["deepgemm_sfa_layout"].startswith("MN-major")
-    assert "v2.6.1" in case.info["adapter_status"] and "not yet run" in case.info["adapter_status"]
+    assert case.info["adapter_status"].startswith("stand-in for deep_gemm")
 
 
 def test_the_standin_transposes_row_major_activation_scales_as_deepgemm_does():

@@ -14,9 +14,15 @@ tensor.py at 022bb95d (BIT, Bitmatrix, SparseMatrix, make_ragged_tensor_metadata
   shape matmul_ogs allocates: (1, rows, N / reduction_n).
 - swiglu_fn (OpenAI's SwiGLU on interleaved columns): gate clipped above at limit, linear clipped to [-limit, limit],
   s = gate * sigmoid(alpha * gate), out = s * (linear + 1), in fp32.
+The v3.5.1 generation (the copy vLLM 0.33.0 bundles, read in its wheel: triton_kernels/routing.py, tensor.py) is
+`legacy()`: a Bitmatrix without dtype and with a scratchpad, and routing_from_bitmatrix(bitmatrix, expt_scal,
+expt_indx, n_expts_tot, n_expts_act) -> (RoutingData with ExptData(hist, token_offs_raw, ...), GatherIndx(topk_indx,
+gate_indx), ScatterIndx(gate_indx, topk_indx)), the same positions as v3.6's metadata (topk_indx = col_sorted,
+gate_indx = row_sorted), gate_scal = expt_scal in sorted order.
 Only the calls the adapter makes are implemented; any other mode raises NotImplementedError."""
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -157,9 +163,10 @@ def swiglu_fn(input, alpha, limit):
 
 
 def _routed_rows(routing_data):
-    """(expert, first position, row count) of each expert with rows, from the ragged metadata."""
-    sizes = routing_data.expt_data.slice_sizes.tolist()[:routing_data.n_expts_tot]
-    offs = routing_data.expt_data.slice_offs.tolist()
+    """(expert, first position, row count) of each expert with rows, from the ragged metadata (v3.5.1: ExptData)."""
+    data = routing_data.expt_data
+    sizes = (data.slice_sizes if hasattr(data, "slice_sizes") else data.hist).tolist()[:routing_data.n_expts_tot]
+    offs = (data.slice_offs if hasattr(data, "slice_offs") else data.token_offs_raw).tolist()
     return [(e, offs[e], n) for e, n in enumerate(sizes) if n]
 
 
@@ -213,3 +220,42 @@ def matmul_ogs(x, w, bias, routing_data=None, gather_indx=None, scatter_indx=Non
         if valid.numel():
             y[0, t] = routed[valid].float().sum(dim=0).to(y.dtype)
     return y
+
+
+# --- the v3.5.1 generation ------------------------------------------------------------------------------------------
+
+class LegacyBitmatrix:
+    """v3.5.1's Bitmatrix(storage, shape, shape_max=None, scratchpad=None): BIT is implied, no dtype argument."""
+
+    def __init__(self, storage, shape, shape_max=None, scratchpad=None):
+        if storage.dtype != torch.uint32 or shape[1] != storage.shape[1] * 32:
+            raise ValueError("Bitmatrix: uint32 words, 32 columns each")
+        self.storage, self.shape, self.shape_max, self.scratchpad = storage, shape, shape_max, scratchpad
+
+
+@dataclass
+class ExptData:
+    hist: torch.Tensor
+    token_offs_raw: torch.Tensor
+    token_offs_pad: dict = None
+    block_pid_map: dict = None
+
+
+def routing_from_bitmatrix(bitmatrix, expt_scal, expt_indx, n_expts_tot, n_expts_act):
+    if expt_indx.dtype != torch.int16 or expt_scal.shape != expt_indx.shape:
+        raise ValueError("routing_from_bitmatrix (stand-in): int16 ids and scales of their shape")
+    meta = make_bitmatrix_metadata(expt_indx, bitmatrix)
+    topk_indx, gate_indx = meta.col_sorted_indx, meta.row_sorted_indx
+    gate_scal = expt_scal.reshape(-1)[topk_indx.long().clamp_min(0)]
+    hist = meta.col_sum[:n_expts_tot]
+    offs = torch.cat([hist.new_zeros(1), hist.cumsum(0, dtype=torch.int32)])
+    return (RoutingData(gate_scal, hist, n_expts_tot, n_expts_act, ExptData(hist, offs)),
+            GatherIndx(src_indx=topk_indx, dst_indx=gate_indx), ScatterIndx(src_indx=gate_indx, dst_indx=topk_indx))
+
+
+def legacy() -> SimpleNamespace:
+    """The v3.5.1 generation's names (no SparseMatrix, no make_ragged_tensor_metadata)."""
+    return SimpleNamespace(MOEBENCH_STANDIN=MOEBENCH_STANDIN, __name__=__name__ + ".legacy", matmul_ogs=matmul_ogs,
+                           RoutingData=RoutingData, GatherIndx=GatherIndx, ScatterIndx=ScatterIndx, FnSpecs=FnSpecs,
+                           FusedActivation=FusedActivation, PrecisionConfig=PrecisionConfig, swiglu_fn=swiglu_fn,
+                           BIT=BIT, Bitmatrix=LegacyBitmatrix, routing_from_bitmatrix=routing_from_bitmatrix)
