@@ -26,8 +26,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from moebench.kernels._details.experts_config import (BF16, EXPERTS_CANDIDATES, FP8_BLOCK, FP8_CANDIDATES,
-                                                      ExpertsConfig, fit_config, fit_fp8_config)
+from moebench.kernels.fused_experts_fp8 import FP8_CANDIDATES, fit_fp8_config
+from moebench.kernels.grouped_gemm import BF16, EXPERTS_CANDIDATES, FP8_BLOCK, ExpertsConfig, fit_config
 
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 TABLES = {BF16: EXPERTS_CANDIDATES, FP8_BLOCK: FP8_CANDIDATES}

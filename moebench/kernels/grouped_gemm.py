@@ -38,7 +38,7 @@ import triton.language as tl
 
 from moebench.kernels._details.align_config import align_workspace_size
 from moebench.kernels._details.experts_config import (BF16, EXPERTS_CANDIDATES, FP8_BLOCK, ExpertsConfig, GemmConfig,
-                                                      choose_config, experts_choice, operand_bytes)
+                                                      choose_config, experts_choice, fit_config, operand_bytes)
 from moebench.kernels._details.jit import check_triton_device, interpreting
 from moebench.kernels._details.tuning import Choice
 from moebench.kernels.fp8_quant import ACT_GROUP, E4M3
@@ -47,7 +47,7 @@ from moebench.kernels.moe_align_block_size import align_capacity, moe_align_bloc
 from moebench.kernels.row_tiles import row_tile_buffers, row_tile_map
 from moebench.kernels.stage_rows import stage_rows
 
-__all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config",
+__all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config", "fit_config",
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
            "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
            "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "tile_prologue", "persistent_programs",
