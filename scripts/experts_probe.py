@@ -7,7 +7,7 @@ peers, in one process: what `moebench tune` would do for a handful of candidates
 
 A --config is a candidate of the precision's table (kernels/_details/experts_config.py), optionally with
 overrides after a colon: `block_m=64`, `up.<field>=v`, `down.<field>=v`, `both.<field>=v` over GemmConfig's fields
-(block_n, block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize). A config of the other precision's
+(block_n, block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize, rescale). A config of the other precision's
 table is skipped. Each point goes through the registered impl (`fused_experts.triton` / `.fp8`), so it is built,
 checked against its reference and then timed as a sweep would (CUDA-graph replay, median); the kernels' own device
 times come from one profiled call, and the compiled kernels' registers, spills and shared memory from Triton's
@@ -32,7 +32,7 @@ from moebench.kernels.grouped_gemm import BF16, EXPERTS_CANDIDATES, FP8_BLOCK, E
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 TABLES = {BF16: EXPERTS_CANDIDATES, FP8_BLOCK: FP8_CANDIDATES}
 IMPL = {BF16: "fused_experts.triton", FP8_BLOCK: "fused_experts.fp8"}
-_BOOL = {"weight_tma", "act_tma", "flatten", "warp_specialize"}
+_BOOL = {"weight_tma", "act_tma", "flatten", "warp_specialize", "rescale"}
 
 
 def parse_config(spec: str, precision: str, hidden: int = HIDDEN, inter: int = INTER) -> ExpertsConfig | None:

@@ -127,12 +127,16 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
                         stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am, stride_asm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         X_SCALE: tl.constexpr, GROUP_STEPS: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                        ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
+                        ACT_TMA: tl.constexpr, RESCALE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Persistent over the tiles of the blocks that exist. w13: e4m3 [E, 2I, H] (or a TMA descriptor over its
     [E*2I, H] view, [BLOCK_N, BLOCK_K] boxes); w13s: fp32 [E, 2I/128, H/128]. Writes act (e4m3, sorted
     positions x I) and its scales (fp32 [positions, I/128]); BLOCK_N == 128 == the re-quantisation group.
     ACT_TMA: x_ptr is a TMA descriptor over the staged rows (kernels.stage_rows) with [BLOCK_M, BLOCK_K] boxes,
-    else x's rows are gathered by token. FLATTEN: the tile loop and the K loop in one software pipeline."""
+    else x's rows are gathered by token. FLATTEN: the tile loop and the K loop in one software pipeline.
+    RESCALE: promotion without the step's result beside the accumulator: each accumulator is carried in units of
+    the last step's scale f = a_scale[row] * w_scale (one weight block a tile), multiplied by f_prev / f before the
+    step's MMA accumulates into it in place and by the last f at the end; one fp32 multiply a step like the
+    promotion's, half the fp32 registers (a 128-row tile fits 8 warps: two warpgroups of 64 x 128 MMAs)."""
     num_pid_m = tl.load(num_post_ptr) // BLOCK_M
     num_pid_n = inter // BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
@@ -156,6 +160,9 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
             u_ptrs = g_ptrs + inter * stride_wn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if RESCALE:  # the scale the accumulators are carried in, per row
+            unit_g = tl.full((BLOCK_M,), 1.0, tl.float32)
+            unit_u = tl.full((BLOCK_M,), 1.0, tl.float32)
         for kb in range(0, hidden // BLOCK_K):
             if ACT_TMA:  # pad rows are zeros in the staged copy
                 a = x_ptr.load([first_row.to(tl.int32), kb * BLOCK_K])
@@ -174,13 +181,26 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
                 a = a.to(tl.float32)
                 g = g.to(tl.float32)
                 u = u.to(tl.float32)
-            acc_g += tl.dot(a, g) * (sa * sg)[:, None]
-            acc_u += tl.dot(a, u) * (sa * su)[:, None]
+            if RESCALE:  # acc in units of this step's scale: the MMA accumulates in place, no second fp32 tile
+                fg = sa * sg
+                fu = sa * su
+                fg = tl.where(fg == 0.0, 1.0, fg)  # pad rows (their A rows are zeros)
+                fu = tl.where(fu == 0.0, 1.0, fu)
+                acc_g = tl.dot(a, g, acc_g * (unit_g / fg)[:, None])
+                acc_u = tl.dot(a, u, acc_u * (unit_u / fu)[:, None])
+                unit_g = fg
+                unit_u = fu
+            else:
+                acc_g += tl.dot(a, g) * (sa * sg)[:, None]
+                acc_u += tl.dot(a, u) * (sa * su)[:, None]
             if not ACT_TMA:
                 x_ptrs += BLOCK_K
             if not WEIGHT_TMA:
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
+        if RESCALE:
+            acc_g = acc_g * unit_g[:, None]
+            acc_u = acc_u * unit_u[:, None]
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         q, s = quantize_rows_tile(act, SOFT_FP8)
         rows = offs_m.to(tl.int64)
@@ -344,6 +364,7 @@ def _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws: 
                       stride_xsm=x_scales.stride(0), stride_we=w13_q.stride(0), stride_wn=w13_q.stride(1),
                       stride_wse=w13_scales.stride(0), stride_wsn=w13_scales.stride(1), stride_am=ws.act.stride(0),
                       stride_asm=ws.act_scales.stride(0), X_SCALE=x_scale_mode(group_size, scale_format),
+                      RESCALE=cfg.gate_up.rescale,
                       GROUP_STEPS=max(1, group_size // BLOCK_K), SOFT_FP8=soft_fp8())
     launch_persistent(_fp8_down_kernel, FP8_BLOCK, cfg.block_m, cfg.down, alignment, R, E, ("w2", w2_q), H, 1,
                       act=("act_ptr", ws.act), acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y, topk_w_ptr=topk_weights,

@@ -267,10 +267,11 @@ def test_fp8_candidates_within_derived_bound(device, name):
 @pytest.mark.parametrize("G,fmt", FORMATS[:2])  # (128, ue8m0) needs H a multiple of 512
 def test_fp8_staged_rows_and_descriptors_within_derived_bound(device, G, fmt):
     """Both GEMMs' A tiles through TMA descriptors (gate/up on x's rows staged in sorted order), the tile and K
-    loops flattened, the down loop warp-specialised: the same function, within the derived bound."""
+    loops flattened, gate/up's accumulators rescaled in place, the down loop warp-specialised: the same function,
+    within the derived bound."""
     from moebench.kernels._details.experts_config import Fp8ExpertsConfig, Fp8GemmConfig
 
-    cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, act_tma=True, flatten=True),
+    cfg = Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, act_tma=True, flatten=True, rescale=True),
                            Fp8GemmConfig(128, 4, 4, 1, act_tma=True, warp_specialize=True), reduce_block_h=256)
     T, K = 16, 2
     args = _problem(device, T, K, G, fmt, seed=7)

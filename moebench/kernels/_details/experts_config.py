@@ -53,12 +53,15 @@ class GemmConfig:
     # the persistent tile loop warp-specialised (tl.range(warp_specialize=True): loads issued by a producer
     # partition, MMAs by consumers); unpaired launches only, where the Triton build supports it
     warp_specialize: bool = False
+    # fp8 gate/up: each accumulator carried in units of the step's scale and rescaled before the MMA accumulates
+    # in place (kernels.fused_experts_fp8's RESCALE), instead of the step's MMA result held beside it
+    rescale: bool = False
 
     def short(self, with_k: bool = True) -> str:
         return (f"N{self.block_n}" + (f"K{self.block_k}" if with_k else "")
                 + f"w{self.num_warps}s{self.num_stages}g{self.group_m}" + ("tma" if self.weight_tma else "")
                 + ("+a" if self.act_tma else "") + ("+f" if self.flatten else "")
-                + ("+ws" if self.warp_specialize else ""))
+                + ("+ws" if self.warp_specialize else "") + ("+r" if self.rescale else ""))
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,10 @@ class ExpertsConfig:
 
 def Fp8GemmConfig(block_n: int, group_m: int = 8, num_warps: int = 8, num_stages: int = 3,
                   weight_tma: bool = True, act_tma: bool = False, flatten: bool = False,
-                  warp_specialize: bool = False) -> GemmConfig:
+                  warp_specialize: bool = False, rescale: bool = False) -> GemmConfig:
     """An fp8 GEMM's config: BLOCK_K is the scale block; gate/up block_n 128 (one re-quantisation group)."""
     return GemmConfig(block_n, FP8_BLOCK_K, group_m, num_warps, num_stages, weight_tma, act_tma, flatten,
-                      warp_specialize)
+                      warp_specialize, rescale)
 
 
 def Fp8ExpertsConfig(block_m: int, gate_up: GemmConfig, down: GemmConfig, reduce_block_h: int = 1024,
