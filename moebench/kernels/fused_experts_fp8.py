@@ -27,9 +27,10 @@ bytes per element) instead of bf16 written, read and re-written as fp8 by a sepa
 The per-route output y is bf16, summed over slots in fp32 by the bf16 path's sum_slots.
 
 Register budget: the promotion keeps the step's MMA result beside the accumulator, so a [BM, 2*BN] program holds
-2 x BM x 256 fp32: 64 rows over 8 warps or 128 rows over 16 warps (bm128_w16_down128, the prefill default) is 128
-registers a thread. At 16 warps the group-32 ue8m0 layout's in-register exponent alignment spills, so that layout
-launches 64-row tiles (experts_config.fit_fp8_layout).
+2 x BM x 256 fp32: 64 rows over 8 warps or 128 rows over 16 warps (bm128_w16_down128) is 128 registers a thread.
+RESCALE (GemmConfig.rescale) keeps one copy instead: 128 rows over 8 warps (bm128_w8r, the prefill default), two
+warpgroups of 64 x 128 MMAs where 16 warps run four of 64 x 64. With a 128-row tile the group-32 ue8m0 layout's
+in-register exponent alignment spills, so that layout launches 64-row tiles (experts_config.fit_fp8_layout).
 """
 
 from __future__ import annotations

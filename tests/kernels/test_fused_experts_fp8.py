@@ -234,16 +234,17 @@ def test_fp8_rule_and_candidates(monkeypatch):
     import moebench.kernels._details.experts_config as mod  # the rules of both precisions
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
-    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm128_w16_down128"  # 256 rows per expert
+    assert choose_fp8_config(32768, 128, 7168, 2048).name == "bm128_w8r"  # 256 rows per expert
     assert choose_fp8_config(32767, 128, 7168, 2048).name == "bm64_s4"
     assert choose_fp8_config(256, 128, 7168, 2048).block_m == 16
     rule = fp8_choice(4096, 8, 128, 7168, 2048, "cpu")
-    assert (rule.name, rule.source, rule.bucket) == ("bm128_w16_down128", "rule", "T=4096,K=8,E=128,H=7168,I=2048")
+    assert (rule.name, rule.source, rule.bucket) == ("bm128_w8r", "rule", "T=4096,K=8,E=128,H=7168,I=2048")
     for name, cfg in FP8_CANDIDATES.items():
         choice = fp8_choice(4096, 8, 128, 7168, 2048, "cpu", name)
         assert cfg.gate_up.block_n == 128 and (choice.name, choice.source) == (name, "explicit")
-        # promotion keeps two fp32 copies of the [BM, 2*BN] gate/up tile: <= 128 registers a thread
-        assert 2 * cfg.block_m * 2 * cfg.gate_up.block_n // (32 * cfg.gate_up.num_warps) <= 128
+        # promotion keeps two fp32 copies of the [BM, 2*BN] gate/up tile (rescaled: one): <= 128 registers a thread
+        copies = 1 if cfg.gate_up.rescale else 2
+        assert copies * cfg.block_m * 2 * cfg.gate_up.block_n // (32 * cfg.gate_up.num_warps) <= 128
         assert 2 * cfg.block_m * cfg.down.block_n // (32 * cfg.down.num_warps) <= 128
     assert fp8_choice(4096, 8, 128, 7168 - 128, 2048, "cpu", "bm64_s4").config.down.block_n == 128  # H % 256 != 0
     with pytest.raises(ValueError, match="'nope' is not a fused_experts_fp8 config \\(one of bm16"):
@@ -322,19 +323,19 @@ def test_gpu_quantisers_bitwise_at_scale():
 
 
 
-def test_16_warp_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
-    """The table / rule's 16-warp gate/up tiles spill under the group-32 ue8m0 layout's per-element alignment: the
+def test_128_row_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
+    """The table / rule's 128-row gate/up tiles spill under the group-32 ue8m0 layout's per-element alignment: the
     launch for that layout is LAYOUT_FALLBACK, said in the record; other layouts, unknown layouts and explicit
     names launch what was chosen."""
     import moebench.kernels._details.experts_config as mod
 
     monkeypatch.setattr(mod, "interpreting", lambda: False)
-    shape = (256, 4, E, 256, 128)  # 256 routes per expert: the rule's bm128_w16_down128 (small buffers)
-    assert fp8_choice(*shape, "cpu").name == "bm128_w16_down128"
-    assert fp8_choice(*shape, "cpu", group_size=128, scale_format="fp32").name == "bm128_w16_down128"
+    shape = (256, 4, E, 256, 128)  # 256 routes per expert: the rule's bm128_w8r (small buffers)
+    assert fp8_choice(*shape, "cpu").name == "bm128_w8r"
+    assert fp8_choice(*shape, "cpu", group_size=128, scale_format="fp32").name == "bm128_w8r"
     v4 = fp8_choice(*shape, "cpu", group_size=32, scale_format="ue8m0_packed")
     assert (v4.name, v4.source, v4.config.block_m, v4.config.gate_up.num_warps) == ("bm64_g16_down128", "rule", 64, 8)
-    assert v4.record()["config_note"] == "bm128_w16_down128 refit for ue8m0 group-32 activation scales"
+    assert v4.record()["config_note"] == "bm128_w8r refit for ue8m0 group-32 activation scales"
     assert "config_note" not in fp8_choice(*shape, "cpu").record()
     explicit = fp8_choice(*shape, "cpu", "bm128_w16", group_size=32, scale_format="ue8m0_packed")
     assert (explicit.name, explicit.config.block_m) == ("bm128_w16", 128)
@@ -349,7 +350,7 @@ def test_16_warp_tiles_are_refit_for_group_32_ue8m0_scales(monkeypatch):
 # The default launch under both activation-scale layouts, each candidate under one of them, alternating (only the
 # gate/up kernel reads the activation scales: the down kernel compiles once per candidate either way); BM 64 (four
 # tilings, TMA and not) meets both layouts, as does the default (at 1024 routes per expert the rule's
-# bm128_w16_down128, where no tuned table has the bucket).
+# bm128_w8r, where no tuned table has the bucket).
 GPU_FP8_FORMATS = [(128, "fp32"), (32, "ue8m0_packed")]
 GPU_FP8_CASES = [(None, fmt) for fmt in GPU_FP8_FORMATS] + [
     (name, GPU_FP8_FORMATS[i % 2]) for i, name in enumerate(FP8_CANDIDATES)]

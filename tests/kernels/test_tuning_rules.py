@@ -54,8 +54,8 @@ def old_choose_fp8_config(num_routes, num_experts, hidden, intermediate) -> Fp8E
         cfg = Fp8ExpertsConfig(32, Fp8GemmConfig(128, 8, 4, 4), Fp8GemmConfig(128, 8, 4, 4))
     elif rows_per_expert < 256:
         cfg = Fp8ExpertsConfig(64, Fp8GemmConfig(128, 8, 8, 4), Fp8GemmConfig(256, 8, 8, 4))
-    else:  # the 128-row tier: the fastest from 256 rows per expert up
-        cfg = Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 4), Fp8GemmConfig(128, 8, 8, 4))
+    else:  # the 128-row tier: the fastest from 256 rows per expert up (8 warps, rescaled accumulators)
+        cfg = Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 8, 3, rescale=True), Fp8GemmConfig(128, 8, 8, 4, act_tma=True))
     if hidden % cfg.down.block_n:
         cfg = Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, Fp8GemmConfig(128, *_rest(cfg.down)), cfg.reduce_block_h)
     return Fp8ExpertsConfig(cfg.block_m, cfg.gate_up, cfg.down, min(cfg.reduce_block_h, _fit(1 << 30, hidden)))

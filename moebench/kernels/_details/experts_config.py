@@ -185,6 +185,10 @@ FP8_CANDIDATES: dict[str, ExpertsConfig] = {c.name: c for c in (
     # 128-row tiles: twice the MMA work per weight tile streamed; the gate/up program's [128, 2*128] accumulator and
     # step result (256 fp32 a thread over 8 warps) spread over 16 warps (128 registers a thread, a few spilled)
     Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 4), Fp8GemmConfig(128, 8, 8, 4), name="bm128_w16_down128"),
+    # the same 128-row gate/up tile on 8 warps (two warpgroups of 64 x 128 MMAs instead of four of 64 x 64) with its
+    # accumulators rescaled in place (one fp32 copy: 128 registers a thread); down's act rows through TMA
+    Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 8, 3, rescale=True), Fp8GemmConfig(128, 8, 8, 4, act_tma=True),
+                     name="bm128_w8r"),
     Fp8ExpertsConfig(128, Fp8GemmConfig(128, 8, 16, 3), Fp8GemmConfig(256, 8, 16, 3), name="bm128_w16"),
 )}
 
@@ -198,8 +202,9 @@ def fit_fp8_config(cfg: ExpertsConfig, hidden: int) -> ExpertsConfig:
 
 def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
     """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
-    `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more:
-    from 256 rows per expert the 128-row tiles are the fastest on the H200)."""
+    `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w8r by rows per expert (<= 24, <= 48, < 256, more: from 256
+    rows per expert the 128-row tiles are the fastest; bm128_w8r's rescaled 8-warp gate/up beat bm128_w16_down128's
+    16 warps by 8% at 2048 rows per expert on an H100, docs/benchmarks.md)."""
     if interpreting():
         # the interpreter's cost is per program and op: small M blocks, whole-ish N
         return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
@@ -207,25 +212,25 @@ def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermedia
                                 reduce_block_h=min(1024, triton.next_power_of_2(hidden)), name="interp")
     rows_per_expert = num_routes / max(1, num_experts)
     name = ("bm16" if rows_per_expert <= 24 else "bm32" if rows_per_expert <= 48 else
-            "bm64_s4" if rows_per_expert < 256 else "bm128_w16_down128")
+            "bm64_s4" if rows_per_expert < 256 else "bm128_w8r")
     return fit_fp8_config(FP8_CANDIDATES[name], hidden)
 
 
 # The launch for the group-32 ue8m0 activation scales (DeepSeek-V4 staging) where the table or the rule names a
-# 16-warp gate/up program: the per-element exponent alignment of that layout (fused_experts_fp8's X_SCALE 2) does not
-# fit its 128 registers a thread (ptxas spills several times more than with fp32 scales), which slows the layer far
-# below the 64-row tiles. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where this candidate was
+# 128-row gate/up program (16 warps, or 8 with rescaled accumulators): the per-element exponent alignment of that
+# layout (fused_experts_fp8's X_SCALE 2) does not fit beside its 128 accumulator registers a thread (ptxas spills
+# several times more than with fp32 scales), which slows the layer far below the 64-row tiles. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where this candidate was
 # the runner-up in every bucket the 16-warp tiles won.
 LAYOUT_FALLBACK = "bm64_g16_down128"
 
 
 def fit_fp8_layout(choice: Choice, hidden: int, group_size: int | None, scale_format: str | None) -> Choice:
-    """`choice` (fp8) for the activation-scale layout it will launch on: a table or rule choice with a 16-warp
+    """`choice` (fp8) for the activation-scale layout it will launch on: a table or rule choice with a 128-row
     gate/up program becomes LAYOUT_FALLBACK (with a note) for group-32 ue8m0 scales; explicit choices, other layouts
     and an unknown layout (None) are left as they are."""
     cfg = choice.config
     if (choice.source == "explicit" or group_size != 32 or scale_format != "ue8m0_packed"
-            or cfg.gate_up.num_warps <= 8):
+            or (cfg.gate_up.num_warps <= 8 and cfg.block_m < 128)):
         return choice
     fallback = fit_fp8_config(FP8_CANDIDATES[LAYOUT_FALLBACK], hidden)
     return dataclasses.replace(choice, name=LAYOUT_FALLBACK, config=fallback,
@@ -258,7 +263,7 @@ register_tunable(Tunable(
     "the interpreter: small tiles"))
 register_tunable(Tunable(
     "fused_experts_fp8", FP8_CANDIDATES, _bucket, _rule_of(FP8_BLOCK),
-    "choose_fp8_config: bm16 / bm32 / bm64_s4 / bm128_w16_down128 by rows per expert (<= 24, <= 48, < 256, more); "
+    "choose_fp8_config: bm16 / bm32 / bm64_s4 / bm128_w8r by rows per expert (<= 24, <= 48, < 256, more); "
     "the interpreter: small tiles"))
 
 
