@@ -47,7 +47,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def stage_rows(x: torch.Tensor, sorted_ids: torch.Tensor, num_post: torch.Tensor, top_k: int, out: torch.Tensor,
-               *, block_p: int = 16, block_h: int | None = None) -> torch.Tensor:
+               *, block_p: int = 4, block_h: int | None = None) -> torch.Tensor:
     """out[j] for every sorted position j < num_post (see the module docstring); out: [>= positions, H] of x's
     dtype, contiguous rows. No host synchronisation."""
     check_triton_device(x, sorted_ids, num_post, out)
@@ -58,11 +58,11 @@ def stage_rows(x: torch.Tensor, sorted_ids: torch.Tensor, num_post: torch.Tensor
     positions = min(sorted_ids.numel(), out.shape[0])
     if M == 0 or positions == 0:
         return out
-    if block_h is None:  # 16-byte vectors a thread, 8 KB of a row a program step on a GPU
-        block_h = min(triton.next_power_of_2(H), 64 if interpreting() else 8192 // x.element_size())
+    if block_h is None:  # 2 KB of each of block_p rows a step: four 16-byte vectors a thread over 4 warps
+        block_h = min(triton.next_power_of_2(H), 64 if interpreting() else 2048 // x.element_size())
     blocks = triton.cdiv(positions, block_p)
-    if x.device.type == "cuda":
-        programs = min(blocks, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if x.device.type == "cuda":  # enough programs to keep the copy's loads in flight
+        programs = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
     else:
         programs = min(blocks, 2)
     _stage_rows_kernel[(programs,)](_bits(x), _bits(out), sorted_ids, num_post, M * top_k, top_k, H, x.stride(0),
