@@ -37,5 +37,5 @@ def test_reference_runs_are_records_only_and_small():
     assert not [f for f in files if "/plots/" in f]  # moebench plot RUN_DIR draws them
     for run in {Path(f).parent for f in files}:
         assert {"manifest.json", "records.jsonl", "summary.csv"} <= {p.name for p in (REPO / run).iterdir()}, run
-    assert sum((REPO / f).stat().st_size for f in files) < 10_000_000
+    assert sum((REPO / f).stat().st_size for f in files) < 12_000_000  # the references of two cards (H200, H100)
     assert sum((REPO / f).stat().st_size for f in _tracked("plots")) < 1_000_000

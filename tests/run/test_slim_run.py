@@ -96,3 +96,19 @@ def test_slim_keeps_the_step_files(tmp_path):
     assert (run / rel).read_bytes() == before
     columns, meta = read_step_columns(run, rel)
     assert columns["layer_us"].tolist() == [0.0, 1.0, 2.0, 3.0] and meta == {"sides": ["masked"]}
+
+
+def test_per_expert_loads_a_point_repeats_are_kept_once():
+    """Records of one point routed alike keep their per-expert lists once (the first), the others name its point;
+    a record routed otherwise (a pre-fix twin) and a record of another point keep theirs."""
+    loads = {"per_expert_real": [3, 1, 2], "per_expert_padding": [0, 4, 0], "expert": {"max_over_mean": 1.2}}
+    twin = {"per_expert_real": [3, 1, 2], "per_expert_padding": [4, 0, 0]}
+    recs = [{"point": 0, "params": {"T": 8}, "imbalance": json.loads(json.dumps(loads))},
+            {"point": 1, "params": {"T": 8}, "imbalance": json.loads(json.dumps(loads))},
+            {"point": 2, "params": {"T": 8}, "imbalance": dict(twin)},
+            {"point": 3, "params": {"T": 16}, "imbalance": json.loads(json.dumps(loads))},
+            {"point": 4, "params": {"T": 8}}]
+    SLIM["dedup_expert_loads"](recs)
+    assert recs[0]["imbalance"] == loads and recs[3]["imbalance"] == loads and recs[2]["imbalance"] == twin
+    assert recs[1]["imbalance"] == {"expert": {"max_over_mean": 1.2}, "per_expert_of_point": 0}
+    assert "imbalance" not in recs[4]
