@@ -5,14 +5,15 @@ peers, in one process: what `moebench tune` would do for a handful of candidates
         --config bm128_tma --config "bm128_tma:down.act_tma=1,both.flatten=1" \
         --impl fused_experts.ceiling --impl fused_experts.fp8_deepgemm --out probe.json
 
-A --config is a candidate of the precision's table (kernels/_details/experts_config.py), optionally with
-overrides after a colon: `block_m=64`, `up.<field>=v`, `down.<field>=v`, `both.<field>=v` over GemmConfig's fields
-(block_n, block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize, rescale). A config of the other precision's
-table is skipped. Each point goes through the registered impl (`fused_experts.triton` / `.fp8`), so it is built,
-checked against its reference and then timed as a sweep would (CUDA-graph replay, median); the kernels' own device
-times come from one profiled call, and the compiled kernels' registers, spills and shared memory from Triton's
-cache. Before anything is timed, a pool of processes compiles every variant once (Triton's disk cache is shared).
-The table printed last has one row per (shape, precision, config or impl).
+A --config is a candidate of the precision's table (kernels/_details/experts_config.py), optionally with overrides
+after a colon: `block_m=64`, `up.<field>=v`, `down.<field>=v`, `both.<field>=v` over GemmConfig's fields (block_n,
+block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize, rescale). A config of the
+other precision's table is skipped. Each point goes through the registered impl (`fused_experts.triton` / `.fp8`), so
+it is built, checked against its reference and then timed as a sweep would (CUDA-graph replay, median); the kernels'
+own device times are the mean of 3 profiled eager calls, and the compiled kernels' registers, spills and shared memory from
+Triton's cache. Before anything is timed, a pool of processes compiles every variant once (Triton's disk cache is
+shared). The table printed last has one row per (shape, precision, config or impl). Exit 1 when a row failed its
+check or did not run. `--device cpu` smoke-tests the script under Triton's interpreter (set TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ IMPL = {BF16: "fused_experts.triton", FP8_BLOCK: "fused_experts.fp8"}
 _BOOL = {"weight_tma", "act_tma", "flatten", "warp_specialize", "rescale"}
 
 
+def _bad(message: str):
+    """Bad input: one line on stderr, exit 2, nothing run."""
+    print(f"experts_probe.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_config(spec: str, precision: str, hidden: int = HIDDEN, inter: int = INTER) -> ExpertsConfig | None:
     """A --config spec as the precision's ExpertsConfig (fitted to H/I), or None when its name is another table's."""
     name, _, overrides = spec.partition(":")
@@ -42,21 +49,28 @@ def parse_config(spec: str, precision: str, hidden: int = HIDDEN, inter: int = I
     if name not in table:
         if name in TABLES[BF16 if precision == FP8_BLOCK else FP8_BLOCK]:
             return None
-        raise SystemExit(f"--config {spec!r}: {name!r} is in neither candidate table")
+        _bad(f"--config {spec!r}: {name!r} is in neither candidate table")
     cfg = table[name]
     cfg = fit_config(cfg, hidden, inter) if precision == BF16 else fit_fp8_config(cfg, hidden)
     up, down, top = {}, {}, {}
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
         where, _, field = key.rpartition(".")
+        if not value.lstrip("-").isdigit():
+            _bad(f"--config {spec!r}: {key}={value!r}: expected an integer (0 or 1 for a flag)")
         v = bool(int(value)) if field in _BOOL else int(value)
         if where == "":
             top[field] = v
         else:
+            if where not in ("up", "down", "both"):
+                _bad(f"--config {spec!r}: {key!r}: expected <field>, up.<field>, down.<field> or both.<field>")
             for target in {"up": (up,), "down": (down,), "both": (up, down)}[where]:
                 target[field] = v
-    return dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, **up),
-                               down=dataclasses.replace(cfg.down, **down), name=spec, **top)
+    try:
+        return dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, **up),
+                                   down=dataclasses.replace(cfg.down, **down), name=spec, **top)
+    except TypeError as e:  # a field the config does not have
+        _bad(f"--config {spec!r}: {e}")
 
 
 def _params(experts: int, tokens: int, precision: str, config, shape=(HIDDEN, INTER, TOP_K)):
@@ -131,13 +145,15 @@ def _compiled(kernel_names: tuple[str, ...]) -> dict[str, list[dict]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Check and time launch-config variants of the expert GEMMs beside the "
+                                 "GEMM ceiling and peers (see the module docstring).")
     ap.add_argument("--experts", type=lambda s: [int(v) for v in s.split(",")], default=[32])
     ap.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[8192])
     ap.add_argument("--precision", type=lambda s: [{"fp8": FP8_BLOCK}.get(v, v) for v in s.split(",")],
                     default=[BF16, FP8_BLOCK])
-    ap.add_argument("--config", action="append", default=[])
-    ap.add_argument("--impl", action="append", default=[])
+    ap.add_argument("--config", action="append", default=[],
+                    help="NAME[:key=v,...]: a candidate of the precision's table, with GemmConfig overrides")
+    ap.add_argument("--impl", action="append", default=[], help="a registered impl to time beside, e.g. a peer")
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--inter", type=int, default=INTER)
     ap.add_argument("--top-k", type=int, default=TOP_K)
@@ -214,7 +230,7 @@ def main() -> int:
         ks = " ".join(f"{n.split('(')[0][:22]}={us}" for n, us in r.get("kernels", [])[:3])
         print(f"{r['experts']:>4} {r['tokens']:>6} {r['precision']:>9} {r.get('p50_us', float('nan')):>9.1f} "
               f"{tf:>8} {r.get('sm_clock_mhz') or '-':>5}  {r['check'][:5]:5}  {r['what']}  [{ks}]")
-    return 0
+    return 0 if all(r.get("check") == "ok" for r in rows) else 1
 
 
 if __name__ == "__main__":

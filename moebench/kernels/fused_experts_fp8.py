@@ -128,7 +128,8 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
                         stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am, stride_asm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         X_SCALE: tl.constexpr, GROUP_STEPS: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                        ACT_TMA: tl.constexpr, RESCALE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
+                        ACT_TMA: tl.constexpr, RESCALE: tl.constexpr, FLATTEN: tl.constexpr,
+                        WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Persistent over the tiles of the blocks that exist. w13: e4m3 [E, 2I, H] (or a TMA descriptor over its
     [E*2I, H] view, [BLOCK_N, BLOCK_K] boxes); w13s: fp32 [E, 2I/128, H/128]. Writes act (e4m3, sorted
     positions x I) and its scales (fp32 [positions, I/128]); BLOCK_N == 128 == the re-quantisation group.
@@ -368,7 +369,8 @@ def _gemms(x_q, x_scales, topk_weights, w13_q, w13_scales, w2_q, w2_scales, ws: 
                       RESCALE=cfg.gate_up.rescale,
                       GROUP_STEPS=max(1, group_size // BLOCK_K), SOFT_FP8=soft_fp8())
     launch_persistent(_fp8_down_kernel, FP8_BLOCK, cfg.block_m, cfg.down, alignment, R, E, ("w2", w2_q), H, 1,
-                      act=("act_ptr", ws.act), acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y, topk_w_ptr=topk_weights,
+                      act=("act_ptr", ws.act), acts_ptr=ws.act_scales, w2s_ptr=w2_scales, y_ptr=ws.y,
+                      topk_w_ptr=topk_weights,
                       hidden=H, inter=inter, stride_am=ws.act.stride(0), stride_asm=ws.act_scales.stride(0),
                       stride_we=w2_q.stride(0), stride_wn=w2_q.stride(1), stride_wse=w2_scales.stride(0),
                       stride_wsn=w2_scales.stride(1), stride_ym=ws.y.stride(0), SOFT_BF16=soft_bf16(ws.y))

@@ -19,8 +19,7 @@ full tiles keep the wider tile's weight reuse.
 
 What both precisions share lives here, once: the config (`ExpertsConfig.precision`, kernels._details.experts_config:
 tables, rules, `experts_choice`), the alignment, the workspace (`make_workspace(precision=)`), the operand checks,
-the tile start every kernel begins a tile with (`tile_rows`, and `tile_prologue` = swizzle + tile_rows for the
-one-block-a-tile kernels; @triton.jit helpers Triton inlines), the
+the tile start every kernel begins a tile with (`swizzle`, `tile_rows`: @triton.jit helpers Triton inlines), the
 persistent-program sizing and the launch (`launch_persistent`). The kernels differ only in their K loop and
 epilogue: the bf16 ones (gate_up_swiglu, down_proj and their plain-torch references) in kernels.grouped_gemm_bf16,
 the fp8 ones (scale promotion, re-quantisation) in kernels.fused_experts_fp8. The alignment's reference is
@@ -29,6 +28,7 @@ moe_align_block_size_torch. The layer runs these stages one by one (moebench.ben
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,11 @@ from moebench.kernels.stage_rows import stage_rows
 
 __all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDATES", "choose_config", "fit_config",
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
-           "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace", "launch_config",
-           "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "tile_prologue", "persistent_programs",
-           "tma_ready", "weight_operand", "staging_buffer", "gate_up_rows", "launch_persistent", "sum_slots", "sum_slots_torch"]
+           "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace",
+           "launch_config",
+           "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "persistent_programs",
+           "tma_ready", "weight_operand", "staging_buffer", "gate_up_rows", "launch_persistent", "sum_slots",
+           "sum_slots_torch"]
 
 
 def max_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -286,17 +288,6 @@ def tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M: tl.con
     return expert, offs_m, route, row_ok
 
 
-@triton.jit
-def tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr, num_routes,
-                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile -> (pid_n, expert (int64), offs_m: its BLOCK_M sorted positions, route at each, row_ok): the start of
-    every tile of an unpaired grouped-GEMM kernel (one alignment block a tile)."""
-    pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-    expert, offs_m, route, row_ok = tile_rows(pid_m * BLOCK_M, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
-                                              BLOCK_M)
-    return pid_n, expert, offs_m, route, row_ok
-
-
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -323,11 +314,7 @@ def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg:
 def tma_ready(t: torch.Tensor) -> bool:
     """Whether a TMA descriptor can cover t's [rows, last dim] view: contiguous, 16-byte aligned rows, a row count
     within int32, and a Triton with host-side descriptors."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - triton without host-side descriptors
-        TensorDescriptor = None
-    if TensorDescriptor is None:  # pragma: no cover
+    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:  # pragma: no cover - no host descriptors
         return False
     rows = t.numel() // max(1, t.shape[-1])
     return (t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -376,10 +363,11 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
     the aligned blocks: tile_dim output columns per expert (I or H) in BLOCK_N tiles; weight = (the kernel's
     argument name, w13 or w2), passed as a TMA descriptor where gemm asks and the layout allows, `weight_tiles`
     weight tiles per K step (gate/up: 2). `paired`: the kernel walks a row tile map (kernels.row_tiles) whose full
-    tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. `act` (down kernels): (argument name, act of
-    contiguous sorted-position rows), passed as a [BLOCK_M, BLOCK_K]-box descriptor where gemm.act_tma asks and the
-    launch is unpaired (ACT_TMA). FLATTEN, WARP_SPEC: gemm.flatten, .warp_specialize, unpaired only. Every kernel takes the arguments named
-    here; `args` holds the rest of its own. False (nothing launched) when there is no route."""
+    tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. `act`: (argument name, A rows in sorted-position
+    order: down's act, or gate/up's staged x rows), passed as a [BLOCK_M, BLOCK_K]-box descriptor where gemm.act_tma
+    asks and the launch is unpaired (ACT_TMA). FLATTEN, WARP_SPEC: gemm.flatten, .warp_specialize, unpaired only.
+    Every kernel takes the arguments named here; `args` holds the rest of its own. False (nothing launched) when
+    there is no route."""
     num_pid_m = max_blocks(num_routes, num_experts, block_m)  # tiles <= blocks, paired or not
     if num_routes == 0 or num_pid_m == 0:
         return False
@@ -396,6 +384,7 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
         sorted_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_ptr=num_post, num_routes=num_routes,
         num_programs=programs, **{w_name: w_arg}, **args,
         BLOCK_M=tile_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, WEIGHT_TMA=tma,
-        FLATTEN=gemm.flatten and not paired, WARP_SPEC=gemm.warp_specialize and not paired, UPCAST_DOT=interpreting(), num_warps=gemm.num_warps,
+        FLATTEN=gemm.flatten and not paired, WARP_SPEC=gemm.warp_specialize and not paired,
+        UPCAST_DOT=interpreting(), num_warps=gemm.num_warps,
         num_stages=gemm.num_stages)
     return True

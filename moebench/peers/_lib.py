@@ -44,7 +44,7 @@ class Library:
         self.reason: str | None = None
         self.origin: dict[str, Any] | None = None
         self._source: str | None = top_module
-        if importlib.util.find_spec(top_module) is None:
+        if not _installed(top_module):
             self._source = next((v for v in vendored if _findable(v)), None)
             if self._source is None:
                 where = "".join(f" or {v!r}" for v in vendored)
@@ -89,6 +89,13 @@ class Library:
         if not ctx.is_cuda and not getattr(lib, "MOEBENCH_STANDIN", False):
             return f"{self.name} kernels run on CUDA only"
         return None
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` is on the path as a module or regular package: a bare namespace package (a directory without
+    __init__.py, e.g. the `vllm/` that holds only a copy of vllm/third_party) is not the library."""
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def _findable(module: str) -> bool:

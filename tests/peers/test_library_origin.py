@@ -48,6 +48,14 @@ def test_neither_installed_nor_bundled_says_where_it_looked():
     assert lib.status().startswith("vendlib not loaded")
 
 
+def test_a_namespace_directory_is_not_the_library(tmp_path, monkeypatch):
+    """A directory named like the library without __init__.py (vLLM's third_party copied alone) is not it."""
+    (tmp_path / TOP / "third_party").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lib = Library("vendlib", TOP, _load)
+    assert lib.get() is None and lib.reason.startswith("vendlib is not installed")
+
+
 def test_the_installed_module_comes_first(bundle, tmp_path):
     (tmp_path / TOP).mkdir()
     (tmp_path / TOP / "__init__.py").write_text("__version__ = '9.0'\n")

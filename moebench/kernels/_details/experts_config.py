@@ -44,14 +44,13 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     weight_tma: bool = False  # weight tiles through a TMA descriptor (where the layout allows), else cp.async
-    # the down GEMM's A tiles (act: contiguous rows of sorted positions) through a TMA descriptor too; unpaired
-    # launches only (a descriptor's box has one row count); ignored by gate/up, whose A rows are gathered
+    # A tiles through a TMA descriptor too: down reads act's contiguous rows; gate/up reads x's rows staged in sorted
+    # order (kernels.stage_rows) where its workspace has the buffer; unpaired launches only (one box row count)
     act_tma: bool = False
     # the persistent tile loop and the K loop fused into one software pipeline (tl.range(flatten=True)), so the
     # next tile's first loads are in flight during this tile's epilogue; unpaired launches only
     flatten: bool = False
-    # the persistent tile loop warp-specialised (tl.range(warp_specialize=True): loads issued by a producer
-    # partition, MMAs by consumers); unpaired launches only, where the Triton build supports it
+    # the persistent tile loop warp-specialised by Triton (tl.range(warp_specialize=True)); unpaired launches only
     warp_specialize: bool = False
     # fp8 gate/up: each accumulator carried in units of the step's scale and rescaled before the MMA accumulates
     # in place (kernels.fused_experts_fp8's RESCALE), instead of the step's MMA result held beside it
@@ -203,8 +202,9 @@ def fit_fp8_config(cfg: ExpertsConfig, hidden: int) -> ExpertsConfig:
 def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermediate: int) -> ExpertsConfig:
     """The rule (the config where the tuned table has no entry), deterministic from the host-known shapes (like
     `choose_config`): BM16 / BM32 / bm64_s4 / bm128_w8r by rows per expert (<= 24, <= 48, < 256, more: from 256
-    rows per expert the 128-row tiles are the fastest; bm128_w8r's rescaled 8-warp gate/up beat bm128_w16_down128's
-    16 warps by 8% at 2048 rows per expert on an H100, docs/benchmarks.md)."""
+    rows per expert the 128-row tiles were the fastest on the H200; bm128_w8r's rescaled 8-warp gate/up kernel took
+    9% less than bm128_w16_down128's 16 warps at 2048 rows per expert on an H100, docs/benchmarks.md; not measured
+    between 256 and 2048)."""
     if interpreting():
         # the interpreter's cost is per program and op: small M blocks, whole-ish N
         return Fp8ExpertsConfig(16, Fp8GemmConfig(128, 4, 4, 1, weight_tma=False),
@@ -217,10 +217,11 @@ def choose_fp8_config(num_routes: int, num_experts: int, hidden: int, intermedia
 
 
 # The launch for the group-32 ue8m0 activation scales (DeepSeek-V4 staging) where the table or the rule names a
-# 128-row gate/up program (16 warps, or 8 with rescaled accumulators): the per-element exponent alignment of that
-# layout (fused_experts_fp8's X_SCALE 2) does not fit beside its 128 accumulator registers a thread (ptxas spills
-# several times more than with fp32 scales), which slows the layer far below the 64-row tiles. The table is tuned on fp32 group-128 scales (tune_experts_fp8), where this candidate was
-# the runner-up in every bucket the 16-warp tiles won.
+# 128-row gate/up program: at 16 warps the per-element exponent alignment of that layout (fused_experts_fp8's X_SCALE
+# 2) does not fit beside its 128 registers a thread (ptxas spills several times more than with fp32 scales), which
+# slows the layer far below the 64-row tiles; the 8-warp rescaled tile holds as many accumulator registers, so it is
+# refit too (not measured under that layout). The table is tuned on fp32 group-128 scales (tune_experts_fp8), where
+# this candidate was the runner-up in every bucket the 16-warp tiles won.
 LAYOUT_FALLBACK = "bm64_g16_down128"
 
 
