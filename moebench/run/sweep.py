@@ -276,9 +276,23 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
     if size is not None:
         raw = _apply_paths(raw, _named_size(raw, src, size))
     raw = apply_overrides(raw, overrides or [])
-    sweep = sweep_from_dict(raw, src, max_points=max_points)
+    try:
+        sweep = sweep_from_dict(raw, src, max_points=max_points)
+    except SweepError as e:
+        raise SweepError(f"{e}{_set_named_in(str(e), overrides or [])}") from None
     _check_sizes(file_raw, src, max_points)  # after the sweep itself: its own problems are named first
     return sweep
+
+
+def _set_named_in(message: str, overrides: list[str]) -> str:
+    """" (from --set EXPR)" for the last override whose key the message names (a top-level parameter is named as
+    the `fixed.<key>` it became), else ""."""
+    for expr in reversed(overrides):
+        path, _ = parse_set(expr)
+        keys = {".".join(path)} | ({f"fixed.{path[0]}"} if len(path) == 1 and path[0] in param_names() else set())
+        if any(f": {k}:" in message or f": {k} " in message or message.endswith(f": {k}") for k in keys):
+            return f" (from --set {expr})"
+    return ""
 
 
 def size_overrides(path: str | Path, size: str) -> list[str]:

@@ -126,6 +126,17 @@ def test_cli_bad_set_expression(tmp_path, capsys):
     assert "--set axes.top_k: expected key=value" in capsys.readouterr().err
 
 
+def test_a_bad_set_value_names_the_set_that_gave_it(tmp_path, capsys):
+    """A refused value says which --set wrote it, a top-level parameter under the fixed.<key> it became."""
+    path = _write(tmp_path, GOOD)
+    assert main(["run", str(path), "--set", "top_k=abc", "--dry-run", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "fixed.top_k: expected int" in err and err.rstrip().endswith("(from --set top_k=abc)")
+    assert main(["run", str(path), "--set", "axes.top_k=abc", "--dry-run"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(from --set axes.top_k=abc)")
+    assert not (tmp_path / "r").exists()
+
+
 def test_dry_run_lists_points_and_writes_nothing(tmp_path, capsys):
     path = _write(tmp_path, GOOD)
     code = main(["run", str(path), "--dry-run", "--out", str(tmp_path / "r")])
