@@ -69,7 +69,7 @@ def parse_config(spec: str, precision: str, hidden: int = HIDDEN, inter: int = I
     try:
         return dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, **up),
                                    down=dataclasses.replace(cfg.down, **down), name=spec, **top)
-    except TypeError as e:  # a field the config does not have
+    except (TypeError, ValueError) as e:  # a field the config does not have, a knob it refuses
         _bad(f"--config {spec!r}: {e}")
 
 

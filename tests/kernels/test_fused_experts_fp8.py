@@ -286,6 +286,16 @@ def test_fp8_staged_rows_and_descriptors_within_derived_bound(device, G, fmt):
     assert res.ok, res.detail
 
 
+def test_rescale_is_refused_where_it_would_do_nothing():
+    from moebench.kernels._details.experts_config import ExpertsConfig, Fp8ExpertsConfig, Fp8GemmConfig, GemmConfig
+
+    with pytest.raises(ValueError, match="fp8 gate/up GEMM only"):
+        ExpertsConfig(16, GemmConfig(64, 64, rescale=True), GemmConfig(64, 64))
+    with pytest.raises(ValueError, match="fp8 gate/up GEMM only"):
+        Fp8ExpertsConfig(16, Fp8GemmConfig(128), Fp8GemmConfig(128, rescale=True))
+    assert Fp8ExpertsConfig(16, Fp8GemmConfig(128, rescale=True), Fp8GemmConfig(128)).gate_up.rescale
+
+
 def test_registered_fp8_impls_check(device):
     from moebench.registry import RunContext, get
     from moebench.params import Params

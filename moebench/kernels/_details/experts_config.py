@@ -75,6 +75,11 @@ class ExpertsConfig:
     # tile (kernels.row_tiles): block_m's padding with 2*block_m's weight reuse per row
     paired: bool = False
 
+    def __post_init__(self):
+        # rescale is the fp8 gate/up promotion's: elsewhere it would be recorded ("+r") and do nothing
+        if self.down.rescale or (self.gate_up.rescale and self.precision != FP8_BLOCK):
+            raise ValueError("rescale is a knob of the fp8 gate/up GEMM only")
+
     def short(self) -> str:
         g, d = self.gate_up, self.down
         if self.precision == BF16:
