@@ -112,7 +112,8 @@ def _state_estimate(table: Table, cost: RunEstimate, sweep: Sweep) -> None:
     for text in lines:
         table.comment(text)
     if warning:
-        if not sys.stdout.isatty():  # the table is kept: it says so too; on a terminal stderr's line is enough
+        stream = getattr(table.out, "isatty", None)
+        if not (stream and stream()):  # the table is kept: it says so too; on a terminal stderr's line is enough
             table.comment(f"warning: {warning}")
         sys.stderr.write(f"moebench: warning: {warning}\n")
         sys.stderr.flush()
