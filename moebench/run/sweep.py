@@ -2,13 +2,11 @@
 
 The data a point is made of (Params, Timing, Point) lives in moebench.params, below everything; this module loads
 and validates sweeps, which needs the registry (impl names and their limits), the plugins, the presets and the
-headline specs, so it sits above all of them and nothing below the runner imports it.
-
-Every problem is reported as one `SweepError` line naming the file, the key and the reason, before anything
-runs or is written. Limits that keep hostile input cheap: the strict YAML rules of `strict_yaml` (no aliases, no
-duplicate keys, bounded depth and size, UTF-8), finite numbers only, names of NAME_PATTERN, and the point count
-(the product of the axis lengths times the impls) at most `max_points` (DEFAULT_MAX_POINTS), computed before any
-point is built.
+headline specs, so it sits above all of them and nothing below the runner imports it. Every problem is one
+`SweepError` line naming the file, the key (and the `--set` that gave it) and the reason, before anything runs or
+is written. Limits that keep hostile input cheap: the strict YAML rules of `strict_yaml` (no aliases, no duplicate
+keys, bounded depth and size, UTF-8), finite numbers only, names of NAME_PATTERN, and the point count (the product
+of the axis lengths times the impls) at most `max_points` (DEFAULT_MAX_POINTS), computed before any point is built.
 """
 
 from __future__ import annotations
@@ -273,26 +271,14 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, *,
     if not isinstance(raw, dict):
         raise SweepError(f"{src}: top level: expected a mapping, got {type(raw).__name__}")
     file_raw = raw
-    if size is not None:
-        raw = _apply_paths(raw, _named_size(raw, src, size))
-    raw = apply_overrides(raw, overrides or [])
+    raw = apply_overrides(_apply_paths(raw, _named_size(raw, src, size)) if size is not None else raw, overrides or [])
     try:
         sweep = sweep_from_dict(raw, src, max_points=max_points)
-    except SweepError as e:
-        raise SweepError(f"{e}{_set_named_in(str(e), overrides or [])}") from None
+    except SweepError as e:  # name the --set that gave the refused key (a top-level parameter is its fixed.<key>)
+        named = [x for x in overrides or [] if re.search(rf": (fixed\.)?{re.escape(x.split('=')[0])}[: ]", f"{e} ")]
+        raise SweepError(f"{e} (from --set {named[-1]})" if named else str(e)) from None
     _check_sizes(file_raw, src, max_points)  # after the sweep itself: its own problems are named first
     return sweep
-
-
-def _set_named_in(message: str, overrides: list[str]) -> str:
-    """" (from --set EXPR)" for the last override whose key the message names (a top-level parameter is named as
-    the `fixed.<key>` it became), else ""."""
-    for expr in reversed(overrides):
-        path, _ = parse_set(expr)
-        keys = {".".join(path)} | ({f"fixed.{path[0]}"} if len(path) == 1 and path[0] in param_names() else set())
-        if any(f": {k}:" in message or f": {k} " in message or message.endswith(f": {k}") for k in keys):
-            return f" (from --set {expr})"
-    return ""
 
 
 def size_overrides(path: str | Path, size: str) -> list[str]:
