@@ -297,7 +297,8 @@ SMALL = dict(num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, 
 def test_composition_against_real_retiming_on_cpu():
     """The layer itself, re-timed call by call (fresh batch and pipeline each), against the composition of the
     same two steps from one timing per shape: the sums cover the same calls, so only timing noise separates them;
-    under the interpreter on a shared CPU that noise is large, hence the loose bound (the H200 check is 5%)."""
+    under the interpreter on a shared CPU that noise is large and one-sided (other work only adds time), hence the
+    best of three timings on each side and the loose bound (the H200 check is 5%)."""
     p = replace(Params(), **SMALL)
     engine = Engine((4,), dp_size=1)
     paddings = [step_padding([3], engine), step_padding([3], engine)]
@@ -306,13 +307,15 @@ def test_composition_against_real_retiming_on_cpu():
     assert shapes == [(3, 3), (4, 3)]
     table = {}
     for s in shapes:
-        f = bench.measure_shape(*s)
-        table.update({(side, *s): f.layer_us[side] for side in SIDES})
+        for _ in range(3):
+            f = bench.measure_shape(*s)
+            for side in SIDES:
+                table[(side, *s)] = min(table.get((side, *s), float("inf")), f.layer_us[side])
     assert bench.shape_figures(4, 3).padding_gemm_rows == f.padding_gemm_rows and f.layer_us  # figures untimed
 
     def fresh(side: str, rows: int, real: int) -> float:
         sp, batch = bench.batch(rows, real)
-        return bench.time_side(sp, batch, side)
+        return min(bench.time_side(sp, batch, side) for _ in range(3))
 
     composed, replayed = totals(compose(paddings, table)), totals(replay(paddings, fresh))
     for side in SIDES:
