@@ -7,12 +7,13 @@ peers, in one process: what `moebench tune` would do for a handful of candidates
 
 A --config is a candidate of the precision's table (kernels/_details/experts_config.py), optionally with overrides
 after a colon: `block_m=64`, `up.<field>=v`, `down.<field>=v`, `both.<field>=v` over GemmConfig's fields (block_n,
-block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize, rescale). A config of the
-other precision's table is skipped. Each point goes through the registered impl (`fused_experts.triton` / `.fp8`), so
-it is built, checked against its reference and then timed as a sweep would (CUDA-graph replay, median); the kernels'
-own device times are the mean of 3 profiled eager calls, and the compiled kernels' registers, spills and shared memory from
-Triton's cache. Before anything is timed, a pool of processes compiles every variant once (Triton's disk cache is
-shared). The table printed last has one row per (shape, precision, config or impl). Exit 1 when a row failed its
+block_k, group_m, num_warps, num_stages, weight_tma, act_tma, flatten, warp_specialize, rescale, one_dot). A config
+of the other precision's table is skipped. Each point goes through the registered impl (`fused_experts.triton` /
+`.fp8`), so it is built, checked against its reference and then timed as a sweep would (CUDA-graph replay, median);
+the kernels' own device times are the mean of 3 profiled eager calls, and the compiled kernels' registers, spills and
+shared memory from Triton's cache. Before anything is timed, a pool of processes compiles every variant once
+(Triton's disk cache is shared). The table printed last has one row per (shape, precision, config or impl). Exit 1
+when a row failed its
 check or did not run. `--device cpu` smoke-tests the script under Triton's interpreter (set TRITON_INTERPRET=1).
 """
 
@@ -33,7 +34,7 @@ from moebench.kernels.grouped_gemm import BF16, EXPERTS_CANDIDATES, FP8_BLOCK, E
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 TABLES = {BF16: EXPERTS_CANDIDATES, FP8_BLOCK: FP8_CANDIDATES}
 IMPL = {BF16: "fused_experts.triton", FP8_BLOCK: "fused_experts.fp8"}
-_BOOL = {"weight_tma", "act_tma", "flatten", "warp_specialize", "rescale"}
+_BOOL = {"weight_tma", "act_tma", "flatten", "warp_specialize", "rescale", "one_dot"}
 
 
 def _bad(message: str):

@@ -351,14 +351,25 @@ def gate_up_rows(gate_up: GemmConfig, x: torch.Tensor, sorted_ids: torch.Tensor,
     return dict(x_ptr=x, ACT_TMA=False)
 
 
-def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int):
+def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_dim: int, one_dot: bool = False):
     """(kernel argument, uses TMA): a TMA descriptor over w's [E*rows, K] view when the config asks for it and the
-    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself."""
-    return _descriptor(w, rows_per_box, cfg.block_k, cfg.weight_tma and tile_dim % cfg.block_n == 0)
+    layout allows it (contiguous, 16-byte rows, BLOCK_N dividing the per-expert tile dimension), else w itself.
+    `one_dot` (gate/up's w13 [E, 2I, H]): over its [E, 2, I, H] view with [1, 2, BLOCK_N, BLOCK_K] boxes instead."""
+    ok = cfg.weight_tma and tile_dim % cfg.block_n == 0
+    if not one_dot:
+        return _descriptor(w, rows_per_box, cfg.block_k, ok)
+    if not (ok and tma_ready(w)):
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, two_i, H = w.shape
+    box = [1, 2, rows_per_box, cfg.block_k]
+    return TensorDescriptor.from_tensor(w.view(E, 2, two_i // 2, H), block_shape=box), True
 
 def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, alignment, num_routes: int,
                       num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int, *,
-                      paired: bool = False, act: tuple[str, torch.Tensor] | None = None, **args) -> bool:
+                      paired: bool = False, act: tuple[str, torch.Tensor] | None = None, one_dot: bool | None = None,
+                      **args) -> bool:
     """One persistent grouped-GEMM launch of `kernel` (a gate/up or down kernel of `precision`) over the tiles of
     the aligned blocks: tile_dim output columns per expert (I or H) in BLOCK_N tiles; weight = (the kernel's
     argument name, w13 or w2), passed as a TMA descriptor where gemm asks and the layout allows, `weight_tiles`
@@ -366,6 +377,7 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
     tiles are two alignment blocks, so its BLOCK_M is 2 * block_m. `act`: (argument name, A rows in sorted-position
     order: down's act, or gate/up's staged x rows), passed as a [BLOCK_M, BLOCK_K]-box descriptor where gemm.act_tma
     asks and the launch is unpaired (ACT_TMA). FLATTEN, WARP_SPEC: gemm.flatten, .warp_specialize, unpaired only.
+    `one_dot` (bf16 gate/up; None: a kernel without ONE_DOT): gemm.one_dot's [1, 2, BN, BK] weight boxes.
     Every kernel takes the arguments named here; `args` holds the rest of its own. False (nothing launched) when
     there is no route."""
     num_pid_m = max_blocks(num_routes, num_experts, block_m)  # tiles <= blocks, paired or not
@@ -376,7 +388,9 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
     w_name, w = weight
     programs = persistent_programs(w.device, num_pid_m * triton.cdiv(tile_dim, gemm.block_n), tile_m, gemm,
                                    weight_tiles, operand_bytes(precision))
-    w_arg, tma = weight_operand(w, gemm.block_n, gemm, tile_dim)
+    w_arg, tma = weight_operand(w, gemm.block_n, gemm, tile_dim, bool(one_dot))
+    if one_dot is not None:  # bf16 gate/up: ONE_DOT where the one-box descriptor was made, else two dots
+        args["ONE_DOT"] = bool(one_dot) and tma
     if act is not None:
         act_arg, act_tma = _descriptor(act[1], tile_m, gemm.block_k, gemm.act_tma and not paired)
         args.update({act[0]: act_arg, "ACT_TMA": act_tma})

@@ -41,8 +41,10 @@ def _release_tile_counter(counter_ptr, num_programs):
 def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k, hidden,
                   inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M: tl.constexpr, ALIGN_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                  ACT_TMA: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
+                  ACT_TMA: tl.constexpr, ONE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
     """One [BLOCK_M, 2*BLOCK_N] tile of the gate/up GEMM and its SwiGLU: act rows first_row .. + BLOCK_M.
+    ONE_DOT: w13 is a descriptor over its [E, 2, I, H] view with [1, 2, BLOCK_N, BLOCK_K] boxes (the tile's gate and
+    up rows in one box): one [BLOCK_M, 2*BLOCK_N] MMA a K step, split into gate and up after the loop.
     ACT_TMA: x_ptr is a TMA descriptor over the staged rows (kernels.stage_rows: row j = x of the route at sorted
     position j, pad rows zero) with [BLOCK_M, BLOCK_K] boxes; else the rows are gathered from x by token."""
     expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, ALIGN_M)
@@ -58,8 +60,11 @@ def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_
     else:
         g_ptrs = w13 + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ONE_DOT:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < hidden - kb * BLOCK_K
@@ -69,7 +74,13 @@ def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
+        if ONE_DOT:  # [1, 2, BN, BK]: gate rows then up rows, one B operand
+            w = tl.reshape(w13.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, kb * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc)
+        elif WEIGHT_TMA:  # out-of-range columns (a K tail) are zero-filled by the TMA unit
             g = tl.trans(w13.load([gate_row, kb * BLOCK_K]))
             u = tl.trans(w13.load([gate_row + inter, kb * BLOCK_K]))
         elif EVEN_K:
@@ -78,17 +89,20 @@ def _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_
         else:
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        if not ONE_DOT:
+            if UPCAST_DOT:  # the CPU interpreter multiplies bf16 bit patterns as integers; fp32 is exact here
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         if not ACT_TMA:
             x_ptrs += BLOCK_K
         if not WEIGHT_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+    if ONE_DOT:  # columns [0, BN) gate, [BN, 2BN) up: a thread's MMA registers hold column c and c + BN alike
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     a_ptrs = act_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n_store[None, :]
     tl.store(a_ptrs, round_store_value(act, act_ptr.dtype.element_ty, SOFT_BF16),
@@ -101,9 +115,9 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
                            stride_xm, stride_we, stride_wn, stride_am,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                           ACT_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
-                           UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr, PAIRED: tl.constexpr,
-                           ALIGN_M: tl.constexpr):
+                           ACT_TMA: tl.constexpr, ONE_DOT: tl.constexpr, FLATTEN: tl.constexpr,
+                           WARP_SPEC: tl.constexpr, UPCAST_DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                           PAIRED: tl.constexpr, ALIGN_M: tl.constexpr):
     """Persistent: program p takes tiles p, p + num_programs, ... of the blocks that exist (num_post_padded is
     read on the device; PAIRED: the tile map's count, the tiles taken in order from its counter), so skipped routes
     cost no program at all.
@@ -120,11 +134,11 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
             if two_blocks:
                 _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
                               hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, ALIGN_M, BLOCK_N,
-                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, ONE_DOT, UPCAST_DOT, SOFT_BF16)
             else:
                 _gate_up_tile(first_row, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes, top_k,
                               hidden, inter, stride_xm, stride_we, stride_wn, stride_am, ALIGN_M, ALIGN_M, BLOCK_N,
-                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, UPCAST_DOT, SOFT_BF16)
+                              BLOCK_K, EVEN_K, WEIGHT_TMA, False, ONE_DOT, UPCAST_DOT, SOFT_BF16)
             tile = tl.atomic_add(num_tiles_ptr + 1, 1, sem="relaxed")
         _release_tile_counter(num_tiles_ptr + 1, num_programs)
     else:
@@ -134,7 +148,7 @@ def _gate_up_swiglu_kernel(x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_
             pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
             _gate_up_tile(pid_m * BLOCK_M, pid_n, x_ptr, w13, act_ptr, sorted_ptr, expert_ids_ptr, num_routes,
                           top_k, hidden, inter, stride_xm, stride_we, stride_wn, stride_am, BLOCK_M, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EVEN_K, WEIGHT_TMA, ACT_TMA, UPCAST_DOT, SOFT_BF16)
+                          BLOCK_K, EVEN_K, WEIGHT_TMA, ACT_TMA, ONE_DOT, UPCAST_DOT, SOFT_BF16)
 
 
 @triton.jit
@@ -245,7 +259,7 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     assert M * top_k == 0 or (act.shape[0] >= max_blocks(M * top_k, E, block_m) * block_m
                               and act.shape[1] == inter and act.stride(1) == 1)
     launch_persistent(_gate_up_swiglu_kernel, BF16, block_m, cfg, (sorted_ids, expert_ids, num_post), M * top_k, E,
-                      ("w13", w13), inter, 2, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
+                      ("w13", w13), inter, 2, one_dot=cfg.one_dot, act_ptr=act, top_k=top_k, hidden=H, inter=inter,
                       stride_xm=x.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
                       stride_am=act.stride(0), EVEN_K=H % cfg.block_k == 0, SOFT_BF16=soft_bf16(act),
                       **gate_up_rows(cfg, x, sorted_ids, num_post, top_k, x_rows, tiles is not None),

@@ -77,15 +77,18 @@ CONFIGS = [
     # gate/up's A rows staged in sorted order and read through a descriptor too (stage_rows), a K tail (H=80)
     ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True, act_tma=True),
                   GemmConfig(16, 32, 8, 4, 2, weight_tma=True, act_tma=True, warp_specialize=True)),
+    # gate and up rows in one [1, 2, BN, BK] box, one 2*BN-wide dot split after the loop; a K tail (H=80)
+    ExpertsConfig(16, GemmConfig(16, 32, 8, 4, 2, weight_tma=True, one_dot=True),
+                  GemmConfig(16, 32, 8, 4, 2, weight_tma=True)),
 ]
 
 
 @pytest.mark.parametrize("cfg_i", range(len(CONFIGS)))
 def test_other_configs(device, cfg_i):
     cfg = CONFIGS[cfg_i]
-    h, i = (80, 48) if cfg_i in (1, 3, 5, 6) else (H, I)
+    h, i = (80, 48) if cfg_i in (1, 3, 5, 6, 7) else (H, I)
     x, w13, w2, w, ids = _problem(device, 3, seed=10 + cfg_i, h=h, i=i)
-    want_tma = cfg_i in (2, 3, 5, 6)
+    want_tma = cfg_i in (2, 3, 5, 6, 7)
     assert weight_operand(w13, cfg.gate_up.block_n, cfg.gate_up, i)[1] == want_tma
     assert weight_operand(w2, cfg.down.block_n, cfg.down, h)[1] == want_tma
     out = poison(torch.empty(M, h, dtype=torch.bfloat16, device=device))

@@ -13,6 +13,7 @@ its max / RMS relative limits are that bound's, per shape. Measured on the CPU (
 under the interpreter GEMM 1 differs by ~1e-6, so almost no re-quantised element can flip.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -286,7 +287,7 @@ def test_fp8_staged_rows_and_descriptors_within_derived_bound(device, G, fmt):
     assert res.ok, res.detail
 
 
-def test_rescale_is_refused_where_it_would_do_nothing():
+def test_knobs_are_refused_where_they_would_do_nothing():
     from moebench.kernels._details.experts_config import ExpertsConfig, Fp8ExpertsConfig, Fp8GemmConfig, GemmConfig
 
     with pytest.raises(ValueError, match="fp8 gate/up GEMM only"):
@@ -294,6 +295,10 @@ def test_rescale_is_refused_where_it_would_do_nothing():
     with pytest.raises(ValueError, match="fp8 gate/up GEMM only"):
         Fp8ExpertsConfig(16, Fp8GemmConfig(128), Fp8GemmConfig(128, rescale=True))
     assert Fp8ExpertsConfig(16, Fp8GemmConfig(128, rescale=True), Fp8GemmConfig(128)).gate_up.rescale
+    with pytest.raises(ValueError, match="bf16 gate/up GEMM only"):
+        Fp8ExpertsConfig(16, dataclasses.replace(Fp8GemmConfig(128), one_dot=True), Fp8GemmConfig(128))
+    with pytest.raises(ValueError, match="bf16 gate/up GEMM only"):
+        ExpertsConfig(16, GemmConfig(64, 64), GemmConfig(64, 64, one_dot=True))
 
 
 def test_registered_fp8_impls_check(device):

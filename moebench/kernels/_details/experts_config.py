@@ -55,12 +55,16 @@ class GemmConfig:
     # fp8 gate/up: each accumulator carried in units of the step's scale and rescaled before the MMA accumulates
     # in place (kernels.fused_experts_fp8's RESCALE), instead of the step's MMA result held beside it
     rescale: bool = False
+    # bf16 gate/up: the tile's gate and up weight rows in one [1, 2, BLOCK_N, BLOCK_K] TMA box and one
+    # [BLOCK_M, 2*BLOCK_N] MMA a K step (as one 256-wide tile where BLOCK_N is 128), split after the loop
+    one_dot: bool = False
 
     def short(self, with_k: bool = True) -> str:
         return (f"N{self.block_n}" + (f"K{self.block_k}" if with_k else "")
                 + f"w{self.num_warps}s{self.num_stages}g{self.group_m}" + ("tma" if self.weight_tma else "")
                 + ("+a" if self.act_tma else "") + ("+f" if self.flatten else "")
-                + ("+ws" if self.warp_specialize else "") + ("+r" if self.rescale else ""))
+                + ("+ws" if self.warp_specialize else "") + ("+r" if self.rescale else "")
+                + ("+1dot" if self.one_dot else ""))
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class ExpertsConfig:
         # rescale is the fp8 gate/up promotion's: elsewhere it would be recorded ("+r") and do nothing
         if self.down.rescale or (self.gate_up.rescale and self.precision != FP8_BLOCK):
             raise ValueError("rescale is a knob of the fp8 gate/up GEMM only")
+        if self.down.one_dot or (self.gate_up.one_dot and self.precision != BF16):
+            raise ValueError("one_dot is a knob of the bf16 gate/up GEMM only")
 
     def short(self) -> str:
         g, d = self.gate_up, self.down
