@@ -59,8 +59,7 @@ from moebench.kernels.grouped_gemm import (
     make_workspace,
     routes_alignment,
     sum_slots,
-    swizzle,
-    tile_rows,
+    tile_prologue,
 )
 
 __all__ = ["Fp8GemmConfig", "Fp8ExpertsConfig", "FP8_CANDIDATES", "choose_fp8_config", "fit_fp8_config",
@@ -144,10 +143,8 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w13, w13s_ptr, act_ptr, acts_ptr, sorted_
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
                              warp_specialize=WARP_SPEC):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        first_row = pid_m * BLOCK_M
-        expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
-                                                  BLOCK_M)
+        pid_n, first_row, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr,
+                                                                        expert_ids_ptr, num_routes, BLOCK_M, GROUP_M)
         token = (route // top_k).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if not ACT_TMA:
@@ -225,10 +222,8 @@ def _fp8_down_kernel(act_ptr, acts_ptr, w2, w2s_ptr, y_ptr, topk_w_ptr, sorted_p
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
                              warp_specialize=WARP_SPEC):
-        pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
-        first_row = pid_m * BLOCK_M
-        expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M,
-                                                  BLOCK_M)
+        pid_n, first_row, expert, offs_m, route, row_ok = tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr,
+                                                                        expert_ids_ptr, num_routes, BLOCK_M, GROUP_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = offs_m.to(tl.int64)
         if not ACT_TMA:

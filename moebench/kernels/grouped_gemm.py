@@ -19,7 +19,8 @@ full tiles keep the wider tile's weight reuse.
 
 What both precisions share lives here, once: the config (`ExpertsConfig.precision`, kernels._details.experts_config:
 tables, rules, `experts_choice`), the alignment, the workspace (`make_workspace(precision=)`), the operand checks,
-the tile start every kernel begins a tile with (`swizzle`, `tile_rows`: @triton.jit helpers Triton inlines), the
+the tile start every kernel begins a tile with (`swizzle`, `tile_rows`, and `tile_prologue` = both for the
+one-block-a-tile kernels: @triton.jit helpers Triton inlines), the
 persistent-program sizing and the launch (`launch_persistent`). The kernels differ only in their K loop and
 epilogue: the bf16 ones (gate_up_swiglu, down_proj and their plain-torch references) in kernels.grouped_gemm_bf16,
 the fp8 ones (scale promotion, re-quantisation) in kernels.fused_experts_fp8. The alignment's reference is
@@ -51,7 +52,8 @@ __all__ = ["BF16", "FP8_BLOCK", "GemmConfig", "ExpertsConfig", "EXPERTS_CANDIDAT
            "experts_choice", "max_blocks", "align_scratch_size", "align_routes", "alignment_buffers",
            "routes_alignment", "launch_tiles", "ExpertsWorkspace", "make_workspace", "checked_workspace",
            "launch_config",
-           "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "persistent_programs",
+           "check_routes", "expert_operand_shapes", "swizzle", "tile_rows", "tile_prologue",
+           "persistent_programs",
            "tma_ready", "weight_operand", "staging_buffer", "gate_up_rows", "launch_persistent", "sum_slots",
            "sum_slots_torch"]
 
@@ -286,6 +288,17 @@ def tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M: tl.con
     route = tl.load(sorted_ptr + offs_m)
     row_ok = route < num_routes
     return expert, offs_m, route, row_ok
+
+
+@triton.jit
+def tile_prologue(tile, num_pid_m, num_pid_n, sorted_ptr, expert_ids_ptr, num_routes,
+                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile -> (pid_n, first sorted position, expert (int64), offs_m: its BLOCK_M sorted positions, route at each,
+    row_ok): the start of every tile of an unpaired fp8 grouped-GEMM kernel (one alignment block a tile)."""
+    pid_m, pid_n = swizzle(tile, num_pid_m, num_pid_n, GROUP_M)
+    first_row = pid_m * BLOCK_M
+    expert, offs_m, route, row_ok = tile_rows(first_row, sorted_ptr, expert_ids_ptr, num_routes, BLOCK_M, BLOCK_M)
+    return pid_n, first_row, expert, offs_m, route, row_ok
 
 
 _SM_COUNT: dict[int, int] = {}
