@@ -21,6 +21,7 @@ def test_a_gpu_scale_sweep_on_a_cpu_warns_and_its_cpu_size_does_not(capsys):
     assert "# estimate: ~" in out and "points would reach the point timeout" in out
     (warning,) = err.splitlines()
     assert warning.startswith("moebench: warning: this run is estimated at ~") and "--size cpu" in warning
+    assert "# warning: this run is estimated" in out  # a kept (non-terminal) table says so too
     assert main(["run", "layer", "--device", "cpu", "--dry-run", "--size", "cpu"]) == 0
     out, err = capsys.readouterr()
     assert "# estimate: ~" in out and err == ""
@@ -105,3 +106,22 @@ def test_a_point_whose_impl_cannot_run_here_costs_nothing(tmp_path):
 
     assert estimate_run([deepep], sweep.timing, CPU).total_s == COMMAND_START_S  # no deep_ep on a CPU: skipped at once
     assert estimate_run([agrs], sweep.timing, CPU).total_s > COMMAND_START_S + 2  # two ranks started, the point run
+
+
+def test_the_warning_is_not_repeated_in_a_table_on_a_terminal(capsys):
+    """On a terminal the table would print the warning beside stderr's line: only stderr says it there."""
+    import io
+
+    from moebench.report.table import Table
+    from moebench.run.runner import _param_columns, _state_estimate
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    sweep = load_sweep(next(p for p in bundled_sweeps() if p.stem == "layer"))
+    cost = estimate_run(expand(sweep), sweep.timing, CPU)
+    out = Terminal()
+    _state_estimate(Table(_param_columns(sweep), out=out, points=expand(sweep)), cost, sweep)
+    assert "# estimate: ~" in out.getvalue() and "warning" not in out.getvalue()
+    assert capsys.readouterr().err.startswith("moebench: warning: this run is estimated")
