@@ -324,24 +324,27 @@ def persistent_programs(device: torch.device, max_tiles: int, block_m: int, cfg:
     return max(1, min(max_tiles, sms * per_sm))
 
 
+_HOST_DESCRIPTORS = importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+
+
 def tma_ready(t: torch.Tensor) -> bool:
     """Whether a TMA descriptor can cover t's [rows, last dim] view: contiguous, 16-byte aligned rows, a row count
     within int32, and a Triton with host-side descriptors."""
-    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:  # pragma: no cover - no host descriptors
+    if not _HOST_DESCRIPTORS:  # pragma: no cover
         return False
     rows = t.numel() // max(1, t.shape[-1])
     return (t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
             and rows < 2**31)
 
 
-def _descriptor(t: torch.Tensor, box_rows: int, box_cols: int, ok: bool):
-    """(kernel argument, uses TMA): a TMA descriptor over t's [rows, last dim] view with [box_rows, box_cols] boxes
-    where `ok` and the layout allow it (tma_ready), else t itself."""
+def _descriptor(t: torch.Tensor, box: list[int], ok: bool, shape: tuple[int, ...] | None = None):
+    """(kernel argument, uses TMA): a TMA descriptor with `box` boxes over t viewed as `shape` (default its [rows,
+    last dim] view) where `ok` and the layout allow it (tma_ready), else t itself."""
     if not (ok and tma_ready(t)):
         return t, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block_shape=[box_rows, box_cols]), True
+    return TensorDescriptor.from_tensor(t.view(shape or (-1, t.shape[-1])), block_shape=box), True
 
 
 def staging_buffer(gate_up: GemmConfig, paired: bool, rows: int, hidden: int, dtype: torch.dtype,
@@ -370,14 +373,9 @@ def weight_operand(w: torch.Tensor, rows_per_box: int, cfg: "GemmConfig", tile_d
     `one_dot` (gate/up's w13 [E, 2I, H]): over its [E, 2, I, H] view with [1, 2, BLOCK_N, BLOCK_K] boxes instead."""
     ok = cfg.weight_tma and tile_dim % cfg.block_n == 0
     if not one_dot:
-        return _descriptor(w, rows_per_box, cfg.block_k, ok)
-    if not (ok and tma_ready(w)):
-        return w, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+        return _descriptor(w, [rows_per_box, cfg.block_k], ok)
     E, two_i, H = w.shape
-    box = [1, 2, rows_per_box, cfg.block_k]
-    return TensorDescriptor.from_tensor(w.view(E, 2, two_i // 2, H), block_shape=box), True
+    return _descriptor(w, [1, 2, rows_per_box, cfg.block_k], ok, (E, 2, two_i // 2, H))
 
 def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, alignment, num_routes: int,
                       num_experts: int, weight: tuple[str, torch.Tensor], tile_dim: int, weight_tiles: int, *,
@@ -405,7 +403,7 @@ def launch_persistent(kernel, precision: str, block_m: int, gemm: GemmConfig, al
     if one_dot is not None:  # bf16 gate/up: ONE_DOT where the one-box descriptor was made, else two dots
         args["ONE_DOT"] = bool(one_dot) and tma
     if act is not None:
-        act_arg, act_tma = _descriptor(act[1], tile_m, gemm.block_k, gemm.act_tma and not paired)
+        act_arg, act_tma = _descriptor(act[1], [tile_m, gemm.block_k], gemm.act_tma and not paired)
         args.update({act[0]: act_arg, "ACT_TMA": act_tma})
     kernel[(programs,)](
         sorted_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_post_ptr=num_post, num_routes=num_routes,
