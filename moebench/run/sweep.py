@@ -420,8 +420,11 @@ def sweep_from_dict(raw: dict, src: str = "<memory>", *, max_points: int | None 
     timing = Timing(**t)
     if timing.mode not in TIMING_MODES:
         raise _fail(src, "timing.mode", f"{timing.mode!r} is not one of {', '.join(TIMING_MODES)}")
-    if timing.iters < 1 or timing.warmup < 0 or timing.unroll < 1 or timing.max_seconds <= 0:
-        raise _fail(src, "timing", "iters and unroll must be >= 1, warmup >= 0, max_seconds > 0")
+    for k, floor in (("iters", 1), ("unroll", 1), ("warmup", 0)):  # each key by name: load_sweep names its --set
+        if getattr(timing, k) < floor:
+            raise _fail(src, f"timing.{k}", f"{getattr(timing, k)} is not >= {floor}")
+    if timing.max_seconds <= 0:
+        raise _fail(src, "timing.max_seconds", f"{timing.max_seconds} is not > 0")
     if timing.point_timeout_s is not None and timing.point_timeout_s <= 0:
         raise _fail(src, "timing.point_timeout_s", f"{timing.point_timeout_s} is not > 0 (null: the device default)")
     for k, limit in TIMING_LIMITS.items():
