@@ -219,8 +219,10 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     path = [k for k in key.strip().split(".") if k]
     if not path:
         raise SweepError(f"--set {expr}: empty key")
+    if not raw.strip():  # `--set trace_file=$T` with T unset would silently mean "none": make the user say so
+        raise SweepError(f"--set {expr}: no value for {'.'.join(path)} (write {'.'.join(path)}=null to unset it)")
     try:
-        value = strict_yaml.loads(raw) if raw.strip() else None
+        value = strict_yaml.loads(raw)
     except strict_yaml.YAMLRefused as e:
         raise SweepError(f"--set {expr}: {e}") from None
     except yaml.YAMLError as e:

@@ -209,7 +209,9 @@ def test_profile_bad_point_creates_nothing(tmp_path, capsys, monkeypatch):
     (["--set", "axes.top_k=[1, 2"], "--set axes.top_k=[1, 2: value is not valid YAML"),
     (["--resume", "nowhere"], "--resume nowhere: not a directory"),
     (["--set", "timing.iters=-3"], "timing.iters: -3 is not >= 1 (from --set timing.iters=-3)"),
-], ids=["device", "device_index", "set_no_value", "set_bad_yaml", "resume_missing", "set_negative_iters"])
+    (["--set", "trace_file="], "--set trace_file=: no value for trace_file"),  # not the synthetic trace, silently
+], ids=["device", "device_index", "set_no_value", "set_bad_yaml", "resume_missing", "set_negative_iters",
+        "set_empty_value"])
 def test_bad_options_refused(tmp_path, capsys, monkeypatch, args, message):
     path = _write(tmp_path, GOOD)
     _refused(tmp_path, capsys, monkeypatch, ["run", path, "--out", tmp_path / "out", *args], message)
