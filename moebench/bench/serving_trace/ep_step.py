@@ -29,6 +29,7 @@ the composed steps the record states.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -302,11 +303,9 @@ def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | N
     """Sums over the steps (each weighted by its count: a distinct step stands for `counts[i]` steps) per side,
     and the tax split of the sums."""
     counts = counts if counts is not None else [1] * len(per_step)
-    sums = {side: {k: 0.0 for k in SUMMED} for side in SIDES}
-    for st, n in zip(per_step, counts):
-        for side in SIDES:
-            for k in SUMMED:
-                sums[side][k] += n * getattr(st[side], k)
+    # fsum: the exact sum, whatever the order (the array composition, ep_arrays, sums the same products)
+    sums = {side: {k: math.fsum(n * getattr(st[side], k) for st, n in zip(per_step, counts)) for k in SUMMED}
+            for side in SIDES}
     m, o = (SideStep(**{k: sums[s][k] for k in SUMMED}) for s in SIDES)
     split = tax_split(m, o)
     split["straggler_wait_us"] = {s: sums[s]["experts_us"] - sums[s]["mean_rank_us"] for s in SIDES}

@@ -224,16 +224,19 @@ class RankCostModel:
     __call__ = predict
 
     def batch(self, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """predict() of every rank of a micro-batch at once: counts int [R, E], rows int [R] -> float64 [R]."""
+        """predict() of many workloads at once: counts int [N, E], rows int [N] -> float64 [N] (the launch looked up
+        once per distinct row count)."""
         counts, rows = np.asarray(counts), np.asarray(rows)
-        launches = [self.launch_of(int(r)) for r in rows.tolist()]
-        block = np.array([lo.block_m for lo in launches], dtype=np.int64)[:, None]
-        paired = np.array([lo.paired for lo in launches], dtype=bool)
+        distinct, at = np.unique(rows, return_inverse=True)
+        launches = [self.launch_of(int(r)) for r in distinct.tolist()]
+        block = np.array([lo.block_m for lo in launches], dtype=np.int64)[at][:, None]
+        paired = np.array([lo.paired for lo in launches], dtype=bool)[at]
         blocks = -(-counts // block)
         tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
         f = np.stack([(rows > 0).astype(np.float64), (counts > 0).sum(axis=1), tiles, counts.sum(axis=1), rows],
                      axis=1).astype(np.float64)
         coef = np.array([self.coef.get(lo.name, self.fallback) for lo in launches], dtype=np.float64)
+        coef = coef.reshape(len(launches), len(FEATURES))[at]
         return (f * coef).sum(axis=1) * (rows > 0)
 
     def record(self) -> dict[str, Any]:
@@ -245,12 +248,11 @@ class RankCostModel:
 
 class RankTimes:
     """A rank's time: timed where it was timed, else the model's (no model: every workload must be timed).
-    `batch(counts, rows)` reads every rank of a micro-batch at once (the model vectorised, the timed ones looked
-    up by their counts' bytes)."""
+    `batch_array(counts, rows)` reads many workloads at once (the model vectorised, the timed ones looked up by a
+    hash of their figures)."""
 
     def __init__(self, timed: dict[Workload, float], model: RankCostModel | None = None):
         self.timed, self.model = timed, model
-        self.by_bytes = {(w.rows, np.asarray(w.counts, dtype=np.int64).tobytes()): t for w, t in timed.items()}
 
     def __call__(self, w: Workload) -> float:
         if not w.rows:
@@ -263,15 +265,42 @@ class RankTimes:
         return got
 
     def batch(self, counts: np.ndarray, rows: np.ndarray) -> list[float]:
+        return self.batch_array(counts, rows).tolist()
+
+    def batch_array(self, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Many workloads at once: counts int [N, E], rows int [N] -> float64 [N]; a timed workload is found by a
+        hash of its figures, then compared whole."""
         counts, rows = np.asarray(counts, dtype=np.int64), np.asarray(rows, dtype=np.int64)
         out = self.model.batch(counts, rows) if self.model is not None else np.zeros(len(rows))
-        for r, n in enumerate(rows.tolist()):
-            got = self.by_bytes.get((n, counts[r].tobytes())) if n else 0.0
-            if got is None and self.model is None:
-                raise KeyError(f"rank workload ({n} rows, {counts[r].tolist()}) was not timed")
-            if got is not None:
-                out[r] = got
-        return out.tolist()
+        out = np.asarray(out, dtype=np.float64).copy()
+        timed = np.zeros(len(rows), dtype=bool)
+        if self.timed and len(rows):
+            keys = _workload_hash(counts, rows)
+            table = {}
+            for w, t in self.timed.items():
+                if len(w.counts) == counts.shape[1]:
+                    k = int(_workload_hash(np.asarray([w.counts], dtype=np.int64), np.asarray([w.rows]))[0])
+                    table.setdefault(k, []).append((w, t))
+            candidates = np.flatnonzero(np.isin(keys, np.fromiter(table, dtype=np.uint64, count=len(table))))
+            for i in candidates.tolist():
+                for w, t in table[int(keys[i])]:
+                    if w.rows == rows[i] and np.array_equal(w.counts, counts[i]):
+                        out[i], timed[i] = t, True
+        if self.model is None:
+            missing = np.flatnonzero(~timed & (rows > 0))
+            if len(missing):
+                i = int(missing[0])
+                raise KeyError(f"rank workload ({int(rows[i])} rows, {counts[i].tolist()}) was not timed")
+        return np.where(rows > 0, out, 0.0)
+
+
+def _workload_hash(counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """uint64 [N]: a hash of each workload's rows and counts (equal workloads, equal hashes)."""
+    with np.errstate(over="ignore"):
+        h = rows.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        for e in range(counts.shape[1]):
+            h = (h ^ counts[:, e].astype(np.uint64)) * np.uint64(0x100000001B3) + np.uint64(e + 1)
+    return h
 
 
 @dataclass(frozen=True)
