@@ -6,8 +6,9 @@
     512
     3
 
-A count is a whole number of real tokens in [0, MAX_TOKENS]; 0 is an idle DP rank (it still runs the layer on
-its DP padding). A sweep's `trace_file:` is resolved by the sweep loader (beside the sweep, the current directory,
+A UTF-8 byte order mark (a spreadsheet's "CSV UTF-8") is skipped. A count is a whole number of real tokens in
+[0, MAX_TOKENS]; 0 is an idle DP rank (it still runs the layer on its DP padding). A sweep's `trace_file:` is
+resolved by the sweep loader (beside the sweep, the current directory,
 then the files bundled in data/, e.g. `example_chat_dp2.csv`: docs/sweeps.md#paths-in-a-sweep) and reaches this
 module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
 it into its one-line refusal (exit 2, nothing written). The file is streamed (no byte limit); the bound is on the
@@ -35,6 +36,7 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data"
 MAX_COUNTS = 1 << 28
 MAX_TOKENS = 1 << 20
 _DP_COLUMN = re.compile(r"dp(\d+)")
+_BOM = b"\xef\xbb\xbf"
 _COUNTS_LINE = re.compile(rb"[ \t]*[0-9]+(?:[ \t]*,[ \t]*[0-9]+)*[ \t]*\r?\n?")  # a data line, checked in one match
 
 
@@ -163,6 +165,8 @@ def _numbered_lines(f, digest):
     number = 0
     for raw in f:
         digest.update(raw)
+        if number == 0 and raw.startswith(_BOM):  # the digest keeps the file's own bytes
+            raw = raw[len(_BOM):]
         cr = raw.find(b"\r")
         if 0 <= cr < len(raw) - 2:
             for part in raw.splitlines(keepends=True):

@@ -51,6 +51,15 @@ def test_whitespace_crlf_and_cr_lines_read_like_plain_ones(tmp_path):
     assert read_trace_file(str(mac)).sha256 == hashlib.sha256(mac.read_bytes()).hexdigest()
 
 
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"\xef\xbb\xbfdp0,dp1\r\n3,4\r\n")  # a spreadsheet's "CSV UTF-8"
+    f = read_trace_file(str(path))
+    assert f.tokens == ((3, 4),) and f.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    path.write_bytes(b"\xef\xbb\xbf# exported\nnum_tokens\n7\n")
+    assert read_trace_file(str(path)).tokens == ((7,),)
+
+
 def test_the_token_table_bound_is_refused_at_its_line(tmp_path, monkeypatch):
     monkeypatch.setattr(csv_trace, "MAX_COUNTS", 6)
     path = tmp_path / "t.csv"
