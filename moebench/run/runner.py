@@ -84,12 +84,22 @@ def _param_columns(sweep: Sweep) -> list[str]:
 
 
 def _fixed_lines(table: Table, sweep: Sweep) -> None:
-    """The sweep's fixed values above the table, each a key the run does not read marked so."""
+    """The sweep's fixed values above the table, each a key the run does not read marked so, and the columns of
+    each trace file that the run skips."""
+    from moebench.traces.csv_trace import ignored_columns_note
     from moebench.traces.knobs import TraceKnobs
 
-    unused = TraceKnobs.unused(sweep.fixed)
+    notes = TraceKnobs.unused(sweep.fixed)
+    if sweep.fixed.get("trace_file") is not None:
+        note = ignored_columns_note(sweep.fixed["trace_file"])
+        if note:
+            notes["trace_file"] = note
     for k, v in sweep.fixed.items():
-        table.comment(f"  {k} = {v}" + (f"  ({unused[k]})" if k in unused else ""))
+        table.comment(f"  {k} = {v}" + (f"  ({notes[k]})" if k in notes else ""))
+    for path in sweep.axes.get("trace_file") or []:
+        note = ignored_columns_note(path) if path is not None else None
+        if note:
+            table.comment(f"  trace_file {path}: {note}")
 
 
 def dry_run(sweep: Sweep, out=None, device: str | None = None) -> int:

@@ -6,17 +6,19 @@
     512
     3
 
-A UTF-8 byte order mark (a spreadsheet's "CSV UTF-8") is skipped. A count is a whole number of real tokens in
-[0, MAX_TOKENS]; 0 is an idle DP rank (it still runs the layer on its DP padding). A sweep's `trace_file:` is
-resolved by the sweep loader (beside the sweep, the current directory,
-then the files bundled in data/, e.g. `example_chat_dp2.csv`: docs/sweeps.md#paths-in-a-sweep) and reaches this
-module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
+The count columns are found by name, in any order; other columns (an engine's export has `step`, `timestamp`...)
+are skipped unread and named in the run's header (TraceFile.ignored_columns). A UTF-8 byte order mark (a
+spreadsheet's "CSV UTF-8") is skipped. A count is a whole number of real tokens in [0, MAX_TOKENS]; 0 is an idle
+DP rank (it still runs the layer on its DP padding). A sweep's `trace_file:` is resolved by the sweep loader
+(beside the sweep, the current directory, then the files bundled in data/, e.g. `example_chat_dp2.csv`:
+docs/sweeps.md#paths-in-a-sweep) and reaches this module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
 it into its one-line refusal (exit 2, nothing written). The file is streamed (no byte limit); the bound is on the
 token table it makes (MAX_COUNTS), and the distinct steps come from moebench.traces.distinct.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import re
 from array import array
@@ -35,7 +37,7 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "data"
 # one-column steps, 33 million steps of 8 DP ranks (a busy server's day is a few million).
 MAX_COUNTS = 1 << 28
 MAX_TOKENS = 1 << 20
-_DP_COLUMN = re.compile(r"dp(\d+)")
+_DP_COLUMN = re.compile(r"dp(0|[1-9][0-9]*)")
 _BOM = b"\xef\xbb\xbf"
 _COUNTS_LINE = re.compile(rb"[ \t]*[0-9]+(?:[ \t]*,[ \t]*[0-9]+)*[ \t]*\r?\n?")  # a data line, checked in one match
 
@@ -50,6 +52,7 @@ class TraceFile:
     sha256: str
     columns: int  # 1 (every DP rank alike) or the DP size
     table: np.ndarray  # int32 [steps, columns], read-only
+    ignored_columns: tuple[str, ...] = ()  # the header's columns that are no counts, skipped unread
     _distinct: dict = field(default_factory=dict, repr=False)  # dp_size -> DistinctSteps, computed once
 
     @property
@@ -101,18 +104,50 @@ def resolve_trace_file(name: str) -> Path:
     raise TraceFileError(f"{name}: no such file (nor a bundled trace: {known})")
 
 
-def _header(cells: list[str], where: str) -> int:
-    if cells == ["num_tokens"]:
-        return 1
-    ranks = []
-    for c in cells:
+@dataclass(frozen=True)
+class _Header:
+    width: int  # cells a data line has
+    counts: tuple[int, ...]  # the cell index of each count column: num_tokens, or dp0, dp1, ... in rank order
+    ignored: tuple[str, ...]  # the names of the other cells
+
+    @property
+    def plain(self) -> bool:
+        """Only the count columns, in rank order: the data lines are read whole (the fast path)."""
+        return self.counts == tuple(range(self.width))
+
+
+def _header(cells: list[str], where: str) -> _Header:
+    """The count columns of the header `cells`, by name; every other column is ignored."""
+    ranks: dict[int, int] = {}  # DP rank -> cell index
+    num_tokens, ignored = [], []
+    for i, c in enumerate(cells):
         m = _DP_COLUMN.fullmatch(c)
-        if not m:
-            raise TraceFileError(f"{where}: header {c!r} is neither num_tokens nor dp<rank> (dp0,dp1,...)")
-        ranks.append(int(m.group(1)))
-    if ranks != list(range(len(ranks))):
-        raise TraceFileError(f"{where}: header columns must be dp0,dp1,... in order, got {','.join(cells)}")
-    return len(ranks)
+        if m:
+            if int(m.group(1)) in ranks:
+                raise TraceFileError(f"{where}: header names {c} twice")
+            ranks[int(m.group(1))] = i
+        elif c == "num_tokens":
+            if num_tokens:
+                raise TraceFileError(f"{where}: header names num_tokens twice")
+            num_tokens.append(i)
+        else:
+            ignored.append(c)
+    if num_tokens and ranks:
+        raise TraceFileError(f"{where}: header has both num_tokens and dp<rank> columns (give one or the other)")
+    if not num_tokens and not ranks:
+        raise TraceFileError(f"{where}: header {','.join(cells)!r} has no count column (num_tokens, or "
+                             "dp0,dp1,... one per DP rank)")
+    missing = sorted(set(range(max(ranks, default=-1) + 1)) - set(ranks))
+    if missing:
+        raise TraceFileError(f"{where}: header has dp{max(ranks)} but no {', '.join(f'dp{r}' for r in missing)} "
+                             "(one column per DP rank, dp0 up)")
+    counts = tuple(num_tokens) or tuple(ranks[r] for r in sorted(ranks))
+    return _Header(len(cells), counts, tuple(ignored))
+
+
+def _cells(line: str) -> list[str]:
+    """The stripped cells of a CSV line (a quoted cell may hold a comma, as an engine's timestamp might)."""
+    return [c.strip() for c in next(csv.reader([line]))] if '"' in line else [c.strip() for c in line.split(",")]
 
 
 def read_trace_file(name: str) -> TraceFile:
@@ -128,24 +163,25 @@ def read_trace_file(name: str) -> TraceFile:
 def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
     digest = hashlib.sha256()
     counts = array("i")
-    columns = 0
+    header = None
     with open(path, "rb") as f:
         lines = _numbered_lines(f, digest)
         for number, raw in lines:  # up to the header
             stripped = _text(raw, path, number).strip()
             if stripped and not stripped.startswith("#"):
-                columns = _header([c.strip() for c in stripped.split(",")], f"{path}: line {number}")
+                header = _header(_cells(stripped), f"{path}: line {number}")
                 break
+        columns = len(header.counts) if header else 0
         for number, raw in lines:  # the steps
-            if _COUNTS_LINE.fullmatch(raw):  # the common case in one match (int() takes the bytes, spaces and all)
+            if header.plain and _COUNTS_LINE.fullmatch(raw):  # the common case in one match (int() takes bytes)
                 values = list(map(int, raw.split(b",")))
                 if len(values) != columns or max(values) > MAX_TOKENS:
-                    values = _parse_line(raw.decode("ascii").strip(), columns, f"{path}: line {number}")
+                    values = _parse_line(raw.decode("ascii").strip(), header, f"{path}: line {number}")
             else:
                 stripped = _text(raw, path, number).strip()
                 if not stripped or stripped.startswith("#"):
                     continue
-                values = _parse_line(stripped, columns, f"{path}: line {number}")
+                values = _parse_line(stripped, header, f"{path}: line {number}")
             counts.extend(values)
             if len(counts) > MAX_COUNTS:
                 raise TraceFileError(f"{path}: line {number}: more than {MAX_COUNTS:,} token counts (steps x "
@@ -156,7 +192,7 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
         raise TraceFileError(f"{path}: no steps after the header")
     table = np.frombuffer(counts, dtype=np.intc).astype(np.int32, copy=False).reshape(-1, columns)
     table.flags.writeable = False
-    return TraceFile(path, digest.hexdigest(), columns, table)
+    return TraceFile(path, digest.hexdigest(), columns, table, header.ignored)
 
 
 def _numbered_lines(f, digest):
@@ -184,18 +220,30 @@ def _text(raw: bytes, path: str, number: int) -> str:
         raise TraceFileError(f"{path}: line {number}: not UTF-8 text") from None
 
 
-def _parse_line(stripped: str, columns: int, where: str) -> list[int]:
+def _parse_line(stripped: str, header: _Header, where: str) -> list[int]:
     """A data line cell by cell (what the one-match check of the common case leaves): its counts, or the
-    TraceFileError of its first problem, left to right."""
-    cells = [c.strip() for c in stripped.split(",")]
-    if len(cells) != columns:
-        raise TraceFileError(f"{where}: {len(cells)} values, the header has {columns}")
-    for c in cells:
+    TraceFileError of its first problem, left to right; the ignored columns' cells are not read."""
+    cells = _cells(stripped)
+    if len(cells) != header.width:
+        raise TraceFileError(f"{where}: {len(cells)} values, the header has {header.width}")
+    counts = [cells[i] for i in header.counts]
+    for c in counts:
         if not c.isdigit() or not c.isascii():
             raise TraceFileError(f"{where}: {c!r} is not a token count (a whole number >= 0)")
         if int(c) > MAX_TOKENS:
             raise TraceFileError(f"{where}: {c} tokens, over the limit of {MAX_TOKENS:,}")
-    return [int(c) for c in cells]
+    return [int(c) for c in counts]
+
+
+def ignored_columns_note(name: str) -> str | None:
+    """What the run's header says of the columns of trace file `name` that are no counts (skipped), or None."""
+    try:
+        ignored = read_trace_file(name).ignored_columns
+    except (TraceFileError, OSError):  # the sweep loader refused such a file already
+        return None
+    if not ignored:
+        return None
+    return "ignored columns, not token counts: " + ", ".join(c or "(unnamed)" for c in ignored)
 
 
 def trace_file_problem(name: str | None, dp_size: int) -> str | None:

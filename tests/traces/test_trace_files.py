@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections import Counter
 
 import numpy as np
@@ -58,6 +59,40 @@ def test_a_byte_order_mark_is_skipped(tmp_path):
     assert f.tokens == ((3, 4),) and f.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     path.write_bytes(b"\xef\xbb\xbf# exported\nnum_tokens\n7\n")
     assert read_trace_file(str(path)).tokens == ((7,),)
+
+
+def test_an_engine_export_is_read_by_its_count_columns(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text('step,timestamp,dp1,dp0,note\n'
+                    '0,2024-01-01T10:00:00.5,3,4,\n'
+                    '1,"Jan 1, 10:00:01",5,6,x y\n')  # a quoted cell holding a comma
+    f = read_trace_file(str(path))
+    assert f.tokens == ((4, 3), (6, 5)) and f.columns == 2  # by name: dp0 first
+    assert f.ignored_columns == ("step", "timestamp", "note")
+    assert csv_trace.ignored_columns_note(str(path)) == "ignored columns, not token counts: step, timestamp, note"
+    index = tmp_path / "pandas.csv"  # DataFrame.to_csv() writes its index under an empty name
+    index.write_text(",num_tokens\n0,8\n1,9\n")
+    assert read_trace_file(str(index)).tokens == ((8,), (9,))
+    assert csv_trace.ignored_columns_note(str(index)) == "ignored columns, not token counts: (unnamed)"
+    path.write_text("step,dp0,dp1\n0,3,x\n")  # a count column is still checked; an ignored one is not read
+    with pytest.raises(TraceFileError, match=r"line 2: 'x' is not a token count"):
+        read_trace_file(str(path))
+    path.write_text("step,dp0,dp1\n0,3\n")
+    with pytest.raises(TraceFileError, match=r"line 2: 2 values, the header has 3"):
+        read_trace_file(str(path))
+
+
+@pytest.mark.parametrize("header,message", [
+    ("step,timestamp", "has no count column (num_tokens, or dp0,dp1,..."),
+    ("num_tokens,dp0", "both num_tokens and dp<rank> columns"),
+    ("dp0,dp2", "has dp2 but no dp1"),
+    ("dp0,dp1,dp0", "names dp0 twice"),
+])
+def test_count_columns_that_make_no_trace_are_refused(tmp_path, header, message):
+    path = tmp_path / "t.csv"
+    path.write_text(header + "\n" + ",".join(["1"] * len(header.split(","))) + "\n")
+    with pytest.raises(TraceFileError, match=rf"line 1: header .*{re.escape(message)}"):
+        read_trace_file(str(path))
 
 
 def test_the_token_table_bound_is_refused_at_its_line(tmp_path, monkeypatch):

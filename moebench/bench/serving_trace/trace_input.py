@@ -21,8 +21,10 @@ def trace_tokens(p: Params) -> tuple[DistinctSteps, dict[str, Any]]:
     t, serving = p.knobs(TraceKnobs), p.knobs(ServingKnobs)
     if serving.trace_file is not None:
         f = read_trace_file(serving.trace_file)
-        return f.distinct_steps(serving.dp_size), {"source": "file", "file": f.path, "sha256": f.sha256,
-                                                   "columns": f.columns}
+        source = {"source": "file", "file": f.path, "sha256": f.sha256, "columns": f.columns}
+        if f.ignored_columns:
+            source["ignored_columns"] = list(f.ignored_columns)
+        return f.distinct_steps(serving.dp_size), source
     if t.trace is not None:
         return distinct_steps([[int(b)] * serving.dp_size for b in t.trace]), {"source": "explicit"}
     per_rank = [rank_tokens(t.trace_distribution, t.trace_steps, t.trace_max_tokens, p.seed, rank)
