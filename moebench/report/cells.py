@@ -39,6 +39,21 @@ def pct(fraction: Any) -> str:
     return fixed(100 * fraction if _finite(fraction) else fraction, 1)
 
 
+def ms(microseconds: Any) -> str:
+    """Microseconds as milliseconds with the unit (a headline's `unit: ms`, as the serving trace's footer writes
+    them): 973755.1 -> `973.76 ms`."""
+    if not _finite(microseconds):
+        return fixed(microseconds, 2)
+    return f"{round(microseconds / 1e3, 2) + 0.0:.2f} ms"  # + 0.0: no "-0.00"
+
+
+def percent(fraction: Any) -> str:
+    """A fraction as a percentage with the sign (a headline's `unit: %`): 0.02988 -> `3.0%`."""
+    if not _finite(fraction):
+        return fixed(fraction, 1)
+    return f"{round(100 * fraction, 1) + 0.0:.1f}%"
+
+
 def ratio(v: Any) -> str:
     """A ratio of two times (B/A, of ceiling, vs best peer)."""
     return fixed(v, 3)

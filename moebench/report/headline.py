@@ -13,6 +13,7 @@ A sweep may carry `headlines:`, a list of specs:
         equal_metric: imbalance.real_only.rank.slowest_excess_ratio   # optional: their metric (default: metric)
         without_label: unmasked                       # optional column names (default: without / with)
         with_label: masked
+        unit: ms                                      # optional: how the numbers read (UNITS)
 
 A selector maps parameter names (`fixed`/`axes` keys) or record fields (`impl`, `status`, `kernel`, `variant`,
 `twin_of`, `mask_aware`) to a value or a list of accepted values. `count` counts the selected records whose
@@ -24,6 +25,9 @@ headline names), "not recorded: ..." when the selected records lack the metric (
 interpreter, or points that failed); one reason for the row when both sides share it. A figure the records say is
 inside the timings' noise is marked `within noise` and gets no ratio; a masked/oblivious pair whose sides are not
 comparable, or two sides that ran the very same trace steps, say so instead of a ratio (moebench.report.noise).
+
+`unit` says how the values read, as the serving trace's footer writes them: `ms` (a metric in microseconds, shown
+in milliseconds to 0.01) or `%` (a share, shown as a percentage to 0.1); without it a number is shown as it is.
 
 `equal_to` pairs every `with` record with the `equal_to` record of the same impl and parameters, apart from the
 keys the two selectors name, and compares metric with equal_metric exactly (==): "masked equals real-only".
@@ -44,7 +48,9 @@ from moebench.report import cells, noise
 REDUCES = ("max", "min", "sum", "mean", "median", "count", "first", "distinct")
 RECORD_KEYS = ("impl", "status", "kernel", "variant", "twin_of", "mask_aware")
 HEADLINE_KEYS = {"label": str, "metric": str, "reduce": str, "without": dict, "with": dict, "equal_to": dict,
-             "equal_metric": str, "without_label": str, "with_label": str, "with_metric": str}
+             "equal_metric": str, "without_label": str, "with_label": str, "with_metric": str, "unit": str}
+# how a headline's numbers read: the metric's own unit -> the text the terminal and the report show
+UNITS = {"ms": cells.ms, "%": cells.percent}
 _REQUIRED = ("label", "metric", "reduce", "without", "with")
 
 
@@ -68,6 +74,8 @@ def spec_problem(spec: Any, param_names: Iterable[str], impls: Iterable[str]) ->
             return f"{key}: {spec[key]!r} is not a dotted path"
     if spec["reduce"] not in REDUCES:
         return f"reduce: {spec['reduce']!r} is not one of {', '.join(REDUCES)}"
+    if "unit" in spec and spec["unit"] not in UNITS:
+        return f"unit: {spec['unit']!r} is not one of {', '.join(UNITS)}"
     known = set(param_names) | set(RECORD_KEYS)
     impls = set(impls)
     for side in ("without", "with", "equal_to"):
@@ -98,13 +106,14 @@ class HeadlineRow:
     why_with: str = ""
     note_without: str = ""  # "within noise" where the records say the figure is inside the timings' spread
     note_with: str = ""
+    unit: str = ""  # how the values read (UNITS); "": as they are
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "without": self.without, "with": self.with_,
                 "without_label": self.without_label, "with_label": self.with_label, "n_without": self.n_without,
                 "n_with": self.n_with, "change": self.change, "equal": self.equal, "equal_detail": self.equal_detail,
                 "why_without": self.why_without, "why_with": self.why_with, "note_without": self.note_without,
-                "note_with": self.note_with}
+                "note_with": self.note_with, "unit": self.unit}
 
 
 _MISSING = object()
@@ -272,18 +281,21 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
                           with_label=spec.get("with_label", "with"), n_without=counts["without"],
                           n_with=counts["with"], change=change, spec=dict(spec),
                           why_without=why["without"], why_with=why["with"], note_without=note["without"],
-                          note_with=note["with"])
+                          note_with=note["with"], unit=spec.get("unit", ""))
         if "equal_to" in spec:
             row.equal, row.equal_detail = _equality(records, spec)
         rows.append(row)
     return rows
 
 
-def format_value(v: Any) -> str:
+def format_value(v: Any, unit: str = "") -> str:
+    """A headline value as text: a number in its `unit` (UNITS) where it has one."""
     if v is None:
         return "n/a"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if unit and _is_number(v):
+        return UNITS[unit](v)
     if isinstance(v, float):
         return cells.plain(v)  # 4 significant digits, never in scientific notation
     if isinstance(v, list):
@@ -293,11 +305,11 @@ def format_value(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def side_text(value: Any, why: str, note: str = "") -> str:
-    """A side's value (with `within noise` where it is), or n/a with the reason it has none."""
+def side_text(value: Any, why: str, note: str = "", unit: str = "") -> str:
+    """A side's value in its unit (with `within noise` where it is), or n/a with the reason it has none."""
     if value is None and why:
         return f"n/a ({why})"
-    return format_value(value) + (f" ({note})" if note else "")
+    return format_value(value, unit) + (f" ({note})" if note else "")
 
 
 def line(row: HeadlineRow) -> str:
@@ -305,8 +317,8 @@ def line(row: HeadlineRow) -> str:
     has a value for the same reason."""
     if row.without is None and row.with_ is None and row.why_without and row.why_without == row.why_with:
         return f"{row.label}: {row.why_without}"
-    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without, row.note_without)} | "
-            f"{row.with_label} {side_text(row.with_, row.why_with, row.note_with)}")
+    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without, row.note_without, row.unit)}"
+            f" | {row.with_label} {side_text(row.with_, row.why_with, row.note_with, row.unit)}")
     said = row.change == "within noise" and (row.note_without or row.note_with)  # already after the values
     if row.change and row.change != "n/a" and not said:
         text += f" ({row.change})"

@@ -41,3 +41,32 @@ def test_a_computed_headline_is_unchanged():
     (row,) = headline.evaluate([_rec(0, "default", 0.2)], [SPEC])
     assert headline.line(row) == "padding tax, default capture list: oblivious 0.2 | masked 0.1 (2x)"
     assert row.why_without == row.why_with == ""
+
+
+def test_a_headline_reads_in_its_unit_as_the_footer_does():
+    step = {"label": "EP step over the trace", "metric": "info.headline.ep_step.step_us.oblivious",
+            "with_metric": "info.headline.ep_step.step_us.masked", "reduce": "max", "unit": "ms",
+            "without": {"capture_sizes": "default"}, "with": {"capture_sizes": "default"},
+            "without_label": "oblivious", "with_label": "masked"}
+    rec = _rec(0, "default", 0.02988)
+    rec["info"]["headline"]["ep_step"] = {"step_us": {"oblivious": 973755.123, "masked": 894363.0}}
+    ms, share = headline.evaluate([rec], [step, {**SPEC, "unit": "%"}])
+    assert headline.line(ms) == "EP step over the trace: oblivious 973.76 ms | masked 894.36 ms (1.09x)"
+    assert headline.line(share) == "padding tax, default capture list: oblivious 3.0% | masked 1.5% (2x)"
+    assert headline.side_text(None, "not recorded: x", unit="ms") == "n/a (not recorded: x)"
+    assert headline.spec_problem({**SPEC, "unit": "us"}, ["capture_sizes"], []) == "unit: 'us' is not one of ms, %"
+
+
+def test_the_bundled_trace_headlines_of_times_and_shares_declare_their_unit():
+    from moebench.run.paths import bundled_sweeps
+    from moebench.run.sweep import load_sweep
+
+    checked = 0
+    for path in bundled_sweeps():
+        sweep = load_sweep(path, max_points=None)
+        for spec in sweep.headlines if sweep.target == "serving_trace" else ():
+            leaf = spec["metric"].split(".")
+            want = "ms" if any(p.endswith("_us") for p in leaf) else "%" if "padding_tax" in leaf else None
+            assert spec.get("unit") == want, (path.name, spec["label"])
+            checked += want is not None
+    assert checked >= 6
