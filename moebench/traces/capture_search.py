@@ -109,6 +109,22 @@ def _aggregate(table: np.ndarray, counts: np.ndarray, padded_to: np.ndarray) -> 
     return keys // top, keys % top, np.bincount(inverse.reshape(-1), weights=w, minlength=keys.size)
 
 
+def _live(steps, counts) -> tuple[np.ndarray, np.ndarray]:
+    """The steps with a real token somewhere (the others cost nothing under any list); refused when none."""
+    counts = np.asarray(counts, np.int64)
+    steps = np.asarray(steps, np.int64).reshape(len(counts), -1) if len(counts) else np.zeros((0, 1), np.int64)
+    if steps.shape[0] == 0 or not (steps.max(axis=1) > 0).any():
+        raise SearchInputError("the trace has no step with a real token: nothing to search")
+    live = steps.max(axis=1) > 0
+    return steps[live], counts[live]
+
+
+def candidate_sizes(steps, engine: EngineShape, keep: Sequence[int] = ()) -> np.ndarray:
+    """The sizes the search chooses from: every (lifted) step maximum, and the kept sizes."""
+    steps, _ = _live(steps, np.ones(len(steps), np.int64))
+    return np.unique(np.concatenate([lifted(steps.max(axis=1), engine), np.asarray(list(keep), np.int64)]))
+
+
 def price_trace(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, price: RankPrice,
                 eager_price: RankPrice, keep: Sequence[int] = ()) -> PricedTrace:
     """The PricedTrace of one side. `steps` int [S, dp_size]: the distinct steps' real tokens per DP rank;
@@ -116,17 +132,12 @@ def price_trace(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, pric
     max); `eager_price(real, rows)`: the same run eagerly at its own maximum `rows`; `keep`: sizes added to the
     candidates (a must-keep size no step reaches). Steps with no real token anywhere cost nothing under any
     list and are left out."""
-    steps = np.asarray(steps, np.int64).reshape(len(counts), -1) if len(counts) else np.zeros((0, 1), np.int64)
-    counts = np.asarray(counts, np.int64)
-    if steps.shape[0] == 0 or not (steps.max(axis=1) > 0).any():
-        raise SearchInputError("the trace has no step with a real token: nothing to search")
+    steps, counts = _live(steps, counts)
     if steps.shape[1] != engine.dp_size:
         raise SearchInputError(f"steps have {steps.shape[1]} DP ranks' tokens for dp_size {engine.dp_size}")
-    live = steps.max(axis=1) > 0
-    steps, counts = steps[live], counts[live]
     maxima = steps.max(axis=1)
     top = lifted(maxima, engine)
-    candidates = np.unique(np.concatenate([top, np.asarray(list(keep), np.int64)]))
+    candidates = candidate_sizes(steps, engine, keep)
     n = candidates.size
     group = np.searchsorted(candidates, top)
     weight = np.bincount(group, weights=counts, minlength=n).astype(np.int64)
@@ -154,10 +165,7 @@ def price_trace(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, pric
 def list_time(steps: np.ndarray, counts: np.ndarray, sizes: Sequence[int], price: RankPrice,
               eager_price: RankPrice) -> float:
     """The trace's time under any list of sizes (not only candidates), priced as the search prices."""
-    steps = np.asarray(steps, np.int64).reshape(len(counts), -1)
-    counts = np.asarray(counts, np.int64)
-    live = steps.max(axis=1) > 0
-    steps, counts = steps[live], counts[live]
+    steps, counts = _live(steps, counts)
     maxima = steps.max(axis=1)
     sizes_arr = np.asarray(sorted(sizes), np.int64)
     at = np.searchsorted(sizes_arr, maxima)
@@ -311,6 +319,32 @@ def _at_most(curves: list[list[tuple[float, list[int]]]], kcap: int) -> list[tup
     return out
 
 
+def search_input_problem(candidates: np.ndarray, budgets: Sequence[int], largest: int | None = None,
+                         keep: Sequence[int] = ()) -> str | None:
+    """Why the search refuses these budgets, fixed largest size and kept sizes for these candidates, or None."""
+    cand = np.asarray(candidates, np.int64)
+    n = int(cand.size)
+    if not budgets:
+        return "no graph budget K given"
+    for k in budgets:
+        if not 1 <= int(k) <= n:
+            return f"graph budget K={k} outside 1..{n} (the trace's candidate sizes)"
+    known = set(cand.tolist())
+    for name, values in (("fixed largest size", [] if largest is None else [largest]), ("kept size", keep)):
+        for v in values:
+            if int(v) not in known:
+                near = cand[np.argsort(np.abs(cand - int(v)), kind="stable")[:3]]
+                return (f"{name} {v} is not a candidate size (a size some step pads to; nearest: "
+                        f"{', '.join(map(str, sorted(near.tolist())))})")
+    above = [int(v) for v in keep if largest is not None and int(v) > int(largest)]
+    if above:
+        return f"kept size {above[0]} is above the fixed largest size {largest}"
+    must = len(set(int(v) for v in keep) | ({int(largest)} if largest is not None else set()))
+    if must and min(int(k) for k in budgets) < must:
+        return f"graph budget K={min(int(k) for k in budgets)} below the {must} sizes that must stay"
+    return None
+
+
 def search(priced: PricedTrace, budgets: Sequence[int], largest: int | None = None,
            keep: Sequence[int] = ()) -> SearchResult:
     """The cheapest list of at most K sizes for each K in `budgets` (each 1 <= K <= candidates), with `largest` (a
@@ -320,22 +354,10 @@ def search(priced: PricedTrace, budgets: Sequence[int], largest: int | None = No
     cand = priced.candidates
     n = int(cand.size)
     index = {int(v): i for i, v in enumerate(cand.tolist())}
-    if not budgets:
-        raise SearchInputError("no graph budget K given")
-    for k in budgets:
-        if not 1 <= int(k) <= n:
-            raise SearchInputError(f"graph budget K={k} outside 1..{n} (the trace's candidate sizes)")
-    for name, values in (("fixed largest size", [] if largest is None else [largest]), ("kept size", keep)):
-        for v in values:
-            if int(v) not in index:
-                near = cand[np.argsort(np.abs(cand - int(v)), kind="stable")[:3]]
-                raise SearchInputError(f"{name} {v} is not a candidate size (nearest: "
-                                       f"{', '.join(map(str, sorted(near.tolist())))})")
+    why = search_input_problem(cand, budgets, largest, keep)
+    if why:
+        raise SearchInputError(why)
     forced = sorted({index[int(v)] for v in keep} | ({index[int(largest)]} if largest is not None else set()))
-    if largest is not None and forced[-1] != index[int(largest)]:
-        raise SearchInputError(f"kept size {int(cand[forced[-1]])} is above the fixed largest size {largest}")
-    if forced and min(int(k) for k in budgets) < len(forced):
-        raise SearchInputError(f"graph budget K={min(budgets)} below the {len(forced)} sizes that must stay")
     c = _prefix(priced.padded)
     top = index[int(largest)] if largest is not None else n - 1
     lower = float(np.trace(priced.padded[:top + 1, :top + 1]) + priced.eager[top + 1:].sum())
