@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from moebench.presets import UnknownModel, get_preset
 from moebench.records import RECORDS, load_manifest, load_records, timing_label
 
 FOLDED = ("seed", "repeat")  # repeated measurements of one point: aggregated (median), never split on
@@ -221,9 +222,33 @@ def trace_label(records: list[dict]) -> str | None:
     return f"trace={source}" + (f" ({trace['steps']} steps)" if trace.get("steps") else "")
 
 
+def model_label(records: list[dict], model: str) -> tuple[str, set[str]]:
+    """(`model=NAME`, or where the plotted points ran other values than the preset's (--size cpu, --set) the name
+    with what overrode it, `model=deepseek-v3 (overridden: E=8, H=64)`; the keys it gave a value). A title never
+    gives a preset's name to a layer of other dims. A key that varies over the points is named without a value
+    (its axis shows it)."""
+    try:
+        preset = get_preset(model).values
+    except UnknownModel:  # a record of a preset since renamed: its name is all there is
+        return f"model={model}", set()
+    short = dict(TITLE_KEYS)
+    changed, shown = [], set()
+    for key, value in preset.items():
+        ran = {hashable(param(r, key)) for r in records if param(r, key) is not None}
+        if ran and ran != {hashable(value)}:
+            label = short.get(key) or key
+            if len(ran) == 1:
+                changed.append(f"{label}={fmt_value(param(records[0], key))}")
+                shown.add(key)
+            else:
+                changed.append(label)
+    return f"model={model}" + (f" (overridden: {', '.join(changed)})" if changed else ""), shown
+
+
 def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterable[str] = ()) -> str:
     """The parameters that matter and are the same for every plotted point: those the sweep fixed (its `fixed`
-    section), plus the expert count and top_k, in a stable order with short labels; the trace as it was run."""
+    section), plus the expert count and top_k, in a stable order with short labels; the trace as it was run; a
+    model preset the points overrode with what overrode it (model_label)."""
     skip = set(skip)
     trace = trace_label(records)
     if trace:
@@ -232,9 +257,14 @@ def constant_params(records: list[dict], skip: Iterable[str], fixed_keys: Iterab
     wanted = ["num_experts", "top_k"] + [k for k in fixed_keys if k not in ("num_experts", "top_k")]
     if not list(fixed_keys):  # no manifest: fall back to the usual suspects
         wanted += [k for k, _ in TITLE_KEYS if k not in wanted]
-    order = [k for k, _ in TITLE_KEYS]
+    order = ["model"] + [k for k, _ in TITLE_KEYS]  # the model first: it names the layer, or says what overrode it
     wanted.sort(key=lambda k: order.index(k) if k in order else len(order))
     parts = []
+    models = {hashable(param(r, "model")) for r in records}
+    if "model" in wanted and "model" not in skip and len(models) == 1 and param(records[0], "model") is not None:
+        model, shown = model_label(records, str(param(records[0], "model")))
+        parts.append(model)
+        skip |= shown | {"model"}  # an overridden key is said once, beside the model
     for key in wanted:
         if key in skip or key in FOLDED:
             continue

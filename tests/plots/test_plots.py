@@ -458,3 +458,18 @@ def test_titles_name_the_timing_mode_as_the_table_does():
     assert timing_subtitle([{"timing_mode": "cuda_graph", "device": "cuda:0"}]) == "timing: graph"
     assert timing_subtitle([{"timing_mode": "wall", "device": "cuda"}]) == "timing: wall"
     assert timing_subtitle([{"timing_mode": "events"}, {"timing_mode": "cuda_graph"}]) == ""
+
+
+def test_titles_never_give_a_preset_name_to_overridden_dims():
+    """`--size cpu` or --set ran deepseek-v3's name with E=8, H=64: the title says what overrode the preset."""
+    from moebench.plots.common import constant_params
+    from moebench.presets import get_preset
+
+    preset = {"model": "deepseek-v3", **get_preset("deepseek-v3").values}
+    small = {**preset, "num_experts": 8, "hidden": 64, "padding_fill": "repeat"}
+    fixed = ["model", "num_experts", "hidden", "padding_fill"]
+    title = constant_params([{"params": small}], (), fixed)
+    assert title == "model=deepseek-v3 (overridden: E=8, H=64), top_k=8, fill=repeat", title
+    assert constant_params([{"params": preset}], (), fixed) == "model=deepseek-v3, E=256, top_k=8, H=7168"
+    varied = constant_params([{"params": small}, {"params": {**small, "hidden": 128}}], ("hidden",), fixed)
+    assert varied.startswith("model=deepseek-v3 (overridden: E=8, H), top_k=8"), varied
