@@ -16,6 +16,7 @@ import torch
 
 from moebench.bench import serving_trace
 from moebench.bench.serving_trace import headline, steps as step_figures
+from moebench.bench.serving_trace.step_calls import step_calls
 from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer, interpolation_shapes,
                                                   padded_row_counts, real_grid, real_only_points, replay, totals)
 from moebench.bench.serving_trace.record import SIDES
@@ -377,10 +378,10 @@ def test_point_check_fails_when_the_step_padding_is_not_the_producers(monkeypatc
     p = replace(Params(), **{**SMALL, "ep_size": 1}, trace=[3, 5, 3], capture_sizes=[4, 8], dp_size=2)
 
     def padding_as_real(real, engine):
-        step = engine_padding.step_padding(real, engine)
-        return replace(step, calls=tuple(replace(c, real=c.rows) for c in step.calls))
+        calls = step_calls(real, engine)
+        return replace(calls, real=calls.rows.copy())
 
-    monkeypatch.setattr(serving_trace, "step_padding", padding_as_real)
+    monkeypatch.setattr(serving_trace, "step_calls", padding_as_real)
     res = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu"))).check()
     assert not res.ok and "the producers make" in res.detail
 
@@ -433,11 +434,14 @@ def test_ep_excess_adds_the_loads_of_calls_that_dispatch_together():
         (0, 0, 4, 4), (0, 1, 4, 4), (1, 0, 4, 3), (1, 1, 4, 0)]
 
     def shape(rows, real, loads):
-        return ShapeFigures(rows, real, {}, {}, {"oblivious": loads}, {})
+        return ShapeFigures(rows, real, {}, {"masked": 0, "oblivious": 0}, {"masked": [0, 0], "oblivious": loads},
+                            {"masked": 0, "oblivious": 0})
 
     figures = {(4, 4): shape(4, 4, [6, 2]), (4, 3): shape(4, 3, [0, 6]), (4, 0): shape(4, 0, [8, 0])}
     # micro-batch 0: [6, 2] + [0, 6] = [6, 8], excess 1; micro-batch 1: [6, 2] + [8, 0] = [14, 2], excess 6
-    assert step_figures.ep_excess(step, figures, "oblivious") == 1 + 6
+    p = replace(Params(), **{**SMALL, "ep_size": 1})
+    steps = step_figures.StepFigures(p, step_calls([[8, 3]], engine), figures, lambda side, rows, real: 1.0)
+    assert steps.ep_excess_routes["oblivious"].tolist() == [1 + 6]
 
 
 def test_interpolated_mode_keeps_the_exact_figures():

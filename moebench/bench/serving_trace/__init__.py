@@ -49,8 +49,8 @@ from moebench.bench.experts import triton_available
 from moebench.bench.layer import layer_point_problem
 from moebench.bench.serving_trace import checks  # noqa: F401  (registers the family's consistency checks)
 from moebench.bench.serving_trace import steps as step_figures
-from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer,
-                                                  interpolation_shapes, padded_row_counts, totals)
+from moebench.bench.serving_trace.compose import (distinct_shapes, interpolated_timer, interpolation_shapes,
+                                                  padded_row_counts)
 from moebench.bench.serving_trace.ep_measure import measure_ep_step
 from moebench.bench.serving_trace.estimate import point_seconds
 from moebench.bench.serving_trace.ep_step import placement_problem
@@ -62,9 +62,10 @@ from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_re
 from moebench.bench.serving_trace.shape_cost import (DEFAULT_SHAPE_TIMINGS, TIMED_ROWS_MAX, ShapeTable,
                                                      model_spread_us, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
+from moebench.bench.serving_trace.step_calls import check_sample, shapes_as_steps, step_calls
 from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
-from moebench.inputs.engine_padding import padding_problem, step_padding
+from moebench.inputs.engine_padding import padding_problem
 from moebench.kernels.fused_experts import expert_work
 from moebench.measure.cost import PointWork
 from moebench.params import Params, Point, Timing
@@ -114,15 +115,13 @@ def build(p: Params, ctx: RunContext) -> Case:
     with clock.phase("host_composition"):
         trace, source = trace_tokens(p)
         engine = engine_of(p)
-        counts, index = trace.counts.tolist(), trace.index
-        paddings = [step_padding(real, engine) for real in trace.steps]  # one per distinct step
-        replay_steps = [paddings[j] for j in index[:serving.trace_replay].tolist()]
-        shapes = distinct_shapes(paddings + replay_steps)
+        counts, index = trace.counts, trace.index
+        step_table = step_calls(trace.table(), engine)  # every distinct step's calls, as arrays
+        replay_steps = [step_table.step(j) for j in index[:serving.trace_replay].tolist()]
+        calls = Counter(step_table.call_counts(counts))  # (rows, real) -> calls over the trace
+        call_shapes = shapes_as_steps(sorted(calls))
+        shapes = distinct_shapes(call_shapes + replay_steps)
         n = serving.trace_real_points
-        calls: Counter = Counter()
-        for step, count in zip(paddings, counts):
-            for c in step.calls:
-                calls[(c.rows, c.real)] += count
     kind = "cuda" if dev.type == "cuda" else "cpu"
     store = ShapeStore.of_run(ctx.run_store)
     with clock.phase("routing"):
@@ -130,7 +129,7 @@ def build(p: Params, ctx: RunContext) -> Case:
                                     max((rows - r for rows, r in shapes), default=1))
     bench = ShapeBench(p, dev, SHAPE_TIMING[kind], streams)
     if n:
-        timed = interpolation_shapes(paddings + replay_steps, n)
+        timed = interpolation_shapes(call_shapes + replay_steps, n)
         figures, table, measured = measure_shapes(p, bench, shapes, timed, store, ctx.progress, clock)
         time_of = interpolated_timer(table, n)
         shape_plan: dict[str, Any] = {"shape_times": "interpolated", "distinct_shapes": len(shapes),
@@ -155,17 +154,16 @@ def build(p: Params, ctx: RunContext) -> Case:
         timed, measured = sorted({(rows, real) for _, rows, real in table}), timed_so_far[1]
     with clock.phase("host_composition"):
         timed_set = set(timed)
-        per_step = compose(paddings, time_of)
-        distinct = step_figures.step_records(p, paddings, per_step, figures)
-        tot = totals(per_step, counts)
+        steps = step_figures.StepFigures(p, step_table, figures, time_of)
+        tot = steps.totals(counts)
     info: dict[str, Any] = {
-        "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(paddings),
+        "trace": {**source, "steps": trace.num_steps, "distinct_steps": step_table.num_steps,
                   "dp_size": serving.dp_size},
         "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
                    "dp_size": serving.dp_size, "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
         "shape_mode": shape_plan["shape_times"], "trace_real_points": n, "shape_plan": shape_plan,
-        "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(paddings)),
+        "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(call_shapes)),
         "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
         "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
         "shape_timing": {"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
@@ -179,27 +177,25 @@ def build(p: Params, ctx: RunContext) -> Case:
     }
     ep_record = None
     if p.ep_size > 1:
-        ep_record, ep_steps = measure_ep_step(p, dev, bench.timing, paddings, counts, replay_steps, clock,
+        ep_record, steps.ep = measure_ep_step(p, dev, bench.timing, step_table, counts, replay_steps, clock,
                                               ctx.progress)
         info["ep_step"] = ep_record.to_info()
-        for rec, ep in zip(distinct, ep_steps):
-            rec.update(step_figures.ep_fields(ep))
     with clock.phase("host_composition"):
         modelled = shape_plan["shape_times"] == "model"
         spread_of = (lambda s: {side: model_spread_us(time_of, shape_plan, side, *s) for side in SIDES}) \
             if modelled else None
-        info["headline"] = trace_headline(p, distinct, counts, tot, calls, figures, ep_record,
-                                          spread_of).to_info()
-        # every step's figures in the record while the trace is short; a long trace keeps its distinct steps, and
-        # every step's figures go to the run's step file (columns indexed by step)
+        info["headline"] = trace_headline(p, steps, counts, tot, calls, figures, ep_record, spread_of).to_info()
+        # every step's figures in the record while the trace is short; a long trace keeps its distinct steps while
+        # they are few, and every step's figures go to the run's step file (columns indexed by step)
+        info["trace_steps"] = info["distinct_step_records"] = None
         if trace.num_steps <= step_figures.STEP_RECORDS_MAX:
-            info["trace_steps"] = [{"step": i, **distinct[j]} for i, j in enumerate(index.tolist())]
-        else:
-            info["trace_steps"] = None
-            info["distinct_step_records"] = [{"count": c, **rec} for rec, c in zip(distinct, counts)]
+            records = [steps.record(j) for j in range(len(steps))]
+            info["trace_steps"] = [{"step": i, **records[j]} for i, j in enumerate(index.tolist())]
+        elif len(steps) <= step_figures.STEP_RECORDS_MAX:
+            info["distinct_step_records"] = [{"count": int(c), **steps.record(j)} for j, c in enumerate(counts)]
         if ctx.run_dir is not None and ctx.rank == 0:
             info["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
-                                                   step_figures.step_columns(distinct, index, serving.dp_size),
+                                                   step_figures.step_columns(steps, index, serving.dp_size),
                                                    step_figures.STEP_FILE_META)
     if serving.trace_replay:
         with clock.phase("replay"):
@@ -223,8 +219,8 @@ def build(p: Params, ctx: RunContext) -> Case:
         # every distinct step is what the tensor producers make of its real tokens, the composition reads back
         # every timed shape as measured, and the most padded shape's layers are right
         problems = []
-        for step in paddings:
-            why = padding_problem(step, engine)
+        for i in check_sample(step_table.num_steps).tolist():
+            why = padding_problem(step_table.step(i), engine)
             if why:
                 problems.append(why)
         for side, rows, real in table:

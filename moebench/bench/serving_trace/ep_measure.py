@@ -16,10 +16,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
-from moebench.bench.serving_trace.ep_step import (SideStep, StepMicroBatches, compose_priced, largest_step,
-                                                  layout_of, padded_route_share, placement, totals)
+from moebench.bench.serving_trace.ep_arrays import EPColumns, SourceTables, compose_arrays
+from moebench.bench.serving_trace.ep_step import (StepMicroBatches, compose_priced, largest_step, layout_of,
+                                                  placement)
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.rank_cost import Contest, Workload, launch_of, plan_rank_times
 from moebench.bench.serving_trace.rank_timing import RankTimer
@@ -27,6 +29,7 @@ from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, ep_replay
 from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.routes import StepRoutes
+from moebench.bench.serving_trace.step_calls import StepCalls
 from moebench.bench.serving_trace.wire import cards, wire_model_of, wire_time
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params, Timing
@@ -39,31 +42,42 @@ DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
 COLLECT_STEPS = 4_000
 
 
-def workload_steps(steps: Sequence[StepPadding]) -> list[int]:
-    """Which of the steps' rank workloads are read (indices into `steps`): every step up to COLLECT_STEPS; beyond,
-    the largest tenth of that many (the model must reach the biggest workloads) and an even spread of the rest (a
-    cost model is then fitted whatever the count: the steps not read need it)."""
-    if len(steps) <= COLLECT_STEPS:
-        return list(range(len(steps)))
-    by_rows = sorted(range(len(steps)), key=lambda i: -sum(c.rows for c in steps[i].calls))
+def workload_steps(total_rows: np.ndarray) -> np.ndarray:
+    """Which steps' rank workloads are read (indices, given each step's rows over its calls): every step up to
+    COLLECT_STEPS; beyond, the largest tenth of that many (the model must reach the biggest workloads) and an even
+    spread of the rest (a cost model is then fitted whatever the count: the steps not read need it)."""
+    n = len(total_rows)
+    if n <= COLLECT_STEPS:
+        return np.arange(n)
+    by_rows = np.argsort(-np.asarray(total_rows), kind="stable")
     top = COLLECT_STEPS // 10
     rest = by_rows[top:]
-    picked = by_rows[:top] + [rest[round(j * (len(rest) - 1) / (COLLECT_STEPS - top - 1))]
-                              for j in range(COLLECT_STEPS - top)]
-    return sorted(set(picked))
+    spread = rest[np.round(np.arange(COLLECT_STEPS - top) * (len(rest) - 1) / (COLLECT_STEPS - top - 1)).astype(int)]
+    return np.unique(np.concatenate([by_rows[:top], spread]))
 
 
-def contests_of(steps: Sequence[StepPadding], counts: Sequence[int], built: StepMicroBatches) -> list[Contest]:
+def contests_of(calls: StepCalls, counts: np.ndarray, tables: SourceTables, layout) -> list[Contest]:
     """Every micro-batch of the steps, both sides, as a contest for the slowest rank (the same ranks' workloads
     merged, the steps they stand for added)."""
-    merged: dict[tuple[Workload, ...], int] = {}
-    for s, n in zip(steps, counts):
-        mbs = built(s)
+    R, epr = layout.ep_size, layout.local_experts
+    merged: dict[bytes, list] = {}
+    present = calls.present
+    ranks = {}  # per (side, micro-batch): [S, R, 1 + E/R] rows received and routes to each local expert
+    for side in SIDES:
+        for m in range(present.shape[1]):
+            got = tables.gather(calls, m, side)
+            ranks[(side, m)] = np.concatenate([got["received"][:, :, None], got["experts"].reshape(-1, R, epr)],
+                                              axis=2)
+    for i in range(calls.num_steps):  # in step order, as the contests were met one step at a time
         for side in SIDES:
-            for mb in mbs[side]:
-                key = tuple(mb.workloads)
-                merged[key] = merged.get(key, 0) + n
-    return [Contest(n, key) for key, n in merged.items()]
+            for m in np.flatnonzero(present[i]).tolist():
+                key = ranks[(side, m)][i].tobytes()
+                if key in merged:
+                    merged[key][0] += int(counts[i])
+                else:
+                    merged[key] = [int(counts[i]), ranks[(side, m)][i]]
+    return [Contest(n, tuple(Workload(int(w[0]), tuple(w[1:].tolist())) for w in ranks))
+            for n, ranks in merged.values()]
 
 
 class _Counted:
@@ -97,35 +111,36 @@ def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: 
     return lookup, times_info, timer
 
 
-def measure_ep_step(p: Params, device: torch.device, timing: Timing, distinct: Sequence[StepPadding],
-                    counts: Sequence[int], replay_steps: Sequence[StepPadding], clock: PhaseClock,
-                    progress: Callable[..., None] | None = None
-                    ) -> tuple[EPStepRecord, list[dict[str, SideStep]]]:
-    """(info.ep_step, per distinct step {side: SideStep}). `progress(done, total, what)`: RunContext.progress;
-    `clock` gets the EP step's phases (routing, rank_workloads, host_composition, replay)."""
+def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: StepCalls, counts: Sequence[int],
+                    replay_steps: Sequence[StepPadding], clock: PhaseClock,
+                    progress: Callable[..., None] | None = None) -> tuple[EPStepRecord, EPColumns]:
+    """(info.ep_step, every distinct step's EP-step figures per side). `progress(done, total, what)`:
+    RunContext.progress; `clock` gets the EP step's phases (routing, rank_workloads, host_composition, replay)."""
     t0 = time.perf_counter()
     progress = progress or (lambda done, total, what, detail="": None)
     layout = layout_of(p)
     routes = StepRoutes(p, device, layout)
     wire_model = wire_model_of(p)
-    built = StepMicroBatches(layout, routes, wire_time(wire_model))
+    counts = np.asarray(counts, dtype=np.int64)
     with clock.phase("routing"):
-        routed = routes.prepare(list(distinct) + list(replay_steps),
-                                lambda i, n: progress(i, n, "EP step: source slots routed"))
+        routed = routes.prepare_calls(calls, list(replay_steps),
+                                      lambda i, n: progress(i, n, "EP step: source slots routed"))
     with clock.phase("host_composition"):
-        read = workload_steps(distinct)
-        built.keep([distinct[i] for i in read])
-        built.keep(replay_steps)
-        contests = contests_of([distinct[i] for i in read], [counts[i] for i in read], built)
+        tables = SourceTables(routes.slots, layout, calls.real_tokens.shape[1], wire_model.ranks_per_node)
+        read = workload_steps(calls.total_rows())
+        contests = contests_of(calls.take(read), counts[read], tables, layout)
     with clock.phase("rank_workloads"):
-        rank_time, times_info, timer = rank_time_lookup(p, device, timing, contests, len(read) == len(distinct),
+        rank_time, times_info, timer = rank_time_lookup(p, device, timing, contests, len(read) == calls.num_steps,
                                                         progress)
     with clock.phase("host_composition"):
-        per_step = compose_priced([built(s) for s in distinct], rank_time, layout.dbo)
-        tot = totals(per_step, counts)
+        columns = compose_arrays(calls, tables, rank_time, wire_model, layout)
+        tot = columns.totals(counts)
+        built = StepMicroBatches(layout, routes, wire_time(wire_model))
+        largest = _largest_step(calls, built, rank_time, layout.dbo)
     replay = None
     if replay_steps:
         with clock.phase("replay"):
+            built.keep(replay_steps)  # a step the replay reads twice is built once
             step_mbs = [built(s) for s in replay_steps]
             timer.expect(sum(len(mbs[side]) * layout.ep_size for mbs in step_mbs for side in SIDES),
                          "EP step: replay ranks timed")
@@ -143,8 +158,17 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, distinct: S
         totals={side: {k: round(v, 3) for k, v in tot["sums"][side].items()} for side in SIDES},
         tax={k: ({s: round(x, 3) for s, x in v.items()} if isinstance(v, dict) else round(v, 3))
              for k, v in tot["tax"].items()},
-        largest_step=largest_step(distinct, per_step),
-        slowest_rank_padded_route_share=padded_route_share(per_step, counts), replay=replay,
+        largest_step=largest, slowest_rank_padded_route_share=columns.padded_route_share(counts), replay=replay,
         wall_s=round(time.perf_counter() - t0, 3),
         **cards(device, wire_model))
-    return record, per_step
+    return record, columns
+
+
+def _largest_step(calls: StepCalls, built: StepMicroBatches, rank_time, dbo: bool) -> dict:
+    """ep_step.largest_step of the step with the most rows (the first such), composed on its own: every rank's time
+    of it is in the record."""
+    if not calls.num_steps:
+        return {}
+    step = calls.step(int(np.argmax(calls.total_rows())))
+    built.keep([step])
+    return largest_step([step], compose_priced([built(step)], rank_time, dbo))

@@ -6,29 +6,31 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from moebench.bench.serving_trace.compose import headline, share
 from moebench.bench.serving_trace.record import SIDES, EPHeadline, EPStepRecord, TraceHeadline
+from moebench.bench.serving_trace.steps import StepFigures
 from moebench.params import Params
 
 
-def trace_headline(p: Params, distinct: list[dict], counts: list[int], tot: dict, calls: Counter, figures: dict,
+def trace_headline(p: Params, steps: StepFigures, counts, tot: dict, calls: Counter, figures: dict,
                    ep_step: EPStepRecord | None = None, spread_of=None) -> TraceHeadline:
     """The single-rank headline over the trace (each distinct step weighted by how often it occurs), its noise, and
     the EP step's headline where the point has one."""
     head = headline(tot)
-    real_rows = sum(n * sum(s["real"]) for s, n in zip(distinct, counts))
-    padded = sum(n * s["padded_rows"] for s, n in zip(distinct, counts))
+    w = np.asarray(counts, dtype=np.int64)
+    real_rows = int((w * steps.calls.real_tokens.sum(axis=1)).sum())
+    padded = int((w * steps.calls.padded_rows()).sum())
     head.update(view="single_rank: this EP rank's layer over its own calls (router, align, its local experts, "
                      "reduce); no straggler, no wire",
                 real_tokens=real_rows, padded_rows=padded,
                 padding_row_share=padded / (padded + real_rows) if padded + real_rows else None,
-                padding_gemm_rows={s: sum(n * st["padding_gemm_rows"][s] for st, n in zip(distinct, counts))
-                                   for s in SIDES},
-                ep_excess_routes={s: sum(n * st["ep_excess_routes"][s] for st, n in zip(distinct, counts))
-                                  for s in SIDES})
+                padding_gemm_rows={s: int((w * steps.padding_gemm_rows[s]).sum()) for s in SIDES},
+                ep_excess_routes={s: steps.weighted(steps.ep_excess_routes[s], w) for s in SIDES})
     head["ep_excess_from_padding"] = head["ep_excess_routes"]["oblivious"] - head["ep_excess_routes"]["masked"]
     if p.ep_size > 1:
-        head["jit_compiles"] = {s: len({c for st in distinct for c in st["capacity"][s]}) for s in SIDES}
+        head["jit_compiles"] = {s: steps.distinct_capacities(s) for s in SIDES}
     else:
         head["jit_compiles"] = {s: None for s in SIDES}  # one rank: no dispatch to size
     return TraceHeadline(**head, noise=noise(calls, figures, tot, spread_of),

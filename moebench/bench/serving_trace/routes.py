@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from moebench.bench.serving_trace.ep_step import CallRoutes, EPStepLayout
+from moebench.bench.serving_trace.step_calls import StepCalls
 from moebench.bench.serving_trace.shape_streams import SLOT_SEED, routing_bias, shape_params, stream_size
 from moebench.inputs import make_batch, route
 from moebench.inputs.engine_padding import StepPadding
@@ -74,14 +75,33 @@ class StepRoutes:
         """Route every slot the steps' calls need: its real batch at the most real tokens of its calls, its padding at
         the most padded rows (or that, whichever is more), each a power of two (stream_size: the capture list of a
         what-if axis leaves a slot's real rows where they were); returns the slots routed."""
-        lay = self.layout
         need: dict[int, tuple[int, int]] = {}
         for s in steps:
             for c in s.calls:
-                for q in range(lay.replicas):
-                    slot = lay.slot(q, len(s.real), c.dp_rank, c.sp_rank)
-                    real, pad = need.get(slot, (1, 1))
-                    need[slot] = (max(real, c.real), max(pad, c.rows - c.real))
+                for q in range(self.layout.replicas):
+                    _need(need, self.layout.slot(q, len(s.real), c.dp_rank, c.sp_rank), c.real, c.rows - c.real)
+        return self._route_needs(need, progress)
+
+    def prepare_calls(self, calls: StepCalls, steps: Sequence[StepPadding] = (),
+                      progress: Callable[[int, int], None] | None = None) -> int:
+        """prepare() for the steps of `calls` (step_calls' arrays: the most real and padded rows of each source
+        read off them at once) and `steps`."""
+        need: dict[int, tuple[int, int]] = {}
+        dp_size = calls.real_tokens.shape[1]
+        if calls.num_steps:
+            real = calls.real.max(axis=(0, 2))  # [DP, SP]
+            pad = (calls.rows - calls.real).max(axis=(0, 2))
+            for d in range(dp_size):
+                for j in range(self.layout.sp_size):
+                    for q in range(self.layout.replicas):
+                        _need(need, self.layout.slot(q, dp_size, d, j), int(real[d, j]), int(pad[d, j]))
+        for s in steps:
+            for c in s.calls:
+                for q in range(self.layout.replicas):
+                    _need(need, self.layout.slot(q, len(s.real), c.dp_rank, c.sp_rank), c.real, c.rows - c.real)
+        return self._route_needs(need, progress)
+
+    def _route_needs(self, need: dict[int, tuple[int, int]], progress) -> int:
         sizes = {k: (stream_size(r), stream_size(max(r, p))) for k, (r, p) in need.items()}
         todo = sorted(k for k in sizes if k not in self.slots or self.slots[k][0][0] < sizes[k][0]
                       or self.slots[k][0][1] < sizes[k][1])
@@ -102,3 +122,9 @@ class StepRoutes:
                                    tuple((real_ranks[real] + pad_ranks[rows - real]).tolist()))
             self.cache[key] = {"masked": masked, "oblivious": oblivious}
         return self.cache[key][side]
+
+
+def _need(need: dict[int, tuple[int, int]], slot: int, real: int, pad: int) -> None:
+    """A slot's most real and padded rows so far, at least 1 each."""
+    have = need.get(slot, (1, 1))
+    need[slot] = (max(have[0], real), max(have[1], pad))

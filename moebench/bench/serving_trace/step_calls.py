@@ -52,8 +52,25 @@ class StepCalls:
         """The steps at `index` (an int array or a slice)."""
         return StepCalls(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
+    def call_counts(self, weights) -> dict[tuple[int, int], int]:
+        """{(rows, real): calls of that shape over the steps, each step's calls counted `weights[s]` times}."""
+        rows, real = self.rows.reshape(self.num_steps, -1), self.real.reshape(self.num_steps, -1)
+        on = rows > 0
+        w = np.broadcast_to(np.asarray(weights, dtype=np.int64)[:, None], rows.shape)[on]
+        base = int(real.max(initial=0)) + 1
+        keys, at = np.unique(rows[on] * base + real[on], return_inverse=True)
+        total = np.zeros(len(keys), dtype=np.int64)
+        np.add.at(total, at, w)
+        return {(int(k // base), int(k % base)): int(n) for k, n in zip(keys.tolist(), total.tolist())}
+
     def step(self, i: int) -> StepPadding:
-        """Step i as step_padding gives it."""
+        """Step i as step_padding gives it (one object per step: what is built of a step is kept by its id)."""
+        made = self.__dict__.setdefault("_steps", {})
+        if i not in made:
+            made[i] = self._step(i)
+        return made[i]
+
+    def _step(self, i: int) -> StepPadding:
         sp = self.rows.shape[3]
         calls = tuple(LayerCall(d, m, j, int(self.rows[i, d, m, j]), int(self.real[i, d, m, j]))
                       for d in range(self.rows.shape[1]) for m in range(self.rows.shape[2]) for j in range(sp)
@@ -91,3 +108,22 @@ def step_calls(real_tokens, engine: Engine) -> StepCalls:
             real[:, :, m, j] = np.clip(real_m - j * chunk[:, m:m + 1], 0, chunk[:, m:m + 1])
     rows = np.broadcast_to(chunk[:, None, :, None], (S, DP, M, sp)).copy()
     return StepCalls(real_tokens, cg, dp_rows, halves, chunk, rows, real)
+
+
+def shapes_as_steps(shapes) -> list[StepPadding]:
+    """The call shapes (rows, real) as the calls of one StepPadding: for the functions of compose.py that read only
+    the calls' shapes (distinct_shapes, interpolation_shapes, ...), without a step object per distinct step."""
+    calls = tuple(LayerCall(0, 0, 0, int(r), int(q)) for r, q in shapes)
+    return [StepPadding((), (), 0, (), (), (), calls)]
+
+
+CHECKED_STEPS = 2_000  # distinct steps a point checks against the tensor producers (all of a shorter trace)
+
+
+def check_sample(num_steps: int, limit: int = CHECKED_STEPS) -> np.ndarray:
+    """Which distinct steps a point checks against the tensor producers (each a few tensor ops): all of them up to
+    `limit`, else an even spread of `limit` with the first and last (step_calls itself is held equal to
+    step_padding on every step by the tests)."""
+    if num_steps <= limit:
+        return np.arange(num_steps)
+    return np.unique(np.round(np.linspace(0, num_steps - 1, limit)).astype(np.int64))
