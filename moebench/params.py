@@ -218,6 +218,25 @@ class Timing:
     # moebench.run.point_worker.DEFAULT_POINT_TIMEOUT_S).
     point_timeout_s: float | None = None
 
+    # (least, upper bound) of each number; a duration must be above its least. The upper bounds because every sample
+    # is stored and CUDA events are allocated per iteration up front.
+    RANGES = {"warmup": (0, 100_000), "iters": (1, 100_000), "unroll": (1, 1024), "max_seconds": (0, 86_400.0),
+              "point_timeout_s": (0, 86_400.0)}
+    DURATIONS = ("max_seconds", "point_timeout_s")
+
+    def problem(self) -> tuple[str, str] | None:
+        """(the key, why) of the first number out of its range, or None: a key, so that a refusal names it."""
+        for k, (least, limit) in self.RANGES.items():
+            v = getattr(self, k)
+            if v is None:  # point_timeout_s: the device's default
+                continue
+            if v < least or (k in self.DURATIONS and v == least):
+                default = " (null: the device default)" if k == "point_timeout_s" else ""
+                return k, f"{v} is not {'>' if k in self.DURATIONS else '>='} {least}{default}"
+            if v > limit:
+                return k, f"{v} is over the limit of {limit:g}"
+        return None
+
 
 @dataclass(frozen=True)
 class Point:
