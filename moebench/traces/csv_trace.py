@@ -11,9 +11,10 @@ are skipped unread and named in the run's header (TraceFile.ignored_columns). A 
 spreadsheet's "CSV UTF-8") is skipped. A count is a whole number of real tokens in [0, MAX_TOKENS]; 0 is an idle
 DP rank (it still runs the layer on its DP padding). A sweep's `trace_file:` is resolved by the sweep loader
 (beside the sweep, the current directory, then the files bundled in data/, e.g. `example_chat_dp2.csv`:
-docs/sweeps.md#paths-in-a-sweep) and reaches this module as an absolute path. Every problem is a TraceFileError naming the file and the line: the sweep loader turns
-it into its one-line refusal (exit 2, nothing written). The file is streamed (no byte limit); the bound is on the
-token table it makes (MAX_COUNTS), and the distinct steps come from moebench.traces.distinct.
+docs/sweeps.md#paths-in-a-sweep) and reaches this module as an absolute path. Every problem is a TraceFileError
+naming the file and the line: the sweep loader turns it into its one-line refusal (exit 2, nothing written). The
+file is streamed (no byte limit); the bound is on the token table it makes (MAX_COUNTS), and the distinct steps
+come from moebench.traces.distinct.
 """
 
 from __future__ import annotations
