@@ -36,7 +36,7 @@ from moebench.report.figures import draw_plots, find_plots, scratch_dir_for
 from moebench.report.describe import description_line
 from moebench.report.headline import HeadlineRow, evaluate, side_text
 from moebench.report.peers import MODES_DIFFER, peer_ratios, ratio_text
-from moebench.report.table import (METRICS, metric_title, param_cell, status_lines, timed_call_line,
+from moebench.report.table import (METRICS, column_notes, metric_title, param_cell, status_lines, timed_call_line,
                                    timing_statement)
 from moebench.records import MANIFEST, RECORDS, load_records
 
@@ -198,9 +198,10 @@ def ceiling_table(run: RunView) -> tuple[list[str], list[list[str]]]:
 
 def notes(run: RunView) -> list[str]:
     """The caveats `moebench run` prints under its table (moebench.report.table.status_lines: points by status,
-    failures, reasons for skipping; a serving trace's footer: how its times were had, the models' errors, the cards,
-    what each phase cost); its GEMM-ceiling and best-peer blocks are the page's own tables."""
-    return status_lines(run.records) + trace_tax.footer_lines(run.records)
+    failures, reasons for skipping; column_notes: why a column says n/a; a serving trace's footer: how its times
+    were had, the models' errors, the cards, what each phase cost); its GEMM-ceiling and best-peer blocks are the
+    page's own tables."""
+    return status_lines(run.records) + column_notes(run.records) + trace_tax.footer_lines(run.records)
 
 
 def peer_table(run: RunView) -> tuple[list[str], list[list[str]]]:

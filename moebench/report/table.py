@@ -150,9 +150,26 @@ class Table:
 
 
 def footer_lines(records: list[dict], restarts: int = 0) -> list[str]:
-    """What stdout prints under the table: status_lines, then each record's fraction of the GEMM ceiling (where
-    the run timed one)."""
-    return ["", *status_lines(records, restarts), *ceiling_footer_lines(records)]
+    """What stdout prints under the table: status_lines, what a column's n/a means (column_notes), then each
+    record's fraction of the GEMM ceiling (where the run timed one)."""
+    return ["", *status_lines(records, restarts), *column_notes(records), *ceiling_footer_lines(records)]
+
+
+def column_notes(records: list[dict]) -> list[str]:
+    """Why a column says n/a, where one does: the jit column's n/a is a point whose compiles could not be counted
+    (the interpreter compiles nothing), with the reason its record gives; one line per reason."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        jit = r.get("jit") or {}
+        if jit and not jit.get("supported", True):
+            reason = str(jit.get("reason") or "the record does not say why")
+            reasons[reason] = reasons.get(reason, 0) + 1
+    every = len(reasons) == 1 and sum(reasons.values()) == len(records)
+    lines = []
+    for reason, n in reasons.items():
+        which = "" if every else f" ({n} point{'s' if n > 1 else ''})"
+        lines.append(f"jit n/a{which}: Triton JIT compiles not counted: {reason}")
+    return lines
 
 
 def status_lines(records: list[dict], restarts: int = 0) -> list[str]:

@@ -9,7 +9,7 @@ from moebench.plots.common import constant_params
 from moebench.records import timing_label
 from moebench.report.describe import description_line
 from moebench.report.peers import peer_footer_lines, peer_ratios
-from moebench.report.table import Table
+from moebench.report.table import Table, column_notes
 from moebench.run.runner import run_sweep
 from moebench.run.sweep import load_sweep
 
@@ -47,6 +47,24 @@ def test_the_header_says_what_p50_times_for_a_trace():
     out = io.StringIO()
     Table(["num_tokens"], out=out, target="router").header()
     assert "p50 / p10 / p90:" not in out.getvalue()
+
+
+def test_the_jit_columns_n_a_is_explained_under_the_table():
+    """A bare n/a in the jit column is a point whose compiles could not be counted: the footer says why."""
+    interp = {"supported": False, "compiles": "unsupported",
+              "reason": "TRITON_INTERPRET=1: interpreted kernels are not compiled and do not call the JIT hooks"}
+    rows = [{"point": i, "status": "ok", "target": "serving_trace", "jit": interp} for i in range(2)]
+    out = io.StringIO()
+    table = Table(["capture_sizes"], out=out, target="serving_trace")
+    table.row(rows[0])
+    table.footer(rows)
+    assert " n/a " in out.getvalue()
+    assert ("# jit n/a: Triton JIT compiles not counted: TRITON_INTERPRET=1: interpreted kernels are not compiled"
+            in out.getvalue())
+    counted = {"point": 2, "status": "ok", "jit": {"supported": True, "compiles": 3}}
+    (line,) = column_notes([*rows, counted, {**counted, "jit": {"supported": False}}])[:1]
+    assert line.startswith("jit n/a (2 points): Triton JIT compiles not counted: TRITON_INTERPRET=1")
+    assert column_notes([counted]) == []
 
 
 def test_the_mode_column_is_the_mode_each_row_was_measured_in(tmp_path):
