@@ -85,6 +85,12 @@ def _timed(t: TraceRecord) -> str:
     return f"{timed}, interpolated N={n}" if n else f"{timed}"
 
 
+def _overlap(t: TraceRecord, split: dict) -> str | None:
+    """The DBO overlap of the tax split in ms, or None without DBO: there nothing overlaps, and the split's
+    overlap_us is only the float residue of the step minus its parts (a "0.00 ms" that would read as measured)."""
+    return _ms(split["overlap_us"]) if (t.engine or {}).get("dbo") else None
+
+
 def config_label(r: dict) -> str:
     t = typed(r)
     e = t.engine or {}
@@ -167,7 +173,8 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
                      f"{_ms(ep.experts_us['oblivious'])} / {_ms(ep.experts_us['masked'])}",
                      f"{_ms(ep.straggler_wait_us['oblivious'])} / {_ms(ep.straggler_wait_us['masked'])}",
                      f"{_ms(ep.wire_us['oblivious'])} / {_ms(ep.wire_us['masked'])}",
-                     " / ".join(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")),
+                     " / ".join([*(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us")),
+                                 _overlap(t, split) or "DBO off"]),
                      _pct(ep.slowest_rank_padded_route_share),
                      f"{t.ep_step.rank_times_label() if t.ep_step else ep.rank_times}; wire {wire}", _replay_cell(t)])
     return EP_HEAD, rows
@@ -205,7 +212,7 @@ def footer_lines(records: list[dict]) -> list[str]:
             out.append(f"    EP step: {_ms(ep.step_us['oblivious'])} | {_ms(ep.step_us['masked'])} ms, tax "
                        f"{_pct(ep.padding_tax)}: GEMM on padding {_ms(split['gemm_us'])} ms, straggler wait "
                        f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
-                       + (f", DBO overlap {_ms(split['overlap_us'])} ms" if split.get("overlap_us") else "")
+                       + (f", DBO overlap {_overlap(t, split)} ms" if _overlap(t, split) else "")
                        + f"; replay {_replay_cell(t)}")
             out.append(f"    rank times: {t.ep_step.rank_times_label()}")
             out.append(f"    wire {t.ep_step.wire_label()}")

@@ -4,6 +4,7 @@ note when the rank times and the wire figures come from different cards."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
@@ -146,6 +147,25 @@ def test_the_wire_card_note(cpu_record):
     same = {**cpu_record, "ep_step": {k: v for k, v in ep.items() if k != "card_note"}}
     text = "\n".join(footer_lines([{"target": "serving_trace", "status": "ok", "params": {}, "info": same}]))
     assert "note:" not in text
+
+
+def test_the_dbo_overlap_is_stated_only_with_dbo(cpu_record):
+    """Without DBO nothing overlaps: the tax split's overlap_us is the float residue of the step minus its parts,
+    and no "DBO overlap 0.00 ms" is printed beside "DBO off"."""
+    from moebench.report.trace_tax import ep_table, footer_lines
+
+    def shown(dbo: bool, overlap_us: float) -> tuple[str, str]:
+        ep = copy.deepcopy(cpu_record)
+        ep["engine"]["dbo"] = dbo
+        ep["headline"]["ep_step"]["tax_split_us"]["overlap_us"] = overlap_us
+        rec = {"target": "serving_trace", "status": "ok", "params": {}, "info": ep}
+        head, (row,) = ep_table([rec])
+        return "\n".join(footer_lines([rec])), row[head.index("tax split ms: GEMM / straggler / wire / DBO overlap")]
+
+    text, split = shown(False, 1e-9)
+    assert "DBO off" in text and "DBO overlap" not in text and split.endswith(" / DBO off"), split
+    text, split = shown(True, -1234.5)
+    assert "DBO on" in text and "DBO overlap -1.23 ms" in text and split.endswith(" / -1.23"), split
 
 
 def test_each_steps_micro_batches_are_built_once(monkeypatch):
