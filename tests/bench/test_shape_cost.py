@@ -12,7 +12,8 @@ import torch
 
 from moebench.bench.serving_trace.rank_cost import Launch
 from moebench.bench.serving_trace.shape_cost import (ShapeTable, design_shapes, plan_shape_times, shape_reads)
-from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.shape_streams import ShapeStreams
 from moebench.params import Params
 
 

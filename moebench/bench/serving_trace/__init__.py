@@ -34,7 +34,8 @@ rank_timing (the rank timer), ep_measure (the EP step measured), wire (the wire 
 replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
 estimate (what a point costs before it runs).
 
-Case.run (what the runner times) is the masked layer at the trace's most frequent call shape.
+Case.run (what the runner times) is the masked layer at the trace's most frequent call shape that the device
+times (under the interpreter, of at most TIMED_ROWS_MAX rows; info.run_shape says which).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.rank_cost import launch_of
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
-from moebench.bench.serving_trace.shape_cost import (DEFAULT_SHAPE_TIMINGS, TIMED_ROWS_MAX, ShapeTable,
+from moebench.bench.serving_trace.shape_cost import (TIMED_ROWS_MAX, ShapeTable,
                                                      model_spread_us, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.step_calls import check_sample, shapes_as_steps, step_calls
@@ -136,7 +137,7 @@ def build(p: Params, ctx: RunContext) -> Case:
                                       "shape_timings": len(timed)}
     else:
         figures, _, _ = measure_shapes(p, bench, shapes, [], store, None, clock)
-        budget = serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[kind]
+        budget = serving.shape_timings(kind)
         timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
 
         def time_shapes(batch):
@@ -203,10 +204,16 @@ def build(p: Params, ctx: RunContext) -> Case:
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
     info["phase_wall_s"] = clock.record()
 
-    busiest = calls.most_common(1)[0][0] if calls else shapes[0] if shapes else (1, 1)
+    # the runner's p50 call: the most frequent call shape the device times (the interpreter no shape over
+    # TIMED_ROWS_MAX rows: a 4096-row layer there takes minutes a call)
+    timeable = [(n, s) for s, n in calls.items() if TIMED_ROWS_MAX[kind] is None or s[0] <= TIMED_ROWS_MAX[kind]]
+    busiest = (max(timeable, key=lambda ns: (ns[0], -ns[1][0], -ns[1][1]))[1] if timeable
+               else min(calls, key=lambda s: (s[0], s[1])) if calls else shapes[0] if shapes else (1, 1))
     sp, batch = bench.batch(*busiest)
     pipe = bench.pipeline(sp, batch, "masked")
-    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked"}
+    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked",
+                         "calls": calls.get(busiest, 0), "most_frequent": calls.most_common(1)[0][0] == busiest
+                         if calls else True}
     ids = pipe.router_reference().ids.to(torch.int64)
     local = (ids >= 0) & (ids < p.local_experts)
     flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),

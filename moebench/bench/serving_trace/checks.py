@@ -1,19 +1,20 @@
 """The serving_trace record's own consistency checks (moebench.consistency runs them before the record is written).
 
-Against the figures serving_trace records under `info` (their definitions: moebench.bench._trace_compose.headline
-and moebench.bench._ep_step): per side, the layer over the trace is its real-only time plus its time on padding, the
-tax is that share, the masks' recovery is the difference of the two layers; a trace with no padded row has no time,
-GEMM row or EP tax on padding; the shares are within [0, 1] and the counts not negative; the EP step's tax split adds
-up to its total, which is the difference of the two steps, and without DBO nothing overlaps.
+Each reads the typed record (record.TraceRecord.from_info of the record's info) and names a figure by its path in
+info. Against the definitions of the figures (compose.headline for the single-rank view, ep_step.tax_split and
+ep_step.totals for the EP step): per side, the layer over the trace is its real-only time plus its time on padding,
+the tax is that share, the masks' recovery is the difference of the two layers; a trace with no padded row has no
+time, GEMM row or EP tax on padding; the shares are within [0, 1] and the counts not negative; the EP step's tax
+split adds up to its total, which is the difference of the two steps, and without DBO nothing overlaps.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from moebench.consistency import close, register_check, value_at
+from moebench.bench.serving_trace.record import SIDES, TraceRecord
+from moebench.consistency import close, register_check
 
-SIDES = ("masked", "oblivious")
 HEAD = "info.headline"
 
 
@@ -21,11 +22,20 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _record(record: dict) -> TraceRecord | None:
+    info = record.get("info")
+    return TraceRecord.from_info(info) if isinstance(info, dict) and isinstance(info.get("headline"), dict) else None
+
+
 @register_check("serving_trace")
 def single_rank_totals(record: dict) -> Iterable[str]:
     """layer_us = real_only_us + padding_us, padding_tax = padding_us / layer_us, recovered_us = the difference."""
-    layer, real, padding = (value_at(record, f"{HEAD}.{k}") or {} for k in ("layer_us", "real_only_us", "padding_us"))
-    tax = value_at(record, f"{HEAD}.padding_tax") or {}
+    rec = _record(record)
+    if rec is None:
+        return
+    head = rec.headline
+    layer, real, padding, tax = (head.layer_us or {}, head.real_only_us or {}, head.padding_us or {},
+                                 head.padding_tax or {})
     for side in SIDES:
         total, a, b = layer.get(side), real.get(side), padding.get(side)
         if _num(total) and _num(a) and _num(b) and not close(total, a + b, terms=3):
@@ -33,23 +43,24 @@ def single_rank_totals(record: dict) -> Iterable[str]:
         share = tax.get(side)
         if _num(share) and _num(total) and _num(b) and total and abs(share - b / total) > 1e-6:
             yield f"{HEAD}.padding_tax.{side}: {share} != padding_us / layer_us = {b / total}"
-    recovered = value_at(record, f"{HEAD}.recovered_us")
-    if _num(recovered) and all(_num(layer.get(s)) for s in SIDES):
+    if _num(head.recovered_us) and all(_num(layer.get(s)) for s in SIDES):
         diff = layer["oblivious"] - layer["masked"]
-        if not close(recovered, diff, terms=3):
-            yield f"{HEAD}.recovered_us: {recovered} != layer_us oblivious - masked = {diff}"
+        if not close(head.recovered_us, diff, terms=3):
+            yield f"{HEAD}.recovered_us: {head.recovered_us} != layer_us oblivious - masked = {diff}"
 
 
 @register_check("serving_trace")
 def no_padding_no_tax(record: dict) -> Iterable[str]:
     """A trace whose steps pad no row spends nothing on padding, on either side and in the EP step."""
-    if value_at(record, f"{HEAD}.padded_rows") != 0:
+    rec = _record(record)
+    if rec is None or rec.headline.padded_rows != 0:
         return
-    for what in ("padding_us", "padding_gemm_rows"):
-        for side, v in (value_at(record, f"{HEAD}.{what}") or {}).items():
+    head = rec.headline
+    for what, figures in (("padding_us", head.padding_us), ("padding_gemm_rows", head.padding_gemm_rows)):
+        for side, v in (figures or {}).items():
             if _num(v) and v != 0:
                 yield f"{HEAD}.{what}.{side}: {v} with no padded row in the trace"
-    total = value_at(record, f"{HEAD}.ep_step.tax_split_us.total_us")
+    total = (head.ep_step.tax_split_us or {}).get("total_us") if head.ep_step is not None else None
     if _num(total) and not close(total, 0.0):
         yield f"{HEAD}.ep_step.tax_split_us.total_us: {total} with no padded row in the trace"
 
@@ -57,16 +68,21 @@ def no_padding_no_tax(record: dict) -> Iterable[str]:
 @register_check("serving_trace")
 def shares_and_counts(record: dict) -> Iterable[str]:
     """Shares within [0, 1]; row, route and compile counts not negative."""
-    for path in (f"{HEAD}.padding_row_share", f"{HEAD}.ep_step.slowest_rank_padded_route_share"):
-        v = value_at(record, path)
+    rec = _record(record)
+    if rec is None:
+        return
+    head = rec.headline
+    shares = {f"{HEAD}.padding_row_share": head.padding_row_share,
+              f"{HEAD}.ep_step.slowest_rank_padded_route_share":
+                  head.ep_step.slowest_rank_padded_route_share if head.ep_step is not None else None}
+    for path, v in shares.items():
         if _num(v) and not 0.0 <= v <= 1.0:
             yield f"{path}: {v} is not a share (within [0, 1])"
-    for what in ("real_tokens", "padded_rows"):
-        v = value_at(record, f"{HEAD}.{what}")
+    for what, v in (("real_tokens", head.real_tokens), ("padded_rows", head.padded_rows)):
         if _num(v) and v < 0:
             yield f"{HEAD}.{what}: {v} is negative"
     for what in ("padding_gemm_rows", "ep_excess_routes", "jit_compiles"):
-        for side, v in (value_at(record, f"{HEAD}.{what}") or {}).items():
+        for side, v in (getattr(head, what) or {}).items():
             if _num(v) and v < 0:
                 yield f"{HEAD}.{what}.{side}: {v} is negative"
 
@@ -75,25 +91,25 @@ def shares_and_counts(record: dict) -> Iterable[str]:
 def ep_step_totals(record: dict) -> Iterable[str]:
     """The EP tax split adds up to total_us, the step difference; per side the wire is dispatch + combine, the
     slowest rank is not faster than the mean one, and without DBO the step is experts + wire."""
-    split = value_at(record, f"{HEAD}.ep_step.tax_split_us")
-    if not isinstance(split, dict):
+    rec = _record(record)
+    if rec is None or rec.headline.ep_step is None or not isinstance(rec.headline.ep_step.tax_split_us, dict):
         return
+    split, steps = rec.headline.ep_step.tax_split_us, rec.headline.ep_step.step_us or {}
     parts = [split.get(k) for k in ("gemm_us", "straggler_us", "wire_us", "overlap_us")]
     total = split.get("total_us")
     if all(_num(v) for v in parts) and _num(total) and not close(total, sum(parts), terms=5):
         yield f"{HEAD}.ep_step.tax_split_us.total_us: {total} != gemm + straggler + wire + overlap = {sum(parts)}"
-    steps = value_at(record, f"{HEAD}.ep_step.step_us") or {}
     if _num(total) and all(_num(steps.get(s)) for s in SIDES):
         diff = steps["oblivious"] - steps["masked"]
         if not close(total, diff, terms=3):
             yield f"{HEAD}.ep_step.tax_split_us.total_us: {total} != step_us oblivious - masked = {diff}"
-    dbo = value_at(record, "info.engine.dbo")
+    dbo = (rec.engine or {}).get("dbo")
     # the overlap is the residual of sums over the whole trace: its rounding scales with the steps' sums
     scale = max((abs(v) for v in steps.values() if _num(v)), default=0.0)
     if dbo is False and _num(split.get("overlap_us")) and not (
             close(split["overlap_us"], 0.0, terms=5) or abs(split["overlap_us"]) <= 1e-9 * scale):
         yield f"{HEAD}.ep_step.tax_split_us.overlap_us: {split['overlap_us']} without DBO (nothing overlaps)"
-    totals = value_at(record, "info.ep_step.totals") or {}
+    totals = (rec.ep_step.totals if rec.ep_step is not None else None) or {}
     for side in SIDES:
         t = totals.get(side) or {}
         if not all(_num(t.get(k)) for k in ("step_us", "experts_us", "mean_rank_us", "dispatch_us", "combine_us")):

@@ -34,9 +34,6 @@ from moebench.bench.serving_trace.wire import cards, wire_model_of, wire_time
 from moebench.inputs.engine_padding import StepPadding
 from moebench.params import Params, Timing
 
-# distinct rank workloads timed one by one (beyond: a model fitted to this many) when the sweep leaves
-# ep_rank_timings unset; the interpreter's budget is a smoke test's
-DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
 # distinct steps whose rank workloads are read for the choice above and the fit's sample (a bound on time and
 # memory: a million-step trace has ~1e5 distinct steps and 1e6 workloads, a fit needs their range, not all of them)
 COLLECT_STEPS = 4_000
@@ -100,11 +97,10 @@ def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: 
     """(rank time lookup, its record, the timer the replay reuses): the one place the EP step times rank
     workloads (RankTimer) and turns the timings into rank times (rank_cost.plan_rank_times)."""
     timer = _Counted(RankTimer(p, device, timing), progress)
-    budget = p.knobs(ServingKnobs).ep_rank_timings
-    budget = budget if budget is not None else DEFAULT_RANK_TIMINGS[device.type if device.type == "cuda" else "cpu"]
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    budget = p.knobs(ServingKnobs).rank_timings(kind)
     timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows})),
                  "EP step: rank workloads timed")
-    kind = "cuda" if device.type == "cuda" else "cpu"
     lookup, times_info = plan_rank_times(contests, timer, budget, launch_of(p, device), REPLAY_TOLERANCE,
                                          complete=complete, rows_max=TIMED_ROWS_MAX[kind])
     times_info["timer"] = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}

@@ -41,7 +41,7 @@ def planned(p: Params) -> dict[str, float]:
     step, and the EP ranks' workloads (a step's sides and micro-batches, each of ep_size ranks)."""
     from moebench.bench.serving_trace.compose import distinct_shapes, interpolation_shapes
     from moebench.bench.serving_trace.knobs import ServingKnobs
-    from moebench.bench.serving_trace.shape_cost import DEFAULT_SHAPE_TIMINGS, TIMED_ROWS_MAX
+    from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX
     from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
     from moebench.inputs.engine_padding import step_padding
 
@@ -56,13 +56,12 @@ def planned(p: Params) -> dict[str, float]:
             if serving.trace_real_points else None,
             "calls_per_step": sum(len(s.calls) for s in steps) / max(1, len(steps)),
             "micro_batches": sum(len({c.micro_batch for c in s.calls}) for s in steps) / max(1, len(steps)),
-            "budget": {kind: serving.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[kind] for kind in ("cuda", "cpu")},
+            "budget": {kind: serving.shape_timings(kind) for kind in ("cuda", "cpu")},
             "rows_max": TIMED_ROWS_MAX}
 
 
 def point_seconds(p: Params, rates: DeviceRates) -> float:
     """Seconds of one serving_trace point on a device of `rates` (the module docstring)."""
-    from moebench.bench.serving_trace.ep_measure import DEFAULT_RANK_TIMINGS
     from moebench.bench.serving_trace.knobs import ServingKnobs
 
     serving = p.knobs(ServingKnobs)
@@ -95,7 +94,7 @@ def point_seconds(p: Params, rates: DeviceRates) -> float:
             rank_s = expert_programs(p, rank_rows, p.local_experts) * INTERP_PROGRAM_S
         else:
             rank_s = rates.seconds(*expected_expert_work(p, rank_rows, p.local_experts), 12)
-        rank_budget = serving.ep_rank_timings or DEFAULT_RANK_TIMINGS[device]
+        rank_budget = serving.rank_timings(device)
         workloads = 2 * plan["distinct_steps"] * plan["micro_batches"] * p.ep_size
         timings = min(rank_budget, workloads) + serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
         ep_s = timings * (RANK_BUILD_S + RANK_CALLS[rates.kind] * rank_s)

@@ -27,6 +27,12 @@ from moebench.traces.knobs import TraceKnobs
 WIRE_FIGURE_KEYS = ("wire_intra_gbps", "wire_intra_latency_us", "wire_inter_gbps", "wire_inter_latency_us")
 
 
+# what is timed when the sweep leaves the budgets unset (beyond: a model fitted to this many); the interpreter's
+# budgets are a smoke test's
+DEFAULT_SHAPE_TIMINGS = {"cuda": 192, "cpu": 12}
+DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
+
+
 @register_knobs
 @dataclass(frozen=True)
 class ServingKnobs:
@@ -39,9 +45,9 @@ class ServingKnobs:
     # design and the rest read off the shape cost model (shape_cost.py); N > 0: N + 1 real counts timed per rows and
     # interpolated (compose.py)
     trace_real_points: int = 0
-    trace_shape_timings: Optional[int] = None  # None: shape_cost.DEFAULT_SHAPE_TIMINGS for the device
+    trace_shape_timings: Optional[int] = None  # None: DEFAULT_SHAPE_TIMINGS for the device (shape_timings())
     # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
-    # (None: ep_measure.DEFAULT_RANK_TIMINGS for the device)
+    # (None: DEFAULT_RANK_TIMINGS for the device: rank_timings())
     ep_rank_timings: Optional[int] = None
     # the EP step's wire: the deployment's GPUs per node, the links' figures (None: the model's own), the dispatch
     # run the model is calibrated from, and the path whose overheads it takes
@@ -57,6 +63,14 @@ class ServingKnobs:
     PATHS = {"trace_file": (BUNDLED_DIR, False), "dispatch_calibration": (None, True)}
     # keys that say how much is measured, not what is: records differing only in these are one configuration
     MEASUREMENT = frozenset({"trace_replay", "trace_real_points", "trace_shape_timings", "ep_rank_timings"})
+
+    def shape_timings(self, device_kind: str) -> int:
+        """The shapes timed before the shape model reads the rest, on a "cuda" or "cpu" device."""
+        return self.trace_shape_timings or DEFAULT_SHAPE_TIMINGS[device_kind]
+
+    def rank_timings(self, device_kind: str) -> int:
+        """The rank workloads timed before the rank model reads the rest, on a "cuda" or "cpu" device."""
+        return self.ep_rank_timings if self.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_kind]
 
     @property
     def wire_figures(self) -> dict[str, Optional[float]]:

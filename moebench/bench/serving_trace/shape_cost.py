@@ -32,11 +32,10 @@ import numpy as np
 
 from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, designed_set, error_summary, fit_relative,
                                                     rel_error)
-from moebench.bench.serving_trace.shape_streams import SIDES, ShapeStreams
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.shape_streams import ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
-# shapes timed when the sweep leaves trace_shape_timings unset (beyond: the model)
-DEFAULT_SHAPE_TIMINGS = {"cuda": 192, "cpu": 12}
 # the most rows a timed shape has, per device (None: any): the interpreter's layer call costs ~15 ms a row at the CPU
 # sizes (a 2048-row call over half a minute), so there larger shapes are the model's, extrapolated in rows
 TIMED_ROWS_MAX = {"cuda": None, "cpu": 128}

@@ -26,9 +26,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from moebench.bench.serving_trace.record import SIDES
 from moebench.params import EPLayout, Params
 
-SIDES = ("masked", "oblivious")
 SLOT_SEED = 104_729 * 7_919  # source slot s's real batch: offset SLOT_SEED * (s + 1), its padding's one more
 BIAS_SEED = 104_723  # the routing's selection bias: drawn apart, so no stream's length moves it
 
