@@ -112,14 +112,14 @@ class EPColumns:
     padded_routes: np.ndarray
     padded_routes_to_slowest: np.ndarray
 
-    def totals(self, counts) -> dict:
+    def totals(self, counts, dbo: bool) -> dict:
         """ep_step.totals of the columns, each step weighted by its count."""
         from moebench.bench.serving_trace.ep_step import SUMMED, SideStep, tax_split
 
         w = np.asarray(counts, dtype=np.int64)
         sums = {side: {k: math.fsum((w * self.sides[side][k]).tolist()) for k in SUMMED} for side in SIDES}
         m, o = (SideStep(**{k: sums[s][k] for k in SUMMED}) for s in SIDES)
-        split = tax_split(m, o)
+        split = tax_split(m, o, dbo)
         split["straggler_wait_us"] = {s: sums[s]["experts_us"] - sums[s]["mean_rank_us"] for s in SIDES}
         return {"sums": sums, "tax": split}
 

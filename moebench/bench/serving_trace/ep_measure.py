@@ -130,7 +130,7 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
                                                         progress)
     with clock.phase("host_composition"):
         columns = compose_arrays(calls, tables, rank_time, wire_model, layout)
-        tot = columns.totals(counts)
+        tot = columns.totals(counts, layout.dbo)
         built = StepMicroBatches(layout, routes, wire_time(wire_model))
         largest = _largest_step(calls, built, rank_time, layout.dbo)
     replay = None

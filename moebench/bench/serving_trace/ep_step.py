@@ -286,20 +286,23 @@ def compose_steps(steps: Sequence[StepPadding], layout: EPStepLayout, routes_of:
     return compose_priced([built(s) for s in steps], rank_time, layout.dbo)
 
 
-def tax_split(masked: SideStep, oblivious: SideStep) -> dict[str, float]:
-    """What padding adds to a step (oblivious - masked), split into GEMM work, straggler wait, wire and overlap."""
+def tax_split(masked: SideStep, oblivious: SideStep, dbo: bool = True) -> dict[str, float]:
+    """What padding adds to a step (oblivious - masked), split into GEMM work, straggler wait, wire and, with DBO,
+    what the overlap hides (without DBO the three parts make the difference: the overlap is 0, not the float
+    residue of the sums)."""
     gemm = oblivious.mean_rank_us - masked.mean_rank_us
     straggler = (oblivious.experts_us - oblivious.mean_rank_us) - (masked.experts_us - masked.mean_rank_us)
     wire = (oblivious.dispatch_us + oblivious.combine_us) - (masked.dispatch_us + masked.combine_us)
     total = oblivious.step_us - masked.step_us
     return {"gemm_us": gemm, "straggler_us": straggler, "wire_us": wire,
-            "overlap_us": total - (gemm + straggler + wire), "total_us": total}
+            "overlap_us": total - (gemm + straggler + wire) if dbo else 0.0, "total_us": total}
 
 
 SUMMED = ("step_us", "experts_us", "mean_rank_us", "dispatch_us", "combine_us", "dispatch_bytes", "combine_bytes")
 
 
-def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | None = None) -> dict:
+def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | None = None, dbo: bool = True
+           ) -> dict:
     """Sums over the steps (each weighted by its count: a distinct step stands for `counts[i]` steps) per side,
     and the tax split of the sums."""
     counts = counts if counts is not None else [1] * len(per_step)
@@ -307,7 +310,7 @@ def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | N
     sums = {side: {k: math.fsum(n * getattr(st[side], k) for st, n in zip(per_step, counts)) for k in SUMMED}
             for side in SIDES}
     m, o = (SideStep(**{k: sums[s][k] for k in SUMMED}) for s in SIDES)
-    split = tax_split(m, o)
+    split = tax_split(m, o, dbo)
     split["straggler_wait_us"] = {s: sums[s]["experts_us"] - sums[s]["mean_rank_us"] for s in SIDES}
     return {"sums": sums, "tax": split}
 
