@@ -8,13 +8,14 @@ import copy
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from moebench.bench.serving_trace import ep_step, replay
 from moebench.bench.serving_trace.record import (EPReplayRecord, EPStepRecord, ReplayRecord, TraceHeadline,
                                                  TraceRecord, card_note)
-from moebench.bench.serving_trace.shapes import ShapeBench, ShapeFigures, ShapeStore, measure_shapes
+from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.wire import CPU_CARD, cards
 from moebench.dispatch.wire_model import DEFAULT_WIRE_MODEL
 from moebench.params import Params
@@ -32,9 +33,12 @@ class _CountingBench:
     def __init__(self):
         self.routed, self.timed = [], []
 
-    def shape_figures(self, rows, real):
-        self.routed.append((rows, real))
-        return ShapeFigures(rows, real, {}, {"masked": 0, "oblivious": rows - real}, {}, {})
+    def shape_figures_many(self, shapes):
+        self.routed += list(shapes)
+        n = len(shapes)
+        return {side: {"padding_gemm_rows": np.asarray([0 if side == "masked" else r - q for r, q in shapes]),
+                       "rank_loads": np.zeros((n, 2), dtype=np.int64), "max_rows_per_rank": np.zeros(n, np.int64)}
+                for side in ("masked", "oblivious")}
 
     def time_shape(self, rows, real):
         self.timed.append((rows, real))
@@ -53,7 +57,8 @@ def test_the_shape_store_is_the_runs():
     # the what-if axis (capture_sizes) is no layer parameter: the same run reuses every shape it measured
     _, _, measured = measure_shapes(replace(p, capture_sizes=[8]), bench, shapes[1:], shapes[1:],
                                     ShapeStore.of_run(run.run_store))
-    assert measured == 0 and len(bench.timed) == 3 and len(bench.routed) == 3
+    # (the routing figures are gathers over the store's streams, read afresh by every point: 3 + 2 shapes)
+    assert measured == 0 and len(bench.timed) == 3 and len(bench.routed) == 3 + 2
     # another run: nothing is shared
     _, _, measured = measure_shapes(p, bench, shapes, shapes, ShapeStore.of_run(other_run.run_store))
     assert measured == 3 and ShapeStore.of_run(other_run.run_store) is not ShapeStore.of_run(run.run_store)

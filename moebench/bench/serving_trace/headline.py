@@ -53,7 +53,8 @@ def noise(calls: Counter, figures: dict, tot: dict, spread_of=None) -> dict[str,
                 padding_reads[(real, real)] += n
 
     def spread(shape):
-        got = figures[shape].layer_spread_us if shape in figures else {}
+        got = ((figures.spread_us(shape) if hasattr(figures, "spread_us") else figures[shape].layer_spread_us)
+               if shape in figures else {})
         if not got and spread_of is not None:
             got = spread_of(shape) or {}
         return None if any(got.get(side) is None for side in SIDES) else got

@@ -148,6 +148,39 @@ def launch_of(p, device) -> Callable[[int], Launch]:
     return of
 
 
+def launches_of(launch_of: Callable[[int], Launch], rows: Sequence[int]) -> list[Launch]:
+    """launch_of of each of the sorted distinct `rows`, asking launch_of at few of them: a launch is a step function
+    of the rows that is constant over each power-of-two bucket of the tuned tables (T = next_pow2(rows)) where a
+    table names it, and where a rule picks it, monotone in the rows (thresholds on rows per expert: a longer run of
+    rows never returns to a smaller tile). So within a bucket, equal launches at both ends of a run of rows are the
+    launch of the whole run, and only the runs whose ends differ are split (a trace's 10^5 distinct rank rows take
+    a few hundred lookups)."""
+    rows = [int(r) for r in rows]
+    out: list[Launch | None] = [None] * len(rows)
+
+    def fill(lo: int, hi: int, a: Launch, b: Launch) -> None:  # rows[lo] has a, rows[hi] has b
+        if a == b:
+            out[lo:hi + 1] = [a] * (hi - lo + 1)
+            return
+        if hi - lo <= 1:
+            out[lo], out[hi] = a, b
+            return
+        mid = (lo + hi) // 2
+        m = launch_of(rows[mid])
+        fill(lo, mid, a, m)
+        fill(mid, hi, m, b)
+
+    start = 0
+    while start < len(rows):
+        bucket = 1 << max(0, rows[start] - 1).bit_length()
+        end = start
+        while end + 1 < len(rows) and rows[end + 1] <= bucket:
+            end += 1
+        fill(start, end, launch_of(rows[start]), launch_of(rows[end]))
+        start = end + 1
+    return out  # type: ignore[return-value]
+
+
 def features(w: Workload, launch: Launch) -> list[float]:
     """The cost model's features of a workload under its launch (FEATURES)."""
     return [1.0 if w.rows else 0.0, float(sum(1 for c in w.counts if c)), float(launch.row_tiles(w.counts)),
@@ -224,20 +257,23 @@ class RankCostModel:
     __call__ = predict
 
     def batch(self, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """predict() of many workloads at once: counts int [N, E], rows int [N] -> float64 [N] (the launch looked up
-        once per distinct row count)."""
+        """predict() of many workloads at once: counts int [N, E], rows int [N] -> float64 [N] (the launches looked
+        up per distinct row count: launches_of)."""
         counts, rows = np.asarray(counts), np.asarray(rows)
         distinct, at = np.unique(rows, return_inverse=True)
-        launches = [self.launch_of(int(r)) for r in distinct.tolist()]
+        launches = launches_of(self.launch_of, distinct.tolist())
+        names = sorted({lo.name for lo in launches})
+        which = np.asarray([names.index(lo.name) for lo in launches], dtype=np.int64)[at]
         block = np.array([lo.block_m for lo in launches], dtype=np.int64)[at][:, None]
         paired = np.array([lo.paired for lo in launches], dtype=bool)[at]
         blocks = -(-counts // block)
         tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
-        f = np.stack([(rows > 0).astype(np.float64), (counts > 0).sum(axis=1), tiles, counts.sum(axis=1), rows],
-                     axis=1).astype(np.float64)
-        coef = np.array([self.coef.get(lo.name, self.fallback) for lo in launches], dtype=np.float64)
-        coef = coef.reshape(len(launches), len(FEATURES))[at]
-        return (f * coef).sum(axis=1) * (rows > 0)
+        f = ((rows > 0).astype(np.float64), (counts > 0).sum(axis=1), tiles, counts.sum(axis=1), rows)
+        coef = np.array([self.coef.get(n, self.fallback) for n in names], dtype=np.float64).reshape(len(names), -1)
+        t = np.zeros(len(rows))
+        for j, feature in enumerate(f):  # summed feature by feature, as predict() sums its terms
+            t = t + feature * coef[which, j] if j else feature * coef[which, j]
+        return t * (rows > 0)
 
     def record(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "per_launch": {

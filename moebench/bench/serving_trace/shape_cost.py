@@ -30,8 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, designed_set, error_summary, fit_relative,
-                                                    rel_error)
+from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, designed_set, error_summary,
+                                                    fit_relative, launches_of, rel_error)
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.shape_streams import ShapeStreams
 
@@ -52,7 +52,8 @@ class ShapeTable:
         self.index = {s: i for i, s in enumerate(self.shapes)}
         rows = np.array([s[0] for s in self.shapes], dtype=np.int64)
         real = np.array([s[1] for s in self.shapes], dtype=np.int64)
-        launches = {r: launch_of(int(r)) for r in np.unique(rows).tolist()}
+        distinct = np.unique(rows).tolist()
+        launches = dict(zip(distinct, launches_of(launch_of, distinct)))
         self.launch = [launches[r].name for r in rows.tolist()]
         block = np.array([launches[r].block_m for r in rows.tolist()], dtype=np.int64)[:, None]
         paired = np.array([launches[r].paired for r in rows.tolist()], dtype=bool)

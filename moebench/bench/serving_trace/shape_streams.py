@@ -131,15 +131,26 @@ class ShapeStreams:
             got = got + self.pad_tables[table][rows - real]
         return got
 
-    def figures(self, rows: int, real: int) -> tuple[dict[str, int], dict[str, list[int]], dict[str, int]]:
-        """The shape's routing figures per side: (padding_gemm_rows, rank_loads, max_rows_per_rank), as
-        shapes.routing_figures gives them for a routed batch."""
-        gemm, loads, most = {}, {}, {}
+    def figures_many(self, rows, real) -> dict[str, dict[str, np.ndarray]]:
+        """The routing figures of shapes (rows[i], real[i]) per side, as shapes.routing_figures gives them for a
+        routed batch: {side: {"padding_gemm_rows": int64 [S], "rank_loads": int64 [S, R], "max_rows_per_rank":
+        int64 [S]}}."""
+        rows, real = np.asarray(rows, dtype=np.int64), np.asarray(real, dtype=np.int64)
+        out = {}
         for side in SIDES:
-            gemm[side] = (int(self.pad_tables["local_counts"][rows - real].sum()) if side == "oblivious" else 0)
-            loads[side] = [int(v) for v in self.counts("rank_routes", [rows], [real], side)[0]]
+            gemm = (self.pad_tables["local_counts"][rows - real].sum(axis=1) if side == "oblivious"
+                    else np.zeros(len(rows), dtype=np.int64))
             if self.layout.ep_size == 1:
-                most[side] = int(self.counts("any_route", [rows], [real], side)[0, 0])
+                most = self.counts("any_route", rows, real, side)[:, 0]
             else:
-                most[side] = int(self.counts("rank_rows", [rows], [real], side)[0].max())
-        return gemm, loads, most
+                most = self.counts("rank_rows", rows, real, side).max(axis=1)
+            out[side] = {"padding_gemm_rows": gemm, "rank_loads": self.counts("rank_routes", rows, real, side),
+                         "max_rows_per_rank": most}
+        return out
+
+    def figures(self, rows: int, real: int) -> tuple[dict[str, int], dict[str, list[int]], dict[str, int]]:
+        """One shape's routing figures per side: (padding_gemm_rows, rank_loads, max_rows_per_rank)."""
+        got = self.figures_many([rows], [real])
+        return ({side: int(got[side]["padding_gemm_rows"][0]) for side in SIDES},
+                {side: got[side]["rank_loads"][0].tolist() for side in SIDES},
+                {side: int(got[side]["max_rows_per_rank"][0]) for side in SIDES})

@@ -22,8 +22,11 @@ Figures from the reference routing of the batch, per side (padding routed when o
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from moebench.bench.layer import LayerPipeline, check_pipeline
@@ -122,6 +125,14 @@ class ShapeBench:
                                else None)
         return float(stats["p50"])
 
+    def shape_figures_many(self, shapes: Sequence[tuple[int, int]]) -> dict[str, dict[str, np.ndarray]]:
+        """The routing's figures of many shapes as arrays (ShapeStreams.figures_many)."""
+        rows = np.asarray([s[0] for s in shapes], dtype=np.int64)
+        real = np.asarray([s[1] for s in shapes], dtype=np.int64)
+        need_real, need_pad = (int(real.max()), int((rows - real).max())) if len(shapes) else (1, 1)
+        self._streams_for(need_real + need_pad, need_real)  # streams that hold the most real and padded rows
+        return self.streams.figures_many(rows, real)
+
     def shape_figures(self, rows: int, real: int) -> ShapeFigures:
         """The routing's figures of one shape (layer_us left empty), read off the streams' prefix sums."""
         gemm, loads, most = self._streams_for(rows, real).figures(rows, real)
@@ -198,12 +209,51 @@ def layer_key(p: Params, device: torch.device) -> tuple:
     return (str(device), tuple(sorted((k, repr(v)) for k, v in p.to_dict().items() if k not in TRACE_KEYS)))
 
 
+class ShapeFigureTable(Mapping):
+    """The figures of many shapes: their routing figures as arrays (ShapeStreams.figures_many, one row a shape) and
+    the timed ones' layer times (the store's entries); `table[shape]` is that shape's ShapeFigures, made when asked
+    (a long trace has 10^5 shapes: the per-step arithmetic reads the arrays, `column`)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], arrays: dict[str, dict[str, np.ndarray]],
+                 timed: dict[tuple[int, int], ShapeFigures]):
+        self.shapes, self.arrays, self.timed = shapes, arrays, timed
+        self.index = {s: i for i, s in enumerate(shapes)}
+
+    def __getitem__(self, shape: tuple[int, int]) -> ShapeFigures:
+        i = self.index[shape]
+        entry = self.timed.get(shape)
+        a = self.arrays
+        return ShapeFigures(shape[0], shape[1], dict(entry.layer_us) if entry else {},
+                            {side: int(a[side]["padding_gemm_rows"][i]) for side in SIDES},
+                            {side: a[side]["rank_loads"][i].tolist() for side in SIDES},
+                            {side: int(a[side]["max_rows_per_rank"][i]) for side in SIDES},
+                            dict(entry.layer_spread_us) if entry else {})
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __contains__(self, shape) -> bool:
+        return shape in self.index
+
+    def spread_us(self, shape: tuple[int, int]) -> dict[str, float | None]:
+        """A timed shape's half p10-p90 spreads ({} for a shape not timed)."""
+        entry = self.timed.get(shape)
+        return dict(entry.layer_spread_us) if entry else {}
+
+    def column(self, what: str, side: str, shapes: Sequence[tuple[int, int]]) -> np.ndarray:
+        """A routing figure of `shapes` (rows of the arrays, in that order)."""
+        return self.arrays[side][what][np.asarray([self.index[s] for s in shapes], dtype=np.int64)]
+
+
 def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], timed: list[tuple[int, int]],
                    store: ShapeStore, progress=None, clock=None
-                   ) -> tuple[dict[tuple[int, int], ShapeFigures], dict, int]:
-    """The routing figures of every `routed` shape, the timing table {(side, rows, real): us} of every `timed`
-    one (reusing what `store` holds at this layer point), and the count of shapes timed now. `clock`
-    (record.PhaseClock) gets the phases `routing` and `shapes`."""
+                   ) -> tuple[ShapeFigureTable, dict, int]:
+    """The routing figures of every `routed` shape (a ShapeFigureTable, with the layer times of those timed), the
+    timing table {(side, rows, real): us} of every `timed` one (reusing what `store` holds at this layer point),
+    and the count of shapes timed now. `clock` (record.PhaseClock) gets the phases `routing` and `shapes`."""
     shapes = store.for_layer(layer_key(p, bench.device))
     phase = clock.phase if clock is not None else (lambda name: contextlib.nullcontext())
 
@@ -213,12 +263,8 @@ def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], 
         return shapes[shape]
 
     with phase("routing"):
-        for shape in routed:
-            got = entry(shape)
-            if not got.padding_gemm_rows:
-                f = bench.shape_figures(*shape)
-                got.padding_gemm_rows, got.rank_loads, got.max_rows_per_rank = (
-                    f.padding_gemm_rows, f.rank_loads, f.max_rows_per_rank)
+        routed = list(routed)
+        arrays = bench.shape_figures_many(routed)
     timed_now = 0
     with phase("shapes"):
         for i, shape in enumerate(timed):
@@ -230,4 +276,4 @@ def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], 
                 got.layer_spread_us = dict(bench.last_spreads_us)
                 timed_now += 1
     table = {(side, *shape): shapes[shape].layer_us[side] for shape in timed for side in SIDES}
-    return {s: shapes[s] for s in routed}, table, timed_now
+    return ShapeFigureTable(routed, arrays, shapes), table, timed_now

@@ -47,9 +47,9 @@ class StepFigures:
         for side in SIDES:
             t = np.asarray([time_of(side, r, q) for r, q in shapes], dtype=np.float64)
             alone = np.asarray([time_of(side, q, q) if q else 0.0 for r, q in shapes], dtype=np.float64)
-            gemm = np.asarray([figures[s].padding_gemm_rows[side] for s in shapes], dtype=np.int64)
-            loads = np.asarray([figures[s].rank_loads[side] for s in shapes], dtype=np.int64).reshape(len(shapes), -1)
-            most = np.asarray([figures[s].max_rows_per_rank[side] for s in shapes], dtype=np.int64)
+            gemm, loads, most = (_shape_column(figures, what, side, shapes)
+                                 for what in ("padding_gemm_rows", "rank_loads", "max_rows_per_rank"))
+            loads = loads.reshape(len(shapes), -1)
             layer, only = np.zeros(S), np.zeros(S)
             for c in range(rows.shape[1]):  # in call order, as compose's sum over a step's calls
                 layer = layer + np.where(on[:, c], t[where[:, c]], 0.0)
@@ -109,6 +109,13 @@ class StepFigures:
     def distinct_capacities(self, side: str) -> int:
         """How many distinct capacities the steps' micro-batches ask for (fixed-capacity compiles)."""
         return int(np.unique(self.capacity[side]).size)
+
+
+def _shape_column(figures, what: str, side: str, shapes: list[tuple[int, int]]) -> np.ndarray:
+    """A routing figure of `shapes`: read off a ShapeFigureTable's arrays, or shape by shape off ShapeFigures."""
+    if hasattr(figures, "column"):
+        return figures.column(what, side, shapes)
+    return np.asarray([getattr(figures[s], what)[side] for s in shapes], dtype=np.int64)
 
 
 def _capacities(need: np.ndarray, p: Params) -> np.ndarray:

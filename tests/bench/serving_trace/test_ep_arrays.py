@@ -106,3 +106,41 @@ def test_timed_workloads_are_read_as_timed_and_untimed_ones_refused_without_a_mo
     assert got[4] == model.predict(Workload(3, (1, 2)))
     with pytest.raises(KeyError, match=r"\(3 rows, \[1, 2\]\) was not timed"):
         RankTimes({a: 42.0, b: 7.0}).batch_array(counts, rows)
+
+
+def test_launches_are_looked_up_at_few_rows_and_equal_each_rows_own():
+    """launches_of asks launch_of at a few rows of each power-of-two bucket and gives every row its own launch,
+    for a tuned table's buckets (constant per bucket, any order between buckets) and a rule's monotone thresholds,
+    the kernels' real choice among them."""
+    from moebench.bench.serving_trace.rank_cost import launches_of
+    from moebench.kernels._details import experts_config
+
+    table = {16: "c", 32: "a", 64: "c", 128: "b"}  # per bucket, not monotone across buckets
+
+    def synthetic(rows: int) -> Launch:
+        bucket = 1 << max(0, rows - 1).bit_length()
+        if bucket in table:
+            return Launch(table[bucket], 16)
+        return Launch("bm16" if rows <= 300 else "bm32" if rows <= 700 else "bm64", 16)
+
+    asked = []
+
+    def counted(rows):
+        asked.append(rows)
+        return synthetic(rows)
+
+    rows = sorted(set(random.Random(5).sample(range(1, 5000), 1500)) | {1, 2, 15, 16, 17, 300, 301, 700, 701})
+    assert launches_of(counted, rows) == [synthetic(r) for r in rows]
+    assert len(asked) < len(rows) // 5
+
+    def rule(rows: int) -> Launch:  # the GPU rule, as the kernels pick it off the interpreter
+        cfg = experts_config.choose_config(rows * 8, 32, 7168, 2048)
+        return Launch(cfg.short(), cfg.block_m, cfg.paired)
+
+    original = experts_config.interpreting
+    experts_config.interpreting = lambda: False
+    try:
+        rows = list(range(1, 3000, 7))
+        assert launches_of(rule, rows) == [rule(r) for r in rows]
+    finally:
+        experts_config.interpreting = original
