@@ -83,9 +83,9 @@ def _validate(p: Params) -> str | None:
         trace, _ = trace_tokens(p)
         cands = candidate_sizes(trace.table(), _engine(p), k.kept())
     except SearchInputError as e:
-        return f"capture_search: {e}"
+        return str(e)
     why = search_input_problem(cands, k.budgets(), k.capture_largest, k.kept())
-    return f"capture_search: {why}" if why else None
+    return why
 
 
 def _layer_params(p: Params) -> Params:
@@ -94,8 +94,8 @@ def _layer_params(p: Params) -> Params:
     return dataclasses.replace(p, **{f.name: f.default for f in dataclasses.fields(CaptureSearchKnobs)})
 
 
-def _rounded(figs: dict) -> dict:
-    return {side: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in f.items()} for side, f in figs.items()}
+def _plain(figs: dict) -> dict:
+    return {side: dict(f) for side, f in figs.items()}  # unrounded: padding_tax reproduces them to the bit
 
 
 @register_impl("serving_trace.capture_search", targets=("serving_trace",), available=triton_available,
@@ -135,7 +135,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     trace_steps, trace_counts = trace.steps, trace.counts.tolist()
 
     def figures(sizes):
-        return _rounded(list_figures(trace_steps, trace_counts, engine, sizes, time_of, eager_call_us))
+        return _plain(list_figures(trace_steps, trace_counts, engine, sizes, time_of, eager_call_us))
 
     named_figs = {name: {"graphs": len(sizes), **figures(sizes)} for name, sizes in named.items()}
     sides: dict[str, Any] = {}

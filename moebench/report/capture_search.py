@@ -1,0 +1,89 @@
+"""What the operator reads of a capture-search record (`info.capture_search`, serving_trace.capture_search): per K
+the chosen list, the trace's time and tax per side, the saving against each named list, the lower bound (every
+candidate size captured) and the smallest K within 1% of it, masked and oblivious side by side, and the one-line
+headline. A difference smaller than the side's noise (the model's held-out error, or the timings' spread) reads
+"within noise"; where no noise estimate exists (one sample a shape, the interpreter) the table says so."""
+
+from __future__ import annotations
+
+SIDES = ("masked", "oblivious")
+
+
+def _noise(cs: dict, side: str) -> float | None:
+    return cs["sides"][side].get("noise_rel")
+
+
+def _versus(a: float, b: float, noise: float | None) -> str:
+    """a against b: the saving as a share of b, or within noise."""
+    if not b:
+        return "n/a"
+    share = (b - a) / b
+    if noise is not None and abs(a - b) <= noise * max(a, b):
+        return f"{share:+.1%} (within noise)"
+    return f"{share:+.1%}"
+
+
+def _chosen_time(row: dict, side: str) -> float:
+    return row["figures"][side]["time_us"]
+
+
+def headline(info: dict) -> str:
+    """One line: the fewest graphs the search needs to cost what the engine's `fine` list costs (per side)."""
+    cs = info["capture_search"]
+    fine = cs["named"]["fine"]
+    parts = []
+    for side in ("oblivious", "masked"):
+        target = fine[side]["time_us"]
+        k = next((i + 1 for i, v in enumerate(cs["sides"][side]["curve_us"]) if v <= target), None)
+        parts.append((side, k))
+    (_, k_obl), (_, k_mask) = parts
+    def say(k):  # noqa: E306
+        return f"{k} graph{'s' if k != 1 else ''}" if k is not None else f"more than {len(cs['sides']['masked']['curve_us'])}"
+    return (f"{say(k_obl)} chosen for this trace cost what `fine`'s {fine['graphs']} cost; masked, {say(k_mask)} do "
+            f"(within 1% of every size captured: K={cs['sides']['oblivious']['within_1pct_k']} oblivious, "
+            f"K={cs['sides']['masked']['within_1pct_k']} masked)")
+
+
+def table_lines(info: dict) -> list[str]:
+    """The per-K table, masked and oblivious side by side, then the named lists against the best list of as many or
+    fewer graphs, and where the figures come from."""
+    cs = info["capture_search"]
+    named = cs["named"]
+    out = [f"# capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
+           f"{cs['sides']['masked']['candidates']} candidate sizes; method {cs['sides']['masked']['method']} / "
+           f"{cs['sides']['oblivious']['method']}; priced on {cs['card']}",
+           f"# {'K':>3}  {'side':<9} {'graphs':>6} {'time (us)':>14} {'tax':>7} {'eager (us)':>11}  "
+           f"{'vs default':>22} {'vs fine':>22}  list"]
+    for k in info["budgets"]:
+        for side in SIDES:
+            row = cs["sides"][side]["per_k"][str(k)]
+            f = row["figures"][side]
+            tax = "n/a" if f["padding_tax"] is None else f"{f['padding_tax']:.1%}"
+            sizes = row["sizes"]
+            shown = ",".join(map(str, sizes)) if len(sizes) <= 12 else \
+                ",".join(map(str, sizes[:10])) + f",...,{sizes[-1]}"
+            out.append(f"  {k:>3}  {side:<9} {row['graphs']:>6} {f['time_us']:>14.1f} {tax:>7} "
+                       f"{f['eager_launch_us']:>11.1f}  "
+                       f"{_versus(f['time_us'], named['default'][side]['time_us'], _noise(cs, side)):>22} "
+                       f"{_versus(f['time_us'], named['fine'][side]['time_us'], _noise(cs, side)):>22}  [{shown}]")
+    for side in SIDES:
+        s = cs["sides"][side]
+        out.append(f"# {side}: lower bound (every candidate captured) {s['lower_bound_us']:.1f} us; smallest K within "
+                   f"1% of it: {s['within_1pct_k']}; noise: "
+                   + ("unknown (one sample a shape)" if s["noise_rel"] is None else f"{s['noise_rel']:.1%}"))
+    out.append(f"# named lists: {'name':<8} {'graphs':>6}  " + "  ".join(
+        f"{side + ' (us)':>16} {'best <= graphs':>22}" for side in SIDES))
+    for name, figs in named.items():
+        cells = []
+        for side in SIDES:
+            curve = cs["sides"][side]["curve_us"]
+            g = figs["graphs"]
+            best = curve[min(g, len(curve)) - 1] if g >= 1 else None
+            cells.append(f"{figs[side]['time_us']:>16.1f} "
+                         + (f"{_versus(best, figs[side]['time_us'], _noise(cs, side)):>22}" if best is not None
+                            else f"{'n/a':>22}"))
+        out.append(f"#              {name:<8} {figs['graphs']:>6}  " + "  ".join(cells))
+    out.append(f"# eager steps: {cs['eager']['per_call_us']} us a layer call "
+               f"({cs['eager']['launches_per_call']} launches, {cs['eager']['launches_counted']}); {cs['eager']['source']}")
+    out.append("# capture time and graph memory per list: not measured (graphs are the cost side shown)")
+    return out
