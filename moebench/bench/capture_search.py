@@ -29,7 +29,10 @@ from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore
 from moebench.bench.serving_trace.trace_input import trace_tokens
 from moebench.bench.experts import triton_available
+import torch
+
 from moebench.check import CheckResult
+from moebench.kernels.fused_experts import expert_work
 from moebench.params import Params, register_knobs
 from moebench.registry import Case, RunContext, register_impl
 from moebench.traces.capture_lists import CAPTURE_LISTS
@@ -42,17 +45,20 @@ PRICED_RECORDED_MAX = 400_000  # numbers of the priced table per record (~4 MB o
 @register_knobs
 @dataclass(frozen=True)
 class CaptureSearchKnobs:
-    capture_graphs: Union[int, list] = 16  # an int or a list of ints: the budgets K
+    # the budgets K: an int or a list of ints; None: 1, 2, 4, ... up to the trace's candidate count
+    capture_graphs: Union[int, list, None] = None
     capture_largest: Optional[int] = None
     capture_keep: Optional[list] = None
 
-    def budgets(self) -> list[int]:
+    def budgets(self, candidates: int) -> list[int]:
+        if self.capture_graphs is None:
+            return [1 << i for i in range(max(candidates, 1).bit_length())]
         return [self.capture_graphs] if isinstance(self.capture_graphs, int) else [int(k) for k in
                                                                                   self.capture_graphs]
 
     def problem(self, p: Params) -> str | None:
         g = self.capture_graphs
-        if not (isinstance(g, int) or (isinstance(g, (list, tuple)) and g and all(isinstance(k, int) for k in g))):
+        if g is not None and not (isinstance(g, int) or (isinstance(g, (list, tuple)) and g and all(isinstance(k, int) for k in g))):
             return f"capture_graphs: an int or a non-empty list of ints, got {g!r}"
         for key in ("capture_largest", "capture_keep"):
             if any(v < 1 for v in self.kept() + ([self.capture_largest] if self.capture_largest else [])):
@@ -84,7 +90,7 @@ def _validate(p: Params) -> str | None:
         cands = candidate_sizes(trace.table(), _engine(p), k.kept())
     except SearchInputError as e:
         return str(e)
-    why = search_input_problem(cands, k.budgets(), k.capture_largest, k.kept())
+    why = search_input_problem(cands, k.budgets(len(cands)), k.capture_largest, k.kept())
     return why
 
 
@@ -107,12 +113,13 @@ def build(p: Params, ctx: RunContext) -> Case:
     dev = ctx.device
     kind = "cuda" if dev.type == "cuda" else "cpu"
     knobs, serving = p.knobs(CaptureSearchKnobs), p.knobs(ServingKnobs)
-    budgets, keep = knobs.budgets(), knobs.kept()
+    keep = knobs.kept()
     clock = PhaseClock()
     with clock.phase("host_composition"):
         trace, source = trace_tokens(p)
         steps, counts = trace.table(), trace.counts
         engine = _engine(p)
+        budgets = knobs.budgets(len(candidate_sizes(steps, engine, keep)))
         named = {name: sizes for name, sizes in CAPTURE_LISTS.items()}
         shapes, reads = shapes_to_price(steps, counts, engine, list(named.values()), keep)
     layer_p = _layer_params(p)
@@ -185,12 +192,18 @@ def build(p: Params, ctx: RunContext) -> Case:
 
     sp, batch = bench.batch(*shapes[0])
     pipe = bench.pipeline(sp, batch, "masked")
+    # what run() must do: the masked layer's experts at that shape (padding_tax's declaration of its run shape)
+    ids = pipe.router_reference().ids.to(torch.int64)
+    local = (ids >= 0) & (ids < p.local_experts)
+    flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
+                                     int(local.any(dim=1).sum()), p.hidden, p.intermediate)
 
     def cleanup() -> None:
         nonlocal pipe
         pipe = None
 
-    return Case(run=lambda: pipe.run(), check=check, info=info, nvtx_stage="layer", cleanup=cleanup,
+    return Case(run=lambda: pipe.run(), check=check, info=info, nvtx_stage="layer", cleanup=cleanup, flops=flops,
+                bytes_moved=bytes_moved,
                 bytes_note="run(): the masked layer at the trace's smallest priced shape")
 
 
