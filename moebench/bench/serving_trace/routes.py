@@ -65,6 +65,10 @@ class StepRoutes:
         real_ids = self._routed(sp, real)
         if self.p.padding_fill == "repeat":
             pad_ids = real_ids[:1].expand(pad_rows, -1)
+        elif self.p.padding_fill == "zeros":  # every padded row the same zero row: routed once (routing is per row)
+            one = make_batch(shape_params(self.p, 1, 0), self.device, need_hidden=False,
+                             seed_offset=SLOT_SEED * (slot + 1) + 1)
+            pad_ids = self._routed(shape_params(self.p, 1, 0), one).expand(pad_rows, -1)
         else:
             pad = make_batch(shape_params(self.p, pad_rows, 0), self.device, need_hidden=False,
                              seed_offset=SLOT_SEED * (slot + 1) + 1)
