@@ -15,9 +15,10 @@ from moebench.bench.serving_trace.shape_streams import SLOT_SEED
 from moebench.bench.serving_trace.ep_step import (EPStepLayout, SideStep, StepMicroBatches, call_routes,
                                                   compose_steps, dbo_step_us, micro_batches, side_step, tax_split,
                                                   totals)
-from moebench.bench.serving_trace.rank_cost import (Contest, Launch, RankCostModel, Workload, decisive_order,
-                                                    design_sample, features, nnls, plan_rank_times,
-                                                    workload_ids)
+from moebench.bench.serving_trace.launch import Launch
+from moebench.bench.serving_trace.plan import nnls
+from moebench.bench.serving_trace.rank_cost import (Contest, RankCostModel, Workload, decisive_order, design_sample,
+                                                    features, plan_rank_times, workload_ids)
 from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.inputs.engine_padding import Engine, step_padding
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moebench.bench.serving_trace.rank_cost import Launch
+from moebench.bench.serving_trace.launch import Launch
 from moebench.bench.serving_trace.shape_cost import (ShapeTable, design_shapes, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.shape_streams import ShapeStreams

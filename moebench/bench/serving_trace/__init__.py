@@ -35,7 +35,7 @@ replay (both replay checks), record (the typed record), knobs (the sweep keys), 
 estimate (what a point costs before it runs).
 
 Case.run (what the runner times) is the masked layer at the trace's most frequent call shape that the device
-times (under the interpreter, of at most TIMED_ROWS_MAX rows; info.run_shape says which).
+times (plan.can_time; info.run_shape says which).
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ from moebench.bench.serving_trace.ep_step import placement_problem
 from moebench.bench.serving_trace.headline import trace_headline
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
-from moebench.bench.serving_trace.rank_cost import launch_of
+from moebench.bench.serving_trace.launch import launch_of
+from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX, can_time
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
-from moebench.bench.serving_trace.shape_cost import (TIMED_ROWS_MAX, ShapeTable,
+from moebench.bench.serving_trace.shape_cost import (ShapeTable,
                                                      model_spread_us, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.step_calls import check_sample, shapes_as_steps, step_calls
@@ -204,9 +205,9 @@ def build(p: Params, ctx: RunContext) -> Case:
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
     info["phase_wall_s"] = clock.record()
 
-    # the runner's p50 call: the most frequent call shape the device times (the interpreter no shape over
-    # TIMED_ROWS_MAX rows: a 4096-row layer there takes minutes a call)
-    timeable = [(n, s) for s, n in calls.items() if TIMED_ROWS_MAX[kind] is None or s[0] <= TIMED_ROWS_MAX[kind]]
+    # the runner's p50 call: the most frequent call shape the device times (plan.can_time: a 4096-row layer
+    # takes minutes a call in the interpreter)
+    timeable = [(n, s) for s, n in calls.items() if can_time(s[0], kind)]
     busiest = (max(timeable, key=lambda ns: (ns[0], -ns[1][0], -ns[1][1]))[1] if timeable
                else min(calls, key=lambda s: (s[0], s[1])) if calls else shapes[0] if shapes else (1, 1))
     sp, batch = bench.batch(*busiest)
@@ -219,7 +220,7 @@ def build(p: Params, ctx: RunContext) -> Case:
     flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
                                      int(local.any(dim=1).sum()), p.hidden, p.intermediate)
     # the check's shape: the most padded one the device times (the interpreter's layer takes ~15 ms a row)
-    checkable = [s for s in shapes if TIMED_ROWS_MAX[kind] is None or s[0] <= TIMED_ROWS_MAX[kind]] or shapes
+    checkable = [s for s in shapes if can_time(s[0], kind)] or shapes
     most_padded = max(checkable, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
 
     def check() -> CheckResult:

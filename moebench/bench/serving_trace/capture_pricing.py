@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from moebench.bench.serving_trace.compose import compose, distinct_shapes, totals
-from moebench.bench.serving_trace.rank_cost import launch_of
+from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.knobs import DEFAULT_SHAPE_TIMINGS
-from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX, ShapeTable, plan_shape_times, shape_reads
+from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
+from moebench.bench.serving_trace.shape_cost import ShapeTable, plan_shape_times, shape_reads
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE
 from moebench.inputs.engine_padding import Engine, StepPadding, step_padding

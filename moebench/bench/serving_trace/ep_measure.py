@@ -23,11 +23,12 @@ from moebench.bench.serving_trace.ep_arrays import EPColumns, SourceTables, comp
 from moebench.bench.serving_trace.ep_step import (StepMicroBatches, compose_priced, largest_step, layout_of,
                                                   placement)
 from moebench.bench.serving_trace.knobs import ServingKnobs
-from moebench.bench.serving_trace.rank_cost import Contest, Workload, launch_of, plan_rank_times
+from moebench.bench.serving_trace.launch import launch_of
+from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
+from moebench.bench.serving_trace.rank_cost import Contest, Workload, plan_rank_times
 from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, ep_replay
-from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.routes import StepRoutes
 from moebench.bench.serving_trace.step_calls import StepCalls
 from moebench.bench.serving_trace.wire import cards, wire_model_of, wire_time

@@ -41,7 +41,7 @@ def planned(p: Params) -> dict[str, float]:
     step, and the EP ranks' workloads (a step's sides and micro-batches, each of ep_size ranks)."""
     from moebench.bench.serving_trace.compose import distinct_shapes, interpolation_shapes
     from moebench.bench.serving_trace.knobs import ServingKnobs
-    from moebench.bench.serving_trace.shape_cost import TIMED_ROWS_MAX
+    from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
     from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
     from moebench.inputs.engine_padding import step_padding
 

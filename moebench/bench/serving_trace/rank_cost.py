@@ -31,7 +31,6 @@ is the model's, within its held-out error).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -39,11 +38,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from moebench.bench.serving_trace.launch import Launch, launches_of, row_tiles
+from moebench.bench.serving_trace.plan import (DESIGN_SHARE, cross_validated, designed_set, error_summary,
+                                              fit_relative, run_plan)
+
 FEATURES = ("launch", "experts_touched", "row_tiles", "routes", "rows")
-MIN_PER_LAUNCH = 8  # design points per launch config (the fit has 5 coefficients; fewer: every workload timed)
-DESIGN_SHARE = 3  # the design takes budget // DESIGN_SHARE timings, the decisive rounds the rest
-CV_FOLDS = 4
-ROUND = 32  # decisive timings between refits
 
 
 @dataclass(frozen=True)
@@ -87,134 +86,20 @@ def workload_ids(w: Workload, top_k: int, device: torch.device | str = "cpu") ->
     return ids.to(device)
 
 
-def nnls(a: Sequence[Sequence[float]], b: Sequence[float], iters: int = 100) -> list[float]:
-    """Non-negative least squares, min |a x - b| over x >= 0 (Lawson-Hanson active set; a few features)."""
-    A = torch.tensor(a, dtype=torch.float64)
-    y = torch.tensor(b, dtype=torch.float64)
-    n = A.shape[1]
-    x = torch.zeros(n, dtype=torch.float64)
-    free = torch.zeros(n, dtype=torch.bool)
-    for _ in range(iters):
-        grad = A.T @ (y - A @ x)
-        candidates = (~free) & (grad > 1e-12 * max(1.0, float(grad.abs().max())))
-        if not candidates.any():
-            break
-        free[int(torch.where(candidates, grad, torch.tensor(-math.inf, dtype=torch.float64)).argmax())] = True
-        while True:
-            z = torch.zeros(n, dtype=torch.float64)
-            idx = free.nonzero().flatten()
-            z[idx] = torch.linalg.lstsq(A[:, idx], y.unsqueeze(1)).solution.flatten()
-            if (z[idx] > 0).all():
-                x = z
-                break
-            neg = idx[z[idx] <= 0]
-            alpha = min(float(x[i] / (x[i] - z[i])) for i in neg)
-            x = x + alpha * (z - x)
-            free &= x > 1e-15
-            x[~free] = 0.0
-    return x.tolist()
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What of a launch config the cost depends on: its name (config.short()), BLOCK_M and pairing."""
-
-    name: str
-    block_m: int
-    paired: bool = False
-
-    def row_tiles(self, counts: Sequence[int]) -> int:
-        blocks = [math.ceil(c / self.block_m) for c in counts]
-        return sum((b + 1) // 2 for b in blocks) if self.paired else sum(blocks)
-
-
-def launch_of(p, device) -> Callable[[int], Launch]:
-    """rows -> the Launch the rank's expert kernel picks for that many rows on `device` (cached per rows)."""
-    from moebench.kernels.fused_experts import experts_choice
-    from moebench.kernels.fused_experts_fp8 import fp8_choice
-
-    seen: dict[int, Launch] = {}
-
-    def of(rows: int) -> Launch:
-        got = seen.get(rows)
-        if got is None:
-            dims = (max(1, rows), p.top_k, p.local_experts, p.hidden, p.intermediate)
-            if p.expert_dtype == "fp8":
-                cfg = fp8_choice(*dims, device, group_size=p.group_size, scale_format=p.scale_format).config
-            else:
-                cfg = experts_choice(*dims, device).config
-            got = seen[rows] = Launch(cfg.short(), cfg.block_m, cfg.paired)
-        return got
-    return of
-
-
-def launches_of(launch_of: Callable[[int], Launch], rows: Sequence[int]) -> list[Launch]:
-    """launch_of of each of the sorted distinct `rows`, asking launch_of at few of them: a launch is a step function
-    of the rows that is constant over each power-of-two bucket of the tuned tables (T = next_pow2(rows)) where a
-    table names it, and where a rule picks it, monotone in the rows (thresholds on rows per expert: a longer run of
-    rows never returns to a smaller tile). So within a bucket, equal launches at both ends of a run of rows are the
-    launch of the whole run, and only the runs whose ends differ are split (a trace's 10^5 distinct rank rows take
-    a few hundred lookups)."""
-    rows = [int(r) for r in rows]
-    out: list[Launch | None] = [None] * len(rows)
-
-    def fill(lo: int, hi: int, a: Launch, b: Launch) -> None:  # rows[lo] has a, rows[hi] has b
-        if a == b:
-            out[lo:hi + 1] = [a] * (hi - lo + 1)
-            return
-        if hi - lo <= 1:
-            out[lo], out[hi] = a, b
-            return
-        mid = (lo + hi) // 2
-        m = launch_of(rows[mid])
-        fill(lo, mid, a, m)
-        fill(mid, hi, m, b)
-
-    start = 0
-    while start < len(rows):
-        bucket = 1 << max(0, rows[start] - 1).bit_length()
-        end = start
-        while end + 1 < len(rows) and rows[end + 1] <= bucket:
-            end += 1
-        fill(start, end, launch_of(rows[start]), launch_of(rows[end]))
-        start = end + 1
-    return out  # type: ignore[return-value]
+def feature_rows(counts: np.ndarray, rows: np.ndarray, block_m: np.ndarray, paired: np.ndarray
+                 ) -> tuple[np.ndarray, ...]:
+    """FEATURES of N workloads, one array [N] a feature: counts int [N, E], rows int [N], their launches' BLOCK_M
+    and pairing [N]."""
+    counts, rows = np.asarray(counts, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+    return ((rows > 0).astype(np.float64), (counts > 0).sum(axis=1), row_tiles(counts, block_m, paired),
+            counts.sum(axis=1), rows)
 
 
 def features(w: Workload, launch: Launch) -> list[float]:
-    """The cost model's features of a workload under its launch (FEATURES)."""
-    return [1.0 if w.rows else 0.0, float(sum(1 for c in w.counts if c)), float(launch.row_tiles(w.counts)),
-            float(w.routes), float(w.rows)]
-
-
-def rel_error(pred: float, got: float) -> float:
-    """|pred - got| / got (0 where got is not positive)."""
-    return abs(pred - got) / got if got > 0 else 0.0
-
-
-def error_summary(rel: Sequence[float]) -> dict[str, Any]:
-    """{points, rms_rel, max_rel} of relative errors."""
-    return {"points": len(rel), "rms_rel": round(math.sqrt(sum(r * r for r in rel) / len(rel)), 5) if rel else None,
-            "max_rel": round(max(rel), 5) if rel else None}
-
-
-def fit_relative(points: Sequence[tuple[list[float], float]]) -> list[float]:
-    """Non-negative coefficients of a linear cost over (features, time) points, minimising the relative error (what
-    the record states: each row weighted by 1/time)."""
-    return nnls([[v / t for v in f] for f, t in points], [1.0] * len(points))
-
-
-def cross_validated(points: Sequence[tuple[list[float], float]], folds: int = CV_FOLDS) -> list[float]:
-    """Each point's relative error under a fit to the others' folds (point i in fold i % folds); none under twice
-    as many points as features."""
-    if not points or len(points) < 2 * len(points[0][0]):
-        return []
-    rel = []
-    for k in range(folds):
-        train = [pt for i, pt in enumerate(points) if i % folds != k]
-        coef = fit_relative(train)
-        rel += [rel_error(sum(c * v for c, v in zip(coef, f)), t) for i, (f, t) in enumerate(points) if i % folds == k]
-    return rel
+    """The cost model's features of one workload under its launch (FEATURES)."""
+    got = feature_rows(np.asarray([w.counts], dtype=np.int64).reshape(1, -1), np.asarray([w.rows]),
+                       np.asarray([launch.block_m]), np.asarray([launch.paired]))
+    return [float(f[0]) for f in got]
 
 
 @dataclass
@@ -264,11 +149,8 @@ class RankCostModel:
         launches = launches_of(self.launch_of, distinct.tolist())
         names = sorted({lo.name for lo in launches})
         which = np.asarray([names.index(lo.name) for lo in launches], dtype=np.int64)[at]
-        block = np.array([lo.block_m for lo in launches], dtype=np.int64)[at][:, None]
-        paired = np.array([lo.paired for lo in launches], dtype=bool)[at]
-        blocks = -(-counts // block)
-        tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
-        f = ((rows > 0).astype(np.float64), (counts > 0).sum(axis=1), tiles, counts.sum(axis=1), rows)
+        f = feature_rows(counts, rows, np.array([lo.block_m for lo in launches], dtype=np.int64)[at],
+                         np.array([lo.paired for lo in launches], dtype=bool)[at])
         coef = np.array([self.coef.get(n, self.fallback) for n in names], dtype=np.float64).reshape(len(names), -1)
         t = np.zeros(len(rows))
         for j, feature in enumerate(f):  # summed feature by feature, as predict() sums its terms
@@ -375,42 +257,6 @@ def design_sample(workloads: Sequence[Workload], target: int, launch_of: Callabl
     return designed_set(groups, corners, target, limit)
 
 
-def designed_set(groups: dict[str, list], corners: Callable[[list], Sequence[Callable]], target: int,
-                 limit: int | None = None) -> list:
-    """A designed set of points to time, from `groups` (per launch config, each list sorted in the order to spread
-    over): per group the extremes of each of corners(group)'s keys, then an even spread over the list; at least
-    MIN_PER_LAUNCH a group (all of a group with fewer), the rest of `target` shared by the groups' sizes; at most
-    `limit` in all, taken from the groups in turn (a limit below the groups' minimum still reaches every group)."""
-    total = sum(len(g) for g in groups.values())
-    picked: list[list] = []
-    for name, group in sorted(groups.items()):
-        want = max(MIN_PER_LAUNCH, round(target * len(group) / max(1, total)))
-        if len(group) <= want:
-            picked.append(list(group))
-            continue
-        mine: dict = {}
-        for key in corners(group):
-            mine[max(group, key=key)] = None
-            mine[min(group, key=key)] = None
-        n = len(group)
-        for i in range(want):
-            if len(mine) >= want:
-                break
-            mine.setdefault(group[round(i * (n - 1) / max(1, want - 1))], None)
-        j = 0
-        while len(mine) < want:  # spread points that hit the corners again: the next ones in order
-            mine.setdefault(group[j], None)
-            j += 1
-        picked.append(list(mine))
-    limit = sum(map(len, picked)) if limit is None else limit
-    out: list = []
-    for i in range(max((len(g) for g in picked), default=0)):
-        for g in picked:
-            if i < len(g) and len(out) < limit:
-                out.append(g[i])
-    return out
-
-
 def decisive_order(contests: Sequence[Contest], model: Callable[[Workload], float], error: float,
                    timed: dict[Workload, float]) -> list[Workload]:
     """Untimed workloads that may be their contest's slowest rank (read as timed where timed, else predicted within
@@ -447,6 +293,41 @@ def decided_share(contests: Sequence[Contest], lookup: Callable[[Workload], floa
     return decided / total if total else None
 
 
+class _RankSide:
+    """The rank workloads as plan.run_plan's side: timed one by one, decisive by the contests for the slowest rank
+    (decisive_order, within twice the model's error: the cross-validated one until rounds give a held-out one)."""
+
+    def __init__(self, contests, timer, launch_of, untimeable, progress, budget):
+        self.contests, self.timer, self.launch_of = contests, timer, launch_of
+        self.untimeable, self.progress, self.budget = untimeable, progress, budget
+        self.timings, self.cv = 0, None
+
+    def time(self, points):
+        out = {}
+        for w in points:
+            self.progress(self.timings, self.budget)
+            out[w] = self.timer(w)
+            self.timings += 1
+        return out
+
+    def fit(self, timed):
+        model = RankCostModel.fit(self.launch_of, timed)
+        if self.cv is None:  # the design's fit: its cross-validated error
+            self.cv = [r for rels in model.cv_rel.values() for r in rels]
+        return model
+
+    def predict(self, model, points):
+        return {w: ("", model(w)) for w in points}
+
+    def error(self, held_out) -> float:
+        rel = held_out.get("") or self.cv or []
+        return max(0.01, error_summary(rel)["rms_rel"] or 0.0)
+
+    def next_round(self, model, timed, held_out, done):
+        return [w for w in decisive_order(self.contests, model, self.error(held_out), timed)
+                if w not in self.untimeable]
+
+
 def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], float], budget: int,
                     launch_of: Callable[[int], Launch], tolerance: float, complete: bool = True,
                     progress: Callable[[int, int], None] | None = None, rows_max: int | None = None
@@ -457,48 +338,25 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
     t0 = time.perf_counter()
     progress = progress or (lambda done, total: None)
     busy = sorted({w for c in contests for w in c.workloads if w.rows}, key=lambda w: (w.routes, w.rows, w.counts))
-    timed: dict[Workload, float] = {}
-
-    def time_all(ws: Sequence[Workload], total: int) -> None:
-        for w in ws:
-            progress(len(timed), total)
-            timed[w] = timer(w)
-
     timeable = [w for w in busy if rows_max is None or w.rows <= rows_max] or busy[:1]
     if complete and len(busy) <= budget and len(timeable) == len(busy):
-        time_all(busy, len(busy))
+        timed = _RankSide(contests, timer, launch_of, set(), progress, len(busy)).time(busy)
         return RankTimes(dict(timed)), {
             "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
             "wall_s": round(time.perf_counter() - t0, 3)}
-    design = design_sample(timeable, budget // DESIGN_SHARE, launch_of, limit=budget)
     untimeable = {w for w in busy if rows_max is not None and w.rows > rows_max}
-    time_all(design, budget)
-    model = RankCostModel.fit(launch_of, timed)
-    cv = [r for rels in model.cv_rel.values() for r in rels]
-    error = max(0.01, error_summary(cv)["rms_rel"] or 0.0)
-    held_out: list[float] = []
-    rounds = 0
-    while len(timed) < budget:
-        order = [w for w in decisive_order(contests, model, error, timed)
-                 if w not in untimeable][:min(ROUND, budget - len(timed))]
-        if not order:
-            break
-        predicted = [model(w) for w in order]
-        time_all(order, budget)
-        held_out += [rel_error(pr, timed[w]) for pr, w in zip(predicted, order)]
-        model = RankCostModel.fit(launch_of, timed)
-        error = max(0.01, error_summary(held_out)["rms_rel"] or 0.0)
-        rounds += 1
-    table = dict(timed)
-    lookup = RankTimes(table, model)
-    held = error_summary(held_out)
-    info = {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(timed),
-            "design_timings": len(design), "decisive_timings": len(timed) - len(design), "decisive_rounds": rounds,
-            "cost_model": {**model.record(), "cross_validated": error_summary(cv), "held_out": held,
+    side = _RankSide(contests, timer, launch_of, untimeable, progress, budget)
+    design = design_sample(timeable, budget // DESIGN_SHARE, launch_of, limit=budget)
+    plan = run_plan(side, design, budget)
+    lookup = RankTimes(plan.timed, plan.model)
+    held = error_summary(plan.held_out.get("", []))
+    info = {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(plan.timed),
+            "design_timings": len(design), "decisive_timings": len(plan.timed) - len(design),
+            "decisive_rounds": plan.rounds,
+            "cost_model": {**plan.model.record(), "cross_validated": error_summary(side.cv or []), "held_out": held,
                            "tolerance": tolerance,
                            "within_tolerance": held["rms_rel"] is not None and held["rms_rel"] <= tolerance},
-            "decided_by_timing_share": decided_share(contests, lookup, table, error),
+            "decided_by_timing_share": decided_share(contests, lookup, plan.timed, side.error(plan.held_out)),
             "timed_rows_max": rows_max, "untimeable_workloads": len(untimeable),
             "wall_s": round(time.perf_counter() - t0, 3)}
     return lookup, info
-

@@ -3,16 +3,16 @@ model fitted to them, with the model's error on shapes it was not fitted to.
 
 A shape (rows, real) costs the layer on this rank: the router over every row, the alignment and the expert GEMMs
 over this rank's local routes (masked: the real rows' alone; oblivious: the padded rows' too), the sum. Its launch
-config is the one the layer picks for `rows` rows (rank_cost.launch_of), so per side and launch config
+config is the one the layer picks for `rows` rows (launch.launch_of), so per side and launch config
 
     time = coef . (1, rows, real, local routes, local experts touched, row tiles),  coef >= 0
 
 with the features exact for every shape (shape_streams: prefix sums of two routed streams, no batch per shape).
 
-The plan (`plan_shape_times`): when the trace's distinct shapes fit the budget they are all timed (`exact`);
-otherwise (`model`):
+The plan (`plan_shape_times`, through plan.run_plan): when the trace's distinct shapes fit the budget they are
+all timed (`exact`); otherwise (`model`):
   1. design: per launch config the corners (fewest and most rows and real tokens) and an even spread over
-     (rows, real), at least rank_cost.MIN_PER_LAUNCH each, about a third of the budget; the fit's k-fold
+     (rows, real), at least plan.MIN_PER_LAUNCH each, about a third of the budget; the fit's k-fold
      error is recorded;
   2. weight: the rest of the budget goes, in rounds, to the untimed shapes that weigh most in the trace (the calls
      that read them x their predicted time). Each round is predicted before it is timed: the model's held-out
@@ -30,17 +30,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from moebench.bench.serving_trace.rank_cost import (Launch, cross_validated, designed_set, error_summary,
-                                                    fit_relative, launches_of, rel_error)
+from moebench.bench.serving_trace.launch import Launch, launches_of, row_tiles
+from moebench.bench.serving_trace.plan import (DESIGN_SHARE, cross_validated, designed_set, error_summary,
+                                              fit_relative, run_plan)
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.shape_streams import ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
-# the most rows a timed shape has, per device (None: any): the interpreter's layer call costs ~15 ms a row at the CPU
-# sizes (a 2048-row call over half a minute), so there larger shapes are the model's, extrapolated in rows
-TIMED_ROWS_MAX = {"cuda": None, "cpu": 128}
-DESIGN_SHARE = 3
-ROUND = 24
+ROUND = 24  # shapes timed between refits (each both sides: two timings)
 Shape = tuple[int, int]
 
 
@@ -55,13 +52,12 @@ class ShapeTable:
         distinct = np.unique(rows).tolist()
         launches = dict(zip(distinct, launches_of(launch_of, distinct)))
         self.launch = [launches[r].name for r in rows.tolist()]
-        block = np.array([launches[r].block_m for r in rows.tolist()], dtype=np.int64)[:, None]
+        block = np.array([launches[r].block_m for r in rows.tolist()], dtype=np.int64)
         paired = np.array([launches[r].paired for r in rows.tolist()], dtype=bool)
         self.features: dict[str, np.ndarray] = {}
         for side in SIDES:
             counts = streams.counts("local_counts", rows, real, side) if len(rows) else np.zeros((0, 1), np.int64)
-            blocks = -(-counts // block)
-            tiles = np.where(paired, ((blocks + 1) // 2).sum(axis=1), blocks.sum(axis=1))
+            tiles = row_tiles(counts, block, paired)
             self.features[side] = np.stack([np.ones(len(rows)), rows, real, counts.sum(axis=1),
                                             (counts > 0).sum(axis=1), tiles], axis=1).astype(np.float64)
 
@@ -114,12 +110,31 @@ class ShapeCostModel:
 
 def design_shapes(shapes: Sequence[Shape], table: ShapeTable, target: int, limit: int) -> list[Shape]:
     """About `target` shapes (at most `limit`): per launch its corners (fewest and most rows, real tokens and
-    padded rows) and an even spread over (rows, real) (rank_cost.designed_set)."""
+    padded rows) and an even spread over (rows, real) (plan.designed_set)."""
     groups: dict[str, list[Shape]] = {}
     for s in sorted(shapes):
         groups.setdefault(table.launch[table.index[s]], []).append(s)
     corners = [lambda s: (s[0], s[1]), lambda s: (s[1], s[0]), lambda s: (s[0] - s[1], s[0])]
     return designed_set(groups, lambda group: corners, target, limit)
+
+
+class _ShapeSide:
+    """The shapes as plan.run_plan's side: both sides of a shape timed at once; decisive by the calls that read a
+    shape times its predicted time (its share of the trace's time)."""
+
+    def __init__(self, table: ShapeTable, reads: Mapping[Shape, int], timeable: Sequence[Shape], time_shapes):
+        self.table, self.reads, self.timeable, self.time = table, reads, timeable, time_shapes
+
+    def fit(self, timed):
+        return ShapeCostModel.fit(self.table, timed)
+
+    def predict(self, model, points):
+        return {(side, *s): (side, model.predict(side, *s)) for s in points for side in SIDES}
+
+    def next_round(self, model, timed, held_out, done):
+        worth = {s: self.reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES)
+                 for s in self.timeable if s not in done}
+        return sorted((s for s in worth if worth[s] > 0), key=lambda s: (-worth[s], s))
 
 
 def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table: ShapeTable,
@@ -132,33 +147,15 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
     reads them, extrapolated; the record says so)."""
     t0 = time.perf_counter()
     shapes = sorted(set(shapes))
-    timed: dict[tuple[str, int, int], float] = {}
     timeable = [s for s in shapes if rows_max is None or s[0] <= rows_max] or shapes[:1]
     if len(shapes) <= budget and len(timeable) == len(shapes):
-        timed.update(time_shapes(shapes))
+        timed = dict(time_shapes(shapes))
         return (lambda side, rows, real: timed[(side, rows, real)]), {
             "shape_times": "exact", "distinct_shapes": len(shapes), "shape_timings": len(shapes),
             "wall_s": round(time.perf_counter() - t0, 3)}, timed
     design = design_shapes(timeable, table, budget // DESIGN_SHARE, budget)
-    timeable_set = set(timeable)
-    timed.update(time_shapes(design))
-    done = set(design)
-    model = ShapeCostModel.fit(table, timed)
-    held: dict[str, list[float]] = {side: [] for side in SIDES}
-    while len(done) < budget:
-        worth = {s: reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES)
-                 for s in timeable if s not in done}
-        batch = sorted((s for s in worth if worth[s] > 0),
-                       key=lambda s: (-worth[s], s))[:min(ROUND, budget - len(done))]
-        if not batch:
-            break
-        predicted = {(side, *s): model.predict(side, *s) for s in batch for side in SIDES}
-        got = time_shapes(batch)
-        timed.update(got)
-        done.update(batch)
-        for key, pr in predicted.items():
-            held[key[0]].append(rel_error(pr, got[key]))
-        model = ShapeCostModel.fit(table, timed)
+    plan = run_plan(_ShapeSide(table, reads, timeable, time_shapes), design, budget, ROUND)
+    timed, model, done = plan.timed, plan.model, plan.done
 
     def either(side: str, rows: int, real: int) -> float:
         got = timed.get((side, rows, real))
@@ -174,14 +171,14 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
 
     total = sum(n * sum(either(side, *s) for side in SIDES) for s, n in reads.items())
     timed_part = sum(n * sum(timed[(side, *s)] for side in SIDES) for s, n in reads.items() if s in done)
-    held_out = {side: error_summary(v) for side, v in held.items()}
+    held_out = {side: error_summary(plan.held_out.get(side, [])) for side in SIDES}
     info = {"shape_times": "model", "distinct_shapes": len(shapes), "shape_timings": len(done),
             "design_timings": len(design), "weighted_timings": len(done) - len(design),
             "cost_model": {**model.record(), "held_out": held_out, "tolerance": tolerance,
                            "within_tolerance": all(h["rms_rel"] is not None and h["rms_rel"] <= tolerance
                                                    for h in held_out.values())},
             "timed_share": round(timed_part / total, 5) if total else None,
-            "timed_rows_max": rows_max, "untimeable_shapes": len(shapes) - len(timeable_set),
+            "timed_rows_max": rows_max, "untimeable_shapes": len(shapes) - len(set(timeable)),
             "wall_s": round(time.perf_counter() - t0, 3)}
     return time_of, info, timed
 

@@ -14,7 +14,8 @@ import torch
 from moebench.bench.serving_trace.ep_arrays import COLUMNS, SourceTables, compose_arrays
 from moebench.bench.serving_trace.ep_step import (EPStepLayout, StepMicroBatches, compose_priced,
                                                   padded_route_share, totals)
-from moebench.bench.serving_trace.rank_cost import Launch, RankCostModel, RankTimes
+from moebench.bench.serving_trace.launch import Launch
+from moebench.bench.serving_trace.rank_cost import RankCostModel, RankTimes
 from moebench.bench.serving_trace.routes import StepRoutes
 from moebench.bench.serving_trace.step_calls import step_calls
 from moebench.bench.serving_trace.wire import wire_time
@@ -112,7 +113,7 @@ def test_launches_are_looked_up_at_few_rows_and_equal_each_rows_own():
     """launches_of asks launch_of at a few rows of each power-of-two bucket and gives every row its own launch,
     for a tuned table's buckets (constant per bucket, any order between buckets) and a rule's monotone thresholds,
     the kernels' real choice among them."""
-    from moebench.bench.serving_trace.rank_cost import launches_of
+    from moebench.bench.serving_trace.launch import launches_of
     from moebench.kernels._details import experts_config
 
     table = {16: "c", 32: "a", 64: "c", 128: "b"}  # per bucket, not monotone across buckets
