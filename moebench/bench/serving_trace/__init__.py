@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -110,125 +111,182 @@ declare_work("serving_trace", PointWork(point=point_seconds))
                            "vs oblivious, padding tax, EP excess and fixed-capacity compiles, timed per shape or "
                            "on a grid of real counts per padded row count")
 def build(p: Params, ctx: RunContext) -> Case:
-    dev = ctx.device
     t0 = time.perf_counter()
     clock = PhaseClock()
     serving = p.knobs(ServingKnobs)
+    kind = "cuda" if ctx.device.type == "cuda" else "cpu"
     with clock.phase("host_composition"):
-        trace, source = trace_tokens(p)
-        engine = engine_of(p)
-        counts, index = trace.counts, trace.index
-        step_table = step_calls(trace.table(), engine)  # every distinct step's calls, as arrays
-        replay_steps = [step_table.step(j) for j in index[:serving.trace_replay].tolist()]
-        calls = Counter(step_table.call_counts(counts))  # (rows, real) -> calls over the trace
-        call_shapes = shapes_as_steps(sorted(calls))
-        shapes = distinct_shapes(call_shapes + replay_steps)
-        n = serving.trace_real_points
-    kind = "cuda" if dev.type == "cuda" else "cpu"
+        tc = _trace_calls(p, serving)
     store = ShapeStore.of_run(ctx.run_store)
     with clock.phase("routing"):
-        streams = store.streams_for(p, dev, max((r for _, r in shapes), default=1),
-                                    max((rows - r for rows, r in shapes), default=1))
-    bench = ShapeBench(p, dev, SHAPE_TIMING[kind], streams)
-    if n:
-        timed = interpolation_shapes(call_shapes + replay_steps, n)
-        figures, table, measured = measure_shapes(p, bench, shapes, timed, store, ctx.progress, clock)
-        time_of = interpolated_timer(table, n)
-        shape_plan: dict[str, Any] = {"shape_times": "interpolated", "distinct_shapes": len(shapes),
-                                      "shape_timings": len(timed)}
-    else:
-        figures, _, _ = measure_shapes(p, bench, shapes, [], store, None, clock)
-        budget = serving.shape_timings(kind)
-        timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
-
-        def time_shapes(batch):
-            base, total = timed_so_far[0], min(budget, len(shapes))
-            progress = lambda i, _n, what, detail="": ctx.progress(base + i, total, what, detail)  # noqa: E731
-            _, got, now = measure_shapes(p, bench, [], list(batch), store, progress, clock)
-            timed_so_far[0] += len(batch)
-            timed_so_far[1] += now
-            return got
-
-        with clock.phase("host_composition"):
-            features = ShapeTable(shapes, streams, launch_of(p, dev))
-        time_of, shape_plan, table = plan_shape_times(shapes, shape_reads(calls), features, time_shapes, budget,
-                                                      REPLAY_TOLERANCE, TIMED_ROWS_MAX[kind])
-        timed, measured = sorted({(rows, real) for _, rows, real in table}), timed_so_far[1]
+        streams = store.streams_for(p, ctx.device, max((r for _, r in tc.shapes), default=1),
+                                    max((rows - r for rows, r in tc.shapes), default=1))
+    bench = ShapeBench(p, ctx.device, SHAPE_TIMING[kind], streams)
+    st = _shape_times(p, ctx, bench, tc, store, clock, kind)
     with clock.phase("host_composition"):
-        timed_set = set(timed)
-        steps = step_figures.StepFigures(p, step_table, figures, time_of)
-        tot = steps.totals(counts)
-    info: dict[str, Any] = {
-        "trace": {**source, "steps": trace.num_steps, "distinct_steps": step_table.num_steps,
-                  "dp_size": serving.dp_size},
-        "engine": {"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(engine.capture_sizes),
-                   "dp_size": serving.dp_size, "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
-                   "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "shape_mode": shape_plan["shape_times"], "trace_real_points": n, "shape_plan": shape_plan,
-        "distinct_shapes": len(shapes), "distinct_padded_shapes": len(padded_row_counts(call_shapes)),
-        "timed_shapes": len(timed), "shape_timings": 2 * len(timed), "shapes_measured": measured,
-        "shapes_reused": len(timed) - measured, "layer_calls": sum(calls.values()),
-        "shape_timing": {"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
-                         "iters": bench.timing.iters, "stat": "p50"},
-        "headline": None,  # below, with the EP step's
-        # each distinct shape's routing figures and the layer time the composition used (measured, or read off
-        # the interpolation or the model where the shape was not timed); past SHAPES_RECORDED_MAX, the timed ones
-        "shapes": [{**figures[s].as_dict(), "layer_us": {side: round(time_of(side, *s), 3) for side in SIDES},
-                    "timed": s in timed_set} for s in (shapes if len(shapes) <= SHAPES_RECORDED_MAX else timed)],
-        "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
-    }
+        steps = step_figures.StepFigures(p, tc.step_table, st.figures, st.time_of)
+        tot = steps.totals(tc.trace.counts)
+    info = _trace_info(p, serving, tc, st, bench, kind)
     ep_record = None
     if p.ep_size > 1:
-        ep_record, steps.ep = measure_ep_step(p, dev, bench.timing, step_table, counts, replay_steps, clock,
-                                              ctx.progress)
+        ep_record, steps.ep = measure_ep_step(p, ctx.device, bench.timing, tc.step_table, tc.trace.counts,
+                                              tc.replay_steps, clock, ctx.progress)
         info["ep_step"] = ep_record.to_info()
     with clock.phase("host_composition"):
-        modelled = shape_plan["shape_times"] == "model"
-        spread_of = (lambda s: {side: model_spread_us(time_of, shape_plan, side, *s) for side in SIDES}) \
-            if modelled else None
-        info["headline"] = trace_headline(p, steps, counts, tot, calls, figures, ep_record, spread_of).to_info()
-        # every step's figures in the record while the trace is short; a long trace keeps its distinct steps while
-        # they are few, and every step's figures go to the run's step file (columns indexed by step)
-        info["trace_steps"] = info["distinct_step_records"] = None
-        if trace.num_steps <= step_figures.STEP_RECORDS_MAX:
-            records = [steps.record(j) for j in range(len(steps))]
-            info["trace_steps"] = [{"step": i, **records[j]} for i, j in enumerate(index.tolist())]
-        elif len(steps) <= step_figures.STEP_RECORDS_MAX:
-            info["distinct_step_records"] = [{"count": int(c), **steps.record(j)} for j, c in enumerate(counts)]
-        if ctx.run_dir is not None and ctx.rank == 0:
-            info["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
-                                                   step_figures.step_columns(steps, index, serving.dp_size),
-                                                   step_figures.STEP_FILE_META)
+        spread_of = (lambda s: {side: model_spread_us(st.time_of, st.plan, side, *s) for side in SIDES}) \
+            if st.plan["shape_times"] == "model" else None
+        info["headline"] = trace_headline(p, steps, tc.trace.counts, tot, tc.calls, st.figures, ep_record,
+                                          spread_of).to_info()
+        info.update(_step_records(p, ctx, serving, tc, steps))
     if serving.trace_replay:
         with clock.phase("replay"):
-            info["replay"] = single_rank_replay(bench, replay_steps, time_of).to_info()
+            info["replay"] = single_rank_replay(bench, tc.replay_steps, st.time_of).to_info()
     info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
     info["phase_wall_s"] = clock.record()
+    return _point_case(p, bench, tc, st, info, kind)
 
-    # the runner's p50 call: the most frequent call shape the device times (plan.can_time: a 4096-row layer
-    # takes minutes a call in the interpreter)
+
+@dataclass
+class _TraceCalls:
+    """The trace of a point and its calls: the distinct steps' calls as arrays, the replayed steps, every call
+    shape with the calls over the trace that have it, and the shapes to route (the calls' and their real tokens')."""
+
+    trace: Any
+    source: dict
+    engine: Any
+    step_table: Any
+    replay_steps: list
+    calls: Counter
+    call_shapes: list
+    shapes: list
+
+
+def _trace_calls(p: Params, serving: ServingKnobs) -> _TraceCalls:
+    trace, source = trace_tokens(p)
+    engine = engine_of(p)
+    step_table = step_calls(trace.table(), engine)
+    replay_steps = [step_table.step(j) for j in trace.index[:serving.trace_replay].tolist()]
+    calls = Counter(step_table.call_counts(trace.counts))
+    call_shapes = shapes_as_steps(sorted(calls))
+    return _TraceCalls(trace, source, engine, step_table, replay_steps, calls, call_shapes,
+                       distinct_shapes(call_shapes + replay_steps))
+
+
+@dataclass
+class _ShapeTimes:
+    """How the point's shapes were priced: their figures, the layer time of a call shape, the plan's record, the
+    timings {(side, rows, real): us}, the shapes timed and how many of them now (the rest from the run's store)."""
+
+    figures: Any
+    time_of: Callable[[str, int, int], float]
+    plan: dict
+    table: dict
+    timed: list
+    measured: int
+
+
+def _shape_times(p: Params, ctx: RunContext, bench: ShapeBench, tc: _TraceCalls, store: ShapeStore,
+                 clock: PhaseClock, kind: str) -> _ShapeTimes:
+    """Interpolated (trace_real_points N > 0: compose.py) or every shape timed or a designed set and the model
+    (shape_cost.plan_shape_times)."""
+    serving = p.knobs(ServingKnobs)
+    n = serving.trace_real_points
+    if n:
+        timed = interpolation_shapes(tc.call_shapes + tc.replay_steps, n)
+        figures, table, measured = measure_shapes(p, bench, tc.shapes, timed, store, ctx.progress, clock)
+        return _ShapeTimes(figures, interpolated_timer(table, n), {
+            "shape_times": "interpolated", "distinct_shapes": len(tc.shapes), "shape_timings": len(timed)},
+            table, timed, measured)
+    figures, _, _ = measure_shapes(p, bench, tc.shapes, [], store, None, clock)
+    budget = serving.shape_timings(kind)
+    timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
+
+    def time_shapes(batch):
+        base, total = timed_so_far[0], min(budget, len(tc.shapes))
+        progress = lambda i, _n, what, detail="": ctx.progress(base + i, total, what, detail)  # noqa: E731
+        _, got, now = measure_shapes(p, bench, [], list(batch), store, progress, clock)
+        timed_so_far[0] += len(batch)
+        timed_so_far[1] += now
+        return got
+
+    with clock.phase("host_composition"):
+        features = ShapeTable(tc.shapes, bench.streams, launch_of(p, ctx.device))
+    time_of, plan, table = plan_shape_times(tc.shapes, shape_reads(tc.calls), features, time_shapes, budget,
+                                            REPLAY_TOLERANCE, TIMED_ROWS_MAX[kind])
+    return _ShapeTimes(figures, time_of, plan, table, sorted({(rows, real) for _, rows, real in table}),
+                       timed_so_far[1])
+
+
+def _trace_info(p: Params, serving: ServingKnobs, tc: _TraceCalls, st: _ShapeTimes, bench: ShapeBench,
+                kind: str) -> dict[str, Any]:
+    """The record's info before the EP step and the headline: the trace, the engine, how the shapes were timed,
+    and each distinct shape's routing figures and the layer time the composition used (measured, or read off the
+    interpolation or the model where the shape was not timed); past SHAPES_RECORDED_MAX, the timed ones."""
+    timed_set = set(st.timed)
+    recorded = tc.shapes if len(tc.shapes) <= SHAPES_RECORDED_MAX else st.timed
+    return {
+        "trace": {**tc.source, "steps": tc.trace.num_steps, "distinct_steps": tc.step_table.num_steps,
+                  "dp_size": serving.dp_size},
+        "engine": {"capture_list": capture_list_label(p.capture_sizes),
+                   "capture_sizes": list(tc.engine.capture_sizes), "dp_size": serving.dp_size,
+                   "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
+                   "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
+        "shape_mode": st.plan["shape_times"], "trace_real_points": serving.trace_real_points,
+        "shape_plan": st.plan, "distinct_shapes": len(tc.shapes),
+        "distinct_padded_shapes": len(padded_row_counts(tc.call_shapes)),
+        "timed_shapes": len(st.timed), "shape_timings": 2 * len(st.timed), "shapes_measured": st.measured,
+        "shapes_reused": len(st.timed) - st.measured, "layer_calls": sum(tc.calls.values()),
+        "shape_timing": {"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
+                         "iters": bench.timing.iters, "stat": "p50"},
+        "headline": None,  # with the EP step's
+        "shapes": [{**st.figures[s].as_dict(), "layer_us": {side: round(st.time_of(side, *s), 3) for side in SIDES},
+                    "timed": s in timed_set} for s in recorded],
+        "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
+    }
+
+
+def _step_records(p: Params, ctx: RunContext, serving: ServingKnobs, tc: _TraceCalls, steps) -> dict[str, Any]:
+    """Every step's figures in the record while the trace is short; a long trace keeps its distinct steps while
+    they are few, and every step's figures go to the run's step file (columns indexed by step)."""
+    out: dict[str, Any] = {"trace_steps": None, "distinct_step_records": None}
+    index, counts = tc.trace.index, tc.trace.counts
+    if tc.trace.num_steps <= step_figures.STEP_RECORDS_MAX:
+        records = [steps.record(j) for j in range(len(steps))]
+        out["trace_steps"] = [{"step": i, **records[j]} for i, j in enumerate(index.tolist())]
+    elif len(steps) <= step_figures.STEP_RECORDS_MAX:
+        out["distinct_step_records"] = [{"count": int(c), **steps.record(j)} for j, c in enumerate(counts)]
+    if ctx.run_dir is not None and ctx.rank == 0:
+        out["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
+                                              step_figures.step_columns(steps, index, serving.dp_size),
+                                              step_figures.STEP_FILE_META)
+    return out
+
+
+def _point_case(p: Params, bench: ShapeBench, tc: _TraceCalls, st: _ShapeTimes, info: dict, kind: str) -> Case:
+    """The runner's Case: its timed call the masked layer at the most frequent call shape the device times
+    (plan.can_time: a 4096-row layer takes minutes a call in the interpreter); its check every sampled distinct
+    step against the tensor producers, every timed shape read back as measured, and the layers at the most
+    padded shape the device times."""
+    calls = tc.calls
     timeable = [(n, s) for s, n in calls.items() if can_time(s[0], kind)]
     busiest = (max(timeable, key=lambda ns: (ns[0], -ns[1][0], -ns[1][1]))[1] if timeable
-               else min(calls, key=lambda s: (s[0], s[1])) if calls else shapes[0] if shapes else (1, 1))
+               else min(calls) if calls else tc.shapes[0] if tc.shapes else (1, 1))
     sp, batch = bench.batch(*busiest)
     pipe = bench.pipeline(sp, batch, "masked")
-    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked",
-                         "calls": calls.get(busiest, 0), "most_frequent": calls.most_common(1)[0][0] == busiest
-                         if calls else True}
+    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked", "calls": calls.get(busiest, 0),
+                         "most_frequent": calls.most_common(1)[0][0] == busiest if calls else True}
     ids = pipe.router_reference().ids.to(torch.int64)
     local = (ids >= 0) & (ids < p.local_experts)
     flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
                                      int(local.any(dim=1).sum()), p.hidden, p.intermediate)
-    # the check's shape: the most padded one the device times (the interpreter's layer takes ~15 ms a row)
-    checkable = [s for s in shapes if can_time(s[0], kind)] or shapes
-    most_padded = max(checkable, key=lambda s: (s[0] - s[1], s[0])) if shapes else busiest
+    checkable = [s for s in tc.shapes if can_time(s[0], kind)] or tc.shapes
+    most_padded = max(checkable, key=lambda s: (s[0] - s[1], s[0])) if tc.shapes else busiest
+    table, time_of = st.table, st.time_of
 
     def check() -> CheckResult:
-        # every distinct step is what the tensor producers make of its real tokens, the composition reads back
-        # every timed shape as measured, and the most padded shape's layers are right
         problems = []
-        for i in check_sample(step_table.num_steps).tolist():
-            why = padding_problem(step_table.step(i), engine)
+        for i in check_sample(tc.step_table.num_steps).tolist():
+            why = padding_problem(tc.step_table.step(i), tc.engine)
             if why:
                 problems.append(why)
         for side, rows, real in table:
@@ -237,8 +295,7 @@ def build(p: Params, ctx: RunContext) -> Case:
             got = time_of(side, rows, real)
             if got != table[(side, rows, real)]:
                 problems.append(f"{side} ({rows}, {real}): composed from {got}, measured {table[(side, rows, real)]}")
-        composition = CheckResult(not problems, "; ".join(problems[:3]),
-                                  {"distinct_shapes": float(len(shapes))})
+        composition = CheckResult(not problems, "; ".join(problems[:3]), {"distinct_shapes": float(len(tc.shapes))})
         return CheckResult.merge(composition, bench.check_shape(*most_padded))
 
     def cleanup() -> None:
@@ -246,5 +303,5 @@ def build(p: Params, ctx: RunContext) -> Case:
         pipe = None
 
     return Case(run=lambda: pipe.run(), check=check, flops=flops, bytes_moved=bytes_moved,
-                bytes_note="run(): the masked layer at the most frequent call shape, its experts' useful work",
-                info=info, nvtx_stage="layer", cleanup=cleanup)
+                bytes_note="run(): the masked layer at the most frequent call shape the device times, its "
+                           "experts' useful work", info=info, nvtx_stage="layer", cleanup=cleanup)
