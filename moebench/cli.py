@@ -19,6 +19,7 @@ from pathlib import Path
 from moebench import __version__
 from moebench.run.paths import bundled_sweeps, check_output_dir, sweep_argument_path
 from moebench.run.results import DEFAULT_RUNS_DIR
+from moebench.run.capture_search import capture_search_sweep, int_list
 from moebench.run.sweep import DEFAULT_MAX_POINTS, SweepError
 
 
@@ -283,46 +284,8 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-
-
-def capture_search_sweep(args) -> dict:
-    """The one-point sweep `moebench capture-search` runs (target serving_trace, impl serving_trace.capture_search)."""
-    from moebench.traces.distributions import SERVING_MIXES
-
-    trace = args.trace
-    fixed = {"model": args.model, "ep_size": args.ep_size, "dp_size": args.dp_size, "sp_size": args.sp_size,
-             "dbo": args.dbo, "padding_fill": args.fill, "seed": args.seed, "trace_real_points": 0,
-             "capture_graphs": args.graphs}
-    if trace in (*SERVING_MIXES, "uniform", "decode_prefill", "lognormal"):
-        fixed.update(trace_distribution=trace, trace_steps=args.steps, trace_max_tokens=args.max_tokens)
-    elif Path(trace).is_file():
-        fixed["trace_file"] = str(Path(trace).resolve())
-    else:
-        raise SweepError(f"capture-search: TRACE {trace!r} is neither a CSV file nor a distribution "
-                         f"({', '.join((*SERVING_MIXES, 'uniform', 'decode_prefill', 'lognormal'))})")
-    if args.largest is not None:
-        fixed["capture_largest"] = args.largest
-    if args.keep:
-        fixed["capture_keep"] = args.keep
-    if args.shape_timings is not None:
-        fixed["trace_shape_timings"] = args.shape_timings
-    for item in args.set or []:  # KEY=VALUE (a YAML value) into the point's fixed keys, after the options
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise SweepError(f"capture-search --set {item!r}: expected KEY=VALUE")
-        import yaml
-
-        fixed[key.strip()] = yaml.safe_load(text)
-    return {"name": "capture_search", "target": "serving_trace", "impls": ["serving_trace.capture_search"],
-            "fixed": fixed, "timing": {"mode": "cuda_graph", "warmup": 2, "iters": 20}}
-
-
 def cmd_capture_search(args) -> int:
+    """Run the search's one point, print the operator's table, plot and headline (exit: the run's)."""
     from moebench.plots.capture_search import capture_search_plot
     from moebench.report.capture_search import headline, table_lines
     from moebench.run.results import load_records
@@ -424,20 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("trace", help="a CSV trace (one column, or one per DP rank) or a distribution: chat, mixed, "
                                   "prefill_heavy, uniform, decode_prefill, lognormal")
     cs.add_argument("--model", required=True, help="a model preset (see `moebench list --models`)")
-    cs.add_argument("--graphs", type=_int_list, default=[8, 16, 32, 64], metavar="K,K,...",
+    cs.add_argument("--graphs", type=int_list, default=[8, 16, 32, 64], metavar="K,K,...",
                     help="the graph budgets K (default 8,16,32,64)")
     cs.add_argument("--largest", type=int, default=None, help="fix the list's largest size (a candidate size)")
-    cs.add_argument("--keep", type=_int_list, default=None, metavar="N,N,...", help="sizes that must stay")
-    cs.add_argument("--dp-size", type=_positive_int, default=1)
-    cs.add_argument("--sp-size", type=_positive_int, default=1)
+    cs.add_argument("--keep", type=int_list, default=None, metavar="N,N,...", help="sizes that must stay")
+    cs.add_argument("--dp-size", type=_positive_int, default=1, help="DP ranks, each padded to their max (default 1)")
+    cs.add_argument("--sp-size", type=_positive_int, default=1, help="SP (TP) ranks a micro-batch is padded for and "
+                                                                   "chunked over (default 1)")
     cs.add_argument("--dbo", action="store_true", help="dual-batch overlap")
-    cs.add_argument("--ep-size", type=_positive_int, default=1)
+    cs.add_argument("--ep-size", type=_positive_int, default=1, help="EP ranks; this rank holds num_experts / "
+                                                                   "ep_size experts (default 1)")
     cs.add_argument("--fill", default="repeat", help="padding_fill (default repeat)")
     cs.add_argument("--steps", type=_positive_int, default=1000, help="steps drawn from a distribution")
     cs.add_argument("--max-tokens", type=_positive_int, default=512, help="a distribution's tokens a step at most")
     cs.add_argument("--shape-timings", type=_positive_int, default=None,
                     help="shapes timed before the cost model reads the rest (trace_shape_timings)")
-    cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--seed", type=int, default=0, help="the inputs' and a drawn trace's seed (default 0)")
     cs.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="any other sweep key of the point, e.g. hidden=64 (a YAML value)")
     cs.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")

@@ -77,7 +77,7 @@ def _engine(p: Params) -> EngineShape:
 def _validate(p: Params) -> str | None:
     """The serving_trace point's own checks, then the search's: budgets, the fixed and kept sizes against the
     trace's candidates (the trace is read here, before anything runs)."""
-    from moebench.bench.serving_trace import _validate as serving_validate
+    from moebench.bench.serving_trace import point_problem as serving_validate
 
     why = serving_validate(p)
     if why:

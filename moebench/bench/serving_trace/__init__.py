@@ -87,7 +87,8 @@ SHAPE_TIMING = {"cuda": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, 
                 "cpu": Timing(mode="wall", warmup=0, iters=1, unroll=1, max_seconds=60.0)}
 
 
-def _validate(p: Params) -> str | None:
+def point_problem(p: Params) -> str | None:
+    """Why point p is no serving_trace point, or None (the impl's validate; serving_trace.capture_search's too)."""
     why = layer_point_problem(p)
     if why:
         return why
@@ -106,8 +107,8 @@ def _validate(p: Params) -> str | None:
 declare_work("serving_trace", PointWork(point=point_seconds))
 
 
-@register_impl("serving_trace.layer", targets=("serving_trace",), available=triton_available, validate=_validate,
-               description="the MoE layer over a serving trace through the engine's padding producers: time masked "
+@register_impl("serving_trace.layer", targets=("serving_trace",), available=triton_available,
+               validate=point_problem, description="the MoE layer over a serving trace through the engine's padding producers: time masked "
                            "vs oblivious, padding tax, EP excess and fixed-capacity compiles, timed per shape or "
                            "on a grid of real counts per padded row count")
 def build(p: Params, ctx: RunContext) -> Case:
