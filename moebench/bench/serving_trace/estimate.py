@@ -9,9 +9,9 @@ shapes, made on the host in seconds, no routing and no timing):
                  TIMED_ROWS_MAX);
   rank workloads min(ep_rank_timings, the steps' rank workloads) expert-kernel timings at a rank's mean rows;
   replay         the replayed steps' calls (both sides) and every EP rank of theirs, timed afresh;
-  host           the routing figures and the composition: HOST_S_PER_STEP per distinct step and HOST_S_PER_RANK_STEP
-                 per distinct step and EP rank (on the project's CPU machines: ~0.6 ms a distinct step at EP 2,
-                 ~3.5 ms at EP 64);
+  host           the routing and the composition over arrays: a fixed cost, HOST_S_PER_STEP per distinct step,
+                 HOST_S_PER_RANK_STEP per distinct step and EP rank, HOST_S_PER_SHAPE per shape, and the EP step's
+                 source slots' routed rows (routed_rows);
   the point's own  its check (both sides' layers and references at the most padded shape it may time) and its timed
                  run (RUN_CALLS calls of the layer at the most frequent call shape).
 The distinct steps and shapes are counted over the first ESTIMATE_STEPS distinct steps and scaled to all of them.
@@ -29,8 +29,14 @@ SHAPE_CALLS = {"cuda": 12, "interpreter": 2, "cpu": 2}  # calls a timed shape si
 SHAPE_BUILD_S = {"cuda": 0.03, "interpreter": 0.05, "cpu": 0.05}  # a side's pipeline built, its graph captured
 RANK_CALLS = {"cuda": 10, "interpreter": 1, "cpu": 1}
 RANK_BUILD_S = 0.005
-HOST_S_PER_STEP = 5e-4
-HOST_S_PER_RANK_STEP = 5e-5
+# the host's arrays (project CPU machines, a 1,000,000-step trace of 381,093 distinct steps and 338,809 shapes at
+# EP 64: composition 32 s, the EP step's source slots routed 12 s): per distinct step, per distinct step and EP
+# rank, per shape (its figures and priced time), and per routed row of the EP step's source slots
+HOST_S_FIXED = 2.0
+HOST_S_PER_STEP = 2e-5
+HOST_S_PER_RANK_STEP = 1e-6
+HOST_S_PER_SHAPE = 3e-5
+ROUTE_S_PER_ROW = {"cuda": 2e-7, "interpreter": 2e-5, "cpu": 2e-5}
 RUN_CALLS = 22  # the point's timed run: warm-up and iterations of the sweep's timing (20 by default)
 CHECK_CALLS = 4  # both sides' layers and their references
 ESTIMATE_STEPS = 20_000
@@ -52,12 +58,27 @@ def planned(p: Params) -> dict[str, float]:
     scale = len(trace.steps) / max(1, len(steps))
     shapes = distinct_shapes(steps)
     return {"distinct_steps": len(trace.steps), "shapes": len(shapes) * scale, "shape_list": shapes,
+            "max_real": max((c.real for s in steps for c in s.calls), default=1),
             "interpolated": len(interpolation_shapes(steps, serving.trace_real_points))
             if serving.trace_real_points else None,
             "calls_per_step": sum(len(s.calls) for s in steps) / max(1, len(steps)),
             "micro_batches": sum(len({c.micro_batch for c in s.calls}) for s in steps) / max(1, len(steps)),
             "budget": {kind: serving.shape_timings(kind) for kind in ("cuda", "cpu")},
             "rows_max": TIMED_ROWS_MAX}
+
+
+def routed_rows(p: Params, plan: dict) -> int:
+    """Rows the EP step's source slots route: every slot its real stream, and its padding's (one row where every
+    padded row is the same: zeros, repeat)."""
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+    from moebench.bench.serving_trace.shape_streams import stream_size
+
+    if p.ep_size <= 1:
+        return 0
+    serving = p.knobs(ServingKnobs)
+    slots = max(p.ep_size, serving.dp_size * serving.sp_size)
+    real = stream_size(plan["max_real"])
+    return slots * (real + (1 if p.padding_fill in ("zeros", "repeat") else real))
 
 
 def point_seconds(p: Params, rates: DeviceRates) -> float:
@@ -98,5 +119,6 @@ def point_seconds(p: Params, rates: DeviceRates) -> float:
         workloads = 2 * plan["distinct_steps"] * plan["micro_batches"] * p.ep_size
         timings = min(rank_budget, workloads) + serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
         ep_s = timings * (RANK_BUILD_S + RANK_CALLS[rates.kind] * rank_s)
-    host_s = plan["distinct_steps"] * (HOST_S_PER_STEP + max(1, p.ep_size) * HOST_S_PER_RANK_STEP)
+    host_s = (HOST_S_FIXED + plan["distinct_steps"] * (HOST_S_PER_STEP + max(1, p.ep_size) * HOST_S_PER_RANK_STEP)
+              + plan["shapes"] * HOST_S_PER_SHAPE + routed_rows(p, plan) * ROUTE_S_PER_ROW[rates.kind])
     return shapes_s + replay_s + ep_s + host_s + (RUN_CALLS + CHECK_CALLS) * layer_s
