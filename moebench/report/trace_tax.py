@@ -4,7 +4,8 @@ slowest rank's share of the padded routes and how the rank times and the wire we
 engine configuration and capture list, this rank's MoE layer over the trace masked and oblivious, the padding tax,
 what the masks recover (a figure inside the timings' noise says so instead of a share), the expert-GEMM rows
 computed for padding, the slowest EP rank's excess routes and the predicted fixed-capacity compiles; and, where the
-run sweeps capture lists, the list with the least tax for each configuration.
+run sweeps capture lists, their ranking per configuration by the step time of the side deployed, each figure with
+the error its model states (report.ranking).
 
 Every figure is read from a record's info through its typed record (moebench.bench.serving_trace.record:
 TraceRecord.from_info); nothing is re-run. The footer also says what each phase of a point cost and, where the rank
@@ -16,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moebench.bench.serving_trace.knobs import config_keys
 from moebench.bench.serving_trace.record import TraceHeadline, TraceRecord
-from moebench.report import cells, noise
+from moebench.report import cells, noise, ranking
 from moebench.report.headline import format_value
 
 TARGET = "serving_trace"
@@ -99,35 +99,27 @@ def config_label(r: dict) -> str:
             + (f", trace {trace}" if trace else ""))
 
 
-def _config_key(r: dict) -> str:
-    """The engine configuration a what-if over capture lists holds fixed: the record's params but the capture list
-    and the keys that only say how much was measured (moebench.bench.serving_trace.knobs.config_keys)."""
-    params = r.get("params") or {}
-    return repr([(k, params[k]) for k in config_keys(params)])
-
-
-def best_lists(records: list[dict]) -> dict[str, str]:
-    """Per configuration (its _config_key): the capture list with the least oblivious padding tax."""
-    best: dict[str, tuple[float, str]] = {}
-    for r in trace_records(records):
-        t = typed(r)
-        tax = t.headline.padding_tax["oblivious"]
-        if tax is None:
+def _rank_words(records: list[dict]) -> dict[tuple[str, str], str]:
+    """{(configuration key, capture list): its word in the masked ranking} (report.ranking)."""
+    out = {}
+    for rk in ranking.rankings(trace_records(records), config_label):
+        if rk.side != "masked":
             continue
-        key = _config_key(r)
-        if key not in best or tax < best[key][0]:
-            best[key] = (tax, t.capture_list)
-    return {k: v[1] for k, v in best.items()}
+        for f in rk.figures:
+            out[(rk.key, f.capture_list)] = f"not ranked: {rk.refused}" if rk.refused else ""
+        for f, word in rk.verdicts():
+            out[(rk.key, f.capture_list)] = word
+    return out
 
 
 HEAD = ["capture list", "engine", "distinct shapes / timed / steps", "layer ms oblivious", "layer ms masked",
         "padding tax oblivious", "padding tax masked", "masks recover", "padded rows", "GEMM rows for padding",
-        "EP excess from padding (routes)", "compiles oblivious / masked", "least tax"]
+        "EP excess from padding (routes)", "compiles oblivious / masked", "masked step vs the fastest list"]
 
 
 def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     """(header, rows): one row per serving_trace record (HEAD names the columns)."""
-    best = best_lists(records)
+    words = _rank_words(records)
     rows = []
     for r in trace_records(records):
         t = typed(r)
@@ -140,7 +132,7 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
                      f"{h.padding_gemm_rows['oblivious']} / {h.padding_gemm_rows['masked']}",
                      format_value(h.ep_excess_from_padding),
                      f"{format_value(compiles.get('oblivious'))} / {format_value(compiles.get('masked'))}",
-                     "yes" if best.get(_config_key(r)) == t.capture_list else ""])
+                     words.get((ranking.config_key(r), t.capture_list), "")])
     return HEAD, rows
 
 
@@ -224,9 +216,7 @@ def footer_lines(records: list[dict]) -> list[str]:
             out.append(f"    phases: {t.phases_label()}")
     if any(typed(r).headline.within_noise("recovered") is None for r in recs):
         out.append("  (a figure's noise is unknown where shapes were timed with fewer than 5 samples or interpolated)")
-    for key, label in best_lists(records).items():
-        example = next(r for r in recs if _config_key(r) == key)
-        out.append(f"  least tax ({config_label(example)}): capture list {label}")
+    out += [f"  {rk.line()}" for rk in ranking.rankings(recs, config_label)]
     if any(r.get("triton_interpret") for r in recs):
         out.append("  (timed under Triton's CPU interpreter: the times and taxes are a smoke signal, not GPU figures)")
     return out

@@ -1,0 +1,134 @@
+"""Which capture list is fastest for what is deployed: the capture lists a serving_trace run was given, ranked per
+engine configuration by the step time of the side the engine runs, never by a share.
+
+The figure ranked is the EP step over the trace where the run has EP ranks (the slowest rank plus the wire), else
+this rank's MoE layer over the trace; per side (masked: an engine that masks its padded rows; oblivious: one that
+does not), both shown, the masked side first. Each figure carries the error the models that made it state:
+  EP step     every rank workload timed: its timings (0 model error); a rank cost model: its held-out RMS error
+              (the decisive workloads predicted before they were timed); a model whose every timing went to the
+              design has no held-out error: unchecked;
+  layer       every shape timed: its timings; the shape model: its held-out RMS error per side; interpolated:
+              the replay's relative difference where it ran, else unchecked.
+A list is `within noise` of the fastest when their difference is within the two figures' errors added (each error
+x its figure; the errors of one run's model are not independent, so they add). The ranking refuses, saying why,
+where a figure it would rank is unchecked, or the single-rank view's sides are not comparable
+(report.noise.not_comparable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from moebench.bench.serving_trace.knobs import config_keys
+from moebench.bench.serving_trace.record import TraceRecord
+from moebench.report import noise
+
+RANKED_SIDES = ("masked", "oblivious")  # the masked side first: what an engine that masks runs
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One capture list's ranked figure on one side: microseconds over the trace, its relative error (None:
+    unchecked) and where the error comes from."""
+
+    capture_list: str
+    us: float
+    rel_error: Optional[float]
+    error_source: str
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """One configuration's ranking on one side: what is ranked, the figures fastest first (None with `refused`
+    saying why), and per list beside the fastest: `within noise` or how much slower."""
+
+    key: str  # config_key of its records
+    config: str
+    side: str
+    what: str
+    figures: list[Figure]
+    refused: Optional[str] = None
+
+    def verdicts(self) -> list[tuple[Figure, str]]:
+        """(figure, its word): the fastest's error, the others' distance to it or `within noise`."""
+        if self.refused or not self.figures:
+            return []
+        best = self.figures[0]
+        out = [(best, f"fastest ({_error(best)})")]
+        for f in self.figures[1:]:
+            bound = best.rel_error * best.us + f.rel_error * f.us
+            diff = f.us - best.us
+            word = "within noise" if diff <= bound else f"+{100 * diff / best.us:.1f}%"
+            out.append((f, f"{word} ({_error(f)})"))
+        return out
+
+    def line(self) -> str:
+        head = f"fastest {self.side} {self.what} ({self.config}): "
+        if self.refused:
+            return head + f"not ranked: {self.refused}"
+        return head + "; ".join(f"{f.capture_list} {f.us / 1e3:.2f} ms {word}" for f, word in self.verdicts())
+
+
+def _error(f: Figure) -> str:
+    return f"±{100 * f.rel_error:.1f}% {f.error_source}" if f.rel_error else f.error_source
+
+
+def _ep_figure(t: TraceRecord, side: str) -> Figure:
+    ep = t.ep_step
+    us = t.headline.ep_step.step_us[side]
+    if ep.rank_times == "timed":
+        return Figure(t.capture_list, us, 0.0, "every rank workload timed")
+    held = ((ep.cost_model or {}).get("held_out") or {}).get("rms_rel")
+    if held is None:
+        return Figure(t.capture_list, us, None, "the rank model's error unchecked (every timing went to its design)")
+    return Figure(t.capture_list, us, held, "the rank model's held-out error")
+
+
+def _layer_figure(t: TraceRecord, side: str) -> Figure:
+    us = t.headline.layer_us[side]
+    plan = t.shape_plan or {}
+    mode = plan.get("shape_times")
+    if mode == "exact" or (mode is None and not t.trace_real_points):
+        return Figure(t.capture_list, us, 0.0, "every shape timed")
+    if mode == "model":
+        held = (((plan.get("cost_model") or {}).get("held_out") or {}).get(side) or {}).get("rms_rel")
+        if held is None:
+            return Figure(t.capture_list, us, None, "the shape model's error unchecked")
+        return Figure(t.capture_list, us, held, "the shape model's held-out error")
+    replay = t.replay
+    diff = (replay.rel_diff or {}).get(side) if replay is not None else None
+    if diff is None:
+        return Figure(t.capture_list, us, None, "interpolated, no replay to check it")
+    return Figure(t.capture_list, us, diff, "the replay's difference")
+
+
+def config_key(r: dict) -> str:
+    """The engine configuration a what-if over capture lists holds fixed (knobs.config_keys)."""
+    params = r.get("params") or {}
+    return repr([(k, params[k]) for k in config_keys(params)])
+
+
+def rankings(records: list[dict], label_of) -> list[Ranking]:
+    """Per configuration with two or more capture lists, per side: the ranking of its lists. `label_of(record)`:
+    the configuration's words."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(config_key(r), []).append(r)
+    out = []
+    for key, recs in groups.items():
+        if len({TraceRecord.from_info(r["info"]).capture_list for r in recs}) < 2:
+            continue
+        typed = [TraceRecord.from_info(r["info"]) for r in recs]
+        ep = all(t.ep_step is not None and t.headline.ep_step is not None for t in typed)
+        for side in RANKED_SIDES:
+            figures = [(_ep_figure if ep else _layer_figure)(t, side) for t in typed]
+            refused = next((f"{f.capture_list}: {f.error_source}" for f in figures if f.rel_error is None), None)
+            if not ep and refused is None:
+                refused = next((f"{t.capture_list}: {why}" for r, t in zip(recs, typed)
+                                if (why := noise.not_comparable(r))), None)
+            out.append(Ranking(key, label_of(recs[0]), side, "EP step" if ep else "single-rank layer",
+                               sorted(figures, key=lambda f: (f.us, f.capture_list)), refused))
+    return out
+
+

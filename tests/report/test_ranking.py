@@ -1,0 +1,78 @@
+"""The capture lists of a run ranked by the deployed side's step time, never a share: the EP step where there is EP,
+else the layer; each figure with its model's error; `within noise` where the difference is inside the errors; no
+ranking where a figure is unchecked or the sides are not comparable."""
+
+from __future__ import annotations
+
+from moebench.report import trace_tax
+from moebench.report.ranking import rankings
+
+PARAMS = {"dp_size": 2, "sp_size": 1, "dbo": False, "ep_size": 8, "num_experts": 64, "top_k": 4}
+
+
+def _record(capture_list, step_us, layer_us, *, held=0.01, tax=None, real_only=None, ep=True, shape_mode="exact"):
+    """A serving_trace record as the family writes it, cut to what the ranking reads."""
+    real_only = real_only or {"masked": 900.0, "oblivious": 900.0}
+    head = {"layer_us": layer_us, "real_only_us": real_only,
+            "padding_us": {s: layer_us[s] - real_only[s] for s in layer_us},
+            "padding_tax": tax or {s: (layer_us[s] - real_only[s]) / layer_us[s] for s in layer_us},
+            "recovered_us": layer_us["oblivious"] - layer_us["masked"], "recovered_share": None,
+            "padded_rows": 10, "real_tokens": 100, "padding_gemm_rows": {"masked": 0, "oblivious": 4},
+            "jit_compiles": {"masked": 1, "oblivious": 1}}
+    info = {"engine": {"capture_list": capture_list, "dp_size": 2, "sp_size": 1, "dbo": False, "ep_size": 8},
+            "trace": {"steps": 1000}, "distinct_shapes": 10, "headline": head,
+            "shape_plan": {"shape_times": shape_mode}}
+    if ep:
+        split = {"gemm_us": 1.0, "straggler_us": 2.0, "wire_us": 3.0, "overlap_us": 0.0, "total_us": 6.0}
+        head["ep_step"] = {"step_us": step_us, "tax_split_us": split, "padding_tax": 0.1}
+        info["ep_step"] = {"rank_times": "model", "cost_model": {"held_out": {"rms_rel": held}},
+                           "wire": {"kind": "model", "name": "test"}}
+    return {"target": "serving_trace", "status": "ok", "params": {**PARAMS, "capture_sizes": capture_list},
+            "info": info}
+
+
+def _words(rk):
+    return {f.capture_list: word for f, word in rk.verdicts()}
+
+
+def test_the_ep_step_of_the_deployed_side_ranks_in_time_with_the_models_error():
+    recs = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0}),
+            _record("pow2", {"masked": 1005.0, "oblivious": 1100.0}, {"masked": 1.0, "oblivious": 1.0}),
+            _record("fine", {"masked": 1100.0, "oblivious": 1250.0}, {"masked": 1.0, "oblivious": 1.0})]
+    masked, oblivious = rankings(recs, lambda r: "DP 2")
+    assert masked.side == "masked" and masked.what == "EP step" and masked.refused is None
+    assert [f.capture_list for f in masked.figures] == ["default", "pow2", "fine"]
+    words = _words(masked)
+    assert words["default"].startswith("fastest (±1.0% the rank model's held-out error")
+    assert words["pow2"].startswith("within noise")  # 5 us apart, 20 us of error
+    assert words["fine"].startswith("+10.0%")
+    assert [f.capture_list for f in oblivious.figures] == ["pow2", "fine", "default"]  # its own order
+    line = masked.line()
+    assert line.startswith("fastest masked EP step (DP 2): default 1.00 ms fastest")
+
+
+def test_an_unchecked_model_or_sides_not_comparable_are_not_ranked():
+    unchecked = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0}),
+                 _record("pow2", {"masked": 900.0, "oblivious": 1100.0}, {"masked": 1.0, "oblivious": 1.0},
+                         held=None)]
+    (rk, _) = rankings(unchecked, lambda r: "DP 2")
+    assert rk.refused == "pow2: the rank model's error unchecked (every timing went to its design)"
+    assert rk.verdicts() == [] and "not ranked" in rk.line()
+    # the single-rank view (no EP step): the masked side slower on the real rows alone is not comparable
+    slow = {"masked": 1500.0, "oblivious": 900.0}
+    layer = [_record("default", None, {"masked": 2000.0, "oblivious": 2100.0}, ep=False),
+             _record("pow2", None, {"masked": 2000.0, "oblivious": 2300.0}, ep=False, real_only=slow)]
+    (rk, _) = rankings(layer, lambda r: "DP 2")
+    assert rk.what == "single-rank layer" and rk.refused.startswith("pow2: not comparable")
+
+
+def test_the_runs_footer_and_table_rank_the_lists_it_was_given():
+    recs = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1500.0, "oblivious": 1600.0}),
+            _record("pow2", {"masked": 1200.0, "oblivious": 1250.0}, {"masked": 1400.0, "oblivious": 1700.0})]
+    footer = trace_tax.footer_lines(recs)
+    assert any(line.strip().startswith("fastest masked EP step") and "pow2 1.20 ms +20.0%" in line
+               for line in footer), footer
+    assert not any("least tax" in line for line in footer)
+    head, rows = trace_tax.table(recs)
+    col = head.index("masked step vs the fastest list")
+    assert rows[0][col].startswith("fastest") and rows[1][col].startswith("+20.0%")
