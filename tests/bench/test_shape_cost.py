@@ -99,6 +99,9 @@ def test_a_padded_call_reads_its_padding_off_the_model_unless_both_shapes_are_ti
         assert abs(time_of("masked", 30, 12) / measured - 1) > 0.05
     both = [(r, n) for (side, r, n) in timed if side == "masked" and n and r != n and ("masked", n, n) in timed]
     assert both and all(time_of("masked", r, n) == timed[("masked", r, n)] for r, n in both)
+    # the lookup of many shapes at once (a long trace's 10^5 shapes) is time_of's, float for float
+    for side in ("masked", "oblivious"):
+        assert time_of.many(side, shapes).tolist() == [time_of(side, *s) for s in shapes]
 
 
 def test_a_cost_the_model_cannot_follow_shows_in_its_held_out_error(table):

@@ -96,9 +96,20 @@ class ShapeCostModel:
         return model
 
     def predict(self, side: str, rows: int, real: int) -> float:
-        i = self.table.index[(rows, real)]
-        coef = self.coef.get((side, self.table.launch[i]), self.fallback[side])
-        return float(self.table.features[side][i] @ np.asarray(coef))
+        return float(self.predict_many(side, [(rows, real)])[0])
+
+    def predict_many(self, side: str, shapes: Sequence[Shape]) -> np.ndarray:
+        """predict() of many shapes at once: float64 [N], the terms summed feature by feature."""
+        idx = np.asarray([self.table.index[s] for s in shapes], dtype=np.int64)
+        names = sorted(set(self.table.launch))
+        which = np.asarray([names.index(self.table.launch[i]) for i in idx.tolist()], dtype=np.int64)
+        coef = np.asarray([self.coef.get((side, n), self.fallback[side]) for n in names],
+                          dtype=np.float64).reshape(len(names), -1)
+        f = self.table.features[side][idx]
+        t = f[:, 0] * coef[which, 0]
+        for j in range(1, f.shape[1]):
+            t = t + f[:, j] * coef[which, j]
+        return t
 
     def record(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "per_launch": {
@@ -168,6 +179,26 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
         if (side, rows, real) in timed and (not real or (side, real, real) in timed):
             return timed[(side, rows, real)]
         return base + model.predict(side, rows, real) - (model.predict(side, real, real) if real else 0.0)
+
+    def many(side: str, shapes: Sequence[Shape]) -> np.ndarray:
+        """time_of of many shapes (the model read once for all of them)."""
+        shapes = list(shapes)
+        alone = sorted({(q, q) for _, q in shapes if q})
+        at = dict(zip(alone, model.predict_many(side, alone).tolist())) if alone else {}
+        padded = [s for s in shapes if s[0] != s[1]]
+        own = dict(zip(padded, model.predict_many(side, padded).tolist())) if padded else {}
+        out = np.empty(len(shapes))
+        for i, (rows, real) in enumerate(shapes):
+            base = (timed.get((side, real, real), at[(real, real)]) if real else 0.0)
+            if rows == real:
+                out[i] = base
+            elif (side, rows, real) in timed and (not real or (side, real, real) in timed):
+                out[i] = timed[(side, rows, real)]
+            else:
+                out[i] = base + own[(rows, real)] - (at[(real, real)] if real else 0.0)
+        return out
+
+    time_of.many = many  # type: ignore[attr-defined]
 
     total = sum(n * sum(either(side, *s) for side in SIDES) for s, n in reads.items())
     timed_part = sum(n * sum(timed[(side, *s)] for side in SIDES) for s, n in reads.items() if s in done)

@@ -45,8 +45,14 @@ class StepFigures:
         M = calls.rows.shape[2]
         mb_of_call = np.broadcast_to(np.arange(M)[None, :, None], calls.rows.shape[1:]).reshape(-1)
         for side in SIDES:
-            t = np.asarray([time_of(side, r, q) for r, q in shapes], dtype=np.float64)
-            alone = np.asarray([time_of(side, q, q) if q else 0.0 for r, q in shapes], dtype=np.float64)
+            many = getattr(time_of, "many", None)  # the shape model's lookup of many shapes at once
+            t = (many(side, shapes) if many else
+                 np.asarray([time_of(side, r, q) for r, q in shapes], dtype=np.float64))
+            with_real = [i for i, (_, q) in enumerate(shapes) if q]
+            reals = [(shapes[i][1], shapes[i][1]) for i in with_real]
+            alone = np.zeros(len(shapes))
+            if with_real:
+                alone[with_real] = many(side, reals) if many else [time_of(side, *s) for s in reals]
             gemm, loads, most = (_shape_column(figures, what, side, shapes)
                                  for what in ("padding_gemm_rows", "rank_loads", "max_rows_per_rank"))
             loads = loads.reshape(len(shapes), -1)
