@@ -78,6 +78,12 @@ def _recovered(h: TraceHeadline) -> str:
     return f"{_ms(h.recovered_us)} ms ({_pct(h.recovered_share)} of the padding time)"
 
 
+def _spread(percentiles: dict) -> str:
+    """Both sides' p50 / p99 / max of a step's time, in ms."""
+    return " | ".join(" / ".join(_ms(percentiles[side][k]) for k in ("p50", "p99", "max"))
+                      for side in ("oblivious", "masked")) + " ms"
+
+
 def _timed(t: TraceRecord) -> str:
     """Shapes timed, and how (records from before trace_real_points timed every distinct shape)."""
     n = t.trace_real_points or 0
@@ -198,6 +204,8 @@ def footer_lines(records: list[dict]) -> list[str]:
                    f"{_ms(h.layer_us['oblivious'])} | {_ms(h.layer_us['masked'])} ms, tax {_tax(h, 'oblivious')}"
                    f" | {_tax(h, 'masked')}, masks recover {_recovered(h)}, {t.distinct_shapes} distinct "
                    f"shapes ({_timed(t)} timed) over {t.steps} steps")
+        if h.step_percentiles_us:
+            out.append(f"    a step's layer (oblivious | masked), p50 / p99 / max: {_spread(h.step_percentiles_us)}")
         ep = h.ep_step
         if ep is not None and t.ep_step is not None:
             split = ep.tax_split_us
@@ -206,6 +214,9 @@ def footer_lines(records: list[dict]) -> list[str]:
                        f"{_ms(split['straggler_us'])} ms, wire {_ms(split['wire_us'])} ms"
                        + (f", DBO overlap {_overlap(t, split)} ms" if _overlap(t, split) else "")
                        + f"; replay {_replay_cell(t)}")
+            if ep.step_percentiles_us:
+                out.append(f"    a step's EP step (oblivious | masked), p50 / p99 / max: "
+                           f"{_spread(ep.step_percentiles_us)}")
             out.append(f"    rank times: {t.ep_step.rank_times_label()}")
             out.append(f"    wire {t.ep_step.wire_label()}")
             if t.ep_step.card_note:

@@ -10,7 +10,7 @@ import numpy as np
 
 from moebench.bench.serving_trace.compose import headline, share
 from moebench.bench.serving_trace.record import SIDES, EPHeadline, EPStepRecord, TraceHeadline
-from moebench.bench.serving_trace.steps import StepFigures
+from moebench.bench.serving_trace.steps import StepFigures, step_percentiles
 from moebench.params import Params
 
 
@@ -33,8 +33,11 @@ def trace_headline(p: Params, steps: StepFigures, counts, tot: dict, calls: Coun
         head["jit_compiles"] = {s: steps.distinct_capacities(s) for s in SIDES}
     else:
         head["jit_compiles"] = {s: None for s in SIDES}  # one rank: no dispatch to size
-    return TraceHeadline(**head, noise=noise(calls, figures, tot, spread_of),
-                         ep_step=ep_headline(ep_step) if ep_step is not None else None)
+    ep = ep_headline(ep_step) if ep_step is not None else None
+    if ep is not None and steps.ep is not None:
+        ep.step_percentiles_us = {s: step_percentiles(steps.ep.sides[s]["step_us"], w) for s in SIDES}
+    return TraceHeadline(**head, noise=noise(calls, figures, tot, spread_of), ep_step=ep,
+                         step_percentiles_us={s: step_percentiles(steps.layer_us[s], w) for s in SIDES})
 
 
 def noise(calls: Counter, figures: dict, tot: dict, spread_of=None) -> dict[str, Any]:

@@ -134,6 +134,10 @@ class EPHeadline(_Record):
     tax_split_us: dict[str, float]
     slowest_rank_padded_route_share: Optional[float]
     rank_times: str
+    # per side, the distribution of a step's time over the trace's steps: {p50, p99, max} (us)
+    step_percentiles_us: Optional[dict[str, dict[str, float]]] = None
+
+    OPTIONAL: ClassVar[frozenset] = frozenset({"step_percentiles_us"})
 
 
 @dataclass
@@ -156,9 +160,11 @@ class TraceHeadline(_Record):
     jit_compiles: dict[str, Optional[int]] = field(default_factory=dict)
     noise: Optional[dict[str, Any]] = None
     ep_step: Optional[EPHeadline] = None
+    # per side, the distribution of a step's layer time (its calls') over the trace's steps: {p50, p99, max} (us)
+    step_percentiles_us: Optional[dict[str, dict[str, float]]] = None
 
     NESTED: ClassVar[dict[str, type]] = {"ep_step": EPHeadline}
-    OPTIONAL: ClassVar[frozenset] = frozenset({"ep_step"})
+    OPTIONAL: ClassVar[frozenset] = frozenset({"ep_step", "step_percentiles_us"})
 
     def within_noise(self, *path: str) -> Optional[bool]:
         """The noise verdict at `path` under noise.within_noise (None: unknown, or a record without it)."""

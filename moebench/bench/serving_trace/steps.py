@@ -117,6 +117,19 @@ class StepFigures:
         return int(np.unique(self.capacity[side]).size)
 
 
+def step_percentiles(values: np.ndarray, counts) -> dict[str, float]:
+    """{p50, p99, max} of a figure over the trace's steps (each distinct step counted as often as it occurs): the
+    smallest value at least that share of the steps do not exceed."""
+    values, w = np.asarray(values, dtype=np.float64), np.asarray(counts, dtype=np.int64)
+    if not len(values):
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(w[order])
+    at = {q: values[order][min(len(values) - 1, int(np.searchsorted(cum, q * cum[-1], side="left")))]
+          for q in (0.5, 0.99)}
+    return {"p50": round(float(at[0.5]), 3), "p99": round(float(at[0.99]), 3), "max": round(float(values.max()), 3)}
+
+
 def _shape_column(figures, what: str, side: str, shapes: list[tuple[int, int]]) -> np.ndarray:
     """A routing figure of `shapes`: read off a ShapeFigureTable's arrays, or shape by shape off ShapeFigures."""
     if hasattr(figures, "column"):
