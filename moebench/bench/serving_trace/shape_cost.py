@@ -52,6 +52,8 @@ class ShapeTable:
         distinct = np.unique(rows).tolist()
         launches = dict(zip(distinct, launches_of(launch_of, distinct)))
         self.launch = [launches[r].name for r in rows.tolist()]
+        self.launch_names = sorted(set(self.launch))
+        self.launch_id = np.asarray([self.launch_names.index(n) for n in self.launch], dtype=np.int64)
         block = np.array([launches[r].block_m for r in rows.tolist()], dtype=np.int64)
         paired = np.array([launches[r].paired for r in rows.tolist()], dtype=bool)
         self.features: dict[str, np.ndarray] = {}
@@ -101,8 +103,8 @@ class ShapeCostModel:
     def predict_many(self, side: str, shapes: Sequence[Shape]) -> np.ndarray:
         """predict() of many shapes at once: float64 [N], the terms summed feature by feature."""
         idx = np.asarray([self.table.index[s] for s in shapes], dtype=np.int64)
-        names = sorted(set(self.table.launch))
-        which = np.asarray([names.index(self.table.launch[i]) for i in idx.tolist()], dtype=np.int64)
+        names = self.table.launch_names
+        which = self.table.launch_id[idx]
         coef = np.asarray([self.coef.get((side, n), self.fallback[side]) for n in names],
                           dtype=np.float64).reshape(len(names), -1)
         f = self.table.features[side][idx]
@@ -143,8 +145,11 @@ class _ShapeSide:
         return {(side, *s): (side, model.predict(side, *s)) for s in points for side in SIDES}
 
     def next_round(self, model, timed, held_out, done):
-        worth = {s: self.reads.get(s, 0) * sum(model.predict(side, *s) for side in SIDES)
-                 for s in self.timeable if s not in done}
+        todo = [s for s in self.timeable if s not in done]
+        if not todo:
+            return []
+        both = model.predict_many(SIDES[0], todo) + model.predict_many(SIDES[1], todo)  # read at once
+        worth = {s: self.reads.get(s, 0) * t for s, t in zip(todo, both.tolist())}
         return sorted((s for s in worth if worth[s] > 0), key=lambda s: (-worth[s], s))
 
 
@@ -200,7 +205,13 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
 
     time_of.many = many  # type: ignore[attr-defined]
 
-    total = sum(n * sum(either(side, *s) for side in SIDES) for s, n in reads.items())
+    read = list(reads)
+    weights = np.asarray([reads[s] for s in read], dtype=np.float64)
+    total = 0.0
+    for side in SIDES:  # every read shape's time: timed, else the model's (read at once)
+        modelled = model.predict_many(side, read) if read else np.zeros(0)
+        got = np.asarray([timed.get((side, *s), m) for s, m in zip(read, modelled.tolist())])
+        total += float((weights * got).sum()) if read else 0.0
     timed_part = sum(n * sum(timed[(side, *s)] for side in SIDES) for s, n in reads.items() if s in done)
     held_out = {side: error_summary(plan.held_out.get(side, [])) for side in SIDES}
     info = {"shape_times": "model", "distinct_shapes": len(shapes), "shape_timings": len(done),
