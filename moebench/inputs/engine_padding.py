@@ -13,7 +13,7 @@ Real tokens sit at the head of every batch and padding at its tail (the producer
 one MoE-layer call (a DP rank x micro-batch x SP rank) follow from the row counts alone. `step_padding` gives the
 rows after each producer and every call's (rows, real rows); `producer_calls` gives the same calls read off the
 masks the tensor producers themselves make (on zero-width rows), which the serving_trace point checks against and
-tests/bench/test_serving_trace.py holds call by call.
+tests/bench/serving_trace/test_serving_trace.py holds call by call.
 """
 
 from __future__ import annotations

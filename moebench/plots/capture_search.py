@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SIDES = (("masked", "#4c72b0"), ("oblivious", "#c44e52"))
+SIDE_COLORS = {"masked": "#4c72b0", "oblivious": "#c44e52"}
 
 
 def capture_search_plot(info: dict, path: Path) -> Path:
@@ -17,7 +17,7 @@ def capture_search_plot(info: dict, path: Path) -> Path:
 
     cs = info["capture_search"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for side, color in SIDES:
+    for side, color in SIDE_COLORS.items():
         curve = cs["sides"][side]["curve_us"]
         ax.plot(range(1, len(curve) + 1), [v / 1e3 for v in curve], color=color, label=f"{side}: best list")
         ax.axhline(cs["sides"][side]["lower_bound_us"] / 1e3, color=color, lw=0.6, ls=":")

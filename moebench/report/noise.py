@@ -14,7 +14,8 @@ import json
 import math
 from typing import Any
 
-SIDES = ("masked", "oblivious")
+from moebench.bench.serving_trace.record import SIDES
+
 HEAD = "info.headline."
 # the noise verdict (a path under info.headline.noise.within_noise) of each figure under info.headline
 VERDICT_OF = {"padding_tax": "padding_tax", "padding_us": "padding_tax", "recovered_us": "recovered",

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moebench.bench.serving_trace.knobs import config_keys
-from moebench.bench.serving_trace.record import TraceRecord
+from moebench.bench.serving_trace.record import SIDES, TraceRecord
 from moebench.report import noise
 
-RANKED_SIDES = ("masked", "oblivious")  # the masked side first: what an engine that masks runs
+RANKED_SIDES = SIDES  # the masked side first: what an engine that masks runs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from moebench.bench.serving_trace.compose import compose, distinct_shapes, totals
+from moebench.bench.serving_trace.compose import compose, distinct_shapes, layer_totals
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.knobs import DEFAULT_SHAPE_TIMINGS
@@ -157,7 +157,7 @@ def list_figures(trace_steps: Sequence[tuple[int, ...]], counts: Sequence[int], 
     padding_us, eager_launch_us, time_us, padding_tax}}."""
     eng = Engine(tuple(sorted(int(s) for s in sizes)) or (1,), engine.dp_size, engine.sp_size, engine.dbo)
     paddings: list[StepPadding] = [step_padding(real, eng) for real in trace_steps]
-    tot = totals(compose(paddings, time_of), list(counts))
+    tot = layer_totals(compose(paddings, time_of), list(counts))
     largest = max(sizes) if sizes else 0
     eager_calls = sum(n * len(step.calls) for step, n in zip(paddings, counts) if max(step.real) > largest)
     out = {}

@@ -1,8 +1,8 @@
 """The serving_trace record's own consistency checks (moebench.consistency runs them before the record is written).
 
 Each reads the typed record (record.TraceRecord.from_info of the record's info) and names a figure by its path in
-info. Against the definitions of the figures (compose.headline for the single-rank view, ep_step.tax_split and
-ep_step.totals for the EP step): per side, the layer over the trace is its real-only time plus its time on padding,
+info. Against the definitions of the figures (headline.layer_headline for the single-rank view, ep_step.tax_split and
+ep_step.step_totals for the EP step): per side, the layer over the trace is its real-only time plus its time on padding,
 the tax is that share, the masks' recovery is the difference of the two layers; a trace with no padded row has no
 time, GEMM row or EP tax on padding; the shares are within [0, 1] and the counts not negative; the EP step's tax
 split adds up to its total, which is the difference of the two steps, and without DBO nothing overlaps.

@@ -113,7 +113,7 @@ class EPColumns:
     padded_routes_to_slowest: np.ndarray
 
     def totals(self, counts, dbo: bool) -> dict:
-        """ep_step.totals of the columns, each step weighted by its count."""
+        """ep_step.step_totals of the columns, each step weighted by its count."""
         from moebench.bench.serving_trace.ep_step import SUMMED, SideStep, tax_split
 
         w = np.asarray(counts, dtype=np.int64)

@@ -22,7 +22,7 @@ The tax of padding (oblivious minus masked: masked padded rows add no route, no 
   wire_us       sum over m of the added dispatch + combine time
   overlap_us    with DBO, what the overlap hides of those (the rest of the step difference; 0 without DBO)
 which add up to the step difference. The router and the per-source reduce are not in the step (the single-rank
-layer view times them); `compose_steps` is tested against stand-in timers in tests/bench/test_ep_step.py.
+layer view times them); `compose_steps` is tested against stand-in timers in tests.bench.serving_trace.test_ep_step.py.
 `placement`, `layout_of`: the sources on the EP ranks of a point; `largest_step`, `padded_route_share`: figures of
 the composed steps the record states.
 """
@@ -301,7 +301,7 @@ def tax_split(masked: SideStep, oblivious: SideStep, dbo: bool = True) -> dict[s
 SUMMED = ("step_us", "experts_us", "mean_rank_us", "dispatch_us", "combine_us", "dispatch_bytes", "combine_bytes")
 
 
-def totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | None = None, dbo: bool = True
+def step_totals(per_step: Sequence[Mapping[str, SideStep]], counts: Sequence[int] | None = None, dbo: bool = True
            ) -> dict:
     """Sums over the steps (each weighted by its count: a distinct step stands for `counts[i]` steps) per side,
     and the tax split of the sums."""

@@ -8,17 +8,31 @@ from typing import Any
 
 import numpy as np
 
-from moebench.bench.serving_trace.compose import headline, share
 from moebench.bench.serving_trace.record import SIDES, EPHeadline, EPStepRecord, TraceHeadline
 from moebench.bench.serving_trace.steps import StepFigures, step_percentiles
 from moebench.params import Params
+
+
+def share(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def layer_headline(tot: dict[str, dict[str, float]]) -> dict[str, object]:
+    """The run's headline figures from the trace totals: the padding tax per side (time on padded rows over the
+    layer's time), and what the masks recover (oblivious minus masked time, absolute and as a share of the
+    oblivious padding time)."""
+    layer, padding = tot["layer_us"], tot["padding_us"]
+    recovered = layer["oblivious"] - layer["masked"]
+    return {"layer_us": dict(layer), "real_only_us": dict(tot["real_only_us"]), "padding_us": dict(padding),
+            "padding_tax": {side: share(padding[side], layer[side]) for side in SIDES},
+            "recovered_us": recovered, "recovered_share": share(recovered, padding["oblivious"])}
 
 
 def trace_headline(p: Params, steps: StepFigures, counts, tot: dict, calls: Counter, figures: dict,
                    ep_step: EPStepRecord | None = None, spread_of=None) -> TraceHeadline:
     """The single-rank headline over the trace (each distinct step weighted by how often it occurs), its noise, and
     the EP step's headline where the point has one."""
-    head = headline(tot)
+    head = layer_headline(tot)
     w = np.asarray(counts, dtype=np.int64)
     real_rows = int((w * steps.calls.real_tokens.sum(axis=1)).sum())
     padded = int((w * steps.calls.padded_rows()).sum())

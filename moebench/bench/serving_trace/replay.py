@@ -15,13 +15,19 @@ import time
 from typing import Callable, Sequence
 
 from moebench.bench.serving_trace import ep_step
-from moebench.bench.serving_trace.compose import compose, replay, share, totals
+from moebench.bench.serving_trace.compose import ShapeTimer, compose, layer_totals, step_times
+from moebench.bench.serving_trace.headline import share
 from moebench.bench.serving_trace.ep_step import StepMBs, dbo_step_us
 from moebench.bench.serving_trace.rank_cost import Workload
 from moebench.bench.serving_trace.record import SIDES, EPReplayRecord, ReplayRecord, within_tolerance
 from moebench.inputs.engine_padding import StepPadding
 
 REPLAY_TOLERANCE = 0.03  # the most a composition may differ from its replay, per side and figure
+
+
+def replay_calls(paddings: Sequence[StepPadding], time_call: ShapeTimer) -> list[dict[str, dict[str, float]]]:
+    """The same figures with `time_call` asked for every call of every step, in order (no cache)."""
+    return [step_times(step, time_call) for step in paddings]
 
 
 def single_rank_replay(bench, steps: Sequence[StepPadding], time_of) -> ReplayRecord:
@@ -32,7 +38,7 @@ def single_rank_replay(bench, steps: Sequence[StepPadding], time_of) -> ReplayRe
         return bench.time_side(sp, batch, side)
 
     t0 = time.perf_counter()
-    replayed_tot, composed_tot = totals(replay(steps, fresh)), totals(compose(steps, time_of))
+    replayed_tot, composed_tot = layer_totals(replay_calls(steps, fresh)), layer_totals(compose(steps, time_of))
     replayed, composed = replayed_tot["layer_us"], composed_tot["layer_us"]
     rel = {s: abs(composed[s] - replayed[s]) / replayed[s] if replayed[s] else None for s in SIDES}
     # the split too: the replay times every call's real tokens alone afresh, so its padding time is the
@@ -66,7 +72,7 @@ def ep_replay(step_mbs: Sequence[StepMBs], composed_time, timer: Callable[[Workl
     """The steps (their priced micro-batches) composed with the run's rank times against every rank timed by
     `timer`."""
     t0 = time.perf_counter()
-    composed = ep_step.totals(ep_step.compose_priced(step_mbs, composed_time, dbo))["sums"]
+    composed = ep_step.step_totals(ep_step.compose_priced(step_mbs, composed_time, dbo))["sums"]
     replayed = _replayed_sums(step_mbs, timer, dbo)
     figures = ("experts_us", "step_us")
     rel = {side: {k: abs(composed[side][k] - replayed[side][k]) / replayed[side][k] if replayed[side][k] else None

@@ -106,7 +106,7 @@ class StepFigures:
         return math.fsum((np.asarray(counts, dtype=np.int64) * column).tolist())
 
     def totals(self, counts) -> dict[str, dict[str, float]]:
-        """compose.totals over the columns: layer, real-only and padding time per side, summed over the trace."""
+        """compose.layer_totals over the columns: layer, real-only and padding time per side, summed over the trace."""
         out = {what: {s: self.weighted(getattr(self, what)[s], counts) for s in SIDES}
                for what in ("layer_us", "real_only_us")}
         out["padding_us"] = {s: out["layer_us"][s] - out["real_only_us"][s] for s in SIDES}

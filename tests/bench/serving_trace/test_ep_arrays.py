@@ -13,7 +13,7 @@ import torch
 
 from moebench.bench.serving_trace.ep_arrays import COLUMNS, SourceTables, compose_arrays
 from moebench.bench.serving_trace.ep_step import (EPStepLayout, StepMicroBatches, compose_priced,
-                                                  padded_route_share, totals)
+                                                  padded_route_share, step_totals as totals)
 from moebench.bench.serving_trace.launch import Launch
 from moebench.bench.serving_trace.rank_cost import RankCostModel, RankTimes
 from moebench.bench.serving_trace.routes import StepRoutes

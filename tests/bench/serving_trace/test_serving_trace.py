@@ -18,7 +18,9 @@ from moebench.bench import serving_trace
 from moebench.bench.serving_trace import headline, steps as step_figures
 from moebench.bench.serving_trace.step_calls import step_calls
 from moebench.bench.serving_trace.compose import (compose, distinct_shapes, interpolated_timer, interpolation_shapes,
-                                                  padded_row_counts, real_grid, real_only_points, replay, totals)
+                                                  layer_totals as totals, padded_row_counts, real_grid,
+                                                  real_only_points)
+from moebench.bench.serving_trace.replay import replay_calls as replay
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE
 from moebench.bench.serving_trace.shapes import ShapeBench
@@ -29,7 +31,7 @@ from moebench.params import Params, Point, Timing
 from moebench.traces.capture_lists import CAPTURE_LISTS, resolve_capture_sizes
 from moebench.traces.csv_trace import BUNDLED_DIR, read_trace_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------------------------------------------------------

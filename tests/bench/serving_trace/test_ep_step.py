@@ -13,8 +13,8 @@ from moebench.bench.serving_trace import ep_measure, replay, routes as step_rout
 from moebench.bench.serving_trace import ep_step as _ep_step
 from moebench.bench.serving_trace.shape_streams import SLOT_SEED
 from moebench.bench.serving_trace.ep_step import (EPStepLayout, SideStep, StepMicroBatches, call_routes,
-                                                  compose_steps, dbo_step_us, micro_batches, side_step, tax_split,
-                                                  totals)
+                                                  compose_steps, dbo_step_us, micro_batches, side_step,
+                                                  step_totals as totals, tax_split)
 from moebench.bench.serving_trace.launch import Launch
 from moebench.bench.serving_trace.plan import nnls
 from moebench.bench.serving_trace.rank_cost import (Contest, RankCostModel, Workload, decisive_order, design_sample,
@@ -321,7 +321,7 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
         return rank_cost(w)
 
     monkeypatch.setattr(_rank_timing.RankTimer, "__call__", stand_in)
-    # the single-rank layer's timings stood in as well (tests/bench/test_serving_trace.py times them)
+    # the single-rank layer's timings stood in as well (tests/bench/serving_trace/test_serving_trace.py times them)
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)
     p = replace(Params(), num_experts=8, top_k=2, hidden=64, intermediate=32, group_size=16, block_size=16,
                 ep_size=4, dp_size=2, sp_size=1, padding_fill="zeros", trace=[3, 5, 3, 1], capture_sizes=[4, 8],

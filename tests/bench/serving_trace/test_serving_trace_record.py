@@ -68,7 +68,7 @@ def test_the_shape_store_is_the_runs():
 
 
 def _ep_setup():
-    from tests.bench.test_ep_step import _trace_setup, bytes_wire, rank_cost
+    from tests.bench.serving_trace.test_ep_step import _trace_setup, bytes_wire, rank_cost
 
     steps, lay, routes_of = _trace_setup()
     built = ep_step.StepMicroBatches(lay, routes_of, bytes_wire)
@@ -177,7 +177,7 @@ def test_each_steps_micro_batches_are_built_once(monkeypatch):
     """The replay and the largest step's record read one build of each step's micro-batches per side (a step read
     by both is built once)."""
     from moebench.bench.serving_trace import rank_timing
-    from tests.bench.test_ep_step import rank_cost as stand_in
+    from tests.bench.serving_trace.test_ep_step import rank_cost as stand_in
 
     monkeypatch.setattr(rank_timing.RankTimer, "__call__", lambda self, w: stand_in(w))
     monkeypatch.setattr(ShapeBench, "time_side", lambda self, sp, batch, side: 50.0 + sp.num_tokens)

@@ -14,7 +14,7 @@ from moebench.cli import main
 from moebench.registry import RunContext
 from moebench.run.sweep import expand, load_sweep
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
 # the scenario's cpu shapes (Triton's interpreter), as --set options of the CLI verb
 SMALL = [a for kv in ("num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64",
