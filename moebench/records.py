@@ -20,6 +20,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+# the two sides of every mask-aware figure: padded rows masked (routed nowhere) and routed like real rows
+SIDES = ("masked", "oblivious")
+
 RECORDS = "records.jsonl"
 MANIFEST = "manifest.json"
 SUMMARY = "summary.csv"

@@ -6,7 +6,7 @@ headline. A difference smaller than the side's noise (the model's held-out error
 
 from __future__ import annotations
 
-from moebench.bench.serving_trace.record import SIDES
+from moebench.records import SIDES
 
 
 def _noise(cs: dict, side: str) -> float | None:

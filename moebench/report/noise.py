@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from moebench.bench.serving_trace.record import SIDES
+from moebench.records import SIDES
 
 HEAD = "info.headline."
 # the noise verdict (a path under info.headline.noise.within_noise) of each figure under info.headline

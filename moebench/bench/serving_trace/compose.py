@@ -31,6 +31,7 @@ Two ways to fill the table (the sweep's trace_real_points, N):
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from typing import Callable, Mapping, Sequence
 
@@ -157,7 +158,8 @@ def layer_totals(per_step: Sequence[dict[str, dict[str, float]]], counts: Sequen
     """Sums over the steps, each weighted by its count when given (a distinct step standing for `count` steps):
     {layer_us: {side}, real_only_us: {side}, padding_us: {side}}."""
     counts = counts if counts is not None else [1] * len(per_step)
-    out = {what: {side: sum(n * s[what][side] for s, n in zip(per_step, counts)) for side in SIDES}
+    # fsum: the exact sum whatever the order (steps.StepFigures sums the same products over arrays)
+    out = {what: {side: math.fsum(n * s[what][side] for s, n in zip(per_step, counts)) for side in SIDES}
            for what in ("layer_us", "real_only_us")}
     out["padding_us"] = {side: out["layer_us"][side] - out["real_only_us"][side] for side in SIDES}
     return out

@@ -12,7 +12,8 @@ plots/ read back (`from_info`), so that no reader looks a figure up by a string 
 `to_info()` gives the JSON a record holds (optional parts left out when absent); `from_info(d)` reads it back,
 `from_info(x.to_info()) == x`. A replay states its `tolerance` and its verdict per side, `within_tolerance`;
 records written before the tolerance was recorded held `within_5pct` (a 5% tolerance): they are read as such.
-Imports nothing of moebench: the family builds these, report/trace_tax.py and plots/trace.py read them.
+Imports nothing of moebench but moebench.records (SIDES): the family builds these, report/trace_tax.py and
+plots/trace.py read them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
-SIDES = ("masked", "oblivious")
+from moebench.records import SIDES
 LEGACY_TOLERANCE = 0.05  # what `within_5pct` meant in records written before `tolerance` was recorded
 
 

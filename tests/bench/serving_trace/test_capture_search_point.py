@@ -37,10 +37,10 @@ def test_padding_tax_on_the_list_found_reproduces_the_searched_figure():
         head = serving_trace.build(p, ctx).info
         assert head["shapes_measured"] == 0  # every shape reused from the search's pricing
         got = head["headline"]
-        for both in ("masked", "oblivious"):  # the list's layer time, each side (see the report: last-bit differences
-            # show under pytest, not in a plain process; not explained yet)
-            assert got["layer_us"][both] == pytest.approx(row["figures"][both]["layer_us"], rel=1e-12)
-            assert got["padding_us"][both] == pytest.approx(row["figures"][both]["padding_us"], rel=1e-12)
+        for both in ("masked", "oblivious"):  # the list's layer time, each side, to the bit (both sums are fsums of
+            # the same products)
+            assert got["layer_us"][both] == row["figures"][both]["layer_us"]
+            assert got["padding_us"][both] == row["figures"][both]["padding_us"]
         # the steps above the list's largest size: padding_tax prices them unpadded, the search adds their launches
         eager = row["figures"][side]
         assert eager["time_us"] == eager["layer_us"] + eager["eager_launch_us"]
