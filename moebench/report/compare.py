@@ -6,7 +6,8 @@ geometric mean is given over all the points kept and per impl. A point whose rat
 spread is flagged `outside spread` (moebench.report.machine), one inside it (within twice their combined cv)
 `within noise` (moebench.report.noise), as the headlines and the report mark such figures. Both runs' machine references (a fixed matmul and a
 copy at each run's start and end) are printed, and a geometric mean no larger than the machines' difference is said
-not to be a speed-up or slow-down. When no point matches, the command says why, one line per thing that differs
+not to be a speed-up or slow-down. For serving_trace points the trace's answers follow (report.trace_compare: the EP
+step and the layer over the trace per side, with the models' errors, and the tax). When no point matches, the command says why, one line per thing that differs
 between the runs (sweep, target, impls, parameter keys and values), and exits 2.
 """
 
@@ -17,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from moebench.report import cells, machine, noise
+from moebench.report import cells, machine, noise, trace_compare
 from moebench.records import load_manifest, load_records, unique_records
 
 MAX_CV = 0.10  # the default cv above which a point is too noisy to enter a geometric mean
@@ -161,6 +162,8 @@ def compare_runs(run_a: Path, run_b: Path, max_cv: float = MAX_CV, out=None, err
     if clocks:
         print(clocks, file=out)
     for line in machine.reference_lines(man_a, man_b) + summary_lines(rows, max_cv):
+        print(line, file=out)
+    for line in trace_compare.lines(recs_a, recs_b):  # a serving_trace run's answers, not its one timed shape
         print(line, file=out)
     caveat = machine.verdict(geomean([r["ratio"] for r in rows if not is_noisy(r, max_cv)]), man_a, man_b)
     if caveat:

@@ -74,7 +74,7 @@ def _error(f: Figure) -> str:
     return f"±{100 * f.rel_error:.1f}% {f.error_source}" if f.rel_error else f.error_source
 
 
-def _ep_figure(t: TraceRecord, side: str) -> Figure:
+def ep_figure(t: TraceRecord, side: str) -> Figure:
     ep = t.ep_step
     us = t.headline.ep_step.step_us[side]
     if ep.rank_times == "timed":
@@ -85,7 +85,7 @@ def _ep_figure(t: TraceRecord, side: str) -> Figure:
     return Figure(t.capture_list, us, held, "the rank model's held-out error")
 
 
-def _layer_figure(t: TraceRecord, side: str) -> Figure:
+def layer_figure(t: TraceRecord, side: str) -> Figure:
     us = t.headline.layer_us[side]
     plan = t.shape_plan or {}
     mode = plan.get("shape_times")
@@ -122,7 +122,7 @@ def rankings(records: list[dict], label_of) -> list[Ranking]:
         typed = [TraceRecord.from_info(r["info"]) for r in recs]
         ep = all(t.ep_step is not None and t.headline.ep_step is not None for t in typed)
         for side in RANKED_SIDES:
-            figures = [(_ep_figure if ep else _layer_figure)(t, side) for t in typed]
+            figures = [(ep_figure if ep else layer_figure)(t, side) for t in typed]
             refused = next((f"{f.capture_list}: {f.error_source}" for f in figures if f.rel_error is None), None)
             if not ep and refused is None:
                 refused = next((f"{t.capture_list}: {why}" for r, t in zip(recs, typed)

@@ -76,3 +76,23 @@ def test_the_runs_footer_and_table_rank_the_lists_it_was_given():
     head, rows = trace_tax.table(recs)
     col = head.index("masked step vs the fastest list")
     assert rows[0][col].startswith("fastest") and rows[1][col].startswith("+20.0%")
+
+
+def test_compare_of_two_trace_runs_diffs_their_answers_with_the_models_error():
+    from moebench.report import trace_compare
+
+    def keyed(r):
+        return {**r, "key": "k-" + r["info"]["engine"]["capture_list"]}
+
+    a = [keyed(_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1500.0, "oblivious": 1600.0}))]
+    b = [keyed(_record("default", {"masked": 1010.0, "oblivious": 1500.0}, {"masked": 1500.0, "oblivious": 1600.0},
+                       held=0.02))]
+    rows = trace_compare.rows(a, b)
+    by = {(r[1], r[2]): r for r in rows}
+    assert set(by) == {("EP step", "masked"), ("EP step", "oblivious"), ("layer", "masked"), ("layer", "oblivious")}
+    assert by[("EP step", "masked")][-1] == "within the models' error"  # 10 us apart, 30 us of error
+    assert by[("EP step", "oblivious")][-1] == "changed" and by[("EP step", "oblivious")][7] == "1.154"
+    assert by[("EP step", "masked")][4] == "1.0%" and by[("EP step", "masked")][6] == "2.0%"
+    b[0]["info"]["ep_step"]["cost_model"]["held_out"]["rms_rel"] = None
+    assert trace_compare.rows(a, b)[0][-1] == "not judged: a model's error unchecked"
+    assert trace_compare.lines(a, []) == []
