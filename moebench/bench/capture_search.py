@@ -176,7 +176,7 @@ def build(p: Params, ctx: RunContext) -> Case:
                          "of steps sharing their padded candidate: weight = steps, padded_us[g][j - g] = their time "
                          "at candidates[j], eager_us = their time run eagerly",
             "card": torch_card(dev), "pricing_s": round(price_s, 3), "search_s": round(search_s, 3)},
-        "shape_plan": plan, "distinct_shapes": len(shapes),
+        "shape_plan": plan.to_info(), "distinct_shapes": len(shapes),
         "phase_wall_s": clock.record(), "trace_wall_s": round(time.perf_counter() - t0, 3)}
 
     def check() -> CheckResult:

@@ -87,12 +87,12 @@ def ep_figure(t: TraceRecord, side: str) -> Figure:
 
 def layer_figure(t: TraceRecord, side: str) -> Figure:
     us = t.headline.layer_us[side]
-    plan = t.shape_plan or {}
-    mode = plan.get("shape_times")
+    plan = t.shape_plan
+    mode = plan.shape_times if plan is not None else None
     if mode == "exact" or (mode is None and not t.trace_real_points):
         return Figure(t.capture_list, us, 0.0, "every shape timed")
     if mode == "model":
-        held = (((plan.get("cost_model") or {}).get("held_out") or {}).get(side) or {}).get("rms_rel")
+        held = plan.held_out_rms(side)
         if held is None:
             return Figure(t.capture_list, us, None, "the shape model's error unchecked")
         return Figure(t.capture_list, us, held, "the shape model's held-out error")

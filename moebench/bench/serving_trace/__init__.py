@@ -58,7 +58,7 @@ from moebench.bench.serving_trace.estimate import point_seconds
 from moebench.bench.serving_trace.ep_step import placement_problem
 from moebench.bench.serving_trace.headline import trace_headline
 from moebench.bench.serving_trace.knobs import ServingKnobs
-from moebench.bench.serving_trace.record import SIDES, PhaseClock
+from moebench.bench.serving_trace.record import SIDES, PhaseClock, ShapePlan
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX, can_time
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
@@ -135,7 +135,7 @@ def build(p: Params, ctx: RunContext) -> Case:
         info["ep_step"] = ep_record.to_info()
     with clock.phase("host_composition"):
         spread_of = (lambda s: {side: model_spread_us(st.time_of, st.plan, side, *s) for side in SIDES}) \
-            if st.plan["shape_times"] == "model" else None
+            if st.plan.shape_times == "model" else None
         info["headline"] = trace_headline(p, steps, tc.trace.counts, tot, tc.calls, st.figures, ep_record,
                                           spread_of).to_info()
         info.update(_step_records(p, ctx, serving, tc, steps))
@@ -180,7 +180,7 @@ class _ShapeTimes:
 
     figures: Any
     time_of: Callable[[str, int, int], float]
-    plan: dict
+    plan: ShapePlan
     table: dict
     timed: list
     measured: int
@@ -195,9 +195,8 @@ def _shape_times(p: Params, ctx: RunContext, bench: ShapeBench, tc: _TraceCalls,
     if n:
         timed = interpolation_shapes(tc.call_shapes + tc.replay_steps, n)
         figures, table, measured = measure_shapes(p, bench, tc.shapes, timed, store, ctx.progress, clock)
-        return _ShapeTimes(figures, interpolated_timer(table, n), {
-            "shape_times": "interpolated", "distinct_shapes": len(tc.shapes), "shape_timings": len(timed)},
-            table, timed, measured)
+        return _ShapeTimes(figures, interpolated_timer(table, n), ShapePlan("interpolated", len(tc.shapes), len(timed)),
+                           table, timed, measured)
     figures, _, _ = measure_shapes(p, bench, tc.shapes, [], store, None, clock)
     budget = serving.shape_timings(kind)
     timed_so_far = [0, 0]  # shapes asked for, shapes measured now (the rest reused from the store)
@@ -232,8 +231,8 @@ def _trace_info(p: Params, serving: ServingKnobs, tc: _TraceCalls, st: _ShapeTim
                    "capture_sizes": list(tc.engine.capture_sizes), "dp_size": serving.dp_size,
                    "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "shape_mode": st.plan["shape_times"], "trace_real_points": serving.trace_real_points,
-        "shape_plan": st.plan, "distinct_shapes": len(tc.shapes),
+        "shape_mode": st.plan.shape_times, "trace_real_points": serving.trace_real_points,
+        "shape_plan": st.plan.to_info(), "distinct_shapes": len(tc.shapes),
         "distinct_padded_shapes": len(padded_row_counts(tc.call_shapes)),
         "timed_shapes": len(st.timed), "shape_timings": 2 * len(st.timed), "shapes_measured": st.measured,
         "shapes_reused": len(st.timed) - st.measured, "layer_calls": sum(tc.calls.values()),

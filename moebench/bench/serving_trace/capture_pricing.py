@@ -26,7 +26,7 @@ import torch
 
 from moebench.bench.serving_trace.compose import compose, distinct_shapes, layer_totals
 from moebench.bench.serving_trace.launch import launch_of
-from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.record import SIDES, ShapePlan
 from moebench.bench.serving_trace.knobs import DEFAULT_SHAPE_TIMINGS
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.shape_cost import ShapeTable, plan_shape_times, shape_reads
@@ -134,14 +134,14 @@ def price_shapes(p: Params, dev: torch.device, bench: ShapeBench, shapes: list[S
     return time_of, plan
 
 
-def model_noise(plan: dict[str, Any], figures: dict) -> dict[str, float | None]:
+def model_noise(plan: ShapePlan, figures: dict) -> dict[str, float | None]:
     """Per side, the relative error two lists' times must differ by to be told apart: the model's held-out RMS error
     where shapes were modelled; the timed shapes' median half p10-p90 spread in exact mode (None: one sample a shape,
     no spread)."""
     out: dict[str, float | None] = {}
     for side in SIDES:
-        if plan.get("shape_times") == "model":
-            out[side] = ((plan.get("cost_model") or {}).get("held_out", {}).get(side) or {}).get("rms_rel")
+        if plan.shape_times == "model":
+            out[side] = plan.held_out_rms(side)
             continue
         rel = [f.layer_spread_us[side] / f.layer_us[side] for f in figures.values()
                if f.layer_us.get(side) and f.layer_spread_us.get(side) is not None]

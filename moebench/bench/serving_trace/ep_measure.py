@@ -14,7 +14,7 @@ the workload collection, the composition and the replay.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.rank_cost import Contest, Workload, plan_rank_times
 from moebench.bench.serving_trace.rank_timing import RankTimer
-from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock
+from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock, RankPlan
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, ep_replay
 from moebench.bench.serving_trace.routes import StepRoutes
 from moebench.bench.serving_trace.step_calls import StepCalls
@@ -94,7 +94,7 @@ class _Counted:
 
 
 def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: Sequence[Contest], complete: bool,
-                     progress: Callable[..., None]) -> tuple[Callable[[Workload], float], dict[str, Any], _Counted]:
+                     progress: Callable[..., None]) -> tuple[Callable[[Workload], float], RankPlan, _Counted]:
     """(rank time lookup, its record, the timer the replay reuses): the one place the EP step times rank
     workloads (RankTimer) and turns the timings into rank times (rank_cost.plan_rank_times)."""
     timer = _Counted(RankTimer(p, device, timing), progress)
@@ -102,10 +102,10 @@ def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: 
     budget = p.knobs(ServingKnobs).rank_timings(kind)
     timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows})),
                  "EP step: rank workloads timed")
-    lookup, times_info = plan_rank_times(contests, timer, budget, launch_of(p, device), REPLAY_TOLERANCE,
+    lookup, plan = plan_rank_times(contests, timer, budget, launch_of(p, device), REPLAY_TOLERANCE,
                                          complete=complete, rows_max=TIMED_ROWS_MAX[kind])
-    times_info["timer"] = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}
-    return lookup, times_info, timer
+    plan.timer = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}
+    return lookup, plan, timer
 
 
 def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: StepCalls, counts: Sequence[int],
@@ -127,7 +127,7 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
         read = workload_steps(calls.total_rows())
         contests = contests_of(calls.take(read), counts[read], tables, layout)
     with clock.phase("rank_workloads"):
-        rank_time, times_info, timer = rank_time_lookup(p, device, timing, contests, len(read) == calls.num_steps,
+        rank_time, rank_plan, timer = rank_time_lookup(p, device, timing, contests, len(read) == calls.num_steps,
                                                         progress)
     with clock.phase("host_composition"):
         columns = compose_arrays(calls, tables, rank_time, wire_model, layout)
@@ -147,11 +147,10 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
         placement=placement(p), ranks_per_node=wire_model.ranks_per_node,
         payload={"dtype": "fp8" if p.expert_dtype == "fp8" else "bf16",
                  "dispatch_row_bytes": layout.dispatch_row_bytes, "combine_row_bytes": layout.combine_row_bytes},
-        wire=wire_model.record(), rank_times=times_info["rank_times"],
-        distinct_workloads=times_info["distinct_workloads"], rank_timings=times_info["rank_timings"],
-        cost_model=times_info.get("cost_model"), workloads_read_from_steps=len(read), routed_slots=routed,
-        rank_plan={k: v for k, v in times_info.items()
-                   if k not in ("rank_times", "distinct_workloads", "rank_timings", "cost_model")},
+        wire=wire_model.record(), rank_times=rank_plan.rank_times,
+        distinct_workloads=rank_plan.distinct_workloads, rank_timings=rank_plan.rank_timings,
+        cost_model=rank_plan.cost_model, workloads_read_from_steps=len(read), routed_slots=routed,
+        rank_plan=rank_plan.rest(),
         totals={side: {k: round(v, 3) for k, v in tot["sums"][side].items()} for side in SIDES},
         tax={k: ({s: round(x, 3) for s, x in v.items()} if isinstance(v, dict) else round(v, 3))
              for k, v in tot["tax"].items()},

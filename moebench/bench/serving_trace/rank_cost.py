@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from moebench.bench.serving_trace.launch import Launch, launches_of, row_tiles
+from moebench.bench.serving_trace.record import RankPlan
 from moebench.bench.serving_trace.plan import (DESIGN_SHARE, cross_validated, designed_set, error_summary,
                                               fit_relative, run_plan)
 
@@ -331,7 +332,7 @@ class _RankSide:
 def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], float], budget: int,
                     launch_of: Callable[[int], Launch], tolerance: float, complete: bool = True,
                     progress: Callable[[int, int], None] | None = None, rows_max: int | None = None
-                    ) -> tuple[Callable[[Workload], float], dict[str, Any]]:
+                    ) -> tuple[Callable[[Workload], float], RankPlan]:
     """(rank time lookup, its record) for the contests' workloads (see the module docstring). `complete`: the
     contests are all of the trace's (else a model is fitted whatever their count: the steps not read need it);
     `rows_max`: no workload of more rows is timed (the model reads them, extrapolated; the record says so)."""
@@ -341,22 +342,20 @@ def plan_rank_times(contests: Sequence[Contest], timer: Callable[[Workload], flo
     timeable = [w for w in busy if rows_max is None or w.rows <= rows_max] or busy[:1]
     if complete and len(busy) <= budget and len(timeable) == len(busy):
         timed = _RankSide(contests, timer, launch_of, set(), progress, len(busy)).time(busy)
-        return RankTimes(dict(timed)), {
-            "rank_times": "timed", "distinct_workloads": len(busy), "rank_timings": len(busy),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+        return RankTimes(dict(timed)), RankPlan("timed", len(busy), len(busy), round(time.perf_counter() - t0, 3))
     untimeable = {w for w in busy if rows_max is not None and w.rows > rows_max}
     side = _RankSide(contests, timer, launch_of, untimeable, progress, budget)
     design = design_sample(timeable, budget // DESIGN_SHARE, launch_of, limit=budget)
     plan = run_plan(side, design, budget)
     lookup = RankTimes(plan.timed, plan.model)
     held = error_summary(plan.held_out.get("", []))
-    info = {"rank_times": "model", "distinct_workloads": len(busy), "rank_timings": len(plan.timed),
-            "design_timings": len(design), "decisive_timings": len(plan.timed) - len(design),
-            "decisive_rounds": plan.rounds,
-            "cost_model": {**plan.model.record(), "cross_validated": error_summary(side.cv or []), "held_out": held,
-                           "tolerance": tolerance,
-                           "within_tolerance": held["rms_rel"] is not None and held["rms_rel"] <= tolerance},
-            "decided_by_timing_share": decided_share(contests, lookup, plan.timed, side.error(plan.held_out)),
-            "timed_rows_max": rows_max, "untimeable_workloads": len(untimeable),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    info = RankPlan(
+        "model", len(busy), len(plan.timed), 0.0, design_timings=len(design),
+        decisive_timings=len(plan.timed) - len(design), decisive_rounds=plan.rounds,
+        cost_model={**plan.model.record(), "cross_validated": error_summary(side.cv or []), "held_out": held,
+                    "tolerance": tolerance,
+                    "within_tolerance": held["rms_rel"] is not None and held["rms_rel"] <= tolerance},
+        decided_by_timing_share=decided_share(contests, lookup, plan.timed, side.error(plan.held_out)),
+        timed_rows_max=rows_max, untimeable_workloads=len(untimeable))
+    info.wall_s = round(time.perf_counter() - t0, 3)
     return lookup, info

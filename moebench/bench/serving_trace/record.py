@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
-from moebench.records import SIDES
+from moebench.records import SIDES  # noqa: F401  (the family and its readers import it from here)
 LEGACY_TOLERANCE = 0.05  # what `within_5pct` meant in records written before `tolerance` was recorded
 
 
@@ -118,6 +118,60 @@ class EPReplayRecord(_Record):
             parts.append(f"{side} {'yes' if ok else 'NO'}" + ("" if ok or worst is None else
                                                               f" ({100 * worst:.1f}% off)"))
         return ", ".join(parts)
+
+
+@dataclass
+class RankPlan(_Record):
+    """How the EP ranks' times were had (rank_cost.plan_rank_times): every distinct workload timed (`timed`), or a
+    cost model (`model`) fitted to a design and decisive rounds, with its cost_model record (per launch its
+    coefficients and cross-validated error; the held-out error of the rounds against the tolerance)."""
+
+    rank_times: str
+    distinct_workloads: int
+    rank_timings: int
+    wall_s: float
+    design_timings: Optional[int] = None
+    decisive_timings: Optional[int] = None
+    decisive_rounds: Optional[int] = None
+    cost_model: Optional[dict[str, Any]] = None
+    decided_by_timing_share: Optional[float] = None
+    timed_rows_max: Optional[int] = None
+    untimeable_workloads: Optional[int] = None
+    timer: Optional[dict[str, Any]] = None  # the timer's host seconds and timings (ep_measure)
+
+    OPTIONAL: ClassVar[frozenset] = frozenset({"design_timings", "decisive_timings", "decisive_rounds", "cost_model",
+                                               "decided_by_timing_share", "timed_rows_max", "untimeable_workloads",
+                                               "timer"})
+    # what EPStepRecord states as fields of its own; the rest is its rank_plan
+    OWN = ("rank_times", "distinct_workloads", "rank_timings", "cost_model")
+
+    def rest(self) -> dict[str, Any]:
+        return {k: v for k, v in self.to_info().items() if k not in self.OWN}
+
+
+@dataclass
+class ShapePlan(_Record):
+    """How the single-rank view's shapes were timed (shape_cost.plan_shape_times, or the interpolation grid):
+    every distinct shape (`exact`), an interpolation grid (`interpolated`), or a designed set and the shapes that
+    weigh most with a cost model reading the rest (`model`: its cost_model record, per side its held-out error)."""
+
+    shape_times: str
+    distinct_shapes: int
+    shape_timings: int
+    wall_s: Optional[float] = None
+    design_timings: Optional[int] = None
+    weighted_timings: Optional[int] = None
+    cost_model: Optional[dict[str, Any]] = None
+    timed_share: Optional[float] = None
+    timed_rows_max: Optional[int] = None
+    untimeable_shapes: Optional[int] = None
+
+    OPTIONAL: ClassVar[frozenset] = frozenset({"wall_s", "design_timings", "weighted_timings", "cost_model",
+                                               "timed_share", "timed_rows_max", "untimeable_shapes"})
+
+    def held_out_rms(self, side: str) -> Optional[float]:
+        """The shape model's held-out RMS relative error on one side (None: no model, or no held-out round)."""
+        return (((self.cost_model or {}).get("held_out") or {}).get(side) or {}).get("rms_rel")
 
 
 @dataclass
@@ -264,19 +318,19 @@ class TraceRecord(_Record):
     replay: Optional[ReplayRecord] = None
     ep_step: Optional[EPStepRecord] = None
     phase_wall_s: Optional[dict[str, float]] = None
-    shape_plan: Optional[dict[str, Any]] = None  # how the single-rank view's shapes were timed (shape_cost)
+    shape_plan: Optional[ShapePlan] = None  # how the single-rank view's shapes were timed
 
     NESTED: ClassVar[dict[str, type]] = {"headline": TraceHeadline, "replay": ReplayRecord,
-                                         "ep_step": EPStepRecord}
+                                         "ep_step": EPStepRecord, "shape_plan": ShapePlan}
     OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes", "shape_plan"})
 
     def shapes_label(self) -> str:
         """How the shapes were timed: every one, an interpolation grid, or the model with its held-out error."""
-        plan = self.shape_plan or {}
-        if plan.get("shape_times") != "model":
+        plan = self.shape_plan
+        if plan is None or plan.shape_times != "model":
             return ""
-        return (f"shape model: {plan.get('shape_timings')} of {self.distinct_shapes} shapes timed; "
-                f"{_model_error(plan.get('cost_model') or {})}")
+        return (f"shape model: {plan.shape_timings} of {self.distinct_shapes} shapes timed; "
+                f"{_model_error(plan.cost_model or {})}")
 
     @property
     def capture_list(self) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 from moebench.bench.serving_trace.launch import Launch, launches_of, row_tiles
 from moebench.bench.serving_trace.plan import (DESIGN_SHARE, cross_validated, designed_set, error_summary,
                                               fit_relative, run_plan)
-from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.record import SIDES, ShapePlan
 from moebench.bench.serving_trace.shape_streams import ShapeStreams
 
 FEATURES = ("launch", "rows", "real", "routes", "experts_touched", "row_tiles")
@@ -156,7 +156,7 @@ class _ShapeSide:
 def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table: ShapeTable,
                      time_shapes: Callable[[Sequence[Shape]], Mapping[tuple[str, int, int], float]], budget: int,
                      tolerance: float, rows_max: int | None = None
-                     ) -> tuple[Callable[[str, int, int], float], dict[str, Any], dict]:
+                     ) -> tuple[Callable[[str, int, int], float], ShapePlan, dict]:
     """(time_of(side, rows, real), its record, the timed table {(side, rows, real): us}). `reads[s]`: the calls of
     the trace that read shape s (as their own shape or as their real tokens alone); `time_shapes(list)` times
     shapes (both sides) and returns their table entries; `rows_max`: no shape of more rows is timed (the model
@@ -166,9 +166,8 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
     timeable = [s for s in shapes if rows_max is None or s[0] <= rows_max] or shapes[:1]
     if len(shapes) <= budget and len(timeable) == len(shapes):
         timed = dict(time_shapes(shapes))
-        return (lambda side, rows, real: timed[(side, rows, real)]), {
-            "shape_times": "exact", "distinct_shapes": len(shapes), "shape_timings": len(shapes),
-            "wall_s": round(time.perf_counter() - t0, 3)}, timed
+        return (lambda side, rows, real: timed[(side, rows, real)]), ShapePlan(
+            "exact", len(shapes), len(shapes), wall_s=round(time.perf_counter() - t0, 3)), timed
     design = design_shapes(timeable, table, budget // DESIGN_SHARE, budget)
     plan = run_plan(_ShapeSide(table, reads, timeable, time_shapes), design, budget, ROUND)
     timed, model, done = plan.timed, plan.model, plan.done
@@ -214,14 +213,13 @@ def plan_shape_times(shapes: Sequence[Shape], reads: Mapping[Shape, int], table:
         total += float((weights * got).sum()) if read else 0.0
     timed_part = sum(n * sum(timed[(side, *s)] for side in SIDES) for s, n in reads.items() if s in done)
     held_out = {side: error_summary(plan.held_out.get(side, [])) for side in SIDES}
-    info = {"shape_times": "model", "distinct_shapes": len(shapes), "shape_timings": len(done),
-            "design_timings": len(design), "weighted_timings": len(done) - len(design),
-            "cost_model": {**model.record(), "held_out": held_out, "tolerance": tolerance,
-                           "within_tolerance": all(h["rms_rel"] is not None and h["rms_rel"] <= tolerance
-                                                   for h in held_out.values())},
-            "timed_share": round(timed_part / total, 5) if total else None,
-            "timed_rows_max": rows_max, "untimeable_shapes": len(shapes) - len(set(timeable)),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    info = ShapePlan(
+        "model", len(shapes), len(done), design_timings=len(design), weighted_timings=len(done) - len(design),
+        cost_model={**model.record(), "held_out": held_out, "tolerance": tolerance,
+                    "within_tolerance": all(h["rms_rel"] is not None and h["rms_rel"] <= tolerance
+                                            for h in held_out.values())},
+        timed_share=round(timed_part / total, 5) if total else None, timed_rows_max=rows_max,
+        untimeable_shapes=len(shapes) - len(set(timeable)), wall_s=round(time.perf_counter() - t0, 3))
     return time_of, info, timed
 
 
@@ -236,9 +234,9 @@ def shape_reads(calls: Mapping[Shape, int]) -> dict[Shape, int]:
     return reads
 
 
-def model_spread_us(time_of: Callable[[str, int, int], float], info: Mapping[str, Any], side: str, rows: int,
+def model_spread_us(time_of: Callable[[str, int, int], float], plan: ShapePlan, side: str, rows: int,
                     real: int) -> float | None:
     """The error to carry for a shape the model read: its held-out RMS share of the time (None: no estimate)."""
-    rms = (info.get("cost_model") or {}).get("held_out", {}).get(side, {}).get("rms_rel")
+    rms = plan.held_out_rms(side)
     return None if rms is None else rms * time_of(side, rows, real)
 

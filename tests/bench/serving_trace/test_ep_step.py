@@ -260,29 +260,29 @@ def test_rank_times_time_each_workload_or_model_them_and_time_the_slowest():
 
     seen = {w for c in contests for w in c.workloads}
     lookup, rec = plan_rank_times(contests, timer, 64, lambda rows: BM64, 0.03)
-    assert rec["rank_times"] == "timed" and set(calls) == seen and len(calls) == len(seen)
+    assert rec.rank_times == "timed" and set(calls) == seen and len(calls) == len(seen)
     calls.clear()
     lookup, rec = plan_rank_times(contests, timer, 20, lambda rows: BM64, 0.03)
-    assert rec["rank_times"] == "model" and len(calls) == len(set(calls)) == rec["rank_timings"] == 20
-    assert rec["design_timings"] >= 8 and rec["decisive_timings"] == 20 - rec["design_timings"]
+    assert rec.rank_times == "model" and len(calls) == len(set(calls)) == rec.rank_timings == 20
+    assert rec.design_timings >= 8 and rec.decisive_timings == 20 - rec.design_timings
     # the model is exact on a linear cost: held out, its error is 0 and within the tolerance
-    assert rec["cost_model"]["held_out"]["points"] == rec["decisive_timings"]
-    assert rec["cost_model"]["held_out"]["max_rel"] < 1e-6 and rec["cost_model"]["within_tolerance"]
+    assert rec.cost_model["held_out"]["points"] == rec.decisive_timings
+    assert rec.cost_model["held_out"]["max_rel"] < 1e-6 and rec.cost_model["within_tolerance"]
     for w in seen:
         assert lookup(w) == pytest.approx(rank_cost(w), rel=1e-6)
     # the timed ones are what the contests' slowest ranks are
     slowest = {max(c.workloads, key=rank_cost) for c in contests}
-    assert set(calls[rec["design_timings"]:]) <= slowest
+    assert set(calls[rec.design_timings:]) <= slowest
 
 
 def test_a_cost_the_model_cannot_follow_shows_in_its_held_out_error():
     loads = [Workload(r, (r, 1)) for r in range(1, 200)]
     contests = [Contest(1, tuple(loads[i:i + 4])) for i in range(0, 196, 4)]
     lookup, rec = plan_rank_times(contests, lambda w: 10.0 + 1e-3 * w.routes ** 2, 40, lambda rows: BM64, 0.03)
-    held = rec["cost_model"]["held_out"]
-    assert held["points"] > 0 and held["rms_rel"] > 0.03 and not rec["cost_model"]["within_tolerance"]
+    held = rec.cost_model["held_out"]
+    assert held["points"] > 0 and held["rms_rel"] > 0.03 and not rec.cost_model["within_tolerance"]
     # the workloads it timed are read as timed all the same
-    assert rec["decided_by_timing_share"] is not None
+    assert rec.decided_by_timing_share is not None
 
 
 def test_an_ep_group_larger_than_dp_x_sp_holds_copies_of_it():

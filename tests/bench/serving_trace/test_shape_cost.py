@@ -12,7 +12,7 @@ import torch
 
 from moebench.bench.serving_trace.launch import Launch
 from moebench.bench.serving_trace.shape_cost import (ShapeTable, design_shapes, plan_shape_times, shape_reads)
-from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.record import SIDES, ShapePlan
 from moebench.bench.serving_trace.shape_streams import ShapeStreams
 from moebench.params import Params
 
@@ -51,7 +51,7 @@ def test_every_shape_is_timed_while_the_budget_allows(table):
 
     shapes = table.shapes[:40]
     time_of, info, timed = plan_shape_times(shapes, {s: 1 for s in shapes}, table, counted, 40, 0.03)
-    assert info["shape_times"] == "exact" and sorted(asked) == sorted(shapes)
+    assert info.shape_times == "exact" and sorted(asked) == sorted(shapes)
     assert all(time_of(side, *s) == timed[(side, *s)] for s in shapes for side in SIDES)
 
 
@@ -66,17 +66,17 @@ def test_beyond_the_budget_the_model_reads_the_rest_within_its_held_out_error(ta
         return time_shapes(batch)
 
     time_of, info, timed = plan_shape_times(table.shapes, reads, table, counted, 60, 0.03)
-    assert info["shape_times"] == "model" and len(asked) == len(set(asked)) == info["shape_timings"] == 60
-    assert info["design_timings"] >= 16  # both launches' minimum
-    held = info["cost_model"]["held_out"]
-    assert held["masked"]["points"] == held["oblivious"]["points"] == info["weighted_timings"] > 0
-    assert held["oblivious"]["max_rel"] < 1e-6 and info["cost_model"]["within_tolerance"]
+    assert info.shape_times == "model" and len(asked) == len(set(asked)) == info.shape_timings == 60
+    assert info.design_timings >= 16  # both launches' minimum
+    held = info.cost_model["held_out"]
+    assert held["masked"]["points"] == held["oblivious"]["points"] == info.weighted_timings > 0
+    assert held["oblivious"]["max_rel"] < 1e-6 and info.cost_model["within_tolerance"]
     truth = time_shapes(table.shapes)
     for s in table.shapes:
         for side in SIDES:
             assert time_of(side, *s) == pytest.approx(truth[(side, *s)], rel=1e-6)
     # the weighted rounds took the heaviest untimed shapes
-    design = asked[:info["design_timings"]]
+    design = asked[:info.design_timings]
     rest = [s for s in table.shapes if s not in set(asked)]
     lightest_taken = min(reads[s] * sum(truth[(side, *s)] for side in SIDES) for s in asked if s not in design)
     assert all(reads[s] * sum(truth[(side, *s)] for side in SIDES) <= lightest_taken + 1e-9 for s in rest)
@@ -109,8 +109,8 @@ def test_a_cost_the_model_cannot_follow_shows_in_its_held_out_error(table):
         return {(side, *s): 10.0 + 0.05 * s[0] ** 2 + s[1] for s in batch for side in SIDES}
 
     _, info, _ = plan_shape_times(table.shapes, {s: 1 for s in table.shapes}, table, quadratic, 50, 0.03)
-    assert not info["cost_model"]["within_tolerance"]
-    assert info["cost_model"]["held_out"]["masked"]["rms_rel"] > 0.03
+    assert not info.cost_model["within_tolerance"]
+    assert info.cost_model["held_out"]["masked"]["rms_rel"] > 0.03
 
 
 def test_the_design_reaches_each_launch_and_its_corners(table):
@@ -136,7 +136,7 @@ def test_a_point_beyond_its_shape_budget_records_the_model(monkeypatch):
     case = get("serving_trace.layer").build(p, RunContext(device=torch.device("cpu")))
     info = case.info
     assert info["distinct_shapes"] > 6 and info["shape_mode"] == "model"
-    plan = info["shape_plan"]
-    assert plan["shape_timings"] == info["timed_shapes"] == 6 and plan["cost_model"]["per_launch"]
+    plan = ShapePlan.from_info(info["shape_plan"])
+    assert plan.shape_timings == info["timed_shapes"] == 6 and plan.cost_model["per_launch"]
     assert sum(s["timed"] for s in info["shapes"]) == 6
     assert case.check().ok
