@@ -5,7 +5,8 @@ the point worker).
 On a terminal (stderr) it is one line, redrawn in place and erased before a table row is printed; otherwise (a log)
 a line every REPORT_EVERY_S seconds. The estimate of what is left is the measured rate once a point has finished
 (counting the current point's own fraction done), the run's cost estimate before that (moebench.run.estimate), and
-never a made-up zero: with neither it says it has none yet. A point's own estimate (its rate so far) never counts up:
+never a made-up zero: with neither it says it has none yet, and past the estimate (or past a point's own count-down)
+it says so while work remains, never "~0s left". A point's own estimate (its rate so far) never counts up:
 between two of its reports it counts down from the figure last shown.
 """
 
@@ -134,7 +135,7 @@ class RunProgress:
         if self.done >= 1 and done > 0:
             return el / done * (self.total - done)
         if self.estimate_s is not None:
-            return max(self.estimate_s - el, 0.0)
+            return max(self.estimate_s - el, 0.0)  # 0 once past it: line() says so instead of "~0s"
         return None
 
     def line(self) -> str:
@@ -142,6 +143,8 @@ class RunProgress:
         left = self.left_s()
         if left is None:
             eta = "no estimate before the first point ends"
+        elif left <= 0 and self.done < self.total:  # work remains: never "~0s left"
+            eta = f"past the estimate of {duration(self.estimate_s or 0.0)}, no new one before a point ends"
         else:
             eta = f"~{duration(left)} left" + (" (estimated)" if self.done == 0 else "")
         text = f"{self.prefix}[{self.done}/{self.total}] {duration(now - self.t0)} elapsed, {eta}"
@@ -151,7 +154,9 @@ class RunProgress:
         if i is not None:
             text += f": {i.what} {i.done}/{i.total}" + (f" ({i.detail})" if i.detail else "")
             left = i.left(now)
-            if left is not None:
+            if left is not None and left < 0.5 and i.done < i.total:  # the count-down ran out while work remains
+                text += ", longer than its rate so far said"
+            elif left is not None:
                 text += f", ~{duration(left)} left in it"
         text += f", {duration(now - self.point_t0)} in this point" if self.label else ""
         return text

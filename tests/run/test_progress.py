@@ -38,6 +38,10 @@ def test_no_zero_estimate_before_a_point_ends_then_the_measured_rate():
     assert "~5m00s left (estimated)" in guessed.line()
     guessed.point_done()  # one of four in 100 s: 300 s left, measured
     assert "~5m00s left" in guessed.line() and "estimated" not in guessed.line()
+    late = RunProgress(2, estimate_s=60, stream=io.StringIO(), terminal=True, clock=clock)
+    late.start_point("point 0 serving_trace.layer")
+    clock.now += 600  # ten times the estimate and the first point still going: no "~0s left"
+    assert "~0s" not in late.line() and "past the estimate of 1m00s" in late.line()
 
 
 def test_a_points_own_progress_is_shown_with_its_estimate():
@@ -158,3 +162,5 @@ def test_a_points_own_estimate_never_counts_up():
     seconds = [int(m or 0) * 60 + int(s) for m, s in (re.fullmatch(r"(?:(\d+)m)?(\d+)s ", x).groups() for x in shown)]
     assert seconds[0] == 70 and all(b <= a for a, b in zip(seconds, seconds[1:])), shown
     assert seconds[-2] == 15 and seconds[-1] <= 15, shown
+    clock.now += 600  # the count-down runs out with work left: said, not "~0s left in it"
+    assert "~0s" not in p.line() and "longer than its rate so far said" in p.line()
