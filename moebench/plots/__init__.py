@@ -88,7 +88,8 @@ FIGURES: tuple[Figure, ...] = (
            trace_cumulative),
     Figure("trace_tax",
            "Serving trace: the padding tax (layer time on padded rows over the layer time) per capture list, "
-           "oblivious vs masked.",
+           "oblivious vs masked, each label with the model's word on the layer time (timed, its held-out error, "
+           "unchecked); no bars where the two sides are not comparable.",
            trace_tax),
     Figure("ep_step_bars",
            "Serving trace, EP step: the mean rank's expert time, the wait for the slowest rank, dispatch and combine "

@@ -19,6 +19,12 @@ def _trace_records(run: Run) -> list[dict]:
             and isinstance((r.get("info") or {}).get("headline"), dict)]
 
 
+def _headline_records(run: Run) -> list[dict]:
+    """The serving_trace records with a headline (a long trace keeps no per-step list: its tax is still drawn)."""
+    return [r for r in run.ok if r.get("target") == "serving_trace"
+            and isinstance((r.get("info") or {}).get("headline"), dict)]
+
+
 def _record_group(recs: list[dict], r: dict) -> dict:
     """The parameters that tell record r from the others of its figure kind (one figure a record)."""
     return {k: value_of(r, k) for k in varying(recs, exclude=("capture_sizes",))}
@@ -94,20 +100,37 @@ def trace_cumulative(run: Run, out: Path) -> list[Plot]:
     return plots
 
 
+def _error_word(rel_error, source: str) -> str:
+    """A figure's model word under its bar: its error, `timed`, or `unchecked`."""
+    if rel_error is None:
+        return "unchecked"
+    return "timed" if rel_error == 0 else f"±{100 * rel_error:.1f}%"
+
+
 def trace_tax(run: Run, out: Path) -> list[Plot]:
-    """Padding tax (share of the layer time spent on padded rows) per capture list, oblivious vs masked."""
-    recs = _trace_records(run)
+    """Padding tax (share of the layer time spent on padded rows) per capture list, oblivious vs masked; a list
+    whose two sides are not comparable (report.noise) gets no bars, said on the plot; each bar's label carries the
+    model's word on its layer time (timed, its held-out error, or unchecked)."""
+    from moebench.report.noise import not_comparable
+
+    recs = _headline_records(run)
     plots = []
     for group, rs in split(recs, ("capture_sizes",)):
         labels = [_list_label(r) for r in rs]
         fig, axes = new_figure(1, 1, panel_w=max(4.0, 1.2 * len(rs) + 2), panel_h=3.6)
         ax = axes[0, 0]
         width = 0.38
+        shown = [not_comparable(r) is None for r in rs]
         for k, (side, c) in enumerate((("oblivious", "#c44e52"), ("masked", "#55a868"))):
-            vals = [100 * (_typed(r).headline.padding_tax[side] or 0.0) for r in rs]
-            ax.bar([i + (k - 0.5) * width for i in range(len(rs))], vals, width, color=c, label=side)
+            xs = [i + (k - 0.5) * width for i, ok in enumerate(shown) if ok]
+            vals = [100 * (_typed(r).headline.padding_tax[side] or 0.0) for r, ok in zip(rs, shown) if ok]
+            ax.bar(xs, vals, width, color=c, label=side)
+        for i, ok in enumerate(shown):
+            if not ok:
+                ax.text(i, 0, "not comparable", ha="center", va="bottom", fontsize=7, rotation=90)
+        words = [" | ".join(_error_word(*_typed(r).layer_error(s)) for s in ("oblivious", "masked")) for r in rs]
         ax.set_xticks(range(len(rs)))
-        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_xticklabels([f"{label}\n{word}" for label, word in zip(labels, words)], fontsize=7)
         ax.set_ylabel("padding tax (% of layer time)")
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
@@ -150,6 +173,8 @@ def ep_step_bars(run: Run, out: Path) -> list[Plot]:
                            edgecolor="white", label=name if (i, k) == (0, 0) else None)
                     bottom += v / 1e6
                 ax.plot([x - 0.18, x + 0.18], [ep.step_us[side] / 1e6] * 2, color="black", lw=1.5)
+                ax.text(x, max(bottom, ep.step_us[side] / 1e6), _error_word(*_typed(r).ep_step_error()),
+                        ha="center", va="bottom", fontsize=6)  # the rank model's word on this bar
                 xs.append(x)
                 labels.append(f"EP {r['params'].get('ep_size')}\n{side}")
         ax.set_xticks(xs)

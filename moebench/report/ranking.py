@@ -3,7 +3,7 @@ engine configuration by the step time of the side the engine runs, never by a sh
 
 The figure ranked is the EP step over the trace where the run has EP ranks (the slowest rank plus the wire), else
 this rank's MoE layer over the trace; per side (masked: an engine that masks its padded rows; oblivious: one that
-does not), both shown, the masked side first. Each figure carries the error the models that made it state:
+does not), both shown, the masked side first. Each figure carries the error the models that made it state (the typed record's ep_step_error / layer_error):
   EP step     every rank workload timed: its timings (0 model error); a rank cost model: its held-out RMS error
               (the decisive workloads predicted before they were timed); a model whose every timing went to the
               design has no held-out error: unchecked;
@@ -75,32 +75,13 @@ def _error(f: Figure) -> str:
 
 
 def ep_figure(t: TraceRecord, side: str) -> Figure:
-    ep = t.ep_step
-    us = t.headline.ep_step.step_us[side]
-    if ep.rank_times == "timed":
-        return Figure(t.capture_list, us, 0.0, "every rank workload timed")
-    held = ((ep.cost_model or {}).get("held_out") or {}).get("rms_rel")
-    if held is None:
-        return Figure(t.capture_list, us, None, "the rank model's error unchecked (every timing went to its design)")
-    return Figure(t.capture_list, us, held, "the rank model's held-out error")
+    """The EP step over the trace on one side, with its model's word (TraceRecord.ep_step_error)."""
+    return Figure(t.capture_list, t.headline.ep_step.step_us[side], *t.ep_step_error())
 
 
 def layer_figure(t: TraceRecord, side: str) -> Figure:
-    us = t.headline.layer_us[side]
-    plan = t.shape_plan
-    mode = plan.shape_times if plan is not None else None
-    if mode == "exact" or (mode is None and not t.trace_real_points):
-        return Figure(t.capture_list, us, 0.0, "every shape timed")
-    if mode == "model":
-        held = plan.held_out_rms(side)
-        if held is None:
-            return Figure(t.capture_list, us, None, "the shape model's error unchecked")
-        return Figure(t.capture_list, us, held, "the shape model's held-out error")
-    replay = t.replay
-    diff = (replay.rel_diff or {}).get(side) if replay is not None else None
-    if diff is None:
-        return Figure(t.capture_list, us, None, "interpolated, no replay to check it")
-    return Figure(t.capture_list, us, diff, "the replay's difference")
+    """The layer over the trace on one side, with its model's word (TraceRecord.layer_error)."""
+    return Figure(t.capture_list, t.headline.layer_us[side], *t.layer_error(side))
 
 
 def config_key(r: dict) -> str:

@@ -96,3 +96,30 @@ def test_compare_of_two_trace_runs_diffs_their_answers_with_the_models_error():
     b[0]["info"]["ep_step"]["cost_model"]["held_out"]["rms_rel"] = None
     assert trace_compare.rows(a, b)[0][-1] == "not judged: a model's error unchecked"
     assert trace_compare.lines(a, []) == []
+
+
+def test_the_plots_carry_the_models_word_and_draw_no_bar_for_sides_not_comparable(tmp_path, monkeypatch):
+    from moebench.plots import trace as trace_plots
+    from moebench.plots.common import Run
+
+    slow = {"masked": 1500.0, "oblivious": 900.0}
+    recs = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 2000.0, "oblivious": 2100.0}),
+            _record("pow2", {"masked": 900.0, "oblivious": 1100.0}, {"masked": 2000.0, "oblivious": 2300.0},
+                    real_only=slow, held=None)]
+    for r in recs:
+        r["info"]["headline"]["ep_step"].update(mean_rank_us={"masked": 1.0, "oblivious": 1.0},
+                                                straggler_wait_us={"masked": 1.0, "oblivious": 1.0},
+                                                dispatch_us={"masked": 1.0, "oblivious": 1.0},
+                                                combine_us={"masked": 1.0, "oblivious": 1.0})
+    figures = []
+    monkeypatch.setattr(trace_plots, "save", lambda fig, path, title: figures.append(fig))
+    run = Run(tmp_path, "run", {"sweep": {"name": "padding_tax"}}, recs)
+    trace_plots.trace_tax(run, tmp_path)
+    ax = figures[-1].axes[0]
+    assert len(ax.patches) == 2  # default's two sides; pow2 (masked slower on the real rows alone): none
+    assert any(t.get_text() == "not comparable" for t in ax.texts)
+    assert [t.get_text().split("\n")[1] for t in ax.get_xticklabels()] == ["timed | timed", "timed | timed"]
+    before = len(figures)
+    trace_plots.ep_step_bars(run, tmp_path)  # a figure a capture list, a word above each bar
+    words = [t.get_text() for fig in figures[before:] for t in fig.axes[0].texts]
+    assert sorted(set(words)) == ["unchecked", "±1.0%"] and len(words) == 4

@@ -324,6 +324,30 @@ class TraceRecord(_Record):
                                          "ep_step": EPStepRecord, "shape_plan": ShapePlan}
     OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes", "shape_plan"})
 
+    def ep_step_error(self) -> tuple[Optional[float], str]:
+        """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
+        model's held-out RMS error, or None where that is unchecked (every timing went to the model's design)."""
+        ep = self.ep_step
+        if ep.rank_times == "timed":
+            return 0.0, "every rank workload timed"
+        held = ((ep.cost_model or {}).get("held_out") or {}).get("rms_rel")
+        if held is None:
+            return None, "the rank model's error unchecked (every timing went to its design)"
+        return held, "the rank model's held-out error"
+
+    def layer_error(self, side: str) -> tuple[Optional[float], str]:
+        """(relative error, its source) of one side's layer over the trace: 0 where every shape was timed, the
+        shape model's held-out RMS error, the replay's difference for an interpolation, or None: unchecked."""
+        mode = self.shape_plan.shape_times if self.shape_plan is not None else None
+        if mode == "exact" or (mode is None and not self.trace_real_points):
+            return 0.0, "every shape timed"
+        if mode == "model":
+            held = self.shape_plan.held_out_rms(side)
+            return (None, "the shape model's error unchecked") if held is None else \
+                (held, "the shape model's held-out error")
+        diff = (self.replay.rel_diff or {}).get(side) if self.replay is not None else None
+        return (None, "interpolated, no replay to check it") if diff is None else (diff, "the replay's difference")
+
     def shapes_label(self) -> str:
         """How the shapes were timed: every one, an interpolation grid, or the model with its held-out error."""
         plan = self.shape_plan
