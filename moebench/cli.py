@@ -387,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("trace", help="a CSV trace (one column, or one per DP rank) or a distribution: chat, mixed, "
                                   "prefill_heavy, uniform, decode_prefill, lognormal")
     cs.add_argument("--model", required=True, help="a model preset (see `moebench list --models`)")
-    cs.add_argument("--graphs", type=int_list, default=[8, 16, 32, 64], metavar="K,K,...",
-                    help="the graph budgets K (default 8,16,32,64)")
+    cs.add_argument("--graphs", type=int_list, default=None, metavar="K,K,...",
+                    help="the graph budgets K (default 1, 2, 4, ... up to the trace's candidate sizes)")
     cs.add_argument("--largest", type=int, default=None, help="fix the list's largest size (a candidate size)")
     cs.add_argument("--keep", type=int_list, default=None, metavar="N,N,...", help="sizes that must stay")
     cs.add_argument("--dp-size", type=_positive_int, default=1, help="DP ranks, each padded to their max (default 1)")

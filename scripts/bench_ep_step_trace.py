@@ -6,7 +6,7 @@ point's wall time as the record states it and the process's peak memory (its max
     python3 scripts/bench_ep_step_trace.py [--steps 1000000] [--columns 2] [--ep-size 64] [--size cpu] [--keep DIR]
 
 On the CPU (`--size cpu`) the shapes and rank workloads are timed in Triton's interpreter (a handful each); the
-host phases are what this measures. Figures: docs/benchmarks.md#the-ep-step-over-a-long-trace.
+host phases are what this measures. Figures: docs/benchmarks.md#the-ep-step-and-what-a-trace-costs.
 """
 
 from __future__ import annotations

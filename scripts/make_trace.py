@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"make_trace: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        print(f"make_trace: {args.out}: its directory does not exist", file=sys.stderr)
+        return 2
     columns = 1 if args.same_counts else args.dp_size
     streams = [rank_tokens(args.distribution, args.steps, args.max_tokens, args.seed, r) for r in range(columns)]
     header = "num_tokens" if args.same_counts else ",".join(f"dp{r}" for r in range(columns))

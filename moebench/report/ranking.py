@@ -11,8 +11,8 @@ does not), both shown, the masked side first. Each figure carries the error the 
               the replay's relative difference where it ran, else unchecked.
 A list is `within noise` of the fastest when their difference is within the two figures' errors added (each error
 x its figure; the errors of one run's model are not independent, so they add). The ranking refuses, saying why,
-where a figure it would rank is unchecked, or the single-rank view's sides are not comparable
-(report.noise.not_comparable).
+where a figure it would rank is unchecked. It ranks one side's lists against each other: whether the masked side
+is comparable with the oblivious one (report.noise.not_comparable) is the tax's concern, not the ranking's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Optional
 
 from moebench.bench.serving_trace.knobs import config_keys
 from moebench.bench.serving_trace.record import SIDES, TraceRecord
-from moebench.report import noise
 
 RANKED_SIDES = SIDES  # the masked side first: what an engine that masks runs
 
@@ -105,9 +104,6 @@ def rankings(records: list[dict], label_of) -> list[Ranking]:
         for side in RANKED_SIDES:
             figures = [(ep_figure if ep else layer_figure)(t, side) for t in typed]
             refused = next((f"{f.capture_list}: {f.error_source}" for f in figures if f.rel_error is None), None)
-            if not ep and refused is None:
-                refused = next((f"{t.capture_list}: {why}" for r, t in zip(recs, typed)
-                                if (why := noise.not_comparable(r))), None)
             out.append(Ranking(key, label_of(recs[0]), side, "EP step" if ep else "single-rank layer",
                                sorted(figures, key=lambda f: (f.us, f.capture_list)), refused))
     return out

@@ -4,15 +4,16 @@ For every serving_trace point present in both runs (matched by key: impl and eve
 step over the trace (where the point has EP ranks) and this rank's layer over the trace, A and B and B / A, each
 with the error its model states (report.ranking: a rank or shape model's held-out error, 0 where everything was
 timed, `unchecked` where its model has none), and the padding tax both ways. A change no larger than the two
-figures' errors added reads `within the models' error`; with a model unchecked on either side the change is
-stated but not judged.
+figures' errors added reads `within the errors`; a figure read off timings carries the timings' spread (the
+headline's noise bound) as its error; with a model unchecked, or the timings' noise unknown (the interpreter's few
+samples), the change is stated but not judged. A layer tax the run calls not comparable is said so.
 """
 
 from __future__ import annotations
 
 from moebench.bench.serving_trace.record import TraceRecord
 from moebench.records import SIDES
-from moebench.report import cells
+from moebench.report import cells, noise
 from moebench.report.ranking import Figure, ep_figure, layer_figure
 
 
@@ -24,11 +25,23 @@ def _pairs(records_a: list[dict], records_b: list[dict]) -> list[tuple[dict, dic
     return [(a[k], b[k]) for k in b if k in a]
 
 
+def _with_timing_noise(t: TraceRecord, f: Figure) -> Figure:
+    """A figure read off timings (model error 0) carries the timings' own noise instead: the headline's bound on
+    the layer over the trace (half the shapes' p10-p90 spreads, in quadrature over the calls); None (not known:
+    fewer than 5 samples a shape, the interpreter's) leaves it unjudged."""
+    if f.rel_error != 0:
+        return f
+    bound = ((t.headline.noise or {}).get("recovered_us"))
+    if bound is None or not f.us:
+        return Figure(f.capture_list, f.us, None, "timed, its noise unknown (fewer than 5 samples a shape)")
+    return Figure(f.capture_list, f.us, bound / f.us, "the timings' spread")
+
+
 def _verdict(fa: Figure, fb: Figure) -> str:
     if fa.rel_error is None or fb.rel_error is None:
-        return "not judged: a model's error unchecked"
+        return "not judged: " + (fa.error_source if fa.rel_error is None else fb.error_source)
     bound = fa.rel_error * fa.us + fb.rel_error * fb.us
-    return "within the models' error" if abs(fb.us - fa.us) <= bound else "changed"
+    return "within the errors" if abs(fb.us - fa.us) <= bound else "changed"
 
 
 def _err(f: Figure) -> str:
@@ -45,15 +58,19 @@ def rows(records_a: list[dict], records_b: list[dict]) -> list[list[str]]:
             figures.insert(0, ("EP step", ep_figure, lambda t, s: t.headline.ep_step.padding_tax))
         for what, figure, tax in figures:
             for side in SIDES:
-                fa, fb = figure(ta, side), figure(tb, side)
+                fa, fb = _with_timing_noise(ta, figure(ta, side)), _with_timing_noise(tb, figure(tb, side))
                 out.append([tb.capture_list, what, side, cells.fixed(fa.us / 1e3, 2), _err(fa),
                             cells.fixed(fb.us / 1e3, 2), _err(fb),
                             cells.ratio(fb.us / fa.us) if fa.us else "n/a",
-                            _tax(tax(ta, side)), _tax(tax(tb, side)), _verdict(fa, fb)])
+                            _tax(tax(ta, side), ra if what == "layer" else None),
+                            _tax(tax(tb, side), rb if what == "layer" else None), _verdict(fa, fb)])
     return out
 
 
-def _tax(v) -> str:
+def _tax(v, pair_record: dict | None = None) -> str:
+    """A tax, or `not comparable` where it rests on the masked/oblivious pair the run calls not comparable."""
+    if pair_record is not None and noise.not_comparable(pair_record):
+        return "not comparable"
     return "n/a" if v is None else f"{100 * v:.1f}%"
 
 

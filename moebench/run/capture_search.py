@@ -22,8 +22,9 @@ def capture_search_sweep(args) -> dict:
 
     trace = args.trace
     fixed = {"model": args.model, "ep_size": args.ep_size, "dp_size": args.dp_size, "sp_size": args.sp_size,
-             "dbo": args.dbo, "padding_fill": args.fill, "seed": args.seed, "trace_real_points": 0,
-             "capture_graphs": args.graphs}
+             "dbo": args.dbo, "padding_fill": args.fill, "seed": args.seed, "trace_real_points": 0}
+    if args.graphs is not None:  # else the sweep key's default: 1, 2, 4, ... up to the candidate count
+        fixed["capture_graphs"] = args.graphs
     if trace in (*SERVING_MIXES, "uniform", "decode_prefill", "lognormal"):
         fixed.update(trace_distribution=trace, trace_steps=args.steps, trace_max_tokens=args.max_tokens)
     elif Path(trace).is_file():

@@ -58,12 +58,14 @@ def test_an_unchecked_model_or_sides_not_comparable_are_not_ranked():
     (rk, _) = rankings(unchecked, lambda r: "DP 2")
     assert rk.refused == "pow2: the rank model's error unchecked (every timing went to its design)"
     assert rk.verdicts() == [] and "not ranked" in rk.line()
-    # the single-rank view (no EP step): the masked side slower on the real rows alone is not comparable
+    # the single-rank view (no EP step) ranks each side's lists, also where the two sides are not comparable
+    # (that is the tax's concern): every shape timed, so both lists' layers are their timings
     slow = {"masked": 1500.0, "oblivious": 900.0}
     layer = [_record("default", None, {"masked": 2000.0, "oblivious": 2100.0}, ep=False),
-             _record("pow2", None, {"masked": 2000.0, "oblivious": 2300.0}, ep=False, real_only=slow)]
+             _record("pow2", None, {"masked": 1900.0, "oblivious": 2300.0}, ep=False, real_only=slow)]
     (rk, _) = rankings(layer, lambda r: "DP 2")
-    assert rk.what == "single-rank layer" and rk.refused.startswith("pow2: not comparable")
+    assert rk.what == "single-rank layer" and rk.refused is None
+    assert [f.capture_list for f in rk.figures] == ["pow2", "default"]
 
 
 def test_the_runs_footer_and_table_rank_the_lists_it_was_given():
@@ -90,11 +92,17 @@ def test_compare_of_two_trace_runs_diffs_their_answers_with_the_models_error():
     rows = trace_compare.rows(a, b)
     by = {(r[1], r[2]): r for r in rows}
     assert set(by) == {("EP step", "masked"), ("EP step", "oblivious"), ("layer", "masked"), ("layer", "oblivious")}
-    assert by[("EP step", "masked")][-1] == "within the models' error"  # 10 us apart, 30 us of error
+    assert by[("EP step", "masked")][-1] == "within the errors"  # 10 us apart, 30 us of error
     assert by[("EP step", "oblivious")][-1] == "changed" and by[("EP step", "oblivious")][7] == "1.154"
     assert by[("EP step", "masked")][4] == "1.0%" and by[("EP step", "masked")][6] == "2.0%"
+    # every shape timed, the timings' noise unknown (the interpreter's one sample a shape): not judged
+    assert by[("layer", "masked")][-1].startswith("not judged: timed, its noise unknown")
+    for r in a + b:  # a known noise bound: the layer's difference judged against it
+        r["info"]["headline"]["noise"] = {"recovered_us": 30.0}
+    assert {r[2]: r[-1] for r in trace_compare.rows(a, b) if r[1] == "layer"} == {"masked": "within the errors",
+                                                                                "oblivious": "within the errors"}
     b[0]["info"]["ep_step"]["cost_model"]["held_out"]["rms_rel"] = None
-    assert trace_compare.rows(a, b)[0][-1] == "not judged: a model's error unchecked"
+    assert trace_compare.rows(a, b)[0][-1].startswith("not judged: the rank model's error unchecked")
     assert trace_compare.lines(a, []) == []
 
 

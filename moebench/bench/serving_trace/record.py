@@ -297,7 +297,8 @@ def _model_error(cost_model: dict[str, Any]) -> str:
     parts = [f"{side + ' ' if side else ''}{100 * h['rms_rel']:.1f}% RMS" for side, h in held.items()
              if h and h.get("rms_rel") is not None]
     if not parts:
-        return "its error unchecked: every timing went to the design (raise the budget for held-out rounds)"
+        return ("its error unchecked: every timing went to the design (raise the budget for held-out rounds: "
+                "ep_rank_timings for the rank model, trace_shape_timings for the shape model)")
     verdict = "within" if cost_model.get("within_tolerance") else "over"
     return f"held-out error {', '.join(parts)}, {verdict} {100 * tol:.0f}%" if tol else f"held-out {', '.join(parts)}"
 
