@@ -57,6 +57,8 @@ def test_the_cli_verb_prints_the_table_headline_and_plot(tmp_path, capsys):
     assert code == 0, out
     assert "# headline: " in out and "cost what `fine`'s 51 cost; masked," in out
     assert "vs default" in out and "within 1% of it" in out
+    # in an operator's words: a saving or a cost against a named list, no Python dict on the eager line
+    assert any(w in out for w in (" saved", " more", "the same")) and "{'" not in out
     (run,) = list(tmp_path.iterdir())
     assert (run / "plots" / "capture_search.png").stat().st_size > 0
 
