@@ -26,13 +26,15 @@ dispatch's compiles are predicted from the capacities (capacity_policy, num_max_
 micro-batch's largest per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
 The record (record.py: TraceHeadline, EPStepRecord, ReplayRecord) states what each phase cost, `phase_wall_s`.
 
-The package: trace_input (the trace and the engine), shapes (one padded shape measured, the shape store),
-shape_streams (a shape's rows and routing figures), shape_cost (the shape plan and model), compose (the single-rank
-composition and interpolation), steps (per-step records, the step file), headline, ep_step (the EP step's
-arithmetic), routes (the source slots' routing), rank_cost (a rank's expert time: the model and the plan),
+The package: trace_input (the trace and the engine), step_calls (every distinct step's calls as arrays), shapes (one
+padded shape measured, the shape store, the shapes' figures as arrays), shape_streams (a shape's rows and routing
+figures), plan (the timed-sample engine both models use), launch (the kernel's launch as the models see it),
+shape_cost (the shape plan and model), compose (the shapes to time, interpolation, a step's composition), steps
+(every step's figures as columns, the step file), headline, ep_step (the EP step of one step), ep_arrays (of every
+distinct step at once), routes (the source slots' routing), rank_cost (a rank's expert time: the model and the plan),
 rank_timing (the rank timer), ep_measure (the EP step measured), wire (the wire model at a point and its card),
 replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
-estimate (what a point costs before it runs).
+estimate (what a point costs before it runs), capture_pricing (the capture-list search's prices).
 
 Case.run (what the runner times) is the masked layer at the trace's most frequent call shape that the device
 times (plan.can_time; info.run_shape says which).

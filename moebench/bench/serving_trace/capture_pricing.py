@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from moebench.bench.serving_trace.compose import compose, distinct_shapes, layer_totals
+from moebench.bench.serving_trace.compose import compose, layer_totals
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.record import SIDES, ShapePlan
 from moebench.bench.serving_trace.knobs import DEFAULT_SHAPE_TIMINGS
@@ -168,12 +168,6 @@ def list_figures(trace_steps: Sequence[tuple[int, ...]], counts: Sequence[int], 
                      "padding_us": tot["padding_us"][side], "eager_launch_us": eager, "time_us": layer + eager,
                      "padding_tax": tot["padding_us"][side] / layer if layer else None, "eager_calls": eager_calls}
     return out
-
-
-def distinct_step_shapes(trace_steps, engine: EngineShape, sizes) -> list[Shape]:
-    """The shapes padding_tax reads for one list (what the reproduction reuses)."""
-    eng = Engine(tuple(sorted(sizes)), engine.dp_size, engine.sp_size, engine.dbo)
-    return distinct_shapes([step_padding(real, eng) for real in trace_steps])
 
 
 def priced_sides(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, pricer: Pricer, keep=()

@@ -1,14 +1,16 @@
 """The EP step over a serving trace, measured: every source call's routing (routes.StepRoutes), every EP rank's
 expert time (each distinct workload timed, or a cost model with the decisive workloads timed: `rank_time_lookup`,
-the one place the rank timer and rank_cost.plan_rank_times are called), the wire model (wire.py), the composition per distinct step
-(ep_step) and the replay check of its first steps (replay.ep_replay: every rank timed directly, no model, no cache).
+the one place the rank timer and rank_cost.plan_rank_times are called), the wire model (wire.py), the composition of
+every distinct step at once (ep_arrays) and the replay check of its first steps (replay.ep_replay: every rank timed
+directly, no model, no cache).
 
 Rank times. Every micro-batch of the trace's distinct steps, per side, is a contest for the slowest rank
 (rank_cost.Contest); when the distinct rank workloads number at most `ep_rank_timings` each is timed
 (`rank_times: timed`), else that many are timed by rank_cost.plan_rank_times: a designed set for a cost model per
 launch config, then the candidates for each contest's slowest rank, most decisive first, with the model's
-held-out error (`rank_times: model`). Each step's micro-batches are built and priced once (ep_step.StepMicroBatches) and read by
-the workload collection, the composition and the replay.
+held-out error (`rank_times: model`). The contests are read off the same source tables as the composition
+(ep_arrays.SourceTables); steps are built one by one (ep_step.StepMicroBatches) only for the replay and the largest
+step's record.
 """
 
 from __future__ import annotations

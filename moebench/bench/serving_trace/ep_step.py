@@ -11,9 +11,10 @@ each call's routing (`CallRoutes`: routes per expert, rows sent to each EP rank;
   experts_us(m)      max over r of T_r, T_r its workload's time; mean_us(m) the mean over r; slowest its argmax
   dispatch_us(m)     the wire model's time for bytes[src][dst] = rows src sends dst x dispatch row bytes
   combine_us(m)      the same with the matrix transposed x combine row bytes (every received row goes back)
-Each micro-batch is built once per step and side (`micro_batches`) and priced at once (`MicroBatch.priced`: its
-wire times and off-rank bytes, the byte matrices dropped), so the composition, the workload collection and the
-replay read the same small `PricedMicroBatch`es (`StepMicroBatches` keeps them for the steps read more than once).
+This module composes one step at a time: the replay, the largest step's record and the reference that
+ep_arrays (every distinct step at once, what a run composes) is tested against. Each micro-batch is built once per
+step and side (`micro_batches`) and priced at once (`MicroBatch.priced`: its wire times and off-rank bytes, the byte
+matrices dropped); `StepMicroBatches` keeps them for the steps read more than once.
 The step: sum over m of dispatch + experts + combine; with DBO (two micro-batches) one micro-batch's wire overlaps
 the other's experts:  step = d0 + max(c0, d1) + max(x0, c1) + x1  (d dispatch, c experts, x combine).
 The tax of padding (oblivious minus masked: masked padded rows add no route, no row, no byte) splits into

@@ -80,11 +80,14 @@ class StepRoutes:
         the most padded rows (or that, whichever is more), each a power of two (stream_size: the capture list of a
         what-if axis leaves a slot's real rows where they were); returns the slots routed."""
         need: dict[int, tuple[int, int]] = {}
+        self._steps_need(need, steps)
+        return self._route_needs(need, progress)
+
+    def _steps_need(self, need: dict[int, tuple[int, int]], steps: Sequence[StepPadding]) -> None:
         for s in steps:
             for c in s.calls:
                 for q in range(self.layout.replicas):
                     _need(need, self.layout.slot(q, len(s.real), c.dp_rank, c.sp_rank), c.real, c.rows - c.real)
-        return self._route_needs(need, progress)
 
     def prepare_calls(self, calls: StepCalls, steps: Sequence[StepPadding] = (),
                       progress: Callable[[int, int], None] | None = None) -> int:
@@ -99,10 +102,7 @@ class StepRoutes:
                 for j in range(self.layout.sp_size):
                     for q in range(self.layout.replicas):
                         _need(need, self.layout.slot(q, dp_size, d, j), int(real[d, j]), int(pad[d, j]))
-        for s in steps:
-            for c in s.calls:
-                for q in range(self.layout.replicas):
-                    _need(need, self.layout.slot(q, len(s.real), c.dp_rank, c.sp_rank), c.real, c.rows - c.real)
+        self._steps_need(need, steps)
         return self._route_needs(need, progress)
 
     def _route_needs(self, need: dict[int, tuple[int, int]], progress) -> int:

@@ -243,9 +243,13 @@ class ShapeFigureTable(Mapping):
         entry = self.timed.get(shape)
         return dict(entry.layer_spread_us) if entry else {}
 
-    def column(self, what: str, side: str, shapes: Sequence[tuple[int, int]]) -> np.ndarray:
-        """A routing figure of `shapes` (rows of the arrays, in that order)."""
-        return self.arrays[side][what][np.asarray([self.index[s] for s in shapes], dtype=np.int64)]
+    def positions(self, shapes: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The rows of the arrays that hold `shapes`, in that order (for column)."""
+        return np.asarray([self.index[s] for s in shapes], dtype=np.int64)
+
+    def column(self, what: str, side: str, positions: np.ndarray) -> np.ndarray:
+        """A routing figure of the shapes at `positions` (positions())."""
+        return self.arrays[side][what][positions]
 
 
 def measure_shapes(p: Params, bench: ShapeBench, routed: list[tuple[int, int]], timed: list[tuple[int, int]],

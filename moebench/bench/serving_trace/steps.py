@@ -43,6 +43,7 @@ class StepFigures:
         self.layer_us, self.real_only_us, self.padding_gemm_rows, self.ep_excess_routes = {}, {}, {}, {}
         self.capacity: dict[str, np.ndarray] = {}
         M = calls.rows.shape[2]
+        at_rows = figures.positions(shapes) if hasattr(figures, "positions") else None  # looked up once
         mb_of_call = np.broadcast_to(np.arange(M)[None, :, None], calls.rows.shape[1:]).reshape(-1)
         for side in SIDES:
             many = getattr(time_of, "many", None)  # the shape model's lookup of many shapes at once
@@ -53,7 +54,7 @@ class StepFigures:
             alone = np.zeros(len(shapes))
             if with_real:
                 alone[with_real] = many(side, reals) if many else [time_of(side, *s) for s in reals]
-            gemm, loads, most = (_shape_column(figures, what, side, shapes)
+            gemm, loads, most = (_shape_column(figures, what, side, shapes, at_rows)
                                  for what in ("padding_gemm_rows", "rank_loads", "max_rows_per_rank"))
             loads = loads.reshape(len(shapes), -1)
             layer, only = np.zeros(S), np.zeros(S)
@@ -130,10 +131,11 @@ def step_percentiles(values: np.ndarray, counts) -> dict[str, float]:
     return {"p50": round(float(at[0.5]), 3), "p99": round(float(at[0.99]), 3), "max": round(float(values.max()), 3)}
 
 
-def _shape_column(figures, what: str, side: str, shapes: list[tuple[int, int]]) -> np.ndarray:
-    """A routing figure of `shapes`: read off a ShapeFigureTable's arrays, or shape by shape off ShapeFigures."""
-    if hasattr(figures, "column"):
-        return figures.column(what, side, shapes)
+def _shape_column(figures, what: str, side: str, shapes: list[tuple[int, int]], at_rows) -> np.ndarray:
+    """A routing figure of `shapes`: read off a ShapeFigureTable's arrays (at its rows `at_rows`), or shape by
+    shape off ShapeFigures."""
+    if at_rows is not None:
+        return figures.column(what, side, at_rows)
     return np.asarray([getattr(figures[s], what)[side] for s in shapes], dtype=np.int64)
 
 
