@@ -34,3 +34,24 @@ def test_the_headline_states_a_steps_time_distribution_per_side():
         ep = [s["ep_step_us"][side] for s in steps]
         assert head.ep_step.step_percentiles_us[side]["max"] == max(ep)
     assert TraceHeadline.from_info(head.to_info()) == head
+
+
+def test_a_long_trace_checks_an_even_sample_with_its_first_and_last_steps():
+    from moebench.bench.serving_trace.step_calls import check_sample
+
+    assert check_sample(5).tolist() == [0, 1, 2, 3, 4]
+    got = check_sample(1_000_000, limit=100)
+    assert len(got) == 100 and got[0] == 0 and got[-1] == 999_999 and (np.diff(got) > 0).all()
+
+
+def test_capture_searchs_command_leaves_the_budgets_to_the_sweep_unless_given():
+    from argparse import Namespace
+
+    from moebench.run.capture_search import capture_search_sweep
+
+    args = Namespace(trace="chat", model="deepseek-v3", ep_size=1, dp_size=1, sp_size=1, dbo=False, fill="repeat",
+                     seed=0, graphs=None, steps=10, max_tokens=64, largest=None, keep=None, shape_timings=None,
+                     set=None)
+    assert "capture_graphs" not in capture_search_sweep(args)["fixed"]  # the sweep's 1, 2, 4, ... up to the sizes
+    args.graphs = [2, 4]
+    assert capture_search_sweep(args)["fixed"]["capture_graphs"] == [2, 4]
