@@ -9,6 +9,7 @@ from pathlib import Path
 from moebench.bench.serving_trace.record import SIDES, TraceRecord
 from moebench.plots.common import Run, figure_title, slug, split, value_of, varying
 from moebench.plots.draw import Plot, new_figure, palette, save
+from moebench.report.ranking import error_word  # the model's word, phrased as the report's tables phrase it
 
 _PRODUCERS = ("cudagraph", "dp", "sp")  # moebench.inputs.engine_padding.PRODUCERS (rows added, in order)
 
@@ -100,13 +101,6 @@ def trace_cumulative(run: Run, out: Path) -> list[Plot]:
     return plots
 
 
-def _error_word(rel_error, source: str) -> str:
-    """A figure's model word under its bar: its error, `timed`, or `unchecked`."""
-    if rel_error is None:
-        return "unchecked"
-    return "timed" if rel_error == 0 else f"±{100 * rel_error:.1f}%"
-
-
 def trace_tax(run: Run, out: Path) -> list[Plot]:
     """Padding tax (share of the layer time spent on padded rows) per capture list, oblivious vs masked; a list
     whose two sides are not comparable (report.noise) gets no bars, said on the plot; each bar's label carries the
@@ -128,7 +122,7 @@ def trace_tax(run: Run, out: Path) -> list[Plot]:
         for i, ok in enumerate(shown):
             if not ok:
                 ax.text(i, 0, "not comparable", ha="center", va="bottom", fontsize=7, rotation=90)
-        words = [" | ".join(_error_word(*_typed(r).layer_error(s)) for s in ("oblivious", "masked")) for r in rs]
+        words = [" | ".join(error_word(_typed(r).layer_error(s)[0]) for s in ("oblivious", "masked")) for r in rs]
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels([f"{label}\n{word}" for label, word in zip(labels, words)], fontsize=7)
         ax.set_ylabel("padding tax (% of layer time)")
@@ -173,7 +167,7 @@ def ep_step_bars(run: Run, out: Path) -> list[Plot]:
                            edgecolor="white", label=name if (i, k) == (0, 0) else None)
                     bottom += v / 1e6
                 ax.plot([x - 0.18, x + 0.18], [ep.step_us[side] / 1e6] * 2, color="black", lw=1.5)
-                ax.text(x, max(bottom, ep.step_us[side] / 1e6), _error_word(*_typed(r).ep_step_error()),
+                ax.text(x, max(bottom, ep.step_us[side] / 1e6), error_word(_typed(r).ep_step_error()[0]),
                         ha="center", va="bottom", fontsize=6)  # the rank model's word on this bar
                 xs.append(x)
                 labels.append(f"EP {r['params'].get('ep_size')}\n{side}")

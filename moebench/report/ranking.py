@@ -69,8 +69,16 @@ class Ranking:
         return head + "; ".join(f"{f.capture_list} {f.us / 1e3:.2f} ms {word}" for f, word in self.verdicts())
 
 
+def error_word(rel_error: Optional[float]) -> str:
+    """A figure's model word, the one phrase the ranking, the report's tables and the plots give it: its error
+    (`±1.8%`), `timed` (0: every workload or shape timed) or `unchecked` (None: no held-out error measured)."""
+    if rel_error is None:
+        return "unchecked"
+    return "timed" if rel_error == 0 else f"±{100 * rel_error:.1f}%"
+
+
 def _error(f: Figure) -> str:
-    return f"±{100 * f.rel_error:.1f}% {f.error_source}" if f.rel_error else f.error_source
+    return f"{error_word(f.rel_error)} {f.error_source}" if f.rel_error else f.error_source
 
 
 def ep_figure(t: TraceRecord, side: str) -> Figure:
