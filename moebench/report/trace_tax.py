@@ -8,8 +8,11 @@ run sweeps capture lists, their ranking per configuration by the step time of th
 the error its model states (report.ranking).
 
 Every figure is read from a record's info through its typed record (moebench.bench.serving_trace.record:
-TraceRecord.from_info); nothing is re-run. The footer also says what each phase of a point cost and, where the rank
-times and the wire figures come from different cards, a note saying so.
+TraceRecord.from_info); nothing is re-run. In the tables, every figure the rank model or the shape model made
+carries that model's word as the ranking and the plots phrase it (report.ranking.error_word: its held-out error,
+or unchecked); a figure read off timings carries none, nor does the wire's (the wire model's). A layer pair the run
+calls not comparable is flagged on its layer cells as on its tax. The footer also says what each phase of a point
+cost and, where the rank times and the wire figures come from different cards, a note saying so.
 The runner prints `footer_lines` under its table and `moebench report` shows `table` before anything else.
 """
 
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from moebench.bench.serving_trace.record import TraceHeadline, TraceRecord
+from moebench.bench.serving_trace.record import SIDES, TraceHeadline, TraceRecord
 from moebench.report import cells, noise, ranking
 from moebench.report.headline import format_value
+from moebench.report.ranking import error_word
 
 TARGET = "serving_trace"
 # the figures a serving_trace report shows beside its tables, before everything else (moebench.plots.trace)
@@ -50,22 +54,58 @@ def _not_comparable(h: TraceHeadline) -> str | None:
     return noise.not_comparable({"info": {"headline": h.to_info()}})
 
 
-def _tax(h: TraceHeadline, side: str) -> str:
+def _model_word(rel_error: float | None) -> str:
+    """The model's word on a table cell's figure (report.ranking.error_word); nothing where it was timed."""
+    return "" if rel_error == 0 else error_word(rel_error)
+
+
+def _ep_word(t: TraceRecord) -> str:
+    """The rank model's word on the EP step's figures (TraceRecord.ep_step_error, as the ranking reads it)."""
+    if t.ep_step is None:  # a headline without its EP record: no held-out error to state
+        return "" if t.headline.ep_step.rank_times == "timed" else "unchecked"
+    return _model_word(t.ep_step_error()[0])
+
+
+def _layer_words(t: TraceRecord) -> dict[str, str]:
+    """Per side, the shape model's (or the interpolation's) word on the layer's figures (TraceRecord.layer_error)."""
+    return {side: _model_word(t.layer_error(side)[0]) for side in SIDES}
+
+
+def _pair_word(t: TraceRecord) -> str:
+    """The word on a figure resting on both sides' layer times: theirs where the two agree, else each side's."""
+    errors = {side: t.layer_error(side)[0] for side in SIDES}
+    if errors["oblivious"] == errors["masked"]:
+        return _model_word(errors["masked"])
+    return " / ".join(f"{side} {error_word(errors[side])}" for side in ("oblivious", "masked"))
+
+
+def _with_word(text: str, word: str) -> str:
+    """A time with the model's word after it (`1302.40 ±1.8%`), bare where it was timed or is missing."""
+    return f"{text} {word}" if word and text != "n/a" else text
+
+
+def _with_model(text: str, word: str) -> str:
+    """A share or a saving computed from modelled times: the word is on those times, not an error of the share."""
+    return f"{text} (model {word})" if word and text != "n/a" else text
+
+
+def _tax(h: TraceHeadline, side: str, word: str = "") -> str:
     """The padding tax, `no padded row` where none was padded, `not comparable` where the masked side is slower on
-    the real rows alone, or `within noise` when the padding time is inside the timings' spread."""
+    the real rows alone, or `within noise` when the padding time is inside the timings' spread; `word`: the
+    model's word on the times it was computed from (the tables'; the footer states the models apart)."""
     if h.padded_rows == 0:
         return "no padded row"
     if _not_comparable(h):
         return "not comparable"
     if h.within_noise("padding_tax", side):
         return "within noise"
-    return _pct(h.padding_tax[side])
+    return _with_model(_pct(h.padding_tax[side]), word)
 
 
-def _recovered(h: TraceHeadline) -> str:
+def _recovered(h: TraceHeadline, word: str = "") -> str:
     """What the masks recover, as a share of the oblivious padding time only where both are outside the noise;
     nothing where no row was padded or the two sides are not comparable (a difference that would read as a
-    saving or a loss of the masks is the sides' speeds on the real rows)."""
+    saving or a loss of the masks is the sides' speeds on the real rows); `word` as for _tax."""
     if h.padded_rows == 0:
         return "nothing (no padded row)"
     why = _not_comparable(h)
@@ -74,8 +114,15 @@ def _recovered(h: TraceHeadline) -> str:
     if h.within_noise("recovered"):
         return "within noise"
     if h.within_noise("padding_tax", "oblivious"):
-        return f"{_ms(h.recovered_us)} ms (the padding time is within noise: no share)"
-    return f"{_ms(h.recovered_us)} ms ({_pct(h.recovered_share)} of the padding time)"
+        return _with_model(f"{_ms(h.recovered_us)} ms (the padding time is within noise: no share)", word)
+    return _with_model(f"{_ms(h.recovered_us)} ms ({_pct(h.recovered_share)} of the padding time)", word)
+
+
+def _layer_cell(t: TraceRecord, side: str) -> str:
+    """One side's layer over the trace with its model's word, flagged where the run calls the two sides not
+    comparable (as its headline does)."""
+    cell = _with_word(_ms(t.headline.layer_us[side]), _layer_words(t)[side])
+    return f"{cell} (not comparable)" if _not_comparable(t.headline) else cell
 
 
 def _spread(percentiles: dict) -> str:
@@ -131,9 +178,11 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         t = typed(r)
         h = t.headline
         compiles = h.jit_compiles or {}
+        side_words = _layer_words(t)
         rows.append([t.capture_list, config_label(r), f"{t.distinct_shapes} / {_timed(t)} / {t.steps}",
-                     _ms(h.layer_us["oblivious"]), _ms(h.layer_us["masked"]),
-                     _tax(h, "oblivious"), _tax(h, "masked"), _recovered(h),
+                     _layer_cell(t, "oblivious"), _layer_cell(t, "masked"),
+                     _tax(h, "oblivious", side_words["oblivious"]), _tax(h, "masked", side_words["masked"]),
+                     _recovered(h, _pair_word(t)),
                      f"{h.padded_rows} ({_pct(h.padding_row_share)})",
                      f"{h.padding_gemm_rows['oblivious']} / {h.padding_gemm_rows['masked']}",
                      format_value(h.ep_excess_from_padding),
@@ -155,6 +204,11 @@ def _replay_cell(t: TraceRecord) -> str:
     return f"{ep.replay_label()} (tolerance {_pct(ep.replay.tolerance)})"
 
 
+def _sides(us: dict[str, float], word: str) -> str:
+    """Both sides' times, oblivious first, each with the model's word."""
+    return " / ".join(_with_word(_ms(us[side]), word) for side in ("oblivious", "masked"))
+
+
 def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     """(header, rows): the EP step of every serving_trace record that has one: step time per side, the tax and its
     split, the straggler's wait, the wire, how the rank times were had and the replay check."""
@@ -164,15 +218,16 @@ def ep_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         ep = t.headline.ep_step
         if ep is None:
             continue
-        split = ep.tax_split_us
+        split, word = ep.tax_split_us, _ep_word(t)
         wire = t.ep_step.wire_label() if t.ep_step is not None else "?"
+        overlap = _overlap(t, split)
+        # the rank model's word on every figure the rank times make; the wire's figures rest on the wire model
         rows.append([t.capture_list, config_label(r), f"{(t.trace or {}).get('source')}, {t.steps} steps",
-                     _ms(ep.step_us["oblivious"]), _ms(ep.step_us["masked"]), _pct(ep.padding_tax),
-                     f"{_ms(ep.experts_us['oblivious'])} / {_ms(ep.experts_us['masked'])}",
-                     f"{_ms(ep.straggler_wait_us['oblivious'])} / {_ms(ep.straggler_wait_us['masked'])}",
-                     f"{_ms(ep.wire_us['oblivious'])} / {_ms(ep.wire_us['masked'])}",
-                     " / ".join([*(_ms(split[k]) for k in ("gemm_us", "straggler_us", "wire_us")),
-                                 _overlap(t, split) or "DBO off"]),
+                     _with_word(_ms(ep.step_us["oblivious"]), word), _with_word(_ms(ep.step_us["masked"]), word),
+                     _with_model(_pct(ep.padding_tax), word), _sides(ep.experts_us, word),
+                     _sides(ep.straggler_wait_us, word), _sides(ep.wire_us, ""),
+                     " / ".join([_with_word(_ms(split["gemm_us"]), word), _with_word(_ms(split["straggler_us"]), word),
+                                 _ms(split["wire_us"]), _with_word(overlap, word) if overlap else "DBO off"]),
                      _pct(ep.slowest_rank_padded_route_share),
                      f"{t.ep_step.rank_times_label() if t.ep_step else ep.rank_times}; wire {wire}", _replay_cell(t)])
     return EP_HEAD, rows
