@@ -228,6 +228,10 @@ SETTLED_REPLAY_US = 200.0  # a graph replay lasts at least this long (calls per 
 SETTLED_MAX_GRAPH_CALLS = 16
 SETTLED_ROUND = 5
 SETTLED_SPREAD = 0.005  # half the p10-p90 spread over the median at which sampling stops
+# sampling also stops once the samples add up to this: a call of milliseconds (a prefill-sized grouped GEMM) is
+# GPU-bound and steady, and its rounds of 5 would otherwise cost a tenth of a second each to tighten a spread
+# that clocks and power, not the sample count, decide
+SETTLED_SAMPLED_US = 50_000.0
 
 
 def relative_spread(samples: list[float]) -> float:
@@ -250,8 +254,8 @@ def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: in
                     ) -> Settled:
     """GPU time of one call of `fn`, at the least cost that still gives a settled median: one untimed call
     (compiles a new specialisation, warms the launch; no further warm-up), one event-timed call to choose the mode,
-    then samples in rounds of SETTLED_ROUND until their relative spread is within SETTLED_SPREAD (at most
-    `max_samples`). A call of EAGER_ABOVE_US or more is GPU-bound, so eager calls back to back with an event between
+    then samples in rounds of SETTLED_ROUND until their relative spread is within SETTLED_SPREAD or they add up to
+    SETTLED_SAMPLED_US (at most `max_samples`). A call of EAGER_ABOVE_US or more is GPU-bound, so eager calls back to back with an event between
     each are its samples; a shorter one is captured in a CUDA graph of enough calls to last SETTLED_REPLAY_US (in the
     memory pool `pool` when given: many graphs of one run share it) and its replays are the samples. For the many
     timings of one point (the serving trace's shapes and rank workloads); a point's own run uses measure()."""
@@ -285,7 +289,7 @@ def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: in
             events[i + 1].record()
         torch.cuda.synchronize(device)
         samples += [events[i].elapsed_time(events[i + 1]) * 1e3 / calls for i in range(n)]
-        if relative_spread(samples) <= SETTLED_SPREAD:
+        if relative_spread(samples) <= SETTLED_SPREAD or sum(samples) * calls >= SETTLED_SAMPLED_US:
             break
     del graph
     return Settled(percentile(sorted(samples), 50), "events" if call_us >= EAGER_ABOVE_US else "cuda_graph",

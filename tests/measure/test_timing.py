@@ -164,3 +164,13 @@ def test_measure_settled_graphs_a_short_call_and_times_a_long_one_eagerly():
     long = measure_settled(lambda: a @ a, dev, 20)
     assert long.us >= EAGER_ABOVE_US and long.mode == "events" and long.calls_per_sample == 1
     assert long.samples % 5 == 0 and long.spread >= 0
+
+
+@pytest.mark.gpu
+def test_measure_settled_stops_sampling_a_call_of_milliseconds_after_one_round():
+    from moebench.measure.timing import SETTLED_ROUND, SETTLED_SAMPLED_US, measure_settled
+
+    dev = torch.device("cuda")
+    a = torch.randn(16384, 16384, device=dev, dtype=torch.bfloat16)  # ~9 TFLOP: over 10 ms a call on an H100/H200
+    got = measure_settled(lambda: a @ a, dev, 20)
+    assert got.us * SETTLED_ROUND >= SETTLED_SAMPLED_US and got.samples == SETTLED_ROUND
