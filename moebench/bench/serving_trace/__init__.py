@@ -21,7 +21,8 @@ how many. A new run, or a point at other layer parameters in between, starts afr
 here, so repeats are measured anew. `trace_replay: N` also replays the first N steps one call at a time (each built
 and timed afresh: replay.py) and records the composed and replayed totals, the tolerance and the verdict. EP: the
 per-rank loads are computed from the routing (the slowest-rank excess), the time is this rank's layer; with
-ep_size > 1 the EP step is composed too (ep_measure.py: the slowest rank plus the wire). JIT: the fixed-capacity
+ep_size > 1 the EP step is composed too (ep_measure.py: the slowest rank plus the wire; the run's rank timings at
+a layer point are shared by its points, rank_timing.RankStore, so a workload has one time in the run). JIT: the fixed-capacity
 dispatch's compiles are predicted from the capacities (capacity_policy, num_max_tokens_per_rank) of each
 micro-batch's largest per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
 The record (record.py: TraceHeadline, EPStepRecord, ReplayRecord) states what each phase cost, `phase_wall_s`.
@@ -31,9 +32,9 @@ padded shape measured, the shape store, the shapes' figures as arrays), shape_st
 figures), plan (the timed-sample engine both models use), launch (the kernel's launch as the models see it),
 shape_cost (the shape plan and model), compose (the shapes to time, interpolation, a step's composition), steps
 (every step's figures as columns, the step file), headline, ep_step (the EP step of one step), ep_arrays (of every
-distinct step at once), routes (the source slots' routing), rank_cost (a rank's expert time: the model and the plan),
-rank_timing (the rank timer), ep_measure (the EP step measured), wire (the wire model at a point and its card),
-replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
+distinct step at once), routes (the source slots' routing), rank_cost (a rank's expert time: the model), rank_plan
+(which workloads are timed), rank_timing (the rank timer and the run's rank store), ep_measure (the EP step
+measured), wire (the wire model at a point and its card), replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
 estimate (what a point costs before it runs), capture_pricing (the capture-list search's prices).
 
 Case.run (what the runner times) is the masked layer at the trace's most frequent call shape that the device
@@ -63,10 +64,11 @@ from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock, ShapePlan
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX, can_time
+from moebench.bench.serving_trace.rank_timing import RankStore
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
 from moebench.bench.serving_trace.shape_cost import (ShapeTable,
                                                      model_spread_us, plan_shape_times, shape_reads)
-from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
+from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, layer_key, measure_shapes
 from moebench.bench.serving_trace.step_calls import check_sample, shapes_as_steps, step_calls
 from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
@@ -133,7 +135,8 @@ def build(p: Params, ctx: RunContext) -> Case:
     ep_record = None
     if p.ep_size > 1:
         ep_record, steps.ep = measure_ep_step(p, ctx.device, bench.timing, tc.step_table, tc.trace.counts,
-                                              tc.replay_steps, clock, ctx.progress)
+                                              tc.replay_steps, clock, ctx.progress,
+                                              RankStore.of_run(ctx.run_store).for_layer(layer_key(p, ctx.device)))
         info["ep_step"] = ep_record.to_info()
     with clock.phase("host_composition"):
         spread_of = (lambda s: {side: model_spread_us(st.time_of, st.plan, side, *s) for side in SIDES}) \

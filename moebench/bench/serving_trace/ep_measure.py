@@ -1,12 +1,12 @@
 """The EP step over a serving trace, measured: every source call's routing (routes.StepRoutes), every EP rank's
 expert time (each distinct workload timed, or a cost model with the decisive workloads timed: `rank_time_lookup`,
-the one place the rank timer and rank_cost.plan_rank_times are called), the wire model (wire.py), the composition of
+the one place the rank timer and rank_plan.plan_rank_times are called), the wire model (wire.py), the composition of
 every distinct step at once (ep_arrays) and the replay check of its first steps (replay.ep_replay: every rank timed
 directly, no model, no cache).
 
 Rank times. Every micro-batch of the trace's distinct steps, per side, is a contest for the slowest rank
-(rank_cost.Contest); when the distinct rank workloads number at most `ep_rank_timings` each is timed
-(`rank_times: timed`), else that many are timed by rank_cost.plan_rank_times: a designed set for a cost model per
+(rank_plan.Contest); when the distinct rank workloads number at most `ep_rank_timings` each is timed
+(`rank_times: timed`), else that many are timed by rank_plan.plan_rank_times: a designed set for a cost model per
 launch config, then the candidates for each contest's slowest rank, most decisive first, with the model's
 held-out error (`rank_times: model`). The contests are read off the same source tables as the composition
 (ep_arrays.SourceTables); steps are built one by one (ep_step.StepMicroBatches) only for the replay and the largest
@@ -27,7 +27,8 @@ from moebench.bench.serving_trace.ep_step import (StepMicroBatches, compose_pric
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
-from moebench.bench.serving_trace.rank_cost import Contest, Workload, plan_rank_times
+from moebench.bench.serving_trace.rank_cost import Workload
+from moebench.bench.serving_trace.rank_plan import Contest, plan_rank_times
 from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock, RankPlan
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, ep_replay
@@ -96,25 +97,33 @@ class _Counted:
 
 
 def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: Sequence[Contest], complete: bool,
-                     progress: Callable[..., None]) -> tuple[Callable[[Workload], float], RankPlan, _Counted]:
+                     progress: Callable[..., None], known: dict[Workload, float] | None = None
+                     ) -> tuple[Callable[[Workload], float], RankPlan, _Counted]:
     """(rank time lookup, its record, the timer the replay reuses): the one place the EP step times rank
-    workloads (RankTimer) and turns the timings into rank times (rank_cost.plan_rank_times)."""
+    workloads (RankTimer) and turns the timings into rank times (rank_plan.plan_rank_times). `known`: the run's
+    timings at this layer point (rank_timing.RankStore), read here and given this point's new ones."""
     timer = _Counted(RankTimer(p, device, timing), progress)
     kind = "cuda" if device.type == "cuda" else "cpu"
-    budget = p.knobs(ServingKnobs).rank_timings(kind)
-    timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows})),
+    serving = p.knobs(ServingKnobs)
+    budget = serving.rank_timings(kind)
+    known = {} if known is None else known
+    timer.expect(min(budget, len({w for c in contests for w in c.workloads if w.rows and w not in known})),
                  "EP step: rank workloads timed")
     lookup, plan = plan_rank_times(contests, timer, budget, launch_of(p, device), REPLAY_TOLERANCE,
-                                         complete=complete, rows_max=TIMED_ROWS_MAX[kind])
+                                   complete=complete, rows_max=TIMED_ROWS_MAX[kind], known=dict(known),
+                                   seconds=serving.rank_seconds(kind))
+    known.update(lookup.timed)
     plan.timer = {"spent_s": round(timer.timer.spent_s, 3), "timings": timer.timer.timed}
     return lookup, plan, timer
 
 
 def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: StepCalls, counts: Sequence[int],
                     replay_steps: Sequence[StepPadding], clock: PhaseClock,
-                    progress: Callable[..., None] | None = None) -> tuple[EPStepRecord, EPColumns]:
+                    progress: Callable[..., None] | None = None, known: dict[Workload, float] | None = None
+                    ) -> tuple[EPStepRecord, EPColumns]:
     """(info.ep_step, every distinct step's EP-step figures per side). `progress(done, total, what)`:
-    RunContext.progress; `clock` gets the EP step's phases (routing, rank_workloads, host_composition, replay)."""
+    RunContext.progress; `clock` gets the EP step's phases (routing, rank_workloads, host_composition, replay);
+    `known`: the run's rank timings at this layer point (rank_time_lookup)."""
     t0 = time.perf_counter()
     progress = progress or (lambda done, total, what, detail="": None)
     layout = layout_of(p)
@@ -130,7 +139,7 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
         contests = contests_of(calls.take(read), counts[read], tables, layout)
     with clock.phase("rank_workloads"):
         rank_time, rank_plan, timer = rank_time_lookup(p, device, timing, contests, len(read) == calls.num_steps,
-                                                        progress)
+                                                        progress, known)
     with clock.phase("host_composition"):
         columns = compose_arrays(calls, tables, rank_time, wire_model, layout)
         tot = columns.totals(counts, layout.dbo)

@@ -1,7 +1,8 @@
 """The sweep keys of the serving trace and its EP step, one knob group (moebench.params.register_knobs):
 the serving engine around the layer (DP ranks, SP ranks, dual-batch overlap), a user's trace file, how much of the
-trace is timed (trace_replay, trace_real_points, trace_shape_timings, ep_rank_timings) and the EP step's wire (ranks_per_node, the link
-figures, the dispatch run the wire model is calibrated from and its path: moebench.dispatch.wire_model).
+trace is timed (trace_replay, trace_real_points, trace_shape_timings, ep_rank_timings, ep_rank_seconds) and the EP
+step's wire (ranks_per_node, the link figures, the dispatch run the wire model is calibrated from and its path:
+moebench.dispatch.wire_model).
 The trace of token counts itself is TraceKnobs' (moebench.traces.knobs: jit_trace reads it too).
 
 Two key lists are derived here from the groups, not kept by hand:
@@ -31,6 +32,9 @@ WIRE_FIGURE_KEYS = ("wire_intra_gbps", "wire_intra_latency_us", "wire_inter_gbps
 # budgets are a smoke test's
 DEFAULT_SHAPE_TIMINGS = {"cuda": 192, "cpu": 12}
 DEFAULT_RANK_TIMINGS = {"cuda": 256, "cpu": 6}
+# the rank plan's seconds, after which its decisive rounds stop (None: no limit; the interpreter's budgets are a
+# count of a few workloads): a GPU's heaviest workloads (prefill at EP 64: ~10^5 rows) take ~0.1 s a timing
+DEFAULT_RANK_SECONDS = {"cuda": 90.0, "cpu": None}
 
 
 @register_knobs
@@ -49,6 +53,9 @@ class ServingKnobs:
     # the EP step: distinct rank workloads timed one by one, beyond which a cost model is fitted to this many
     # (None: DEFAULT_RANK_TIMINGS for the device: rank_timings())
     ep_rank_timings: Optional[int] = None
+    # the EP step: seconds after which the rank plan's decisive rounds stop, the design timed whole (None:
+    # DEFAULT_RANK_SECONDS for the device: rank_seconds())
+    ep_rank_seconds: Optional[float] = None
     # the EP step's wire: the deployment's GPUs per node, the links' figures (None: the model's own), the dispatch
     # run the model is calibrated from, and the path whose overheads it takes
     ranks_per_node: int = DEFAULT_RANKS_PER_NODE
@@ -62,7 +69,8 @@ class ServingKnobs:
     # a trace file is found beside the sweep or among the bundled traces; a calibration run as the sweep names it
     PATHS = {"trace_file": (BUNDLED_DIR, False), "dispatch_calibration": (None, True)}
     # keys that say how much is measured, not what is: records differing only in these are one configuration
-    MEASUREMENT = frozenset({"trace_replay", "trace_real_points", "trace_shape_timings", "ep_rank_timings"})
+    MEASUREMENT = frozenset({"trace_replay", "trace_real_points", "trace_shape_timings", "ep_rank_timings",
+                             "ep_rank_seconds"})
 
     def shape_timings(self, device_kind: str) -> int:
         """The shapes timed before the shape model reads the rest, on a "cuda" or "cpu" device."""
@@ -71,6 +79,10 @@ class ServingKnobs:
     def rank_timings(self, device_kind: str) -> int:
         """The rank workloads timed before the rank model reads the rest, on a "cuda" or "cpu" device."""
         return self.ep_rank_timings if self.ep_rank_timings is not None else DEFAULT_RANK_TIMINGS[device_kind]
+
+    def rank_seconds(self, device_kind: str) -> float | None:
+        """The rank plan's seconds before its decisive rounds stop, on a "cuda" or "cpu" device (None: no limit)."""
+        return self.ep_rank_seconds if self.ep_rank_seconds is not None else DEFAULT_RANK_SECONDS[device_kind]
 
     @property
     def wire_figures(self) -> dict[str, Optional[float]]:
@@ -86,6 +98,8 @@ class ServingKnobs:
         for k in ("ep_rank_timings", "trace_shape_timings"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 return f"{k}: must be >= 1, got {getattr(self, k)}"
+        if self.ep_rank_seconds is not None and not self.ep_rank_seconds > 0:
+            return f"ep_rank_seconds: must be > 0, got {self.ep_rank_seconds}"
         why = trace_file_problem(self.trace_file, self.dp_size)  # a bad file is refused here, naming its line
         if why:
             return f"trace_file: {why}"

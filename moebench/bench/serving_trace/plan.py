@@ -6,7 +6,9 @@ A side (rank workloads or shapes) has points to price, more than the budget lets
      budget // DESIGN_SHARE in all; the fit's own error is its k-fold cross-validation (`cross_validated`);
   2. decide: rounds of at most ROUND points, the side's most decisive untimed ones first (`Side.next_round`: what
      the answer reads most); each round is predicted before it is timed, and those predictions against the timings
-     are the model's held-out error, on exactly the points the answer reads; the model is refitted after each.
+     are the model's held-out error, on exactly the points the answer reads; the model is refitted after each;
+     the rounds stop at the budget's count of timings or, where the side gives one, its budget in seconds (a
+     GPU's prefill-sized workloads take tens of milliseconds a timing).
 The fit (`fit_relative`): non-negative coefficients of a linear cost over features per launch config, minimising
 the relative error (non-negative least squares, `nnls`). Points of more rows than the device times are priced,
 never timed (`can_time`: the interpreter's layer call costs seconds a row at its sizes).
@@ -15,6 +17,7 @@ never timed (`can_time`: the interpreter's layer call costs seconds a row at its
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
@@ -149,8 +152,9 @@ class Side(Protocol):
 
 @dataclass
 class Plan:
-    """What run_plan timed and fitted: every key's timing, the last model, the design, the held-out relative
-    errors per series and the decisive rounds."""
+    """What run_plan timed and fitted: every key's timing (the known ones too), the last model, the design, the
+    points timed now, the held-out relative errors per series, the decisive rounds and why they stopped
+    ("budget", "candidates": none left, or "seconds")."""
 
     timed: dict
     model: Any
@@ -158,19 +162,31 @@ class Plan:
     done: set
     held_out: dict[str, list[float]] = field(default_factory=dict)
     rounds: int = 0
+    stopped_by: str = "budget"
 
 
-def run_plan(side: Side, design: Sequence[Hashable], budget: int, round_size: int = ROUND) -> Plan:
-    """Time the design, fit, then rounds of at most `round_size` of the side's decisive points until the budget is
-    spent (module docstring)."""
-    timed = dict(side.time(design))
+def run_plan(side: Side, design: Sequence[Hashable], budget: int, round_size: int = ROUND, *,
+             known: Mapping[Hashable, float] | None = None, seconds: float | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> Plan:
+    """Time the design, fit, then rounds of at most `round_size` of the side's decisive points until `budget`
+    points are timed or, after a round, `seconds` have passed since the start (module docstring). `known`: keys
+    timed before (a point is then one key: the rank side's workloads), read as timed, never timed again nor
+    counted in the budget, and fitted with the rest."""
+    start = clock()
+    timed = dict(known or {})
+    design = [d for d in design if d not in timed]
+    timed.update(side.time(design))
     done = set(design)
     model = side.fit(timed)
     held: dict[str, list[float]] = {}
-    rounds = 0
+    rounds, stopped_by = 0, "budget"
     while len(done) < budget:
+        if seconds is not None and clock() - start >= seconds:
+            stopped_by = "seconds"
+            break
         batch = side.next_round(model, timed, held, done)[:min(round_size, budget - len(done))]
         if not batch:
+            stopped_by = "candidates"
             break
         predicted = side.predict(model, batch)
         got = side.time(batch)
@@ -180,4 +196,4 @@ def run_plan(side: Side, design: Sequence[Hashable], budget: int, round_size: in
             held.setdefault(series, []).append(rel_error(pr, got[key]))
         model = side.fit(timed)
         rounds += 1
-    return Plan(timed, model, list(design), done, held, rounds)
+    return Plan(timed, model, list(design), done, held, rounds, stopped_by)

@@ -29,6 +29,29 @@ from moebench.bench.serving_trace.rank_cost import Workload, workload_ids
 from moebench.params import Params, Timing
 
 
+class RankStore:
+    """One run's rank-workload timings at one layer point, {Workload: us}, kept while the run's points share their
+    layer parameters (shapes.layer_key): the points of a what-if axis over capture lists read each workload another
+    timed (the masked side's workloads are the same under every list), so a workload has one time in the run. The
+    store is the run's (RunContext.run_store): nothing outlives the run."""
+
+    RUN_STORE_KEY = "serving_trace.rank_workloads"
+
+    def __init__(self):
+        self.layer_key: tuple | None = None
+        self.timed: dict[Workload, float] = {}
+
+    @classmethod
+    def of_run(cls, run_store: dict) -> "RankStore":
+        return run_store.setdefault(cls.RUN_STORE_KEY, cls())
+
+    def for_layer(self, layer_key: tuple) -> dict[Workload, float]:
+        """The timings at the layer point `layer_key`; another layer point's are dropped first."""
+        if self.layer_key != layer_key:
+            self.timed, self.layer_key = {}, layer_key
+        return self.timed
+
+
 @dataclass(frozen=True)
 class RankCall:
     """One call of a rank's expert kernel, and the tensors it reads and writes (views of the timer's buffers)."""

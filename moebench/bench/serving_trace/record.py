@@ -1,8 +1,7 @@
 """The serving_trace record, typed: what the family builds and writes into a record's `info`, and what report/ and
 plots/ read back (`from_info`), so that no reader looks a figure up by a string path through nested dicts.
 
-  TraceRecord     the parts of info a reader needs: the engine, the trace, the shape counts, the headline, the
-                  single-rank replay, the EP step, the phase costs
+  TraceRecord     the parts of info a reader needs: engine, trace, shape counts, headline, replay, EP step, phases
   TraceHeadline   info.headline: the single-rank view over the trace (and `ep_step`, the EP step's headline)
   EPHeadline      info.headline.ep_step
   EPStepRecord    info.ep_step: how the EP step was had (placement, payload, wire, rank times), its totals and tax
@@ -12,8 +11,7 @@ plots/ read back (`from_info`), so that no reader looks a figure up by a string 
 `to_info()` gives the JSON a record holds (optional parts left out when absent); `from_info(d)` reads it back,
 `from_info(x.to_info()) == x`. A replay states its `tolerance` and its verdict per side, `within_tolerance`;
 records written before the tolerance was recorded held `within_5pct` (a 5% tolerance): they are read as such.
-Imports nothing of moebench but moebench.records (SIDES): the family builds these, report/trace_tax.py and
-plots/trace.py read them.
+Imports nothing of moebench but moebench.records (SIDES): the family builds these, report/ and plots/ read them.
 """
 
 from __future__ import annotations
@@ -122,9 +120,9 @@ class EPReplayRecord(_Record):
 
 @dataclass
 class RankPlan(_Record):
-    """How the EP ranks' times were had (rank_cost.plan_rank_times): every distinct workload timed (`timed`), or a
+    """How the EP ranks' times were had (rank_plan.plan_rank_times): every distinct workload timed (`timed`), or a
     cost model (`model`) fitted to a design and decisive rounds, with its cost_model record (per launch its
-    coefficients and cross-validated error; the held-out error of the rounds against the tolerance)."""
+    coefficients and cross-validated error; the rounds' held-out error against the tolerance)."""
 
     rank_times: str
     distinct_workloads: int
@@ -138,10 +136,12 @@ class RankPlan(_Record):
     timed_rows_max: Optional[int] = None
     untimeable_workloads: Optional[int] = None
     timer: Optional[dict[str, Any]] = None  # the timer's host seconds and timings (ep_measure)
+    reused_timings: Optional[int] = None  # workloads an earlier point of the run timed at this layer point
+    stopped_by: Optional[str] = None  # the decisive rounds' end: budget, candidates (none left) or seconds
 
-    OPTIONAL: ClassVar[frozenset] = frozenset({"design_timings", "decisive_timings", "decisive_rounds", "cost_model",
-                                               "decided_by_timing_share", "timed_rows_max", "untimeable_workloads",
-                                               "timer"})
+    OPTIONAL: ClassVar[frozenset] = frozenset({
+        "design_timings", "decisive_timings", "decisive_rounds", "cost_model", "decided_by_timing_share",
+        "timed_rows_max", "untimeable_workloads", "timer", "reused_timings", "stopped_by"})
     # what EPStepRecord states as fields of its own; the rest is its rank_plan
     OWN = ("rank_times", "distinct_workloads", "rank_timings", "cost_model")
 
@@ -250,7 +250,7 @@ class EPStepRecord(_Record):
     slowest_rank_padded_route_share: Optional[float]
     cost_model: Optional[dict[str, Any]] = None
     # how the rank times were had: the design and decisive timings, the share of the expert time they decide, the
-    # timer's own cost (rank_cost.plan_rank_times)
+    # timer's own cost (rank_plan.plan_rank_times)
     rank_plan: Optional[dict[str, Any]] = None
     replay: Optional[EPReplayRecord] = None
     # the card the rank times came from, where the wire figures came from, and a line when the two differ

@@ -17,8 +17,8 @@ from moebench.bench.serving_trace.ep_step import (EPStepLayout, SideStep, StepMi
                                                   step_totals as totals, tax_split)
 from moebench.bench.serving_trace.launch import Launch
 from moebench.bench.serving_trace.plan import nnls
-from moebench.bench.serving_trace.rank_cost import (Contest, RankCostModel, Workload, decisive_order, design_sample,
-                                                    features, plan_rank_times, workload_ids)
+from moebench.bench.serving_trace.rank_cost import RankCostModel, Workload, design_sample, features, workload_ids
+from moebench.bench.serving_trace.rank_plan import Contest, decisive_order, plan_rank_times
 from moebench.bench.serving_trace.shapes import ShapeBench
 from moebench.inputs.engine_padding import Engine, step_padding
 
@@ -275,6 +275,47 @@ def test_rank_times_time_each_workload_or_model_them_and_time_the_slowest():
     assert set(calls[rec.design_timings:]) <= slowest
 
 
+def test_known_workloads_are_read_never_timed_and_left_out_of_the_budget():
+    loads = [Workload(round(10 * 1.05 ** i), (round(10 * 1.05 ** i), 1)) for i in range(60)]
+    contests = [Contest(1 + i % 3, tuple(loads[i:i + 4])) for i in range(0, 56, 2)]
+    seen = {w for c in contests for w in c.workloads}
+    known = {w: 7.0 for w in loads[:10]}  # another point's timings: read as they are, even where the cost differs
+    calls = []
+
+    def timer(w):
+        calls.append(w)
+        return rank_cost(w)
+
+    lookup, rec = plan_rank_times(contests, timer, 64, lambda rows: BM64, 0.03, known=known)
+    assert rec.rank_times == "timed" and set(calls) == seen - set(known) and rec.rank_timings == len(calls)
+    assert rec.reused_timings == len(seen & set(known)) and all(lookup(w) == 7.0 for w in known)
+    calls.clear()
+    lookup, rec = plan_rank_times(contests, timer, 20, lambda rows: BM64, 0.03, known=known)
+    assert rec.rank_times == "model" and rec.rank_timings == len(calls) == 20 and not set(calls) & set(known)
+    assert rec.reused_timings == len(known) and lookup(loads[0]) == 7.0
+
+
+def test_the_decisive_rounds_stop_at_the_seconds_given(monkeypatch):
+    import moebench.bench.serving_trace.rank_plan as rank_plan_module
+    from moebench.bench.serving_trace.plan import run_plan
+
+    loads = [Workload(round(10 * 1.05 ** i), (round(10 * 1.05 ** i), 1)) for i in range(60)]
+    contests = [Contest(1 + i % 3, tuple(loads[i:i + 4])) for i in range(0, 56, 2)]
+    now = [0.0]
+
+    def timer(w):  # each timing a second of a stood-in clock
+        now[0] += 1.0
+        return rank_cost(w)
+
+    monkeypatch.setattr(rank_plan_module, "run_plan", lambda *a, **kw: run_plan(*a, **kw, clock=lambda: now[0]))
+    _, free = plan_rank_times(contests, timer, 40, lambda rows: BM64, 0.03)
+    now[0] = 0.0
+    _, capped = plan_rank_times(contests, timer, 40, lambda rows: BM64, 0.03, seconds=1.0)
+    assert free.stopped_by in ("budget", "candidates") and free.decisive_rounds >= 1
+    # the design is timed whole (more than the second), then no decisive round starts
+    assert capped.stopped_by == "seconds" and capped.decisive_timings == 0 and capped.design_timings >= 8
+
+
 def test_a_cost_the_model_cannot_follow_shows_in_its_held_out_error():
     loads = [Workload(r, (r, 1)) for r in range(1, 200)]
     contests = [Contest(1, tuple(loads[i:i + 4])) for i in range(0, 196, 4)]
@@ -351,11 +392,18 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
     assert largest["rows"] == max(s["rows"] for s in info["trace_steps"])
     assert len(largest["oblivious"]["rank_us"]) == 4
     assert largest["oblivious"]["slowest_us"] == max(largest["oblivious"]["rank_us"])
-    # the model path: fewer timings allowed than distinct workloads (the layer's shapes reused: same run)
-    info = impl.build(replace(p, ep_rank_timings=3), run).info
-    assert info["shapes_measured"] == 0
+    # the same run at the same layer point: every workload read from the run's store, none timed again, so the
+    # EP step is the same to the bit (what keeps the masked step equal across a run's capture lists)
+    again = impl.build(replace(p, ep_rank_timings=3), run).info
+    assert again["shapes_measured"] == 0
+    assert again["ep_step"]["rank_timings"] == 0
+    assert again["ep_step"]["rank_plan"]["reused_timings"] == ep["distinct_workloads"]
+    assert again["ep_step"]["totals"] == ep["totals"]
+    # the model path: fewer timings allowed than distinct workloads (a new run: nothing known)
+    info = impl.build(replace(p, ep_rank_timings=3), RunContext(device=torch.device("cpu"))).info
     assert info["ep_step"]["rank_times"] == "model" and info["ep_step"]["rank_timings"] == 3
     assert info["ep_step"]["rank_plan"]["design_timings"] <= info["ep_step"]["rank_timings"]
+    assert info["ep_step"]["rank_plan"]["stopped_by"] == "budget"
 
 
 @pytest.mark.parametrize("fill", ["zeros", "repeat", "random"])

@@ -488,13 +488,16 @@ def test_bad_trace_real_points_is_refused(tmp_path, capsys):
     assert ServingKnobs(trace_real_points=-3).problem(Params()) == "trace_real_points: must be >= 0, got -3"
 
 
-@pytest.mark.parametrize("value, message", [("0", "trace_shape_timings: must be >= 1, got 0"),
-                                            ("abc", "trace_shape_timings")])
-def test_a_bad_shape_budget_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys, value, message):
+@pytest.mark.parametrize("key, value, message", [
+    ("trace_shape_timings", "0", "trace_shape_timings: must be >= 1, got 0"),
+    ("trace_shape_timings", "abc", "trace_shape_timings"),
+    ("ep_rank_seconds", "0", "ep_rank_seconds: must be > 0, got 0"),
+    ("ep_rank_seconds", "-5.0", "ep_rank_seconds: must be > 0, got -5.0")])
+def test_a_bad_timing_budget_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys, key, value, message):
     sweep = tmp_path / "s.yaml"
     sweep.write_text(SWEEP.format(trace="example_chat_dp2.csv"))
     out = tmp_path / "out"
-    assert main(["run", str(sweep), "--out", str(out), "--set", f"trace_shape_timings={value}"]) == 2
+    assert main(["run", str(sweep), "--out", str(out), "--set", f"{key}={value}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists() or not any(out.iterdir())
