@@ -7,7 +7,8 @@ shapes, made on the host in seconds, no routing and no timing):
                  called SHAPE_CALLS times (the settled samples on a GPU; the check's call and one timed in the
                  interpreter), at the mean rows of the shapes it may time (the interpreter times none over
                  TIMED_ROWS_MAX);
-  rank workloads min(ep_rank_timings, the steps' rank workloads) expert-kernel timings at a rank's mean rows;
+  rank workloads min(ep_rank_timings, the steps' rank workloads) expert-kernel timings: the design at a rank's
+                 mean routes, the decisive ones at the slowest rank's (_rank_seconds), bounded by ep_rank_seconds;
   replay         the replayed steps' calls (both sides) and every EP rank of theirs, timed afresh;
   host           the routing and the composition over arrays: a fixed cost, HOST_S_PER_STEP per distinct step,
                  HOST_S_PER_RANK_STEP per distinct step and EP rank, HOST_S_PER_SHAPE per shape, and the EP step's
@@ -23,12 +24,15 @@ from dataclasses import replace
 
 from moebench.measure.cost import (INTERP_PROGRAM_S, DeviceRates, expected_expert_work, expert_programs,
                                    layer_call_work, layer_programs)
+from moebench.measure.timing import SETTLED_SAMPLED_US
 from moebench.params import Params
 
 SHAPE_CALLS = {"cuda": 12, "interpreter": 2, "cpu": 2}  # calls a timed shape side costs (untimed + samples)
 SHAPE_BUILD_S = {"cuda": 0.03, "interpreter": 0.05, "cpu": 0.05}  # a side's pipeline built, its graph captured
 RANK_CALLS = {"cuda": 10, "interpreter": 1, "cpu": 1}
 RANK_BUILD_S = 0.005
+HEAVY_RANK = 1.5  # the slowest rank's routes over the mean's, the padding aside (routing skew)
+RANK_ROOF_SHARE = 0.6  # of the roofline a rank's grouped GEMM reaches (docs/benchmarks.md: the expert kernels)
 # the host's arrays (project CPU machines, a 1,000,000-step trace of 381,093 distinct steps and 338,809 shapes at
 # EP 64: composition 32 s, the EP step's source slots routed 12 s): per distinct step, per distinct step and EP
 # rank, per shape (its figures and priced time), and per routed row of the EP step's source slots
@@ -106,19 +110,46 @@ def point_seconds(p: Params, rates: DeviceRates) -> float:
     shapes_s = 2 * timed * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
     replay_calls = serving.trace_replay * plan["calls_per_step"]
     replay_s = 2 * replay_calls * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
-    ep_s = 0.0
-    if p.ep_size > 1:
-        rank_rows = max(1, round(mean_rows * plan["calls_per_step"] / max(1, plan["micro_batches"])
-                                 * p.local_experts * p.top_k / p.num_experts))
-        rank_rows = min(rank_rows, rows_max) if rows_max else rank_rows
-        if rates.kind == "interpreter":
-            rank_s = expert_programs(p, rank_rows, p.local_experts) * INTERP_PROGRAM_S
-        else:
-            rank_s = rates.seconds(*expected_expert_work(p, rank_rows, p.local_experts), 12)
-        rank_budget = serving.rank_timings(device)
-        workloads = 2 * plan["distinct_steps"] * plan["micro_batches"] * p.ep_size
-        timings = min(rank_budget, workloads) + serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
-        ep_s = timings * (RANK_BUILD_S + RANK_CALLS[rates.kind] * rank_s)
+    ep_s = _rank_seconds(p, plan, rates, timeable, mean_rows) if p.ep_size > 1 else 0.0
     host_s = (HOST_S_FIXED + plan["distinct_steps"] * (HOST_S_PER_STEP + max(1, p.ep_size) * HOST_S_PER_RANK_STEP)
               + plan["shapes"] * HOST_S_PER_SHAPE + routed_rows(p, plan) * ROUTE_S_PER_ROW[rates.kind])
     return shapes_s + replay_s + ep_s + host_s + (RUN_CALLS + CHECK_CALLS) * layer_s
+
+
+def _rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mean_rows: int) -> float:
+    """The EP step's rank timings: the design at a rank's mean routes, the decisive rounds at the slowest rank's
+    (the mean plus, where the padded rows are identical, every source's padding piled onto one rank), the
+    replay's ranks at the mean; the plan's seconds bound the design and rounds (plus one round's overrun)."""
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+    from moebench.bench.serving_trace.plan import DESIGN_SHARE, ROUND
+
+    serving = p.knobs(ServingKnobs)
+    device = "cuda" if rates.is_cuda else "cpu"
+    rows_max = plan["rows_max"][device]
+    calls_per_mb = plan["calls_per_step"] / max(1, plan["micro_batches"])
+    share = p.local_experts * p.top_k / p.num_experts
+    mean_pad = sum(rows - real for rows, real in timeable) / max(1, len(timeable))
+    sources = max(p.ep_size, serving.dp_size * serving.sp_size)
+    pile = mean_pad * calls_per_mb * sources / max(1, serving.dp_size) if p.padding_fill in ("zeros", "repeat") \
+        else mean_pad * calls_per_mb * share
+    mean_routes = max(1, round(mean_rows * calls_per_mb * share))
+    heavy_routes = max(mean_routes, round(HEAVY_RANK * mean_routes + pile / 2))  # the two sides' mean
+
+    def timing_s(routes: int) -> float:
+        routes = min(routes, rows_max) if rows_max else routes
+        if rates.kind == "interpreter":
+            return RANK_BUILD_S + RANK_CALLS[rates.kind] * expert_programs(p, routes, p.local_experts) * INTERP_PROGRAM_S
+        call_s = rates.seconds(*expected_expert_work(p, routes, p.local_experts), 12) / RANK_ROOF_SHARE
+        # a long call's samples stop at SETTLED_SAMPLED_US of GPU time, after its untimed and mode-choosing calls
+        return RANK_BUILD_S + min(RANK_CALLS[rates.kind] * call_s, 2 * call_s + SETTLED_SAMPLED_US * 1e-6)
+
+    workloads = 2 * plan["distinct_steps"] * plan["micro_batches"] * p.ep_size
+    budget = serving.rank_timings(device)
+    timings = min(budget, workloads)
+    design = timings if workloads <= budget else budget // DESIGN_SHARE
+    plan_s = design * timing_s(mean_routes) + (timings - design) * timing_s(heavy_routes)
+    seconds = serving.rank_seconds(device)
+    if seconds is not None:
+        plan_s = min(plan_s, max(design * timing_s(mean_routes), seconds) + ROUND * timing_s(heavy_routes))
+    replay = serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
+    return plan_s + replay * timing_s(mean_routes)
