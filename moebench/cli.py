@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 
 from moebench import __version__
+from moebench.run.capture_search import add_arguments as capture_search_arguments
 from moebench.run.paths import bundled_sweeps, check_output_dir, sweep_argument_path
 from moebench.run.results import DEFAULT_RUNS_DIR
-from moebench.run.capture_search import capture_search_sweep, int_list
 from moebench.run.sweep import DEFAULT_MAX_POINTS, SweepError
 
 
@@ -288,11 +288,13 @@ def cmd_capture_search(args) -> int:
     """Run the search's one point, print the operator's table, plot and headline (exit: the run's)."""
     from moebench.plots.capture_search import capture_search_plot
     from moebench.report.capture_search import headline, table_lines
+    from moebench.run.capture_search import capture_search_sweep
     from moebench.run.results import load_records
     from moebench.run.runner import pick_device, run_sweep
     from moebench.run.sweep import sweep_from_dict
 
     sweep = sweep_from_dict(capture_search_sweep(args), "capture-search")  # refused here: one line, nothing written
+    _preset_notices(sweep)
     pick_device(args.device)
     check_output_dir("--out", args.out)
     code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, isolate=not args.in_process)
@@ -384,31 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cs = sub.add_parser("capture-search", help="the cheapest CUDA-graph capture list of at most K sizes for a trace, "
                                                "masked and oblivious (serving_trace.capture_search)")
-    cs.add_argument("trace", help="a CSV trace (one column, or one per DP rank) or a distribution: chat, mixed, "
-                                  "prefill_heavy, uniform, decode_prefill, lognormal")
-    cs.add_argument("--model", required=True, help="a model preset (see `moebench list --models`)")
-    cs.add_argument("--graphs", type=int_list, default=None, metavar="K,K,...",
-                    help="the graph budgets K (default 1, 2, 4, ... up to the trace's candidate sizes)")
-    cs.add_argument("--largest", type=int, default=None, help="fix the list's largest size (a candidate size)")
-    cs.add_argument("--keep", type=int_list, default=None, metavar="N,N,...", help="sizes that must stay")
-    cs.add_argument("--dp-size", type=_positive_int, default=1, help="DP ranks, each padded to their max (default 1)")
-    cs.add_argument("--sp-size", type=_positive_int, default=1, help="SP (TP) ranks a micro-batch is padded for and "
-                                                                   "chunked over (default 1)")
-    cs.add_argument("--dbo", action="store_true", help="dual-batch overlap")
-    cs.add_argument("--ep-size", type=_positive_int, default=1, help="EP ranks; this rank holds num_experts / "
-                                                                   "ep_size experts (default 1)")
-    cs.add_argument("--fill", default="repeat", help="padding_fill (default repeat)")
-    cs.add_argument("--steps", type=_positive_int, default=1000, help="steps drawn from a distribution")
-    cs.add_argument("--max-tokens", type=_positive_int, default=512, help="a distribution's tokens a step at most")
-    cs.add_argument("--shape-timings", type=_positive_int, default=None,
-                    help="shapes timed before the cost model reads the rest (trace_shape_timings)")
-    cs.add_argument("--seed", type=int, default=0, help="the inputs' and a drawn trace's seed (default 0)")
-    cs.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="any other sweep key of the point, e.g. hidden=64 (a YAML value)")
-    cs.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    cs.add_argument("--out", default=str(DEFAULT_RUNS_DIR), help=f"base directory of the run (default: "
-                                                                 f"{DEFAULT_RUNS_DIR})")
-    cs.add_argument("--in-process", action="store_true", help="run the point in this process (see run)")
+    capture_search_arguments(cs, _positive_int, str(DEFAULT_RUNS_DIR))
     cs.set_defaults(func=cmd_capture_search)
 
     pr = sub.add_parser("profile", help="profile one point under nsys (or torch.profiler)")

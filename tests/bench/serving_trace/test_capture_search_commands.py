@@ -1,0 +1,62 @@
+"""`moebench capture-search --size cpu`: the capture_search scenario's CPU shapes for the layer, the question (the
+trace, the engine, the budgets) still the options'; the answer printed and drawn as without it. A size the scenario
+does not declare is one line, exit 2, nothing written."""
+
+from argparse import Namespace
+from pathlib import Path
+
+from moebench.cli import main
+from moebench.run.capture_search import capture_search_sweep
+from moebench.run.results import load_records
+
+FAST = ["--set", "timing.iters=1", "--set", "timing.warmup=0"]
+TINY_TRACE = ["chat", "--model", "deepseek-v3", "--graphs", "1,2", "--steps", "3", "--max-tokens", "6",
+              "--dp-size", "2", "--device", "cpu", "--in-process", "--seed", "1"]
+
+
+def _answer_printed(out: str, run: Path) -> None:
+    """The operator's table, its headline and the plot, once, under the run's table."""
+    assert out.count("# capture search: ") == 1, out
+    assert "vs default" in out and "within 1% of it" in out and "# named lists: " in out
+    assert "# headline: " in out and "cost what `fine`'s 51 cost" in out
+    assert (run / "plots" / "capture_search.png").stat().st_size > 0
+    assert f"# plot: {run / 'plots' / 'capture_search.png'}" in out
+
+
+def _args(**given) -> Namespace:
+    base = dict(trace="chat", model="deepseek-v3", ep_size=1, dp_size=3, sp_size=1, dbo=False, fill="repeat", seed=0,
+                graphs=None, steps=10, max_tokens=64, largest=None, keep=None, shape_timings=None, set=None, size=None)
+    return Namespace(**{**base, **given})
+
+
+def test_size_cpu_reshapes_the_layer_and_keeps_the_question():
+    fixed = capture_search_sweep(_args(size="cpu"))["fixed"]
+    # the scenario's cpu shapes and shape budget
+    assert (fixed["num_experts"], fixed["hidden"], fixed["intermediate"]) == (8, 64, 32)
+    assert fixed["trace_shape_timings"] == 64
+    # the question stays the options': the trace drawn from chat (no explicit list), the engine, the budgets
+    assert "trace" not in fixed and fixed["trace_distribution"] == "chat" and fixed["trace_steps"] == 10
+    assert (fixed["dp_size"], fixed["ep_size"]) == (3, 1) and "capture_graphs" not in fixed
+    # --shape-timings and --set win over the size, as --set does over `moebench run --size`
+    fixed = capture_search_sweep(_args(size="cpu", shape_timings=5, set=["hidden=128"]))["fixed"]
+    assert (fixed["trace_shape_timings"], fixed["hidden"]) == (5, 128)
+
+
+def test_an_unknown_size_is_one_line_exit_2_nothing_written(tmp_path, capsys):
+    code = main(["capture-search", "chat", "--model", "deepseek-v3", "--size", "gpu", "--device", "cpu",
+                 "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--size gpu:" in err and "capture_search.yaml has no size 'gpu' (sizes: cpu)" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_capture_search_at_size_cpu_runs_and_answers(tmp_path, capsys):
+    code = main(["capture-search", *TINY_TRACE, "--size", "cpu", "--out", str(tmp_path), *FAST])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (run,) = tmp_path.iterdir()
+    (rec,) = load_records(run)
+    params = rec["params"]
+    assert (params["num_experts"], params["hidden"], params["dp_size"], params["ep_size"]) == (8, 64, 2, 1)
+    _answer_printed(out, run)
