@@ -137,10 +137,15 @@ def cmd_run(args) -> int:
     if args.dry_run:
         return dry_run(sweep, device=args.device)
     signals = getattr(args, "signals", None)
-    plots = None if args.no_plots else (lambda run_dir: _plot_notes(run_dir, args.plots))
+
+    def end_notes(run_dir: Path) -> list[str]:  # a capture-search point's answer too, fresh or resumed
+        if args.no_plots:
+            return _capture_search_notes(run_dir, None)
+        return _plot_notes(run_dir, args.plots) + _capture_search_notes(run_dir, _plot_dir(run_dir, args.plots))
+
     try:
         code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, resume=args.resume,
-                                  end_notes=plots, isolate=not args.in_process)
+                                  end_notes=end_notes, isolate=not args.in_process)
     except KeyboardInterrupt as e:
         if _run_dir_of(e) is None and args.resume:
             e.run_dir = Path(args.resume)
@@ -155,7 +160,7 @@ def _plot_notes(run_dir: Path, plots_base: str | None) -> list[str]:
     so; a figure that fails leaves the run as it is and says why."""
     from moebench.run.point import error_line
 
-    plot_dir = Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
+    plot_dir = _plot_dir(run_dir, plots_base)
     try:
         from moebench.plots import make_plots  # matplotlib missing is said the same way
 
@@ -163,6 +168,10 @@ def _plot_notes(run_dir: Path, plots_base: str | None) -> list[str]:
     except Exception as e:
         return [f"plots not made: {error_line(e)}"]
     return [f"plots: {len(paths)} written to {plot_dir}"]
+
+
+def _plot_dir(run_dir: Path, plots_base: str | None) -> Path:
+    return Path(plots_base) / run_dir.name if plots_base is not None else run_dir / "plots"
 
 
 def cmd_tune(args) -> int:
@@ -284,10 +293,30 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _capture_search_notes(run_dir: Path, plot_dir: Path | None) -> list[str]:
+    """The answer of each capture-search point of a finished run, under its table: the operator's table, the
+    headline and the plot (into plot_dir; None: not drawn). Every command that finishes a run prints it: a fresh
+    `moebench capture-search`, `moebench run` of the scenario, a resumed run of either."""
+    from moebench.records import load_records, unique_records
+    from moebench.report.capture_search import footer_lines, search_records
+    from moebench.run.point import error_line
+
+    found = search_records(unique_records(load_records(run_dir)))
+    lines = footer_lines(found)
+    if plot_dir is None or not found:
+        return lines
+    try:
+        from moebench.plots.capture_search import plot_records  # matplotlib missing is said the same way
+
+        return lines + [f"plot: {path}" for path in plot_records(found, plot_dir)]
+    except Exception as e:  # a figure that fails leaves the answer printed
+        return lines + [f"capture-search plot not made: {error_line(e)}"]
+
+
 def cmd_capture_search(args) -> int:
-    """Run the search's one point, print the operator's table, plot and headline (exit: the run's)."""
-    from moebench.plots.capture_search import capture_search_plot
-    from moebench.report.capture_search import headline, table_lines
+    """Run the search's one point; its table, headline and plot are printed under the run's table (exit: the
+    run's, or 1 when no answer was recorded)."""
+    from moebench.report.capture_search import search_records
     from moebench.run.capture_search import capture_search_sweep
     from moebench.run.results import load_records
     from moebench.run.runner import pick_device, run_sweep
@@ -297,17 +326,9 @@ def cmd_capture_search(args) -> int:
     _preset_notices(sweep)
     pick_device(args.device)
     check_output_dir("--out", args.out)
-    code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, isolate=not args.in_process)
-    recs = [r for r in load_records(run_dir) if r.get("status") == "ok"]
-    if not recs:
-        return code or 1
-    info = recs[0]["info"]
-    for line in table_lines(info):
-        print(line)
-    plot = capture_search_plot(info, run_dir / "plots" / "capture_search.png")
-    print(f"# plot: {plot}")
-    print(f"# headline: {headline(info)}")
-    return code
+    code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, isolate=not args.in_process,
+                              end_notes=lambda d: _capture_search_notes(d, d / "plots"))
+    return code if search_records(load_records(run_dir)) else (code or 1)
 
 
 _SIZE_HELP = ("apply the sweep's size NAME (its `sizes:` block; the bundled GPU-scale sweeps and scenarios declare "

@@ -1,6 +1,7 @@
 """The capture search's Pareto curves: the trace's time against the number of graphs, one curve per side (the
 best list of at most K sizes), the named capture lists as points (their graphs, their time). Drawn from a record's
-`info.capture_search` alone (matplotlib, Agg)."""
+`info.capture_search` alone (matplotlib, Agg); the command line draws one per capture-search point of a run
+(`plot_records`), for `moebench capture-search` and `moebench run` alike."""
 
 from __future__ import annotations
 
@@ -36,3 +37,11 @@ def capture_search_plot(info: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_records(records: list[dict], out_dir: Path) -> list[Path]:
+    """Each capture-search record's figure in out_dir: `capture_search.png`, or `capture_search__point<N>.png` for
+    each of several points."""
+    several = len(records) > 1
+    return [capture_search_plot(r["info"], out_dir / (f"capture_search__point{r.get('point')}.png" if several
+                                                     else "capture_search.png")) for r in records]

@@ -2,11 +2,35 @@
 the chosen list, the trace's time and tax per side, the saving against each named list, the lower bound (every
 candidate size captured) and the smallest K within 1% of it, masked and oblivious side by side, and the one-line
 headline. A difference smaller than the side's noise (the model's held-out error, or the timings' spread) reads
-"within noise"; where no noise estimate exists (one sample a shape, the interpreter) the table says so."""
+"within noise"; where no noise estimate exists (one sample a shape, the interpreter) the table says so.
+
+`footer_lines` is what the runner prints under its table (through the command line's end notes) for every run with
+a capture-search point: `moebench capture-search`, `moebench run` of the scenario, and either resumed."""
 
 from __future__ import annotations
 
 from moebench.records import SIDES
+
+IMPL = "serving_trace.capture_search"
+
+
+def search_records(records: list[dict]) -> list[dict]:
+    """The run's capture-search records that hold an answer (status ok)."""
+    return [r for r in records if r.get("impl") == IMPL and r.get("status") == "ok"
+            and isinstance((r.get("info") or {}).get("capture_search"), dict)]
+
+
+def footer_lines(records: list[dict]) -> list[str]:
+    """Per capture-search point of the run: its table and its headline (none for a run without one). Lines for the
+    runner's comments, which start each with `# `."""
+    found = search_records(records)
+    out: list[str] = []
+    for r in found:
+        if len(found) > 1:
+            out.append(f"point {r.get('point')}:")
+        out += table_lines(r["info"])
+        out.append(f"headline: {headline(r['info'])}")
+    return out
 
 
 def _noise(cs: dict, side: str) -> float | None:
@@ -55,10 +79,10 @@ def table_lines(info: dict) -> list[str]:
     fewer graphs, and where the figures come from."""
     cs = info["capture_search"]
     named = cs["named"]
-    out = [f"# capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
+    out = [f"capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
            f"{cs['sides']['masked']['candidates']} candidate sizes; method {cs['sides']['masked']['method']} / "
            f"{cs['sides']['oblivious']['method']}; priced on {cs['card']}",
-           f"# {'K':>3}  {'side':<9} {'graphs':>6} {'time (us)':>14} {'tax':>7} {'eager (us)':>11}  "
+           f"  {'K':>3}  {'side':<9} {'graphs':>6} {'time (us)':>14} {'tax':>7} {'eager (us)':>11}  "
            f"{'vs default':>22} {'vs fine':>22}  list"]
     for k in info["budgets"]:
         for side in SIDES:
@@ -78,10 +102,10 @@ def table_lines(info: dict) -> list[str]:
         beaten = min(s["curve_us"], default=s["lower_bound_us"]) < s["lower_bound_us"]
         bound = ("every candidate captured (not a lower bound here: a list of fewer graphs costs less, the price "
                  "is not monotone in the padded size)" if beaten else "lower bound (every candidate captured)")
-        out.append(f"# {side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
+        out.append(f"{side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
                    f"{s['within_1pct_k']}; noise: "
                    + ("unknown (one sample a shape)" if s["noise_rel"] is None else f"{s['noise_rel']:.1%}"))
-    out.append(f"# named lists: {'name':<8} {'graphs':>6}  " + "  ".join(
+    out.append(f"named lists: {'name':<8} {'graphs':>6}  " + "  ".join(
         f"{side + ' (us)':>16} {'best <= graphs':>22}" for side in SIDES))
     for name, figs in named.items():
         cells = []
@@ -92,13 +116,13 @@ def table_lines(info: dict) -> list[str]:
             cells.append(f"{figs[side]['time_us']:>16.1f} "
                          + (f"{_versus(best, figs[side]['time_us'], _noise(cs, side)):>22}" if best is not None
                             else f"{'n/a':>22}"))
-        out.append(f"#              {name:<8} {figs['graphs']:>6}  " + "  ".join(cells))
+        out.append(f"             {name:<8} {figs['graphs']:>6}  " + "  ".join(cells))
     eager = cs["eager"]
     per_call = " | ".join(f"{side} {eager['per_call_us'][side]:.2f}" for side in SIDES if side in eager["per_call_us"])
     launches = eager["launches_per_call"]
     launches = (" | ".join(f"{side} {launches[side]}" for side in SIDES if side in launches)
                 if isinstance(launches, dict) else launches)
-    out.append(f"# eager steps: {per_call} us of launches a layer call ({launches} launches, "
+    out.append(f"eager steps: {per_call} us of launches a layer call ({launches} launches, "
                f"{eager['launches_counted']}); {eager['source']}")
-    out.append("# capture time and graph memory per list: not measured (graphs are the cost side shown)")
+    out.append("capture time and graph memory per list: not measured (graphs are the cost side shown)")
     return out

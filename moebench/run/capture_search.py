@@ -1,5 +1,6 @@
 """`moebench capture-search`: its arguments and its sweep, the one point of serving_trace.capture_search the options
-describe (the command line runs it and prints the operator's table, plot and headline).
+describe. The command line runs it and prints the operator's table, plot and headline under the run's table (as
+`moebench run` does for any run with a capture-search point, resumed or not).
 
 `--size NAME` reads the bundled scenario's `sizes:` (sweeps/scenarios/capture_search.yaml), as `moebench run --size`
 reads a sweep file's, and applies NAME's keys before --shape-timings and --set; the keys of the question the command

@@ -1,6 +1,7 @@
-"""`moebench capture-search --size cpu`: the capture_search scenario's CPU shapes for the layer, the question (the
-trace, the engine, the budgets) still the options'; the answer printed and drawn as without it. A size the scenario
-does not declare is one line, exit 2, nothing written."""
+"""Every command that finishes a capture-search run gives the operator's answer: `moebench capture-search --size
+cpu` (the scenario's CPU shapes for the layer, the question still the options'), a run interrupted and resumed with
+`moebench run --resume`, and `moebench run capture_search --size cpu`: each prints the table and headline under the
+run's table and draws the plot. A size the scenario does not declare is one line, exit 2, nothing written."""
 
 from argparse import Namespace
 from pathlib import Path
@@ -10,6 +11,10 @@ from moebench.run.capture_search import capture_search_sweep
 from moebench.run.results import load_records
 
 FAST = ["--set", "timing.iters=1", "--set", "timing.warmup=0"]
+# the scenario's cpu shapes (Triton's interpreter), as --set options: the command as it was before --size
+SMALL = [a for kv in ("num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64",
+                      "intermediate=32", "group_size=16", "block_size=16", "trace_shape_timings=64")
+         for a in ("--set", kv)]
 TINY_TRACE = ["chat", "--model", "deepseek-v3", "--graphs", "1,2", "--steps", "3", "--max-tokens", "6",
               "--dp-size", "2", "--device", "cpu", "--in-process", "--seed", "1"]
 
@@ -60,3 +65,33 @@ def test_capture_search_at_size_cpu_runs_and_answers(tmp_path, capsys):
     params = rec["params"]
     assert (params["num_experts"], params["hidden"], params["dp_size"], params["ep_size"]) == (8, 64, 2, 1)
     _answer_printed(out, run)
+
+
+def test_a_resumed_capture_search_prints_its_answer(tmp_path, capsys, monkeypatch):
+    from moebench.run import runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "execute_point", interrupted)  # Ctrl-C in the point
+    code = main(["capture-search", *TINY_TRACE, "--out", str(tmp_path), *SMALL])
+    err = capsys.readouterr().err
+    (run,) = tmp_path.iterdir()
+    assert code == 130 and f"resume with: moebench run --resume {run}" in err
+    assert load_records(run) == []
+    monkeypatch.undo()
+    code = main(["run", "--resume", str(run), "--in-process"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    _answer_printed(out, run)
+
+
+def test_the_scenario_through_run_prints_the_same_answer(tmp_path, capsys):
+    code = main(["run", "capture_search", "--size", "cpu", "--device", "cpu", "--out", str(tmp_path),
+                 "--in-process", *FAST])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (run,) = tmp_path.iterdir()
+    _answer_printed(out, run)
+    assert "# capture search: 6 steps (4 distinct), 4 candidate sizes" in out
+    assert "# headlines (without the fix | with it):" in out  # the scenario's declared headlines stay
