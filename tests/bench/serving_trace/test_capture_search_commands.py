@@ -95,3 +95,24 @@ def test_the_scenario_through_run_prints_the_same_answer(tmp_path, capsys):
     _answer_printed(out, run)
     assert "# capture search: 6 steps (4 distinct), 4 candidate sizes" in out
     assert "# headlines (without the fix | with it):" in out  # the scenario's declared headlines stay
+
+
+def test_the_search_keys_are_in_the_sweep_docs_key_tables():
+    """docs/sweeps.md's parameter tables give every key of the search's knob group its type, default and meaning."""
+    import dataclasses
+    import re
+
+    from moebench.bench.capture_search import CaptureSearchKnobs
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "sweeps.md").read_text(encoding="utf-8")
+    assert "`CaptureSearchKnobs`" in text
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows.update({key: cells for key in re.findall(r"`([^`]+)`", cells[0])})
+    for field in dataclasses.fields(CaptureSearchKnobs):
+        assert field.name in rows, f"{field.name}: no row in docs/sweeps.md"
+        _, type_default, meaning = rows[field.name]
+        default = "null" if field.default is None else str(field.default)
+        assert type_default.endswith(f", {default}") and meaning, rows[field.name]
