@@ -7,12 +7,12 @@ p.num_experts experts by inputs.route (masked when p.mask: padded rows get -1 an
 experts [r*E/R, (r+1)*E/R).
   - Loads are exact: the routes each rank's experts receive, split into real and padding routes, are a function
     of the routing only (measure.imbalance); they do not depend on how many GPUs ran the point.
-  - Time is replayed: for every rank, the rows that have at least one route to its experts (from every source
-    rank: what a token dispatch delivers), with ids made local (-1 for the other ranks' experts, skipped at no
-    GEMM cost), go through fused_experts with E/R local experts, timed on this one GPU (CUDA events, median of
-    REPS after a warm-up). The straggler time is the max over ranks: an EP layer waits for its slowest rank.
-    Every simulated rank uses the same seeded weights: they have the shapes of any rank's weights, which is all
-    the time depends on.
+  - Time is replayed: every rank's workload (the rows that have at least one route to its experts, from every
+    source rank: what a token dispatch delivers, and its routes per local expert) is timed on this one GPU by the
+    serving trace's rank timer (moebench.bench.serving_trace.rank_timing.RankTimer, the one way a rank is timed:
+    fused_experts with E/R local experts on exactly those rows and counts, settled samples). The straggler time is
+    the max over ranks: an EP layer waits for its slowest rank. Every simulated rank uses the same seeded weights:
+    they have the shapes of any rank's weights, which is all the time depends on.
 `run()` (what the runner times) replays the slowest rank's expert work; every rank's time is in Case.info
 (`per_rank_us`), as are `per_rank_routes` {real, padding}, `slowest_rank` and the headline imbalance figures.
 Records are labelled simulated (info["simulated"], and ep_mode in the parameters): computed, not measured on
@@ -21,8 +21,8 @@ ep_size GPUs. Communication is not part of the simulation (a dispatch sweep meas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -32,8 +32,9 @@ from moebench.check import CheckResult, poison
 from moebench.inputs import make_expert_weights
 from moebench.kernels.runtime import interpreting
 from moebench.kernels.fused_experts import expert_work, fused_experts, fused_experts_torch, make_workspace
+from moebench.bench.serving_trace.rank_cost import Workload
+from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.measure.imbalance import expert_figures, imbalance, per_rank_loads, rank_figures
-from moebench.measure.timing import measure
 from moebench.params import EPLayout, Params, Timing
 from moebench.measure.cost import INTERP_PROGRAM_S, PointWork, expected_expert_work, expert_programs
 from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
@@ -100,11 +101,10 @@ def rank_work(sim: SimulatedEP, rank: int) -> RankWork:
                     padding_rows=int(pad_rows.sum().item()))
 
 
-def _time_median(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median microseconds of `reps` calls after one warm-up call (which also compiles): CUDA events on a GPU,
-    the host clock elsewhere (moebench.measure.timing, events mode; no time limit, so exactly `reps` samples)."""
-    timing = Timing(mode="events", warmup=1, iters=reps, unroll=1, max_seconds=float("inf"))
-    return float(measure(fn, timing, device).stats["p50"])
+def workload_of(work: RankWork, local_experts: int) -> Workload:
+    """A simulated rank's workload as the rank timer reads it: its rows and its routes per local expert."""
+    ids = work.local_ids[work.local_ids >= 0].to(torch.int64)
+    return Workload(int(work.rows.numel()), tuple(torch.bincount(ids, minlength=local_experts).tolist()))
 
 
 class _RankRunner:
@@ -154,13 +154,15 @@ def _build(p: Params, ctx: RunContext) -> Case:
     reps = REPS_CUDA if dev.type == "cuda" else REPS_CPU
 
     works = [rank_work(sim, r) for r in range(R)]
+    timer = RankTimer(replace(p, expert_dtype="bf16"), dev,
+                      Timing(mode="events", warmup=1, iters=reps, unroll=1, max_seconds=float("inf")),
+                      triton=use_triton)
     per_rank_us = []
-    for r, work in enumerate(works):  # one rank at a time: only one rank's rows and workspace are alive
+    for r, work in enumerate(works):
         ctx.progress(r, R, "simulated ranks timed", f"rank {r}")
-        runner = _RankRunner(sim, work, w13, w2, use_triton)
-        per_rank_us.append(_time_median(runner.run, dev, reps) if work.rows.numel() else 0.0)
-        del runner
+        per_rank_us.append(timer(workload_of(work, sim.layout.local_experts)))
     ctx.progress(R, R, "simulated ranks timed")
+    del timer
     slowest = max(range(R), key=lambda r: per_rank_us[r])
     replay = _RankRunner(sim, works[slowest], w13, w2, use_triton)
     flops, bytes_moved = replay.flops_and_bytes()
@@ -190,9 +192,10 @@ def _build(p: Params, ctx: RunContext) -> Case:
         **({"configs": {"fused_experts": replay.workspace.choice.record()}} if replay.workspace is not None else {}),
         "hottest_expert": experts_all["hottest"],
         "hottest_expert_share": experts_all["hottest_share"],
-        "timing_note": (f"per-rank: median of {reps} {'CUDA-event' if dev.type == 'cuda' else 'wall-clock'} "
-                        f"timings of its fused_experts ({'Triton' if use_triton else 'torch'}) on one device, "
-                        f"after a warm-up; run() replays the slowest rank; communication not included"),
+        "timing_note": (f"per-rank: its workload (rows, routes per local expert) timed by the rank timer "
+                        f"({'settled samples' if dev.type == 'cuda' else f'median of {reps} wall-clock timings'} of "
+                        f"its fused_experts ({'Triton' if use_triton else 'torch'}) on one device); run() replays the "
+                        f"slowest rank on its own rows; communication not included"),
     }
 
     def run():

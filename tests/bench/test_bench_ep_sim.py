@@ -144,3 +144,43 @@ def test_runner_ep_scaling_records(tmp_path):
         assert r["info"]["simulated"] is True and len(r["info"]["per_rank_us"]) == R
         assert r["imbalance"]["per_rank_padding"] == r["info"]["per_rank_routes"]["padding"]
     assert list((tmp_path / "plots" / run_dir.name).glob("ep_scaling*.png"))
+
+
+def test_each_rank_is_timed_by_the_rank_timer_on_its_workload(monkeypatch):
+    """One way to time a rank: ep_sim hands the serving trace's RankTimer each rank's rows and routes per local
+    expert (a stood-in timer reads them back)."""
+    from moebench.bench import ep_sim
+    from moebench.bench.serving_trace.rank_timing import RankTimer
+
+    monkeypatch.setattr(RankTimer, "__call__", lambda self, w: float(w.rows * 1000 + w.routes))
+    p = sim_params()
+    info = registry.get("ep_sim.experts").build(p, RunContext(device=CPU)).info
+    rows = [a + b for a, b in zip(info["per_rank_rows"]["real"], info["per_rank_rows"]["padding"])]
+    routes = [a + b for a, b in zip(info["per_rank_routes"]["real"], info["per_rank_routes"]["padding"])]
+    assert info["per_rank_us"] == [float(r * 1000 + n) for r, n in zip(rows, routes)]
+    sim = simulated_batches(p, CPU)
+    work = rank_work(sim, 1)
+    w = ep_sim.workload_of(work, sim.layout.local_experts)
+    assert w.rows == work.rows.numel() and w.routes == work.real_routes + work.padding_routes
+    assert w.problem(p.top_k) is None
+
+
+def test_the_rank_timer_times_the_torch_reference_where_triton_cannot_run():
+    from dataclasses import replace as params_replace
+
+    from moebench.bench.serving_trace.rank_cost import Workload
+    from moebench.bench.serving_trace.rank_timing import RankTimer
+    from moebench.kernels.fused_experts import fused_experts_torch
+    from moebench.params import Timing
+
+    p = params_replace(sim_params(), expert_dtype="bf16")
+    timer = RankTimer(p, CPU, Timing(mode="wall", warmup=0, iters=1, unroll=1), triton=False)
+    call = timer.runner(Workload(5, (3, 0, 4, 1)))
+    call.tensors["out"].fill_(float("nan"))
+    call()
+    t = call.tensors
+    w13, w2 = timer.weights
+    ref = fused_experts_torch(t["x"], w13, w2, t["topk_w"], t["ids"], compute_dtype=torch.bfloat16)
+    assert torch.equal(t["out"], ref.to(t["out"].dtype)) and timer(Workload(5, (3, 0, 4, 1))) > 0
+    with pytest.raises(ValueError, match="bf16 experts only"):
+        RankTimer(params_replace(p, expert_dtype="fp8"), CPU, Timing(mode="wall"), triton=False)

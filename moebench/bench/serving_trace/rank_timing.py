@@ -64,13 +64,17 @@ class RankCall:
 
 
 class RankTimer:
-    """p50 microseconds of the rank's expert kernel on a workload (see the module docstring for how)."""
+    """p50 microseconds of the rank's expert kernel on a workload (see the module docstring for how). The one way
+    a rank is timed on one device: the serving trace's EP step and ep_sim's simulated ranks. `triton=False` times
+    the bf16 reference in torch instead (a CPU without the interpreter: ep_sim's torch path)."""
 
-    def __init__(self, p: Params, device: torch.device, timing: Timing):
+    def __init__(self, p: Params, device: torch.device, timing: Timing, *, triton: bool = True):
         from moebench.bench.experts_fp8 import quantized_expert_weights
         from moebench.inputs import cached_expert_weights
 
-        self.p, self.device, self.timing = p, device, timing
+        if not triton and p.expert_dtype == "fp8":
+            raise ValueError("RankTimer: the torch reference times bf16 experts only")
+        self.p, self.device, self.timing, self.triton = p, device, timing, triton
         E, H, I = p.local_experts, p.hidden, p.intermediate
         if p.expert_dtype == "fp8":
             self.weights = quantized_expert_weights(E, H, I, seed=p.seed, device=device)
@@ -120,8 +124,14 @@ class RankTimer:
                                                       workspace=ws, out=out),
                             {"x_q": x_q, "x_sf": x_sf, "ids": ids, "topk_w": topk_w, "out": out})
         w13, w2 = self.weights
-        ws = make_workspace(n, K, E, H, I, dtype=torch.bfloat16, device=dev)
         x = b["x"][:n]
+        if not self.triton:
+            from moebench.kernels.fused_experts import fused_experts_torch
+
+            return RankCall(lambda: out.copy_(fused_experts_torch(x, w13, w2, topk_w, ids,
+                                                                  compute_dtype=torch.bfloat16)),
+                            {"x": x, "ids": ids, "topk_w": topk_w, "out": out})
+        ws = make_workspace(n, K, E, H, I, dtype=torch.bfloat16, device=dev)
         return RankCall(lambda: fused_experts(x, w13, w2, topk_w, ids, workspace=ws, out=out),
                         {"x": x, "ids": ids, "topk_w": topk_w, "out": out})
 
