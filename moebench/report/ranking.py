@@ -12,7 +12,9 @@ does not), both shown, the masked side first. Each figure carries the error the 
 A list is `within noise` of the fastest when their difference is within the two figures' errors added (each error
 x its figure; the errors of one run's model are not independent, so they add). The ranking refuses, saying why,
 where a figure it would rank is unchecked. It ranks one side's lists against each other: whether the masked side
-is comparable with the oblivious one (report.noise.not_comparable) is the tax's concern, not the ranking's.
+is comparable with the oblivious one (report.noise.not_comparable) is the tax's concern, not the ranking's. The
+masked EP step does the same work under every list (without SP or DBO): where the lists' figures differ beyond
+their stated errors the masked side is not ranked (`masked_disagreement`), as its differences are noise.
 """
 
 from __future__ import annotations
@@ -112,8 +114,28 @@ def rankings(records: list[dict], label_of) -> list[Ranking]:
         for side in RANKED_SIDES:
             figures = [(ep_figure if ep else layer_figure)(t, side) for t in typed]
             refused = next((f"{f.capture_list}: {f.error_source}" for f in figures if f.rel_error is None), None)
+            if refused is None and side == "masked" and ep and _masked_work_fixed(typed[0]):
+                refused = masked_disagreement(figures)
             out.append(Ranking(key, label_of(recs[0]), side, "EP step" if ep else "single-rank layer",
                                sorted(figures, key=lambda f: (f.us, f.capture_list)), refused))
     return out
+
+
+def _masked_work_fixed(t: TraceRecord) -> bool:
+    """Whether the masked EP step does the same work under every capture list: its padded rows route nowhere, and
+    without SP chunks or DBO halves (both cut at the padded size) the real rows' split does not move either."""
+    return int(t.engine.get("sp_size", 1)) == 1 and not t.engine.get("dbo", False)
+
+
+def masked_disagreement(figures: list[Figure]) -> str | None:
+    """Why the lists' masked EP steps cannot be ranked, or None: they do the same work, so they must agree within
+    the errors the run states (each error x its figure, added, as `within noise` reads them); past that the
+    difference is the rank timings' noise, not the lists'."""
+    low, high = min(figures, key=lambda f: f.us), max(figures, key=lambda f: f.us)
+    if high.us - low.us <= low.rel_error * low.us + high.rel_error * high.us:
+        return None
+    return (f"the masked EP step does the same work under every list, yet {high.capture_list}'s is "
+            f"{100 * (high.us - low.us) / low.us:.1f}% above {low.capture_list}'s, beyond the errors stated "
+            f"({error_word(low.rel_error)}, {error_word(high.rel_error)}): the rank times did not settle")
 
 

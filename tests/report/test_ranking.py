@@ -10,8 +10,10 @@ from moebench.report.ranking import rankings
 PARAMS = {"dp_size": 2, "sp_size": 1, "dbo": False, "ep_size": 8, "num_experts": 64, "top_k": 4}
 
 
-def _record(capture_list, step_us, layer_us, *, held=0.01, tax=None, real_only=None, ep=True, shape_mode="exact"):
-    """A serving_trace record as the family writes it, cut to what the ranking reads."""
+def _record(capture_list, step_us, layer_us, *, held=0.01, tax=None, real_only=None, ep=True, shape_mode="exact",
+            sp_size=2):
+    """A serving_trace record as the family writes it, cut to what the ranking reads. SP 2 by default: its chunks
+    are cut at the padded size, so the masked EP step's work may differ between lists."""
     real_only = real_only or {"masked": 900.0, "oblivious": 900.0}
     head = {"layer_us": layer_us, "real_only_us": real_only,
             "padding_us": {s: layer_us[s] - real_only[s] for s in layer_us},
@@ -19,7 +21,7 @@ def _record(capture_list, step_us, layer_us, *, held=0.01, tax=None, real_only=N
             "recovered_us": layer_us["oblivious"] - layer_us["masked"], "recovered_share": None,
             "padded_rows": 10, "real_tokens": 100, "padding_gemm_rows": {"masked": 0, "oblivious": 4},
             "jit_compiles": {"masked": 1, "oblivious": 1}}
-    info = {"engine": {"capture_list": capture_list, "dp_size": 2, "sp_size": 1, "dbo": False, "ep_size": 8},
+    info = {"engine": {"capture_list": capture_list, "dp_size": 2, "sp_size": sp_size, "dbo": False, "ep_size": 8},
             "trace": {"steps": 1000}, "distinct_shapes": 10, "headline": head,
             "shape_plan": {"shape_times": shape_mode}}
     if ep:
@@ -27,7 +29,8 @@ def _record(capture_list, step_us, layer_us, *, held=0.01, tax=None, real_only=N
         head["ep_step"] = {"step_us": step_us, "tax_split_us": split, "padding_tax": 0.1}
         info["ep_step"] = {"rank_times": "model", "cost_model": {"held_out": {"rms_rel": held}},
                            "wire": {"kind": "model", "name": "test"}}
-    return {"target": "serving_trace", "status": "ok", "params": {**PARAMS, "capture_sizes": capture_list},
+    return {"target": "serving_trace", "status": "ok",
+            "params": {**PARAMS, "sp_size": sp_size, "capture_sizes": capture_list},
             "info": info}
 
 
@@ -131,3 +134,22 @@ def test_the_plots_carry_the_models_word_and_draw_no_bar_for_sides_not_comparabl
     trace_plots.ep_step_bars(run, tmp_path)  # a figure a capture list, a word above each bar
     words = [t.get_text() for fig in figures[before:] for t in fig.axes[0].texts]
     assert sorted(set(words)) == ["unchecked", "±1.0%"] and len(words) == 4
+
+
+def test_masked_ep_steps_that_should_agree_and_do_not_are_not_ranked():
+    """Without SP or DBO the masked EP step does the same work under every list: lists that differ beyond their
+    stated errors are noise, refused with the figures; lists within them are ranked."""
+    apart = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0},
+                     sp_size=1),
+             _record("pow2", {"masked": 1050.0, "oblivious": 1100.0}, {"masked": 1.0, "oblivious": 1.0},
+                     sp_size=1)]
+    masked, oblivious = rankings(apart, lambda r: "DP 2")
+    assert masked.refused.startswith("the masked EP step does the same work under every list, yet pow2's is 5.0% "
+                                     "above default's, beyond the errors stated (±1.0%, ±1.0%)")
+    assert oblivious.refused is None and oblivious.figures[0].capture_list == "pow2"
+    close = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0},
+                     sp_size=1),
+             _record("pow2", {"masked": 1015.0, "oblivious": 1100.0}, {"masked": 1.0, "oblivious": 1.0},
+                     sp_size=1)]
+    masked, _ = rankings(close, lambda r: "DP 2")
+    assert masked.refused is None and _words(masked)["pow2"].startswith("within noise")
