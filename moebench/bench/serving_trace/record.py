@@ -2,15 +2,14 @@
 plots/ read back (`from_info`), so that no reader looks a figure up by a string path through nested dicts.
 
   TraceRecord     the parts of info a reader needs: engine, trace, shape counts, headline, replay, EP step, phases
-  TraceHeadline   info.headline: the single-rank view over the trace (and `ep_step`, the EP step's headline)
-  EPHeadline      info.headline.ep_step
+  TraceHeadline   info.headline: the single-rank view over the trace (EPHeadline: its `ep_step`, the EP step's)
   EPStepRecord    info.ep_step: how the EP step was had (placement, payload, wire, rank times), its totals and tax
   ReplayRecord    info.replay: the single-rank composition against a call-by-call replay
   EPReplayRecord  info.ep_step.replay: the EP composition against every rank timed afresh
 
 `to_info()` gives the JSON a record holds (optional parts left out when absent); `from_info(d)` reads it back,
-`from_info(x.to_info()) == x`. A replay states its `tolerance` and its verdict per side, `within_tolerance`;
-records written before the tolerance was recorded held `within_5pct` (a 5% tolerance): they are read as such.
+`from_info(x.to_info()) == x`. A replay states its `tolerance` and its verdict per side, `within_tolerance`
+(records from before it held `within_5pct`, a 5% tolerance: read as such).
 Imports nothing of moebench but moebench.records (SIDES): the family builds these, report/ and plots/ read them.
 """
 
@@ -142,8 +141,7 @@ class RankPlan(_Record):
     OPTIONAL: ClassVar[frozenset] = frozenset({
         "design_timings", "decisive_timings", "decisive_rounds", "cost_model", "decided_by_timing_share",
         "timed_rows_max", "untimeable_workloads", "timer", "reused_timings", "stopped_by"})
-    # what EPStepRecord states as fields of its own; the rest is its rank_plan
-    OWN = ("rank_times", "distinct_workloads", "rank_timings", "cost_model")
+    OWN = ("rank_times", "distinct_workloads", "rank_timings", "cost_model")  # EPStepRecord's; the rest: rank_plan
 
     def rest(self) -> dict[str, Any]:
         return {k: v for k, v in self.to_info().items() if k not in self.OWN}
@@ -276,19 +274,18 @@ class EPStepRecord(_Record):
         return self.replay.verdict() if self.replay is not None else "not run"
 
     def rank_times_label(self) -> str:
-        """How the rank times were had: every workload timed, or the model with its held-out error."""
+        """How the rank times were had: every workload timed, or the model with its held-out error; the workloads
+        read from the run's earlier points, and rounds cut by ep_rank_seconds, said."""
+        plan = self.rank_plan or {}
+        reused = f", {plan['reused_timings']} read from the run's earlier points" if plan.get("reused_timings") else ""
         if self.rank_times != "model" or not self.cost_model:
-            return f"{self.rank_times} ({self.rank_timings} workloads)"
-        decided = (self.rank_plan or {}).get("decided_by_timing_share")
+            return f"{self.rank_times} ({self.distinct_workloads} workloads{reused})"
+        decided, cut = plan.get("decided_by_timing_share"), plan.get("stopped_by") == "seconds"
         share = f"; {100 * decided:.0f}% of the expert time decided by timed ranks" if decided is not None else ""
-        return (f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed; "
-                f"{_model_error(self.cost_model)}{share})")
+        return (f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed{reused}"
+                f"{'; rounds stopped at ep_rank_seconds' if cut else ''}; {_model_error(self.cost_model)}{share})")
 
 
-# info.phase_wall_s: routing (the single-rank shapes' routing figures and the EP step's source slots), shapes (the
-# single-rank shapes timed), rank_workloads (the EP ranks' workloads timed and the cost model fitted), replay (both
-# replay checks), host_composition (reading the trace, the producers' padding, composing, the per-step records and
-# the step file), total (the point's build, all of these and what is between them)
 def _model_error(cost_model: dict[str, Any]) -> str:
     """A cost model's held-out error against its tolerance, in words (one side's, or each side's)."""
     held, tol = cost_model.get("held_out") or {}, cost_model.get("tolerance")
@@ -303,6 +300,9 @@ def _model_error(cost_model: dict[str, Any]) -> str:
     return f"held-out error {', '.join(parts)}, {verdict} {100 * tol:.0f}%" if tol else f"held-out {', '.join(parts)}"
 
 
+# info.phase_wall_s: routing (the shapes' routing figures, the EP step's source slots), shapes (timed), rank_workloads
+# (timed, the model fitted), replay (both checks), host_composition (the trace, its padding, the composition, the
+# per-step records and step file), total (the point's build, all of these and what is between them)
 PHASES = ("routing", "shapes", "rank_workloads", "replay", "host_composition", "total")
 
 

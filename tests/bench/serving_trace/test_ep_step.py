@@ -399,6 +399,9 @@ def test_serving_trace_records_the_ep_step(monkeypatch):
     assert again["ep_step"]["rank_timings"] == 0
     assert again["ep_step"]["rank_plan"]["reused_timings"] == ep["distinct_workloads"]
     assert again["ep_step"]["totals"] == ep["totals"]
+    from moebench.bench.serving_trace.record import EPStepRecord
+    label = EPStepRecord.from_info(again["ep_step"]).rank_times_label()
+    assert f"{ep['distinct_workloads']} read from the run's earlier points" in label, label
     # the model path: fewer timings allowed than distinct workloads (a new run: nothing known)
     info = impl.build(replace(p, ep_rank_timings=3), RunContext(device=torch.device("cpu"))).info
     assert info["ep_step"]["rank_times"] == "model" and info["ep_step"]["rank_timings"] == 3
