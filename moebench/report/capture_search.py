@@ -10,6 +10,7 @@ a capture-search point: `moebench capture-search`, `moebench run` of the scenari
 from __future__ import annotations
 
 from moebench.records import SIDES
+from moebench.report.cells import columns
 
 IMPL = "serving_trace.capture_search"
 
@@ -74,28 +75,53 @@ def headline(info: dict) -> str:
             f"K={cs['sides']['masked']['within_1pct_k']} masked)")
 
 
-def table_lines(info: dict) -> list[str]:
-    """The per-K table, masked and oblivious side by side, then the named lists against the best list of as many or
-    fewer graphs, and where the figures come from."""
-    cs = info["capture_search"]
-    named = cs["named"]
-    out = [f"capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
-           f"{cs['sides']['masked']['candidates']} candidate sizes; method {cs['sides']['masked']['method']} / "
-           f"{cs['sides']['oblivious']['method']}; priced on {cs['card']}",
-           f"  {'K':>3}  {'side':<9} {'graphs':>6} {'time (us)':>14} {'tax':>7} {'eager (us)':>11}  "
-           f"{'vs default':>22} {'vs fine':>22}  list"]
+def _shown(sizes: list[int]) -> str:
+    text = ",".join(map(str, sizes)) if len(sizes) <= 12 else ",".join(map(str, sizes[:10])) + f",...,{sizes[-1]}"
+    return f"[{text}]"
+
+
+def _per_k_lines(info: dict) -> list[str]:
+    """Per K and side: the list, its time, tax and eager launches, against `default` and `fine`; the columns as
+    wide as their widest cell (a saving `within noise` is wider than a plain one)."""
+    cs, named = info["capture_search"], info["capture_search"]["named"]
+    rows = []
     for k in info["budgets"]:
         for side in SIDES:
             row = cs["sides"][side]["per_k"][str(k)]
             f = row["figures"][side]
             tax = "n/a" if f["padding_tax"] is None else f"{f['padding_tax']:.1%}"
-            sizes = row["sizes"]
-            shown = ",".join(map(str, sizes)) if len(sizes) <= 12 else \
-                ",".join(map(str, sizes[:10])) + f",...,{sizes[-1]}"
-            out.append(f"  {k:>3}  {side:<9} {row['graphs']:>6} {f['time_us']:>14.1f} {tax:>7} "
-                       f"{f['eager_launch_us']:>11.1f}  "
-                       f"{_versus(f['time_us'], named['default'][side]['time_us'], _noise(cs, side)):>22} "
-                       f"{_versus(f['time_us'], named['fine'][side]['time_us'], _noise(cs, side)):>22}  [{shown}]")
+            rows.append([str(k), side, str(row["graphs"]), f"{f['time_us']:.1f}", tax, f"{f['eager_launch_us']:.1f}",
+                         _versus(f["time_us"], named["default"][side]["time_us"], _noise(cs, side)),
+                         _versus(f["time_us"], named["fine"][side]["time_us"], _noise(cs, side)), _shown(row["sizes"])])
+    header = ["K", "side", "graphs", "time (us)", "tax", "eager (us)", "vs default", "vs fine", "list"]
+    right = [True, False, True, True, True, True, True, True, False]
+    return columns(header, rows, right=right, head_prefix="  ", row_prefix="  ")
+
+
+def _named_lines(cs: dict) -> list[str]:
+    """Each named list's time per side against the best list of as many graphs or fewer."""
+    rows = []
+    for name, figs in cs["named"].items():
+        cells = [name, str(figs["graphs"])]
+        for side in SIDES:
+            curve, g = cs["sides"][side]["curve_us"], figs["graphs"]
+            best = curve[min(g, len(curve)) - 1] if g >= 1 and curve else None
+            cells += [f"{figs[side]['time_us']:.1f}",
+                      "n/a" if best is None else _versus(best, figs[side]["time_us"], _noise(cs, side))]
+        rows.append(cells)
+    header = ["name", "graphs"] + [h for side in SIDES for h in (f"{side} (us)", "best <= graphs")]
+    lines = columns(header, rows, right=[False] + [True] * (len(header) - 1), head_prefix="", row_prefix="")
+    return ["named lists: " + lines[0]] + [" " * len("named lists: ") + line for line in lines[1:]]
+
+
+def table_lines(info: dict) -> list[str]:
+    """The per-K table, masked and oblivious side by side, then the named lists against the best list of as many or
+    fewer graphs, and where the figures come from."""
+    cs = info["capture_search"]
+    out = [f"capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
+           f"{cs['sides']['masked']['candidates']} candidate sizes; method {cs['sides']['masked']['method']} / "
+           f"{cs['sides']['oblivious']['method']}; priced on {cs['card']}"]
+    out += _per_k_lines(info)
     for side in SIDES:
         s = cs["sides"][side]
         # every candidate captured is the least time only where the price grows with the padded size
@@ -105,18 +131,7 @@ def table_lines(info: dict) -> list[str]:
         out.append(f"{side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
                    f"{s['within_1pct_k']}; noise: "
                    + ("unknown (one sample a shape)" if s["noise_rel"] is None else f"{s['noise_rel']:.1%}"))
-    out.append(f"named lists: {'name':<8} {'graphs':>6}  " + "  ".join(
-        f"{side + ' (us)':>16} {'best <= graphs':>22}" for side in SIDES))
-    for name, figs in named.items():
-        cells = []
-        for side in SIDES:
-            curve = cs["sides"][side]["curve_us"]
-            g = figs["graphs"]
-            best = curve[min(g, len(curve)) - 1] if g >= 1 else None
-            cells.append(f"{figs[side]['time_us']:>16.1f} "
-                         + (f"{_versus(best, figs[side]['time_us'], _noise(cs, side)):>22}" if best is not None
-                            else f"{'n/a':>22}"))
-        out.append(f"             {name:<8} {figs['graphs']:>6}  " + "  ".join(cells))
+    out += _named_lines(cs)
     eager = cs["eager"]
     per_call = " | ".join(f"{side} {eager['per_call_us'][side]:.2f}" for side in SIDES if side in eager["per_call_us"])
     launches = eager["launches_per_call"]

@@ -1,0 +1,52 @@
+"""What the operator reads of a capture-search record, from a record made here (no point run): the per-K table's
+columns sized to their cells (a saving `within noise` is wider than a plain one)."""
+
+import re
+
+from moebench.report.capture_search import table_lines
+
+SIDES = ("masked", "oblivious")
+
+
+def _side(noise: float | None, base: float) -> dict:
+    per_k = {str(k): {"sizes": sizes, "graphs": len(sizes), "searched_us": t,
+                      "figures": {s: {"time_us": t, "padding_tax": 0.2, "eager_launch_us": 3.5} for s in SIDES}}
+             for k, sizes, t in ((1, [7], base * 1.3), (2, [3, 7], base * 1.01), (4, [2, 3, 5, 7], base))}
+    return {"per_k": per_k, "curve_us": [base * 1.3, base * 1.01, base, base], "lower_bound_us": base,
+            "within_1pct_k": 2, "candidates": 4, "method": "full minimum", "noise_rel": noise}
+
+
+def search_info(eager: dict | None = None) -> dict:
+    """A capture-search record's info: against `default` the K=4 list saves 2% within the noise, the K=1 one costs
+    more than it, outside the noise."""
+    named = {name: {"graphs": g, **{s: {"time_us": t} for s in SIDES}}
+             for name, g, t in (("default", 35, 1020.0), ("fine", 51, 1000.0))}
+    return {"trace": {"steps": 6, "distinct_steps": 4}, "budgets": [1, 2, 4], "largest": None, "keep": [],
+            "capture_search": {
+                "card": "cpu (interpreter)", "named": named,
+                "sides": {"masked": _side(0.05, 1000.0), "oblivious": _side(None, 1000.0)},
+                "eager": eager or {"source": "documented figure", "note": "docs/hardware.md: the empty kernel",
+                                   "per_call_us": {"masked": 26.82, "oblivious": 23.84},
+                                   "launches_per_call": {"masked": 9, "oblivious": 8},
+                                   "launches_counted": "interpreted Triton launches"}}}
+
+
+def _right_aligned(header: str, rows: list[str], title: str) -> bool:
+    """Every row's cells under each `title` of the header end where the title ends."""
+    ends = [m.end() for m in re.finditer(re.escape(title), header)]
+    return bool(ends) and all(r[end - 1] != " " and (len(r) == end or r[end] == " ") for r in rows for end in ends)
+
+
+def test_the_per_k_columns_are_as_wide_as_their_cells():
+    lines = table_lines(search_info())
+    header = next(line for line in lines if line.lstrip().startswith("K "))
+    rows = [line for line in lines if re.match(r"\s+\d+\s+(masked|oblivious)\s", line)]
+    assert len(rows) == 6 and any("(within noise)" in r for r in rows) and any("more" in r for r in rows)
+    for title in ("graphs", "time (us)", "eager (us)", "vs default", "vs fine"):
+        assert _right_aligned(header, rows, title), (title, [header] + rows)
+    assert {r.index("[") for r in rows} == {header.index("list")}
+    start = next(i for i, line in enumerate(lines) if line.startswith("named lists:"))
+    named_header, named = lines[start], lines[start + 1:start + 3]
+    assert any("(within noise)" in r for r in named)
+    for title in ("graphs", "masked (us)", "oblivious (us)", "best <= graphs"):
+        assert _right_aligned(named_header, named, title), (title, [named_header] + named)
