@@ -295,22 +295,14 @@ def cmd_report(args) -> int:
 
 def _capture_search_notes(run_dir: Path, plot_dir: Path | None) -> list[str]:
     """The answer of each capture-search point of a finished run, under its table: the operator's table, the
-    headline and the plot (into plot_dir; None: not drawn). Every command that finishes a run prints it: a fresh
-    `moebench capture-search`, `moebench run` of the scenario, a resumed run of either."""
+    headline and its plot (drawn by make_plots, one of the run's figures, into plot_dir; None: no plots). Every
+    command that finishes a run prints it: `moebench capture-search`, `moebench run`, a resumed run of either."""
     from moebench.records import load_records, unique_records
     from moebench.report.capture_search import footer_lines, search_records
-    from moebench.run.point import error_line
 
     found = search_records(unique_records(load_records(run_dir)))
-    lines = footer_lines(found)
-    if plot_dir is None or not found:
-        return lines
-    try:
-        from moebench.plots.capture_search import plot_records  # matplotlib missing is said the same way
-
-        return lines + [f"plot: {path}" for path in plot_records(found, plot_dir)]
-    except Exception as e:  # a figure that fails leaves the answer printed
-        return lines + [f"capture-search plot not made: {error_line(e)}"]
+    drawn = sorted(plot_dir.glob("capture_search*.png")) if plot_dir is not None and found else []
+    return footer_lines(found) + [f"plot: {path}" for path in drawn]
 
 
 def cmd_capture_search(args) -> int:
@@ -327,7 +319,7 @@ def cmd_capture_search(args) -> int:
     pick_device(args.device)
     check_output_dir("--out", args.out)
     code, run_dir = run_sweep(sweep, out_base=args.out, device=args.device, isolate=not args.in_process,
-                              end_notes=lambda d: _capture_search_notes(d, d / "plots"))
+                              end_notes=lambda d: _plot_notes(d, None) + _capture_search_notes(d, d / "plots"))
     return code if search_records(load_records(run_dir)) else (code or 1)
 
 

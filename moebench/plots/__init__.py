@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from moebench.plots.capture_search import capture_search_figures
 from moebench.plots.common import Run, default_plot_dir, gpu_label, load_run, ok_records
 from moebench.plots.draw import Plot
 from moebench.plots.jit import jit_compiles
@@ -100,6 +101,11 @@ FIGURES: tuple[Figure, ...] = (
            "Serving trace, EP step: the step time and the wait for the slowest rank per step, masked vs oblivious, "
            "over a stretch of the trace.",
            ep_timeline),
+    Figure("capture_search",
+           "Capture search: the MoE layer's time over the trace against the CUDA graphs captured, the best list of at "
+           "most K sizes per side (masked, oblivious), the named capture lists as points; dotted: every candidate "
+           "size captured.",
+           capture_search_figures),
 )
 
 KINDS: dict[str, str] = {f.kind: f.blurb for f in FIGURES}  # kind -> blurb

@@ -1,23 +1,25 @@
 """The capture search's Pareto curves: the trace's time against the number of graphs, one curve per side (the
 best list of at most K sizes), the named capture lists as points (their graphs, their time). Drawn from a record's
-`info.capture_search` alone (matplotlib, Agg); the command line draws one per capture-search point of a run
-(`plot_records`), for `moebench capture-search` and `moebench run` alike."""
+`info.capture_search` alone (matplotlib, Agg): one per capture-search point of a run (`plot_records`), drawn as one
+of the run's figures (`capture_search_figures`, in moebench.plots.FIGURES), so `moebench capture-search`, `moebench
+run`, `moebench plot` and `moebench report` draw it alike."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from moebench.plots.common import Run
+from moebench.plots.draw import Plot, new_figure
+from moebench.records import unique_records
+from moebench.report.capture_search import search_records
+
 SIDE_COLORS = {"masked": "#4c72b0", "oblivious": "#c44e52"}
 
 
 def capture_search_plot(info: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    fig, axes = new_figure(1, 1, panel_w=6.9, panel_h=3.6)
+    ax = axes[0][0]
     cs = info["capture_search"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for side, color in SIDE_COLORS.items():
         curve = cs["sides"][side]["curve_us"]
         ax.plot(range(1, len(curve) + 1), [v / 1e3 for v in curve], color=color, label=f"{side}: best list")
@@ -35,8 +37,15 @@ def capture_search_plot(info: dict, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
+
+
+def capture_search_figures(run: Run, out: Path) -> list[Plot]:
+    """The run's capture-search figures (none for a run without a capture-search point)."""
+    found = search_records(unique_records(run.records))  # a resumed run's repeats once, as the footer counts
+    return [Plot("capture_search", path, f"capture search: time vs graphs, point {r.get('point')}", 1,
+                 {"point": r.get("point")} if len(found) > 1 else {})
+            for r, path in zip(found, plot_records(found, out))]
 
 
 def plot_records(records: list[dict], out_dir: Path) -> list[Path]:

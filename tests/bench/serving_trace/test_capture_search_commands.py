@@ -1,7 +1,8 @@
 """Every command that finishes a capture-search run gives the operator's answer: `moebench capture-search --size
 cpu` (the scenario's CPU shapes for the layer, the question still the options'), a run interrupted and resumed with
 `moebench run --resume`, and `moebench run capture_search --size cpu`: each prints the table and headline under the
-run's table and draws the plot. A size the scenario does not declare is one line, exit 2, nothing written."""
+run's table and draws the plot (one of the run's figures, counted with them). A size the scenario does not declare
+is one line, exit 2, nothing written."""
 
 from argparse import Namespace
 from pathlib import Path
@@ -26,6 +27,8 @@ def _answer_printed(out: str, run: Path) -> None:
     assert "# headline: " in out and "cost what `fine`'s 51 cost" in out
     assert (run / "plots" / "capture_search.png").stat().st_size > 0
     assert f"# plot: {run / 'plots' / 'capture_search.png'}" in out
+    # drawn once, as one of the run's figures, and counted with them
+    assert f"# plots: 1 written to {run / 'plots'}" in out and out.count("capture_search.png") == 1
 
 
 def _args(**given) -> Namespace:

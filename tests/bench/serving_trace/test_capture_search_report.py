@@ -1,8 +1,12 @@
 """What the operator reads of a capture-search record, from a record made here (no point run): the per-K table's
-columns sized to their cells (a saving `within noise` is wider than a plain one)."""
+columns sized to their cells (a saving `within noise` is wider than a plain one), and the figure drawn as one of the
+run's figures by `moebench plot` and `moebench report`."""
 
+import json
 import re
 
+from moebench.cli import main
+from moebench.plots import KINDS, make_plots
 from moebench.report.capture_search import table_lines
 
 SIDES = ("masked", "oblivious")
@@ -50,3 +54,26 @@ def test_the_per_k_columns_are_as_wide_as_their_cells():
     assert any("(within noise)" in r for r in named)
     for title in ("graphs", "masked (us)", "oblivious (us)", "best <= graphs"):
         assert _right_aligned(named_header, named, title), (title, [named_header] + named)
+
+
+def _run_dir(tmp_path):
+    run = tmp_path / "capture_search-run"
+    run.mkdir(parents=True)
+    record = {"point": 0, "key": "k0", "impl": "serving_trace.capture_search", "kernel": "serving_trace",
+              "status": "ok", "params": {"model": "deepseek-v3"}, "info": search_info()}
+    (run / "records.jsonl").write_text(json.dumps(record) + "\n")
+    (run / "manifest.json").write_text(json.dumps({"sweep": {"name": "capture_search"}}))
+    return run
+
+
+def test_plot_and_report_draw_the_capture_search_figure(tmp_path, capsys):
+    assert "capture_search" in KINDS
+    run = _run_dir(tmp_path)
+    assert [p.name for p in make_plots(run, run / "plots")] == ["capture_search.png"]
+    assert main(["plot", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "plots" / "capture_search.png")
+    drawn = json.loads((run / "plots" / "plots.json").read_text())["plots"]
+    assert [p["kind"] for p in drawn] == ["capture_search"]
+    fresh = _run_dir(tmp_path / "again")  # no plots yet: the page draws them from the records
+    assert main(["report", str(fresh), "-o", str(tmp_path / "x.html")]) == 0
+    assert 'alt="capture_search.png"' in (tmp_path / "x.html").read_text()
