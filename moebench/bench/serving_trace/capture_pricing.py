@@ -111,6 +111,15 @@ def layer_launches(bench: ShapeBench, side: str) -> int:
     return int(count[0]) if count is not None else 0
 
 
+def shapes_timed(shapes: Sequence[Shape], budget: int, rows_max: int | None) -> int:
+    """How many of `shapes` (distinct) plan_shape_times times: every one while they fit the budget and the device
+    times them all, else at most the budget of those it times (the progress line's total)."""
+    timeable = sum(1 for rows, _ in shapes if rows_max is None or rows <= rows_max) or min(len(shapes), 1)
+    if len(shapes) <= budget and timeable == len(shapes):
+        return len(shapes)
+    return min(budget, timeable)
+
+
 def price_shapes(p: Params, dev: torch.device, bench: ShapeBench, shapes: list[Shape], reads: dict[Shape, int],
                  store: ShapeStore, budget: int | None, progress=None, clock=None
                  ) -> tuple[Callable[[str, int, int], float], dict[str, Any]]:
@@ -118,12 +127,12 @@ def price_shapes(p: Params, dev: torch.device, bench: ShapeBench, shapes: list[S
     kind = "cuda" if dev.type == "cuda" else "cpu"
     measure_shapes(p, bench, shapes, [], store, None, clock)
     budget = budget or DEFAULT_SHAPE_TIMINGS[kind]
+    total = shapes_timed(shapes, budget, TIMED_ROWS_MAX[kind])  # what the plan times, not every shape it prices
     done = [0]
 
     def time_shapes(batch):
         base = done[0]
-        prog = None if progress is None else (lambda i, _n, what, detail="": progress(base + i, len(shapes), what,
-                                                                                       detail))
+        prog = None if progress is None else (lambda i, _n, what, detail="": progress(base + i, total, what, detail))
         _, got, _ = measure_shapes(p, bench, [], list(batch), store, prog, clock)
         done[0] += len(batch)
         return got
