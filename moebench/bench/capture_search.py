@@ -21,9 +21,8 @@ from typing import Any, Optional, Union
 
 from moebench.bench.serving_trace import SHAPE_TIMING
 from moebench.bench.serving_trace import build as serving_build  # noqa: F401  (registers serving_trace.layer first)
-from moebench.bench.serving_trace.capture_pricing import (EAGER_LAUNCH_US, EAGER_SOURCE, GRAPH_LAUNCH_US, Pricer,
-                                                          layer_launches, list_figures, model_noise, price_shapes,
-                                                          priced_sides, shapes_to_price)
+from moebench.bench.serving_trace.capture_pricing import (Pricer, eager_price, list_figures, model_noise,
+                                                          price_shapes, priced_sides, shapes_to_price)
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore
@@ -104,80 +103,118 @@ def _plain(figs: dict) -> dict:
     return {side: dict(f) for side, f in figs.items()}  # unrounded: padding_tax reproduces them to the bit
 
 
+@dataclass
+class _Priced:
+    """What the point priced: the trace and its engine, the budgets and named lists, the shapes, their bench, store,
+    timer and plan, what an eager call costs (capture_pricing.eager_price) and the phases' clock."""
+
+    trace: Any
+    source: dict
+    engine: EngineShape
+    budgets: list[int]
+    named: dict
+    shapes: list
+    bench: ShapeBench
+    store: ShapeStore
+    time_of: Any
+    plan: Any
+    eager: dict
+    clock: PhaseClock
+
+
+def _price(p: Params, ctx: RunContext) -> _Priced:
+    """Every shape any candidate list reads, timed or modelled (price_shapes), and the eager calls' price."""
+    dev, keep = ctx.device, p.knobs(CaptureSearchKnobs).kept()
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    clock = PhaseClock()
+    with clock.phase("host_composition"):
+        trace, source = trace_tokens(p)
+        engine = _engine(p)
+        budgets = p.knobs(CaptureSearchKnobs).budgets(len(candidate_sizes(trace.table(), engine, keep)))
+        named = dict(CAPTURE_LISTS)
+        shapes, reads = shapes_to_price(trace.table(), trace.counts, engine, list(named.values()), keep)
+    layer_p = _layer_params(p)
+    store = ShapeStore.of_run(ctx.run_store)
+    with clock.phase("routing"):
+        store.streams_for(layer_p, dev, max(r for _, r in shapes), max(max(rows - r for rows, r in shapes), 1))
+    bench = ShapeBench(layer_p, dev, SHAPE_TIMING[kind], store.streams)
+    time_of, plan = price_shapes(layer_p, dev, bench, shapes, reads, store,
+                                 p.knobs(ServingKnobs).trace_shape_timings, ctx.progress, clock)
+    with clock.phase("shapes"):
+        eager = eager_price(bench, shapes)
+    return _Priced(trace, source, engine, budgets, named, shapes, bench, store, time_of, plan, eager, clock)
+
+
+def _side_records(pr: _Priced, priced: dict, found: dict, figures) -> dict[str, Any]:
+    """Per side what the operator reads (per K the list and its composed figures, the curve, the bound, the noise)
+    and what was searched (the priced table, while it is small enough to record)."""
+    noise = model_noise(pr.plan, pr.store.shapes)
+    sides: dict[str, Any] = {}
+    for side in SIDES:
+        res, table = found[side], priced[side]
+        numbers = len(table.candidates) * (len(table.candidates) + 3) // 2
+        per_k = {str(k): {"sizes": list(choice.sizes), "graphs": len(choice.sizes),
+                          "searched_us": round(choice.time_us, 3), "figures": figures(choice.sizes)}
+                 for k, choice in sorted(res.best.items())}
+        small = 2 * numbers <= PRICED_RECORDED_MAX
+        sides[side] = {
+            "per_k": per_k, "curve_us": [round(v, 3) for v in res.curve],
+            "lower_bound_us": round(res.lower_bound_us, 3),
+            "within_1pct_k": res.within_bound_k, "candidates": res.candidates, "method": res.method,
+            "monotone": table.monotone, "noise_rel": noise[side], "priced": table.to_record() if small else None,
+            "priced_note": None if small else (
+                f"{numbers:,} priced numbers a side, past {PRICED_RECORDED_MAX // 2:,}: not recorded")}
+    return sides
+
+
+def _eager_record(eager: dict) -> dict[str, Any]:
+    return {**eager, "per_call_us": {s: round(v, 3) for s, v in eager["per_call_us"].items()}}
+
+
 @register_impl("serving_trace.capture_search", targets=("serving_trace",), available=triton_available,
                validate=_validate,
                description="the cheapest CUDA-graph capture list of at most K sizes for the trace, masked and "
                            "oblivious, priced by the padding tax's shapes and model (exact partition DP)")
 def build(p: Params, ctx: RunContext) -> Case:
     t0 = time.perf_counter()
-    dev = ctx.device
-    kind = "cuda" if dev.type == "cuda" else "cpu"
-    knobs, serving = p.knobs(CaptureSearchKnobs), p.knobs(ServingKnobs)
+    knobs = p.knobs(CaptureSearchKnobs)
     keep = knobs.kept()
-    clock = PhaseClock()
-    with clock.phase("host_composition"):
-        trace, source = trace_tokens(p)
-        steps, counts = trace.table(), trace.counts
-        engine = _engine(p)
-        budgets = knobs.budgets(len(candidate_sizes(steps, engine, keep)))
-        named = {name: sizes for name, sizes in CAPTURE_LISTS.items()}
-        shapes, reads = shapes_to_price(steps, counts, engine, list(named.values()), keep)
-    layer_p = _layer_params(p)
-    store = ShapeStore.of_run(ctx.run_store)
-    with clock.phase("routing"):
-        store.streams_for(layer_p, dev, max(r for _, r in shapes), max(max(rows - r for rows, r in shapes), 1))
-    bench = ShapeBench(layer_p, dev, SHAPE_TIMING[kind], store.streams)
-    time_of, plan = price_shapes(layer_p, dev, bench, shapes, reads, store, serving.trace_shape_timings,
-                                 ctx.progress, clock)
-    launches = {side: layer_launches(bench, side) for side in SIDES}
-    eager_call_us = {side: launches[side] * (EAGER_LAUNCH_US - GRAPH_LAUNCH_US) for side in SIDES}
-    pricer = Pricer(time_of, engine.sp_size, engine.dbo, eager_call_us)
+    pr = _price(p, ctx)
+    trace, engine, eager_call_us = pr.trace, pr.engine, pr.eager["per_call_us"]
+    pricer = Pricer(pr.time_of, engine.sp_size, engine.dbo, eager_call_us)
     t_price = time.perf_counter()
-    priced = priced_sides(steps, counts, engine, pricer, keep)
+    priced = priced_sides(trace.table(), trace.counts, engine, pricer, keep)
     price_s = time.perf_counter() - t_price
     t_search = time.perf_counter()
-    found = {side: search(priced[side], budgets, knobs.capture_largest, keep) for side in SIDES}
+    found = {side: search(priced[side], pr.budgets, knobs.capture_largest, keep) for side in SIDES}
     search_s = time.perf_counter() - t_search
-    noise = model_noise(plan, store.shapes)
     trace_steps, trace_counts = trace.steps, trace.counts.tolist()
 
     def figures(sizes):
-        return _plain(list_figures(trace_steps, trace_counts, engine, sizes, time_of, eager_call_us))
+        return _plain(list_figures(trace_steps, trace_counts, engine, sizes, pr.time_of, eager_call_us))
 
-    named_figs = {name: {"graphs": len(sizes), **figures(sizes)} for name, sizes in named.items()}
-    sides: dict[str, Any] = {}
-    for side in SIDES:
-        res, table = found[side], priced[side]
-        numbers = len(table.candidates) * (len(table.candidates) + 3) // 2
-        per_k = {}
-        for k, choice in sorted(res.best.items()):
-            figs = figures(choice.sizes)
-            per_k[str(k)] = {"sizes": list(choice.sizes), "graphs": len(choice.sizes), "searched_us":
-                             round(choice.time_us, 3), "figures": figs}
-        sides[side] = {
-            "per_k": per_k, "curve_us": [round(v, 3) for v in res.curve], "lower_bound_us": round(res.lower_bound_us, 3),
-            "within_1pct_k": res.within_bound_k, "candidates": res.candidates, "method": res.method,
-            "monotone": table.monotone, "noise_rel": noise[side],
-            "priced": table.to_record() if 2 * numbers <= PRICED_RECORDED_MAX else None,
-            "priced_note": None if 2 * numbers <= PRICED_RECORDED_MAX else (
-                f"{numbers:,} priced numbers a side, past {PRICED_RECORDED_MAX // 2:,}: not recorded")}
+    named_figs = {name: {"graphs": len(sizes), **figures(sizes)} for name, sizes in pr.named.items()}
+    sides = _side_records(pr, priced, found, figures)
     info: dict[str, Any] = {
-        "trace": {**source, "steps": trace.num_steps, "distinct_steps": len(trace.steps)},
+        "trace": {**pr.source, "steps": trace.num_steps, "distinct_steps": len(trace.steps)},
         "engine": {"dp_size": engine.dp_size, "sp_size": engine.sp_size, "dbo": engine.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "budgets": budgets, "largest": knobs.capture_largest, "keep": keep,
+        "budgets": pr.budgets, "largest": knobs.capture_largest, "keep": keep,
         "capture_search": {
-            "sides": sides, "named": named_figs,
-            "eager": {"launches_per_call": launches, "per_call_us": {s: round(v, 3) for s, v in eager_call_us.items()},
-                      "source": EAGER_SOURCE,
-                      "launches_counted": "CUDA kernels (torch.profiler)" if kind == "cuda"
-                      else "interpreted Triton launches (torch's own ops not counted)"},
+            "sides": sides, "named": named_figs, "eager": _eager_record(pr.eager),
             "priced_as": "each distinct step's DP ranks at every candidate size (cudagraph, then DP max); groups "
                          "of steps sharing their padded candidate: weight = steps, padded_us[g][j - g] = their time "
                          "at candidates[j], eager_us = their time run eagerly",
-            "card": torch_card(dev), "pricing_s": round(price_s, 3), "search_s": round(search_s, 3)},
-        "shape_plan": plan.to_info(), "distinct_shapes": len(shapes),
-        "phase_wall_s": clock.record(), "trace_wall_s": round(time.perf_counter() - t0, 3)}
+            "card": torch_card(ctx.device), "pricing_s": round(price_s, 3), "search_s": round(search_s, 3)},
+        "shape_plan": pr.plan.to_info(), "distinct_shapes": len(pr.shapes),
+        "phase_wall_s": pr.clock.record(), "trace_wall_s": round(time.perf_counter() - t0, 3)}
+    return _case(p, pr, sides, info)
+
+
+def _case(p: Params, pr: _Priced, sides: dict, info: dict) -> Case:
+    """The runner's Case: its timed call the masked layer at the smallest priced shape; its check the DP's figures
+    against the composed ones and the layers at one row against their references."""
+    bench = pr.bench
 
     def check() -> CheckResult:
         # the DP's figure for every list it chose is what composing the trace under that list gives (two
@@ -190,7 +227,7 @@ def build(p: Params, ctx: RunContext) -> Case:
                     problems.append(f"{side} K={k}: searched {got} us, composed {want} us")
         return CheckResult.merge(CheckResult(not problems, "; ".join(problems[:3]), {}), bench.check_shape(1, 1))
 
-    sp, batch = bench.batch(*shapes[0])
+    sp, batch = bench.batch(*pr.shapes[0])
     pipe = bench.pipeline(sp, batch, "masked")
     # what run() must do: the masked layer's experts at that shape (padding_tax's declaration of its run shape)
     ids = pipe.router_reference().ids.to(torch.int64)
@@ -208,6 +245,4 @@ def build(p: Params, ctx: RunContext) -> Case:
 
 
 def torch_card(dev) -> str:
-    import torch
-
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"

@@ -114,6 +114,24 @@ def _named_lines(cs: dict) -> list[str]:
     return ["named lists: " + lines[0]] + [" " * len("named lists: ") + line for line in lines[1:]]
 
 
+def eager_line(eager: dict) -> str:
+    """Where the eager steps' price comes from: measured on this layer (its shapes and figures) or the documented
+    launch figure."""
+    per_call = " | ".join(f"{side} {eager['per_call_us'][side]:.2f}" for side in SIDES if side in eager["per_call_us"])
+    launches = eager["launches_per_call"]
+    launches = (" | ".join(f"{side} {launches[side]}" for side in SIDES if side in launches)
+                if isinstance(launches, dict) else launches)
+    head = f"eager steps: {per_call} us a layer call over its graph replay ({launches} launches, " \
+           f"{eager['launches_counted']}); "
+    got = eager.get("measured")
+    if eager.get("source") == "measured" and got:
+        shapes = ", ".join(f"({r} rows, {q} real)" for r, q in got["shapes"])
+        figs = "; ".join(f"{side} eager " + "/".join(f"{v:.1f}" for v in got["eager_us"][side]) + " us vs graph "
+                         + "/".join(f"{v:.1f}" for v in got["graph_us"][side]) + " us" for side in SIDES)
+        return head + f"measured on this layer at {shapes}: {figs} (the mean difference, at least 0)"
+    return head + f"{eager.get('source')}" + (f" ({eager['note']})" if eager.get("note") else "")
+
+
 def table_lines(info: dict) -> list[str]:
     """The per-K table, masked and oblivious side by side, then the named lists against the best list of as many or
     fewer graphs, and where the figures come from."""
@@ -132,12 +150,6 @@ def table_lines(info: dict) -> list[str]:
                    f"{s['within_1pct_k']}; noise: "
                    + ("unknown (one sample a shape)" if s["noise_rel"] is None else f"{s['noise_rel']:.1%}"))
     out += _named_lines(cs)
-    eager = cs["eager"]
-    per_call = " | ".join(f"{side} {eager['per_call_us'][side]:.2f}" for side in SIDES if side in eager["per_call_us"])
-    launches = eager["launches_per_call"]
-    launches = (" | ".join(f"{side} {launches[side]}" for side in SIDES if side in launches)
-                if isinstance(launches, dict) else launches)
-    out.append(f"eager steps: {per_call} us of launches a layer call ({launches} launches, "
-               f"{eager['launches_counted']}); {eager['source']}")
+    out.append(eager_line(cs["eager"]))
     out.append("capture time and graph memory per list: not measured (graphs are the cost side shown)")
     return out

@@ -3,11 +3,13 @@ a step makes at every candidate size it can pad to is a shape (rows, real), time
 exactly as serving_trace.layer does (shapes.measure_shapes, shape_cost.plan_shape_times: the run's shape store, the
 same budget, the same held-out error), masked and oblivious apart.
 
-A step above the largest listed size runs eagerly: its calls at their unpadded rows plus, per layer call, the
-layer's kernel launches times the eager-over-graph launch cost. No eager-vs-graph launch of this layer is timed in
-moebench; the cost per launch is docs/hardware.md's empty kernel (eager launch 4.06 us, CUDA-graph replay 1.08 us,
-an H200 figure) and the record says so (`eager.source`). The launches are counted on the layer itself: CUDA kernels
-under torch.profiler on a GPU, interpreted Triton launches on a CPU (torch's own small ops are not counted there).
+A step above the largest listed size runs eagerly: its calls at their unpadded rows plus, per layer call, what
+an eager call costs over its CUDA-graph replay (`eager_price`). On a GPU that is measured on this layer: one or two
+of the trace's real-only shapes timed both ways (CUDA events around host-launched calls, and graph replays), their
+difference per call (`measured_eager`). Where graphs do not exist (a CPU) it is docs/hardware.md's empty kernel
+(eager launch 4.06 us, CUDA-graph replay 1.08 us, an H200 figure) times the layer's kernel launches, counted on the
+layer itself (interpreted Triton launches; torch's own small ops are not counted there). The record says which
+(`eager.source`: "measured" with its shapes and figures, or "documented figure").
 
 The figures the operator reads for a list (the chosen ones and the named ones) are composed by serving_trace's own
 compose / totals over the same distinct steps with the same timer, so `padding_tax` run in the same run on that
@@ -33,13 +35,18 @@ from moebench.bench.serving_trace.shape_cost import ShapeTable, plan_shape_times
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE
 from moebench.inputs.engine_padding import Engine, StepPadding, step_padding
-from moebench.params import Params
+from moebench.measure.timing import measure
+from moebench.params import Params, Timing
 from moebench.traces.capture_search import EngineShape, PricedTrace, list_time, price_trace
 
 # docs/hardware.md, "empty kernel: eager launch / CUDA-graph replay" (H200): a documented figure, not a timing
 EAGER_LAUNCH_US, GRAPH_LAUNCH_US = 4.06, 1.08
-EAGER_SOURCE = ("docs/hardware.md: empty kernel, eager launch 4.06 us vs CUDA-graph replay 1.08 us (H200), per "
-                "kernel launch of the layer; a documented figure, not a timing of this layer")
+DOCUMENTED, MEASURED = "documented figure", "measured"
+DOCUMENTED_NOTE = ("docs/hardware.md: empty kernel, eager launch 4.06 us vs CUDA-graph replay 1.08 us (H200), per "
+                   "kernel launch of the layer; not a timing of this layer")
+# the eager-vs-graph timing of one shape side: enough samples for a median, few enough to cost well under a second
+EAGER_TIMING = {"eager": Timing(mode="events", warmup=3, iters=20, unroll=1, max_seconds=2.0),
+                "graph": Timing(mode="cuda_graph", warmup=3, iters=20, unroll=1, max_seconds=2.0)}
 Shape = tuple[int, int]
 
 
@@ -109,6 +116,49 @@ def layer_launches(bench: ShapeBench, side: str) -> int:
     with counting_interpreted_launches() as count:
         pipe.run()
     return int(count[0]) if count is not None else 0
+
+
+def eager_shapes(shapes: Sequence[Shape]) -> list[Shape]:
+    """The real-only shapes the eager-over-graph cost is measured at: the trace's largest real count and the one
+    nearest half of it (a step runs eagerly above the list's largest size: the trace's larger steps)."""
+    reals = sorted({real for _, real in shapes if real > 0}) or [1]
+    top = reals[-1]
+    half = min(reals, key=lambda q: (abs(2 * q - top), q))
+    return [(q, q) for q in sorted({half, top})]
+
+
+def measured_eager(bench: ShapeBench, shapes: Sequence[Shape]) -> dict[str, Any]:
+    """Each side's layer at each shape timed eagerly (CUDA events around host-launched calls) and as a CUDA-graph
+    replay (p50 of each), and their difference per call; a GPU only."""
+    out: dict[str, Any] = {"shapes": [list(s) for s in shapes], "eager_us": {}, "graph_us": {}, "over_graph_us": {}}
+    for side in SIDES:
+        for key in ("eager_us", "graph_us", "over_graph_us"):
+            out[key][side] = []
+        for rows, real in shapes:
+            sp, batch = bench.batch(rows, real)
+            pipe = bench.pipeline(sp, batch, side)
+            got = {how: float(measure(pipe.run, timing, bench.device, graph_capturable=True).stats["p50"])
+                   for how, timing in EAGER_TIMING.items()}
+            del pipe
+            out["eager_us"][side].append(round(got["eager"], 3))
+            out["graph_us"][side].append(round(got["graph"], 3))
+            out["over_graph_us"][side].append(round(got["eager"] - got["graph"], 3))
+    return out
+
+
+def eager_price(bench: ShapeBench, shapes: Sequence[Shape]) -> dict[str, Any]:
+    """What a layer call run eagerly costs over its graph replay, per side, and where the figure comes from: measured
+    on this layer on a GPU (the mean difference over eager_shapes, never below 0: a GPU-bound call hides its
+    launches), docs/hardware.md's launch figure times the layer's launches where graphs do not exist."""
+    launches = {side: layer_launches(bench, side) for side in SIDES}
+    if bench.device.type == "cuda":
+        got = measured_eager(bench, eager_shapes(shapes))
+        per_call = {side: max(0.0, float(np.mean(got["over_graph_us"][side]))) for side in SIDES}
+        return {"source": MEASURED, "per_call_us": per_call, "launches_per_call": launches, "measured": got,
+                "launches_counted": "CUDA kernels (torch.profiler)"}
+    return {"source": DOCUMENTED, "note": DOCUMENTED_NOTE, "launches_per_call": launches,
+            "per_call_us": {side: launches[side] * (EAGER_LAUNCH_US - GRAPH_LAUNCH_US) for side in SIDES},
+            "launches_counted": "interpreted Triton launches (torch's own ops not counted)"}
 
 
 def shapes_timed(shapes: Sequence[Shape], budget: int, rows_max: int | None) -> int:

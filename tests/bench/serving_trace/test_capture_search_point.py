@@ -10,8 +10,11 @@ import torch
 
 from moebench.bench import capture_search
 from moebench.bench import serving_trace
+from moebench.bench.serving_trace import capture_pricing
 from moebench.cli import main
 from moebench.registry import RunContext
+from moebench.report.capture_search import table_lines
+from tests.bench.serving_trace.test_capture_search_report import search_info
 from moebench.run.sweep import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,6 +50,55 @@ def test_padding_tax_on_the_list_found_reproduces_the_searched_figure():
         assert (eager["eager_calls"] > 0) == (max(row["sizes"]) < 7)
     priced = sides["masked"]["priced"]
     assert priced["candidates"] == [2, 3, 5, 7] and sum(priced["weight"]) == 6
+    # on a CPU graphs do not exist: the eager steps are priced at the documented launch figure, and say so
+    eager = info["capture_search"]["eager"]
+    assert eager["source"] == "documented figure" and "measured" not in eager
+    (line,) = [line for line in table_lines(info) if line.startswith("eager steps:")]
+    assert "documented figure (docs/hardware.md" in line
+
+
+def _scenario_point():
+    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "capture_search.yaml", FAST, size="cpu")
+    (point,) = expand(sweep)
+    return point
+
+
+def test_on_a_cpu_the_eager_price_is_the_documented_figure():
+    from moebench.bench.serving_trace.shapes import ShapeBench
+
+    p = capture_search._layer_params(_scenario_point().params)
+    bench = ShapeBench(p, torch.device("cpu"), serving_trace.SHAPE_TIMING["cpu"])
+    eager = capture_pricing.eager_price(bench, [(7, 5), (7, 7)])
+    assert eager["source"] == "documented figure" and "measured" not in eager
+    for side in ("masked", "oblivious"):
+        assert eager["launches_per_call"][side] > 0
+        assert eager["per_call_us"][side] == pytest.approx(eager["launches_per_call"][side] * (4.06 - 1.08))
+    (line,) = [line for line in table_lines(search_info(eager)) if line.startswith("eager steps:")]
+    assert "documented figure" in line and "measured" not in line
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_eager_price_is_measured_on_the_layer():
+    point = _scenario_point()
+    case = capture_search.build(point.params, RunContext(device=torch.device("cuda")))
+    info = case.info
+    eager = info["capture_search"]["eager"]
+    assert eager["source"] == "measured", eager
+    got = eager["measured"]
+    assert [tuple(s) for s in got["shapes"]] == [(3, 3), (7, 7)]  # the largest real count, the one nearest half
+    for side in ("masked", "oblivious"):
+        assert len(got["eager_us"][side]) == len(got["graph_us"][side]) == len(got["shapes"]) == 2
+        assert all(v > 0 for v in got["eager_us"][side] + got["graph_us"][side])
+        assert got["over_graph_us"][side] == pytest.approx(
+            [e - g for e, g in zip(got["eager_us"][side], got["graph_us"][side])], abs=2e-3)
+        want = max(0.0, sum(got["over_graph_us"][side]) / 2)
+        assert eager["per_call_us"][side] == pytest.approx(want, abs=2e-3)
+        for figs in info["capture_search"]["named"].values():  # every eager call priced at the measured figure
+            f = figs[side]
+            assert f["eager_launch_us"] == pytest.approx(f["eager_calls"] * eager["per_call_us"][side], abs=1e-2)
+    (line,) = [line for line in table_lines(info) if line.startswith("eager steps:")]
+    assert "measured on this layer at (3 rows, 3 real), (7 rows, 7 real)" in line and "documented" not in line
+    assert case.check().ok
 
 
 def test_the_cli_verb_prints_the_table_headline_and_plot(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """What the operator reads of a capture-search record, from a record made here (no point run): the per-K table's
-columns sized to their cells (a saving `within noise` is wider than a plain one), and the figure drawn as one of the
-run's figures by `moebench plot` and `moebench report`."""
+columns sized to their cells (a saving `within noise` is wider than a plain one), the eager steps' source in the
+footnote, and the figure drawn as one of the run's figures by `moebench plot` and `moebench report`."""
 
 import json
 import re
@@ -54,6 +54,20 @@ def test_the_per_k_columns_are_as_wide_as_their_cells():
     assert any("(within noise)" in r for r in named)
     for title in ("graphs", "masked (us)", "oblivious (us)", "best <= graphs"):
         assert _right_aligned(named_header, named, title), (title, [named_header] + named)
+
+
+def test_the_footnote_says_where_the_eager_price_comes_from():
+    (line,) = [line for line in table_lines(search_info()) if line.startswith("eager steps:")]
+    assert "documented figure (docs/hardware.md" in line and "masked 26.82 | oblivious 23.84 us" in line
+    measured = {"source": "measured", "per_call_us": {"masked": 12.5, "oblivious": 11.0},
+                "launches_per_call": {"masked": 30, "oblivious": 28}, "launches_counted": "CUDA kernels",
+                "measured": {"shapes": [[256, 256], [512, 512]],
+                             "eager_us": {"masked": [80.0, 120.0], "oblivious": [70.0, 100.0]},
+                             "graph_us": {"masked": [65.0, 110.0], "oblivious": [57.0, 91.0]},
+                             "over_graph_us": {"masked": [15.0, 10.0], "oblivious": [13.0, 9.0]}}}
+    (line,) = [line for line in table_lines(search_info(measured)) if line.startswith("eager steps:")]
+    assert "measured on this layer at (256 rows, 256 real), (512 rows, 512 real)" in line
+    assert "masked eager 80.0/120.0 us vs graph 65.0/110.0 us" in line and "documented" not in line
 
 
 def _run_dir(tmp_path):
