@@ -21,10 +21,12 @@ from typing import Any, Optional, Union
 
 from moebench.bench.serving_trace import SHAPE_TIMING
 from moebench.bench.serving_trace import build as serving_build  # noqa: F401  (registers serving_trace.layer first)
-from moebench.bench.serving_trace.capture_pricing import (Pricer, eager_price, list_figures, model_noise,
-                                                          price_shapes, priced_sides, shapes_to_price)
+from moebench.bench.serving_trace.capture_pricing import (EAGER_TIMING, Pricer, eager_price, eager_shapes,
+                                                          list_figures, model_noise, price_shapes, priced_sides,
+                                                          shapes_timed, shapes_to_price)
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
+from moebench.bench.serving_trace.shape_streams import stream_size
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore
 from moebench.bench.serving_trace.trace_input import trace_tokens
 from moebench.bench.experts import triton_available
@@ -32,13 +34,22 @@ import torch
 
 from moebench.check import CheckResult
 from moebench.kernels.fused_experts import expert_work
+from moebench.measure.cost import INTERP_PROGRAM_S, DeviceRates, PointWork, layer_call_work, layer_programs
 from moebench.params import Params, register_knobs
-from moebench.registry import Case, RunContext, register_impl
+from moebench.registry import Case, RunContext, declare_work, register_impl
 from moebench.traces.capture_lists import CAPTURE_LISTS
 from moebench.traces.capture_search import (EngineShape, SearchInputError, candidate_sizes, search,
                                             search_input_problem)
 
 PRICED_RECORDED_MAX = 400_000  # numbers of the priced table per record (~4 MB of JSON); past it, said so
+ESTIMATE_STEPS = 5_000  # distinct steps the estimate reads the shapes off (an even sample of a longer trace's)
+# the host's part, fitted on the project's 2-core CPU (the scenario's command: 919 distinct steps, 19,201 shapes):
+# a shape read priced through the timer (both sides; the cost model's reads dominate) and a distinct step composed
+# under one list (named and chosen)
+HOST_S_PER_READ = 4e-5
+HOST_S_PER_LIST_STEP = 2e-4
+# the calls an eager shape side costs: its eager samples and warm-up, the graph's warm-up, capture and replays
+EAGER_CALLS = sum(t.warmup + t.iters for t in EAGER_TIMING.values()) + 2
 
 
 @register_knobs
@@ -101,6 +112,69 @@ def _layer_params(p: Params) -> Params:
 
 def _plain(figs: dict) -> dict:
     return {side: dict(f) for side, f in figs.items()}  # unrounded: padding_tax reproduces them to the bit
+
+
+# a point's time before it runs (run/estimate.py): what it times and composes, counted from its trace
+def search_work(p: Params, kind: str) -> dict[str, Any]:
+    """What one capture-search point does on a device of `kind` ("cuda" or "cpu"), counted from its trace: the
+    shapes the search prices at every candidate size, the ones the plan times (`timed`: the design's at the timeable
+    shapes' mean rows, the decisive rounds' at the shapes the answer reads most, reads x rows), the real-only shapes
+    the eager price is measured at (a GPU), the timer reads the pricing makes and the lists composed."""
+    from moebench.bench.serving_trace.plan import DESIGN_SHARE, TIMED_ROWS_MAX
+
+    engine, keep = _engine(p), p.knobs(CaptureSearchKnobs).kept()
+    trace, _ = trace_tokens(p)
+    steps, counts = trace.table(), trace.counts
+    # a long trace's shapes read off an even sample of its distinct steps: they are pairs of a real count and a
+    # candidate size, so the sample misses few
+    every = -(-len(steps) // ESTIMATE_STEPS)
+    shapes, reads = shapes_to_price(steps[::every], counts[::every], engine, list(CAPTURE_LISTS.values()), keep)
+    rows_max, budget = TIMED_ROWS_MAX[kind], p.knobs(ServingKnobs).shape_timings(kind)
+    timeable = [s for s in shapes if rows_max is None or s[0] <= rows_max] or shapes[:1]
+    timed = shapes_timed(shapes, budget, rows_max)
+    design = timed if timed == len(shapes) else min(timed, budget // DESIGN_SHARE)
+    decisive = sorted(timeable, key=lambda s: (-reads.get(s, 0) * s[0], s))[:timed - design]
+
+    def mean_rows(group: list) -> float:
+        return sum(s[0] for s in group) / max(1, len(group))
+
+    budgets = p.knobs(CaptureSearchKnobs).budgets(len(candidate_sizes(steps, engine, keep)))
+    return {"shapes": len(shapes), "timed": timed, "design": design, "design_rows": mean_rows(timeable),
+            "decisive": len(decisive), "decisive_rows": mean_rows(decisive),
+            "eager_shapes": eager_shapes(shapes) if kind == "cuda" else [], "run_rows": shapes[0][0],
+            "reads": sum(reads.values()), "lists": len(CAPTURE_LISTS) + 2 * len(budgets),
+            "distinct_steps": len(steps), "max_real": max(q for _, q in shapes)}
+
+
+def search_seconds(p: Params, rates: DeviceRates) -> float:
+    """Seconds of one capture-search point on a device of `rates` (search_work): both sides of each timed shape,
+    the eager price (the launches counted at one row; on a GPU each eager shape timed eagerly and replayed), the
+    check and the timed run, and the host's routing, timer reads and list compositions."""
+    from moebench.bench.serving_trace import estimate as st
+
+    work = search_work(p, "cuda" if rates.is_cuda else "cpu")
+
+    def call_s(rows: float) -> float:
+        at = dataclasses.replace(p, num_tokens=max(1, round(rows)))
+        if rates.kind == "interpreter":
+            return layer_programs(at) * INTERP_PROGRAM_S
+        return rates.seconds(*layer_call_work(at), 30)
+
+    def sides_s(rows: float, calls: int) -> float:  # both sides' pipelines built and called
+        return 2 * (st.SHAPE_BUILD_S[rates.kind] + calls * call_s(rows))
+
+    calls = st.SHAPE_CALLS[rates.kind]
+    shapes_s = work["design"] * sides_s(work["design_rows"], calls) + work["decisive"] * sides_s(
+        work["decisive_rows"], calls)
+    eager_s = sides_s(1, 2) + sum(sides_s(rows, EAGER_CALLS) for rows, _ in work["eager_shapes"])
+    own_s = st.RUN_CALLS * call_s(work["run_rows"]) + st.CHECK_CALLS * call_s(1)
+    host_s = (st.HOST_S_FIXED + work["shapes"] * st.HOST_S_PER_SHAPE + work["reads"] * HOST_S_PER_READ
+              + work["lists"] * work["distinct_steps"] * HOST_S_PER_LIST_STEP
+              + 2 * stream_size(work["max_real"]) * st.ROUTE_S_PER_ROW[rates.kind])
+    return shapes_s + eager_s + own_s + host_s
+
+
+declare_work("serving_trace.capture_search", PointWork(point=search_seconds))
 
 
 @dataclass

@@ -75,6 +75,8 @@ def test_on_a_cpu_the_eager_price_is_the_documented_figure():
         assert eager["per_call_us"][side] == pytest.approx(eager["launches_per_call"][side] * (4.06 - 1.08))
     (line,) = [line for line in table_lines(search_info(eager)) if line.startswith("eager steps:")]
     assert "documented figure" in line and "measured" not in line
+    # on a GPU the estimate counts the eager timing at the trace's largest real count and the one nearest half of it
+    assert capture_search.search_work(_scenario_point().params, "cuda")["eager_shapes"] == [(3, 3), (7, 7)]
 
 
 @pytest.mark.gpu
@@ -85,7 +87,7 @@ def test_on_a_gpu_the_eager_price_is_measured_on_the_layer():
     eager = info["capture_search"]["eager"]
     assert eager["source"] == "measured", eager
     got = eager["measured"]
-    assert [tuple(s) for s in got["shapes"]] == [(3, 3), (7, 7)]  # the largest real count, the one nearest half
+    assert [tuple(s) for s in got["shapes"]] == capture_search.search_work(point.params, "cuda")["eager_shapes"]
     for side in ("masked", "oblivious"):
         assert len(got["eager_us"][side]) == len(got["graph_us"][side]) == len(got["shapes"]) == 2
         assert all(v > 0 for v in got["eager_us"][side] + got["graph_us"][side])
