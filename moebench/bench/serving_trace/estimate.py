@@ -28,9 +28,11 @@ from moebench.measure.timing import SETTLED_SAMPLED_US
 from moebench.params import Params
 
 SHAPE_CALLS = {"cuda": 12, "interpreter": 2, "cpu": 2}  # calls a timed shape side costs (untimed + samples)
-SHAPE_BUILD_S = {"cuda": 0.03, "interpreter": 0.05, "cpu": 0.05}  # a side's pipeline built, its graph captured
+# a side's pipeline built, its graph captured (an H100: 192 shapes of kimi-k2 at EP 8, both sides, in 87.6 s)
+SHAPE_BUILD_S = {"cuda": 0.2, "interpreter": 0.05, "cpu": 0.05}
 RANK_CALLS = {"cuda": 10, "interpreter": 1, "cpu": 1}
 RANK_BUILD_S = 0.005
+RANK_COMPILE_S = 5.0  # a GPU's first workload of a launch config compiles its kernels (3 to 9 s on an H100)
 HEAVY_RANK = 1.5  # the slowest rank's routes over the mean's, the padding aside (routing skew)
 RANK_ROOF_SHARE = 0.6  # of the roofline a rank's grouped GEMM reaches (docs/benchmarks.md: the expert kernels)
 # the host's arrays (project CPU machines, a 1,000,000-step trace of 381,093 distinct steps and 338,809 shapes at
@@ -152,4 +154,6 @@ def _rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mea
     if seconds is not None:
         plan_s = min(plan_s, max(design * timing_s(mean_routes), seconds) + ROUND * timing_s(heavy_routes))
     replay = serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
-    return plan_s + replay * timing_s(mean_routes)
+    # a launch config per power-of-two bucket of rows, from one row to the heaviest rank's
+    compiles = heavy_routes.bit_length() * RANK_COMPILE_S if rates.is_cuda else 0.0
+    return plan_s + replay * timing_s(mean_routes) + compiles
