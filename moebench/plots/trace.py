@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moebench.bench.serving_trace.record import SIDES, TraceRecord
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.plots.common import Run, figure_title, slug, split, value_of, varying
 from moebench.plots.draw import Plot, new_figure, palette, save
 from moebench.report.ranking import error_word  # the model's word, phrased as the report's tables phrase it

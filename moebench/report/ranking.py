@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moebench.bench.serving_trace.knobs import config_keys
-from moebench.bench.serving_trace.record import SIDES, TraceRecord
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.trace_record import TraceRecord
 
 RANKED_SIDES = SIDES  # the masked side first: what an engine that masks runs
 

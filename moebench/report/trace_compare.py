@@ -11,7 +11,7 @@ samples), the change is stated but not judged. A layer tax the run calls not com
 
 from __future__ import annotations
 
-from moebench.bench.serving_trace.record import TraceRecord
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.records import SIDES
 from moebench.report import cells, noise
 from moebench.report.ranking import Figure, ep_figure, layer_figure

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moebench.bench.serving_trace.record import SIDES, TraceHeadline, TraceRecord
+from moebench.bench.serving_trace.record import SIDES, TraceHeadline
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.report import cells, noise, ranking
 from moebench.report.headline import format_value
 from moebench.report.ranking import error_word

@@ -15,17 +15,17 @@ follow trace_real_points: 0 times every distinct shape while they number at most
 designed set and the heaviest shapes, the rest read off a cost model with its held-out error (shape_cost.py);
 N > 0 times each padded row count at N + 1 real counts and the real-tokens-alone curve at a few points, and
 interpolates the rest (compose.py, which composes the trace).
-Shapes already routed or timed by the point before, in the same run and at the same layer parameters (a what-if
-axis over capture lists shares most of them), are reused from the run's store (shapes.ShapeStore); the record says
-how many. A new run, or a point at other layer parameters in between, starts afresh; `repeat` is a layer parameter
-here, so repeats are measured anew. `trace_replay: N` also replays the first N steps one call at a time (each built
-and timed afresh: replay.py) and records the composed and replayed totals, the tolerance and the verdict. EP: the
-per-rank loads are computed from the routing (the slowest-rank excess), the time is this rank's layer; with
-ep_size > 1 the EP step is composed too (ep_measure.py: the slowest rank plus the wire; the run's rank timings at
-a layer point are shared by its points, rank_timing.RankStore, so a workload has one time in the run). JIT: the fixed-capacity
-dispatch's compiles are predicted from the capacities (capacity_policy, num_max_tokens_per_rank) of each
-micro-batch's largest per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
-The record (record.py: TraceHeadline, EPStepRecord, ReplayRecord) states what each phase cost, `phase_wall_s`.
+Shapes already routed or timed by the point before, in the same run and at the same layer parameters (a what-if axis
+over capture lists shares most of them), are reused from the run's store (shapes.ShapeStore); the record says how
+many. A new run, or a point at other layer parameters in between, starts afresh; `repeat` is a layer parameter here,
+so repeats are measured anew. `trace_replay: N` also replays the first N steps one call at a time (each built and
+timed afresh: replay.py) and records the composed and replayed totals, the tolerance and the verdict. EP: the
+per-rank loads are computed from the routing (the slowest-rank excess), the time is this rank's layer; with ep_size
+> 1 the EP step is composed too (ep_measure.py: the slowest rank plus the wire; the run's rank timings at a layer
+point are shared by its points, rank_timing.RankStore, so a workload has one time in the run). JIT: the
+fixed-capacity dispatch's compiles are predicted from the capacities (capacity_policy, num_max_tokens_per_rank) of
+each micro-batch's largest per-rank receive, one compile per distinct capacity (jit_trace measures that prediction).
+The record (trace_record.TraceRecord, built whole and written as info) states what each phase cost, `phase_wall_s`.
 
 The package: trace_input (the trace and the engine), step_calls (every distinct step's calls as arrays), shapes (one
 padded shape measured, the shape store, the shapes' figures as arrays), shape_streams (a shape's rows and routing
@@ -34,8 +34,9 @@ shape_cost (the shape plan and model), compose (the shapes to time, interpolatio
 (every step's figures as columns, the step file), headline, ep_step (the EP step of one step), ep_arrays (of every
 distinct step at once), routes (the source slots' routing), rank_cost (a rank's expert time: the model), rank_plan
 (which workloads are timed), rank_timing (the rank timer and the run's rank store), ep_measure (the EP step
-measured), wire (the wire model at a point and its card), replay (both replay checks), record (the typed record), knobs (the sweep keys), checks (the record's consistency),
-estimate (what a point costs before it runs), capture_pricing (the capture-list search's prices).
+measured), wire (the wire model at a point and its card), replay (both replay checks), record (the typed record's
+parts), trace_record (the record, whole), knobs (the sweep keys), checks (the record's consistency), estimate (what
+a point costs before it runs), capture_pricing (the capture-list search's prices).
 
 Case.run (what the runner times) is the masked layer at the trace's most frequent call shape that the device
 times (plan.can_time; info.run_shape says which).
@@ -61,7 +62,7 @@ from moebench.bench.serving_trace.estimate import point_seconds
 from moebench.bench.serving_trace.ep_step import placement_problem
 from moebench.bench.serving_trace.headline import trace_headline
 from moebench.bench.serving_trace.knobs import ServingKnobs
-from moebench.bench.serving_trace.record import SIDES, PhaseClock, ShapePlan
+from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock, ShapePlan, TraceHeadline
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX, can_time
 from moebench.bench.serving_trace.rank_timing import RankStore
@@ -69,6 +70,7 @@ from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_re
 from moebench.bench.serving_trace.shape_cost import (ShapeTable,
                                                      model_spread_us, plan_shape_times, shape_reads)
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, layer_key, measure_shapes
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.bench.serving_trace.step_calls import check_sample, shapes_as_steps, step_calls
 from moebench.bench.serving_trace.trace_input import engine_of, trace_tokens
 from moebench.check import CheckResult
@@ -131,25 +133,23 @@ def build(p: Params, ctx: RunContext) -> Case:
     with clock.phase("host_composition"):
         steps = step_figures.StepFigures(p, tc.step_table, st.figures, st.time_of)
         tot = steps.totals(tc.trace.counts)
-    info = _trace_info(p, serving, tc, st, bench, kind)
     ep_record = None
     if p.ep_size > 1:
         ep_record, steps.ep = measure_ep_step(p, ctx.device, bench.timing, tc.step_table, tc.trace.counts,
                                               tc.replay_steps, clock, ctx.progress,
                                               RankStore.of_run(ctx.run_store).for_layer(layer_key(p, ctx.device)))
-        info["ep_step"] = ep_record.to_info()
     with clock.phase("host_composition"):
         spread_of = (lambda s: {side: model_spread_us(st.time_of, st.plan, side, *s) for side in SIDES}) \
             if st.plan.shape_times == "model" else None
-        info["headline"] = trace_headline(p, steps, tc.trace.counts, tot, tc.calls, st.figures, ep_record,
-                                          spread_of).to_info()
-        info.update(_step_records(p, ctx, serving, tc, steps))
+        headline = trace_headline(p, steps, tc.trace.counts, tot, tc.calls, st.figures, ep_record, spread_of)
+        record = _trace_record(p, serving, tc, st, bench, kind, headline, ep_record)
+        _step_records(p, ctx, serving, tc, steps, record)
     if serving.trace_replay:
         with clock.phase("replay"):
-            info["replay"] = single_rank_replay(bench, tc.replay_steps, st.time_of).to_info()
-    info["trace_wall_s"] = round(time.perf_counter() - t0, 3)
-    info["phase_wall_s"] = clock.record()
-    return _point_case(p, bench, tc, st, info, kind)
+            record.replay = single_rank_replay(bench, tc.replay_steps, st.time_of)
+    record.trace_wall_s = round(time.perf_counter() - t0, 3)
+    record.phase_wall_s = clock.record()
+    return _point_case(p, bench, tc, st, record, kind)
 
 
 @dataclass
@@ -222,52 +222,49 @@ def _shape_times(p: Params, ctx: RunContext, bench: ShapeBench, tc: _TraceCalls,
                        timed_so_far[1])
 
 
-def _trace_info(p: Params, serving: ServingKnobs, tc: _TraceCalls, st: _ShapeTimes, bench: ShapeBench,
-                kind: str) -> dict[str, Any]:
-    """The record's info before the EP step and the headline: the trace, the engine, how the shapes were timed,
-    and each distinct shape's routing figures and the layer time the composition used (measured, or read off the
-    interpolation or the model where the shape was not timed); past SHAPES_RECORDED_MAX, the timed ones."""
+def _trace_record(p: Params, serving: ServingKnobs, tc: _TraceCalls, st: _ShapeTimes, bench: ShapeBench, kind: str,
+                  headline: TraceHeadline, ep_record: EPStepRecord | None) -> TraceRecord:
+    """The record but for the per-step records, the replay and the phases: the trace, the engine, how the shapes
+    were timed, each distinct shape's routing figures and the layer time the composition used (measured, or read
+    off the interpolation or the model where the shape was not timed; past SHAPES_RECORDED_MAX, the timed ones),
+    the headline and the EP step."""
     timed_set = set(st.timed)
     recorded = tc.shapes if len(tc.shapes) <= SHAPES_RECORDED_MAX else st.timed
-    return {
-        "trace": {**tc.source, "steps": tc.trace.num_steps, "distinct_steps": tc.step_table.num_steps,
-                  "dp_size": serving.dp_size},
-        "engine": {"capture_list": capture_list_label(p.capture_sizes),
-                   "capture_sizes": list(tc.engine.capture_sizes), "dp_size": serving.dp_size,
-                   "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
-                   "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
-        "shape_mode": st.plan.shape_times, "trace_real_points": serving.trace_real_points,
-        "shape_plan": st.plan.to_info(), "distinct_shapes": len(tc.shapes),
-        "distinct_padded_shapes": len(padded_row_counts(tc.call_shapes)),
-        "timed_shapes": len(st.timed), "shape_timings": 2 * len(st.timed), "shapes_measured": st.measured,
-        "shapes_reused": len(st.timed) - st.measured, "layer_calls": sum(tc.calls.values()),
-        "shape_timing": {"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
-                         "iters": bench.timing.iters, "stat": "p50"},
-        "headline": None,  # with the EP step's
-        "shapes": [{**st.figures[s].as_dict(), "layer_us": {side: round(st.time_of(side, *s), 3) for side in SIDES},
-                    "timed": s in timed_set} for s in recorded],
-        "ep_loads": "computed from the routing" if p.ep_size > 1 else None,
-    }
+    return TraceRecord(
+        trace={**tc.source, "steps": tc.trace.num_steps, "distinct_steps": tc.step_table.num_steps,
+               "dp_size": serving.dp_size},
+        engine={"capture_list": capture_list_label(p.capture_sizes), "capture_sizes": list(tc.engine.capture_sizes),
+                "dp_size": serving.dp_size, "sp_size": serving.sp_size, "dbo": serving.dbo, "ep_size": p.ep_size,
+                "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
+        distinct_shapes=len(tc.shapes), headline=headline, trace_real_points=serving.trace_real_points,
+        timed_shapes=len(st.timed), ep_step=ep_record, shape_plan=st.plan, shape_mode=st.plan.shape_times,
+        distinct_padded_shapes=len(padded_row_counts(tc.call_shapes)), shape_timings=2 * len(st.timed),
+        shapes_measured=st.measured, shapes_reused=len(st.timed) - st.measured, layer_calls=sum(tc.calls.values()),
+        shape_timing={"mode": "settled (events or cuda_graph)" if kind == "cuda" else bench.timing.mode,
+                      "iters": bench.timing.iters, "stat": "p50"},
+        shapes=[{**st.figures[s].as_dict(), "layer_us": {side: round(st.time_of(side, *s), 3) for side in SIDES},
+                 "timed": s in timed_set} for s in recorded],
+        ep_loads="computed from the routing" if p.ep_size > 1 else None)
 
 
-def _step_records(p: Params, ctx: RunContext, serving: ServingKnobs, tc: _TraceCalls, steps) -> dict[str, Any]:
+def _step_records(p: Params, ctx: RunContext, serving: ServingKnobs, tc: _TraceCalls, steps,
+                  record: TraceRecord) -> None:
     """Every step's figures in the record while the trace is short; a long trace keeps its distinct steps while
     they are few, and every step's figures go to the run's step file (columns indexed by step)."""
-    out: dict[str, Any] = {"trace_steps": None, "distinct_step_records": None}
     index, counts = tc.trace.index, tc.trace.counts
     if tc.trace.num_steps <= step_figures.STEP_RECORDS_MAX:
         records = [steps.record(j) for j in range(len(steps))]
-        out["trace_steps"] = [{"step": i, **records[j]} for i, j in enumerate(index.tolist())]
+        record.trace_steps = [{"step": i, **records[j]} for i, j in enumerate(index.tolist())]
     elif len(steps) <= step_figures.STEP_RECORDS_MAX:
-        out["distinct_step_records"] = [{"count": int(c), **steps.record(j)} for j, c in enumerate(counts)]
+        record.distinct_step_records = [{"count": int(c), **steps.record(j)} for j, c in enumerate(counts)]
     if ctx.run_dir is not None and ctx.rank == 0:
-        out["step_file"] = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
+        record.step_file = write_step_columns(ctx.run_dir, Point(0, "serving_trace.layer", p).key,
                                               step_figures.step_columns(steps, index, serving.dp_size),
                                               step_figures.STEP_FILE_META)
-    return out
 
 
-def _point_case(p: Params, bench: ShapeBench, tc: _TraceCalls, st: _ShapeTimes, info: dict, kind: str) -> Case:
+def _point_case(p: Params, bench: ShapeBench, tc: _TraceCalls, st: _ShapeTimes, record: TraceRecord, kind: str
+                ) -> Case:
     """The runner's Case: its timed call the masked layer at the most frequent call shape the device times
     (plan.can_time: a 4096-row layer takes minutes a call in the interpreter); its check every sampled distinct
     step against the tensor producers, every timed shape read back as measured, and the layers at the most
@@ -278,8 +275,8 @@ def _point_case(p: Params, bench: ShapeBench, tc: _TraceCalls, st: _ShapeTimes, 
                else min(calls) if calls else tc.shapes[0] if tc.shapes else (1, 1))
     sp, batch = bench.batch(*busiest)
     pipe = bench.pipeline(sp, batch, "masked")
-    info["run_shape"] = {"rows": busiest[0], "real": busiest[1], "side": "masked", "calls": calls.get(busiest, 0),
-                         "most_frequent": calls.most_common(1)[0][0] == busiest if calls else True}
+    record.run_shape = {"rows": busiest[0], "real": busiest[1], "side": "masked", "calls": calls.get(busiest, 0),
+                        "most_frequent": calls.most_common(1)[0][0] == busiest if calls else True}
     ids = pipe.router_reference().ids.to(torch.int64)
     local = (ids >= 0) & (ids < p.local_experts)
     flops, bytes_moved = expert_work(int(local.sum()), int(torch.unique(ids[local]).numel()),
@@ -309,4 +306,4 @@ def _point_case(p: Params, bench: ShapeBench, tc: _TraceCalls, st: _ShapeTimes, 
 
     return Case(run=lambda: pipe.run(), check=check, flops=flops, bytes_moved=bytes_moved,
                 bytes_note="run(): the masked layer at the most frequent call shape the device times, its "
-                           "experts' useful work", info=info, nvtx_stage="layer", cleanup=cleanup)
+                           "experts' useful work", info=record.to_info(), nvtx_stage="layer", cleanup=cleanup)

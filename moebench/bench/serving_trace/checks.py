@@ -1,6 +1,6 @@
 """The serving_trace record's own consistency checks (moebench.consistency runs them before the record is written).
 
-Each reads the typed record (record.TraceRecord.from_info of the record's info) and names a figure by its path in
+Each reads the typed record (trace_record.TraceRecord.from_info of the record's info) and names a figure by its path in
 info. Against the definitions of the figures (headline.layer_headline for the single-rank view, ep_step.tax_split and
 ep_step.step_totals for the EP step): per side, the layer over the trace is its real-only time plus its time on padding,
 the tax is that share, the masks' recovery is the difference of the two layers; a trace with no padded row has no
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from moebench.bench.serving_trace.record import SIDES, TraceRecord
+from moebench.bench.serving_trace.record import SIDES
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.consistency import close, register_check
 
 HEAD = "info.headline"

@@ -140,7 +140,8 @@ def _rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mea
     def timing_s(routes: int) -> float:
         routes = min(routes, rows_max) if rows_max else routes
         if rates.kind == "interpreter":
-            return RANK_BUILD_S + RANK_CALLS[rates.kind] * expert_programs(p, routes, p.local_experts) * INTERP_PROGRAM_S
+            programs = expert_programs(p, routes, p.local_experts)
+            return RANK_BUILD_S + RANK_CALLS[rates.kind] * programs * INTERP_PROGRAM_S
         call_s = rates.seconds(*expected_expert_work(p, routes, p.local_experts), 12) / RANK_ROOF_SHARE
         # a long call's samples stop at SETTLED_SAMPLED_US of GPU time, after its untimed and mode-choosing calls
         return RANK_BUILD_S + min(RANK_CALLS[rates.kind] * call_s, 2 * call_s + SETTLED_SAMPLED_US * 1e-6)

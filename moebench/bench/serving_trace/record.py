@@ -1,7 +1,7 @@
 """The serving_trace record, typed: what the family builds and writes into a record's `info`, and what report/ and
 plots/ read back (`from_info`), so that no reader looks a figure up by a string path through nested dicts.
 
-  TraceRecord     the parts of info a reader needs: engine, trace, shape counts, headline, replay, EP step, phases
+  (TraceRecord, the whole of info, is trace_record.py's: it holds these)
   TraceHeadline   info.headline: the single-rank view over the trace (EPHeadline: its `ep_step`, the EP step's)
   EPStepRecord    info.ep_step: how the EP step was had (placement, payload, wire, rank times), its totals and tax
   ReplayRecord    info.replay: the single-rank composition against a call-by-call replay
@@ -24,7 +24,7 @@ from moebench.records import SIDES  # noqa: F401  (the family and its readers im
 LEGACY_TOLERANCE = 0.05  # what `within_5pct` meant in records written before `tolerance` was recorded
 
 
-class _Record:
+class InfoRecord:
     """to_info / from_info over the dataclass's fields; NESTED: fields holding a record of their own, OPTIONAL:
     fields left out of info when None (as the family leaves them out)."""
 
@@ -37,7 +37,7 @@ class _Record:
             v = getattr(self, f.name)
             if v is None and f.name in self.OPTIONAL:
                 continue
-            out[f.name] = v.to_info() if isinstance(v, _Record) else v
+            out[f.name] = v.to_info() if isinstance(v, InfoRecord) else v
         return out
 
     @classmethod
@@ -64,7 +64,7 @@ def _legacy_verdict(info: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class ReplayRecord(_Record):
+class ReplayRecord(InfoRecord):
     """info.replay: the trace's first steps replayed call by call against their composition (layer time, and
     the padding time and tax both ways)."""
 
@@ -87,7 +87,7 @@ class ReplayRecord(_Record):
 
 
 @dataclass
-class EPReplayRecord(_Record):
+class EPReplayRecord(InfoRecord):
     """info.ep_step.replay: per side, the expert and step time composed (the run's rank times) and replayed (every
     rank timed afresh), their relative differences and the verdict."""
 
@@ -118,7 +118,7 @@ class EPReplayRecord(_Record):
 
 
 @dataclass
-class RankPlan(_Record):
+class RankPlan(InfoRecord):
     """How the EP ranks' times were had (rank_plan.plan_rank_times): every distinct workload timed (`timed`), or a
     cost model (`model`) fitted to a design and decisive rounds, with its cost_model record (per launch its
     coefficients and cross-validated error; the rounds' held-out error against the tolerance)."""
@@ -148,7 +148,7 @@ class RankPlan(_Record):
 
 
 @dataclass
-class ShapePlan(_Record):
+class ShapePlan(InfoRecord):
     """How the single-rank view's shapes were timed (shape_cost.plan_shape_times, or the interpolation grid):
     every distinct shape (`exact`), an interpolation grid (`interpolated`), or a designed set and the shapes that
     weigh most with a cost model reading the rest (`model`: its cost_model record, per side its held-out error)."""
@@ -173,7 +173,7 @@ class ShapePlan(_Record):
 
 
 @dataclass
-class EPHeadline(_Record):
+class EPHeadline(InfoRecord):
     """info.headline.ep_step: the EP step over the trace per side, the tax of padding and its split."""
 
     step_us: dict[str, float]
@@ -194,7 +194,7 @@ class EPHeadline(_Record):
 
 
 @dataclass
-class TraceHeadline(_Record):
+class TraceHeadline(InfoRecord):
     """info.headline: the single-rank view over the trace (each distinct step weighted by its count)."""
 
     layer_us: dict[str, float]
@@ -228,7 +228,7 @@ class TraceHeadline(_Record):
 
 
 @dataclass
-class EPStepRecord(_Record):
+class EPStepRecord(InfoRecord):
     """info.ep_step: how the EP step was had and what it came to over the trace."""
 
     view: str
@@ -283,10 +283,10 @@ class EPStepRecord(_Record):
         decided, cut = plan.get("decided_by_timing_share"), plan.get("stopped_by") == "seconds"
         share = f"; {100 * decided:.0f}% of the expert time decided by timed ranks" if decided is not None else ""
         return (f"model ({self.rank_timings} of {self.distinct_workloads} workloads timed{reused}"
-                f"{'; rounds stopped at ep_rank_seconds' if cut else ''}; {_model_error(self.cost_model)}{share})")
+                f"{'; rounds stopped at ep_rank_seconds' if cut else ''}; {model_error_label(self.cost_model)}{share})")
 
 
-def _model_error(cost_model: dict[str, Any]) -> str:
+def model_error_label(cost_model: dict[str, Any]) -> str:
     """A cost model's held-out error against its tolerance, in words (one side's, or each side's)."""
     held, tol = cost_model.get("held_out") or {}, cost_model.get("tolerance")
     if "rms_rel" in held:
@@ -304,73 +304,6 @@ def _model_error(cost_model: dict[str, Any]) -> str:
 # (timed, the model fitted), replay (both checks), host_composition (the trace, its padding, the composition, the
 # per-step records and step file), total (the point's build, all of these and what is between them)
 PHASES = ("routing", "shapes", "rank_workloads", "replay", "host_composition", "total")
-
-
-@dataclass
-class TraceRecord(_Record):
-    """What report/ and plots/ read of a serving_trace record's info (the per-step lists stay as written)."""
-
-    engine: dict[str, Any]
-    trace: dict[str, Any]
-    distinct_shapes: int
-    headline: TraceHeadline
-    trace_real_points: int = 0
-    timed_shapes: Optional[int] = None
-    replay: Optional[ReplayRecord] = None
-    ep_step: Optional[EPStepRecord] = None
-    phase_wall_s: Optional[dict[str, float]] = None
-    shape_plan: Optional[ShapePlan] = None  # how the single-rank view's shapes were timed
-
-    NESTED: ClassVar[dict[str, type]] = {"headline": TraceHeadline, "replay": ReplayRecord,
-                                         "ep_step": EPStepRecord, "shape_plan": ShapePlan}
-    OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes", "shape_plan"})
-
-    def ep_step_error(self) -> tuple[Optional[float], str]:
-        """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
-        model's held-out RMS error, or None where that is unchecked (every timing went to the model's design)."""
-        ep = self.ep_step
-        if ep.rank_times == "timed":
-            return 0.0, "every rank workload timed"
-        held = ((ep.cost_model or {}).get("held_out") or {}).get("rms_rel")
-        if held is None:
-            return None, "the rank model's error unchecked (every timing went to its design)"
-        return held, "the rank model's held-out error"
-
-    def layer_error(self, side: str) -> tuple[Optional[float], str]:
-        """(relative error, its source) of one side's layer over the trace: 0 where every shape was timed, the
-        shape model's held-out RMS error, the replay's difference for an interpolation, or None: unchecked."""
-        mode = self.shape_plan.shape_times if self.shape_plan is not None else None
-        if mode == "exact" or (mode is None and not self.trace_real_points):
-            return 0.0, "every shape timed"
-        if mode == "model":
-            held = self.shape_plan.held_out_rms(side)
-            return (None, "the shape model's error unchecked") if held is None else \
-                (held, "the shape model's held-out error")
-        diff = (self.replay.rel_diff or {}).get(side) if self.replay is not None else None
-        return (None, "interpolated, no replay to check it") if diff is None else (diff, "the replay's difference")
-
-    def shapes_label(self) -> str:
-        """How the shapes were timed: every one, an interpolation grid, or the model with its held-out error."""
-        plan = self.shape_plan
-        if plan is None or plan.shape_times != "model":
-            return ""
-        return (f"shape model: {plan.shape_timings} of {self.distinct_shapes} shapes timed; "
-                f"{_model_error(plan.cost_model or {})}")
-
-    @property
-    def capture_list(self) -> str:
-        return str(self.engine.get("capture_list"))
-
-    @property
-    def steps(self) -> int:
-        return self.trace.get("steps")
-
-    def phases_label(self) -> str:
-        """What each phase cost, wall seconds ("" for a record without them)."""
-        if not self.phase_wall_s:
-            return ""
-        return ", ".join(f"{k.replace('_', ' ')} {self.phase_wall_s[k]:.1f}" for k in PHASES
-                         if k in self.phase_wall_s) + " s"
 
 
 def card_note(rank_card: str, wire_gpu: str, wire_measured_on: str) -> Optional[str]:

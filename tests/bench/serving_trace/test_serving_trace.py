@@ -348,6 +348,9 @@ def test_build_records_the_trace(monkeypatch):
     run = RunContext(device=torch.device("cpu"))
     case = impl.build(p, run)
     info = case.info
+    # the info is the typed record, whole: nothing assembled beside it
+    from moebench.bench.serving_trace.trace_record import TraceRecord
+    assert TraceRecord.from_info(info).to_info() == info and info["replay"] and info["run_shape"]
     assert [s["cudagraph_rows"] for s in info["trace_steps"]] == [[4, 4], [8, 8], [4, 4]]
     assert [s["padded_rows"] for s in info["trace_steps"]] == [2, 6, 2]
     assert info["distinct_shapes"] == 4 and info["layer_calls"] == 6 and info["shapes_measured"] == 4

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moebench.bench.serving_trace import ep_step, replay
-from moebench.bench.serving_trace.record import (EPReplayRecord, EPStepRecord, ReplayRecord, TraceHeadline,
-                                                 TraceRecord, card_note)
+from moebench.bench.serving_trace.record import EPReplayRecord, EPStepRecord, ReplayRecord, TraceHeadline, card_note
+from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, measure_shapes
 from moebench.bench.serving_trace.wire import CPU_CARD, cards
 from moebench.dispatch.wire_model import DEFAULT_WIRE_MODEL
@@ -199,13 +199,13 @@ def test_each_steps_micro_batches_are_built_once(monkeypatch):
 
 
 def test_the_footer_states_each_models_held_out_error_against_its_tolerance():
-    from moebench.bench.serving_trace.record import _model_error
+    from moebench.bench.serving_trace.record import model_error_label
 
     ep = {"held_out": {"points": 170, "rms_rel": 0.0183, "max_rel": 0.06}, "tolerance": 0.03,
           "within_tolerance": True}
-    assert _model_error(ep) == "held-out error 1.8% RMS, within 3%"
+    assert model_error_label(ep) == "held-out error 1.8% RMS, within 3%"
     shapes = {"held_out": {"masked": {"points": 9, "rms_rel": 0.041, "max_rel": 0.1},
                            "oblivious": {"points": 9, "rms_rel": 0.012, "max_rel": 0.02}},
               "tolerance": 0.03, "within_tolerance": False}
-    assert _model_error(shapes) == "held-out error masked 4.1% RMS, oblivious 1.2% RMS, over 3%"
-    assert _model_error({"held_out": {"points": 0, "rms_rel": None}, "tolerance": 0.03}).startswith("its error unchecked")
+    assert model_error_label(shapes) == "held-out error masked 4.1% RMS, oblivious 1.2% RMS, over 3%"
+    assert model_error_label({"held_out": {"points": 0, "rms_rel": None}, "tolerance": 0.03}).startswith("its error unchecked")
