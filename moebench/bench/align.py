@@ -20,7 +20,7 @@ from moebench.kernels.moe_align_block_size import (
     moe_align_block_size,
     moe_align_block_size_torch,
 )
-from moebench.measure.cost import PointWork, id_work
+from moebench.measure.cost import PointWork, align_programs, id_work
 from moebench.registry import Case, Routing, register_variants, declare_work
 
 __all__ = ["rank0_expert_map", "align_problem", "canonical_alignment", "align_build_for"]
@@ -163,4 +163,4 @@ register_family(KernelFamily(
     "out=(sorted_token_ids, expert_ids, num_tokens_post_padded)) -> those three int32 tensors, moebench's layout",
     align_problem))
 declare_work("moe_align_block_size", PointWork(call=id_work, launches=3,  # count, scan, scatter
-                                              programs=lambda p: 25 + p.num_tokens * p.top_k / 8))
+                                              programs=lambda p: align_programs(p.num_tokens * p.top_k)))

@@ -34,7 +34,7 @@ from moebench.kernels.fused_experts import (
     fused_experts_torch,
     make_workspace,
 )
-from moebench.measure.cost import PointWork, expected_expert_work, expert_programs
+from moebench.measure.cost import PointWork, expected_expert_work, fused_experts_programs
 from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
 __all__ = ["reference_rows", "check_experts_out", "experts_info", "expert_rows", "equal_rows", "row_tiles", "triton_available", "ExpertsInputs",
@@ -275,6 +275,6 @@ register_family(KernelFamily(
 
 
 # the family's every variant (bf16, fp8, ceilings, peers): the grouped GEMMs over the point's local experts; a GEMM
-# grid costs several launch-equivalents
+# grid costs several launch-equivalents; in the interpreter the call's alignment and slot sum count too
 declare_work("fused_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
-                                       programs=lambda p: expert_programs(p, p.num_tokens, p.local_experts)))
+                                       programs=lambda p: fused_experts_programs(p, p.num_tokens, p.local_experts)))

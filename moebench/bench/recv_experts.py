@@ -26,7 +26,7 @@ import torch
 
 from moebench.dispatch.pack import CapacityKnobs
 from moebench.params import EPLayout, Params
-from moebench.measure.cost import PointWork, expected_expert_work, expert_programs
+from moebench.measure.cost import PointWork, expected_expert_work, fused_experts_programs
 from moebench.registry import Case, CheckResult, Routing, RunContext, register_impl, declare_work
 
 STALE_SEED_SALT = 31  # the stale rows' contents draw from their own stream
@@ -142,5 +142,13 @@ def build_fixed(p: Params, ctx: RunContext) -> Case:
                            "experts like received rows")
 def build_oblivious(p: Params, ctx: RunContext) -> Case:
     return _build(p, ctx, fixed=False)
+
+
+def _capacity(p: Params) -> int:
+    """The receive buffer's rows (_received: at least num_max_tokens_per_rank; the received rows are <= num_tokens)."""
+    return max(p.knobs(CapacityKnobs).num_max_tokens_per_rank, p.num_tokens)
+
+
+# the interpreter runs fused_experts (its alignment and slot sum included) over every row of the buffer, stale or not
 declare_work("recv_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
-                                      programs=lambda p: expert_programs(p, p.num_tokens, p.local_experts)))
+                                      programs=lambda p: fused_experts_programs(p, _capacity(p), p.local_experts)))
