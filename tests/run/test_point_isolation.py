@@ -115,6 +115,20 @@ def test_a_kernel_that_raises_is_failed_in_a_worker_that_carries_on_across_point
     assert w.proc.pid != os.getpid()
 
 
+def test_a_worker_found_dead_between_points_is_replaced_without_losing_a_point(tmp_path, capsys, monkeypatch):
+    dead = point_worker.get_worker(torch.device("cpu"))  # the raise test's worker (kept), or a new one
+    dead._wait_ready()  # it came up, then died idle (an OOM kill between points, say)
+    dead.proc.kill()
+    dead.proc.wait(10)
+    monkeypatch.setattr(dead, "alive", lambda: True)  # as if it died after the check: the hand-over finds it gone
+    code, recs = _run(tmp_path, "raise")
+    assert code == 1 and len(recs) == 6
+    assert [k for k, r in recs.items() if r["status"] != "ok"] == [(16, "isolation_raise")]
+    assert not any("isolation" in r for r in recs.values())  # still in a worker, not left to the runner
+    assert "worker restarts" not in capsys.readouterr().out  # the point never ran in the dead worker
+    assert point_worker.get_worker(torch.device("cpu")) is not dead
+
+
 def test_point_timeout_must_be_positive(tmp_path, capsys):
     sweep = tmp_path / "s.yaml"
     sweep.write_text(SWEEP.format(what="raise", timeout=0).replace("plugins: [moebench_test_isolation_plugin]\n", "")
@@ -176,12 +190,13 @@ from moebench.dispatch.agrs import AGRSPath
 from moebench.plugins import register_dispatch_path
 
 
-def _misbehaving(what, at):
+def _misbehaving(at):
     class Path(AGRSPath):
         """AGRS whose rank 1 aborts (a crashing communication extension) or hangs at some batch sizes."""
 
         def dispatch(self, x, topk_ids, topk_weights, is_padding=None):
-            if x.shape[0] in at and dist.get_rank() == 1:
+            what = at.get(x.shape[0])
+            if what and dist.get_rank() == 1:
                 if what == "abort":
                     os.abort()
                 time.sleep(3600)
@@ -189,69 +204,52 @@ def _misbehaving(what, at):
     return Path
 
 
-register_dispatch_path("isolation_abort_twice", _misbehaving("abort", (16, 24)))
-register_dispatch_path("isolation_hang", _misbehaving("hang", (16,)))
+register_dispatch_path("isolation_ranks", _misbehaving({16: "abort", 32: "hang", 40: "abort"}))
 '''
 
 MULTI_RANK = """\
 name: isolation-ranks
 target: dispatch
 plugins: [moebench_test_isolation_path]
-impls: [dispatch.isolation_{what}]
-fixed: {{num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}}
+impls: [dispatch.isolation_ranks]
+fixed: {num_experts: 8, hidden: 64, top_k: 2, ep_size: 2}
 axes:
-  num_tokens: [8, 16, 24, 32]
-timing: {{mode: wall, warmup: 0, iters: 3, point_timeout_s: {timeout}}}
+  num_tokens: [8, 16, 24, 32, 40]
+timing: {mode: wall, warmup: 0, iters: 3, point_timeout_s: 3}
 """
+# three rank groups (each rank an interpreter start): 8, then a crash after that point of the group went well (16);
+# a fresh group's 24, then a hang (32: 3 s, as the single-rank hang above; the clock starts with the point, not the
+# group, so 8 and 24, each a group's first point, are ok); a crash at a fresh group's first point (40)
+LOST = {16: "rank 1 of 2 failed: killed by SIGABRT", 32: "timeout after 3 s (rank group killed)",
+        40: "rank 1 of 2 failed: killed by SIGABRT"}
 
 
-@pytest.mark.parametrize("what, lost, reason", [
-    # a crash after a point of the group went well (16), then one at a fresh group's first point (24)
-    ("abort_twice", [16, 24], "rank 1 of 2 failed: killed by SIGABRT"),
-    ("hang", [16], "timeout after 3 s (rank group killed)"),  # the clock starts with the point, not the group
-])
-def test_a_rank_that_crashes_or_hangs_costs_its_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys, what,
-                                                                                     lost, reason):
+def test_a_rank_that_crashes_or_hangs_costs_its_point_and_a_fresh_group_runs_the_rest(tmp_path, capsys):
     (tmp_path / "moebench_test_isolation_path.py").write_text(PATH_PLUGIN)
     sweep = tmp_path / "ranks.yaml"
-    sweep.write_text(MULTI_RANK.format(what=what, timeout=3 if what == "hang" else 60))
+    sweep.write_text(MULTI_RANK)
     out = tmp_path / "runs"
     assert main(["run", str(sweep), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
     (run_dir,) = out.iterdir()
     recs = {r["params"]["num_tokens"]: r for r in load_records(run_dir)}
-    assert sorted(recs) == [8, 16, 24, 32]  # each once
+    assert sorted(recs) == [8, 16, 24, 32, 40]  # each once
     for n, rec in recs.items():
-        if n in lost:
-            assert rec["status"] == "failed" and reason in rec["reason"] and rec["worker_restarted"], rec
+        if n in LOST:
+            assert rec["status"] == "failed" and LOST[n] in rec["reason"] and rec["worker_restarted"], rec
         else:
             assert rec["status"] == "ok", rec
-    assert f"worker restarts: {len(lost)}" in capsys.readouterr().out
+    assert f"worker restarts: {len(LOST)}" in capsys.readouterr().out
     assert not (run_dir / ".in_flight").exists()
 
 
 def test_a_worker_that_cannot_start_leaves_the_points_to_the_runner_and_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(point_worker, "WORKER_COMMAND", [sys.executable, "-c", "raise SystemExit(7)"])
-    point_worker.drop(torch.device("cpu"))
+    monkeypatch.setattr(point_worker, "_WORKERS", {})  # none yet; the process's own worker is back for the next test
     code, recs = _run(tmp_path, "raise")
-    point_worker.drop(torch.device("cpu"))  # the next test gets a real worker
     assert code == 1 and len(recs) == 6
     assert all("the point worker did not start: worker died: exit code 7" in r["isolation"] for r in recs.values())
     assert recs[(16, "isolation_raise")]["status"] == "failed"
     assert "the points run in this process" in capsys.readouterr().err
-
-
-def test_a_worker_found_dead_between_points_is_replaced_without_losing_a_point(tmp_path, capsys, monkeypatch):
-    dead = point_worker.get_worker(torch.device("cpu"))
-    dead._wait_ready()  # it came up, then died idle (an OOM kill between points, say)
-    dead.proc.kill()
-    dead.proc.wait(10)
-    monkeypatch.setattr(dead, "alive", lambda: True)  # as if it died after the check: the hand-over finds it gone
-    code, recs = _run(tmp_path, "raise")
-    assert code == 1 and len(recs) == 6
-    assert [k for k, r in recs.items() if r["status"] != "ok"] == [(16, "isolation_raise")]
-    assert not any("isolation" in r for r in recs.values())  # still in a worker, not left to the runner
-    assert "worker restarts" not in capsys.readouterr().out  # the point never ran in the dead worker
-    assert point_worker.get_worker(torch.device("cpu")) is not dead
 
 
 def test_in_process_runs_the_points_in_the_runner(tmp_path, monkeypatch):
