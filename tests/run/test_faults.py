@@ -141,24 +141,50 @@ def _kill_parent_mid_run(tmp_path, sig):
         return rc, run_dir, n_after, run.text()
 
 
-def test_sigkill_of_parent_kills_ranks_and_resume_records_each_point_once(tmp_path):
+class _RowsAsRecorded:
+    """A stdout that keeps the lines written to it and counts the table rows of `impl` as they come, noting how
+    many records were on disk when the first one came."""
+
+    def __init__(self, records: Path, impl: str):
+        self.records, self.impl = records, impl
+        self.lines: list[str] = []
+        self.rows, self.first_row_at_records, self._part = 0, None, ""
+
+    def write(self, text: str) -> int:
+        *done, self._part = (self._part + text).split("\n")
+        for line in done:
+            self.lines.append(line)
+            if line.strip().startswith(tuple("0123456789")) and self.impl in line:
+                self.rows += 1
+                if self.first_row_at_records is None:
+                    self.first_row_at_records = _lines(self.records)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_sigkill_of_parent_kills_ranks_and_resume_records_each_point_once(tmp_path, monkeypatch):
     rc, run_dir, n_before, _ = _kill_parent_mid_run(tmp_path, signal.SIGKILL)
     assert rc == -signal.SIGKILL
     assert (run_dir / LOCK).exists()  # left by the killed run: stale, taken over below
-    # resume with the stored sweep; rows must appear as points finish, not all at the end
-    with _Run(tmp_path, ["--resume", run_dir, "--device", "cpu", "--no-plots"], stdout=subprocess.PIPE) as run:
-        first_row_at_records = None
-        rows = 0
-        for line in run.proc.stdout:
-            if line.strip().startswith(tuple("0123456789")) and "dispatch.agrs" in line:
-                rows += 1
-                if first_row_at_records is None:
-                    first_row_at_records = _lines(run_dir / "records.jsonl")
-            if "resuming:" in line:
-                assert f"resuming: {n_before} points already recorded are skipped" in line
-        assert run.proc.wait(300) == 0, run.text()
-    assert rows == NUM_POINTS - n_before
-    assert first_row_at_records is not None and first_row_at_records < NUM_POINTS, \
+    # resume with the stored sweep, in this process (the killed run above is the one that needed a process of its
+    # own); rows must appear as points finish, not all at the end
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    argv = ["moebench", "run", "--resume", str(run_dir), "--device", "cpu", "--no-plots"]
+    monkeypatch.setattr(sys, "argv", argv)  # what the manifest records as the resume's command
+    out = _RowsAsRecorded(run_dir / "records.jsonl", "dispatch.agrs")
+    monkeypatch.setattr(sys, "stdout", out)
+    code = main(argv[1:])
+    monkeypatch.undo()
+    assert code == 0, "\n".join(out.lines[-30:])
+    assert any(f"resuming: {n_before} points already recorded are skipped" in line for line in out.lines), out.lines
+    assert out.rows == NUM_POINTS - n_before
+    assert out.first_row_at_records is not None and out.first_row_at_records < NUM_POINTS, \
         "multi-rank rows were printed only after the last point"
     recs = load_records(run_dir)
     assert sorted(r["point"] for r in recs) == list(range(NUM_POINTS))  # every point exactly once
