@@ -67,7 +67,8 @@ _GROUP_OF_FILE = {f: g for g, files in SHARED_GROUPS.items() for f in files}
 # in the last run that ran it, kept in pytest's cache (.pytest_cache) under this key and written at the end of every
 # run. A fresh clone (CI) has no cache: it reads the times a whole run wrote into UNIT_DURATIONS_FILE (rewritten by
 # any run with MOEBENCH_RECORD_DURATIONS=1: a run's output, never edited by hand; stale times only cost balance).
-# Units with no recorded time (a new file) follow in file order.
+# Units with no recorded time (a new file, or any file where the times are older than it) go first, in file order:
+# their length is unknown, and a long one handed out last would finish alone (the known short units make the tail).
 DURATIONS_KEY = "moebench/unit_durations"
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 UNIT_DURATIONS_FILE = os.path.join(_TESTS_DIR, "unit_durations.json")
@@ -151,7 +152,7 @@ def _longest_first(config, items, durations: dict) -> None:
     def slowest_first(item):
         unit = _work_unit(config, item.nodeid)
         seconds = durations.get(unit)
-        return (0, -seconds, unit) if isinstance(seconds, (int, float)) else (1, 0, "")
+        return (1, -seconds, unit) if isinstance(seconds, (int, float)) else (0, 0, "")
 
     items.sort(key=slowest_first)  # stable: file order within a unit and among the units with no recorded time
 
