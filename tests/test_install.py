@@ -33,9 +33,10 @@ def _env():
 
 # One interpreter of the venv answers where moebench was found and runs the two dry runs through moebench.cli.main,
 # each with its exit code and output (an interpreter start is most of a dry run's time): the same installed copy,
-# from the same folder, as `python -m moebench run ... --dry-run` would be.
+# from the same folder, as `python -m moebench run ... --dry-run` would be. It also runs the installed package's
+# __main__ (`python -m moebench --version`, through runpy as `-m` does); the console script runs the quickstart.
 PROBE = """\
-import contextlib, io, json, sys
+import contextlib, importlib.util, io, json, runpy, sys
 import moebench, moebench.run.paths as p
 from moebench.cli import main
 
@@ -45,6 +46,15 @@ for name, argv in json.loads(sys.argv[1]).items():
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(argv)
     out[name] = {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+sys.argv, stdout = ["moebench", "--version"], io.StringIO()
+with contextlib.redirect_stdout(stdout):
+    try:
+        runpy.run_module("moebench", run_name="__main__", alter_sys=True)
+        code = None
+    except SystemExit as e:
+        code = e.code
+out["-m moebench --version"] = {"code": code, "stdout": stdout.getvalue(),
+                                "file": importlib.util.find_spec("moebench.__main__").origin}
 print(json.dumps(out))
 """
 
@@ -84,16 +94,17 @@ def test_pip_install_runs_bundled_quickstart(tmp_path):
     for name in runs:
         res = got[name]
         assert res["code"] == 0 and "planned" in res["stdout"], name + res["stdout"][-2000:] + res["stderr"][-3000:]
-    run = subprocess.run([str(python), "-m", "moebench", "run", "quickstart", "--out", str(tmp_path / "runs"),
+    version = got["-m moebench --version"]
+    assert version["code"] == 0 and version["stdout"].startswith("moebench "), version
+    assert Path(version["file"]).is_relative_to(env_dir), version
+    # the console script, as the README's first command runs it
+    run = subprocess.run([str(env_dir / "bin" / "moebench"), "run", "quickstart", "--out", str(tmp_path / "runs"),
                           "--device", "cpu", "--no-plots", "--set", "axes.num_tokens=[64]", "--set",
                           "axes.padding_ratio=[0.5]", "--set", "timing.iters=1", "--set", "timing.warmup=0"],
                          capture_output=True, text=True, timeout=240, env=_env(), cwd=work)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "# points: ok 4" in run.stdout
     assert list(work.iterdir()) == []  # nothing lands in the current directory with --out
-    version = subprocess.run([str(env_dir / "bin" / "moebench"), "--version"], capture_output=True, text=True,
-                             timeout=120, env=_env(), cwd=work)
-    assert version.returncode == 0 and version.stdout.startswith("moebench "), version.stderr
 
 
 def test_default_run_location_is_ignored_by_git():
