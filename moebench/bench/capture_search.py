@@ -21,13 +21,15 @@ from typing import Any, Optional, Union
 
 from moebench.bench.serving_trace import SHAPE_TIMING
 from moebench.bench.serving_trace import build as serving_build  # noqa: F401  (registers serving_trace.layer first)
+from moebench.bench.serving_trace.capture_ep import not_priced_reason, pairs_of, price_ep
 from moebench.bench.serving_trace.capture_pricing import (EAGER_TIMING, Pricer, eager_price, eager_shapes,
                                                           list_figures, model_noise, price_shapes, priced_sides,
                                                           shapes_timed, shapes_to_price)
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.shape_streams import stream_size
-from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore
+from moebench.bench.serving_trace.rank_timing import RankStore
+from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, layer_key
 from moebench.bench.serving_trace.trace_input import trace_tokens
 from moebench.bench.experts import triton_available
 import torch
@@ -139,11 +141,14 @@ def search_work(p: Params, kind: str) -> dict[str, Any]:
         return sum(s[0] for s in group) / max(1, len(group))
 
     budgets = p.knobs(CaptureSearchKnobs).budgets(len(candidate_sizes(steps, engine, keep)))
+    ep_virtual = (pairs_of(steps, engine, keep) + (1 + len(CAPTURE_LISTS)) * len(steps)
+                  if not_priced_reason(p, steps, engine, keep) is None else 0)
     return {"shapes": len(shapes), "timed": timed, "design": design, "design_rows": mean_rows(timeable),
             "decisive": len(decisive), "decisive_rows": mean_rows(decisive),
             "eager_shapes": eager_shapes(shapes) if kind == "cuda" else [], "run_rows": shapes[0][0],
             "reads": sum(reads.values()), "lists": len(CAPTURE_LISTS) + 2 * len(budgets),
-            "distinct_steps": len(steps), "max_real": max(q for _, q in shapes)}
+            "distinct_steps": len(steps), "max_real": max(q for _, q in shapes), "ep_virtual_steps": ep_virtual,
+            "shape_list": shapes}
 
 
 def search_seconds(p: Params, rates: DeviceRates) -> float:
@@ -171,7 +176,29 @@ def search_seconds(p: Params, rates: DeviceRates) -> float:
     host_s = (st.HOST_S_FIXED + work["shapes"] * st.HOST_S_PER_SHAPE + work["reads"] * HOST_S_PER_READ
               + work["lists"] * work["distinct_steps"] * HOST_S_PER_LIST_STEP
               + 2 * stream_size(work["max_real"]) * st.ROUTE_S_PER_ROW[rates.kind])
-    return shapes_s + eager_s + own_s + host_s
+    return shapes_s + eager_s + own_s + host_s + _ep_seconds(p, rates, work)
+
+
+def _ep_seconds(p: Params, rates: DeviceRates, work: dict) -> float:
+    """The EP step's pricing (capture_ep): serving_trace's rank timings and host arithmetic over the virtual steps
+    (every step at every candidate, eagerly and under each named list), no replay; the calls are the search's
+    priced shapes, one per DP rank, SP rank and micro-batch."""
+    from moebench.bench.serving_trace import estimate as st
+    from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
+
+    virtual = work["ep_virtual_steps"]
+    if not virtual:
+        return 0.0
+    engine = _engine(p)
+    micro_batches = 2 if engine.dbo else 1
+    plan = {"distinct_steps": virtual, "micro_batches": micro_batches, "max_real": work["max_real"],
+            "calls_per_step": engine.dp_size * engine.sp_size * micro_batches, "rows_max": TIMED_ROWS_MAX}
+    rows_max = TIMED_ROWS_MAX["cuda" if rates.is_cuda else "cpu"]
+    timeable = [s for s in work["shape_list"] if rows_max is None or s[0] <= rows_max] or work["shape_list"][:1]
+    mean_rows = max(1, round(sum(s[0] for s in timeable) / max(1, len(timeable))))
+    return (st.rank_seconds(p, plan, rates, timeable, mean_rows, replay=False)
+            + virtual * (st.HOST_S_PER_STEP + p.ep_size * st.HOST_S_PER_RANK_STEP)
+            + st.routed_rows(p, plan) * st.ROUTE_S_PER_ROW[rates.kind])
 
 
 declare_work("serving_trace.capture_search", PointWork(point=search_seconds))
@@ -219,10 +246,9 @@ def _price(p: Params, ctx: RunContext) -> _Priced:
     return _Priced(trace, source, engine, budgets, named, shapes, bench, store, time_of, plan, eager, clock)
 
 
-def _side_records(pr: _Priced, priced: dict, found: dict, figures) -> dict[str, Any]:
-    """Per side what the operator reads (per K the list and its composed figures, the curve, the bound, the noise)
-    and what was searched (the priced table, while it is small enough to record)."""
-    noise = model_noise(pr.plan, pr.store.shapes)
+def _side_records(priced: dict, found: dict, figures, noise: dict) -> dict[str, Any]:
+    """Per side what the operator reads (per K the list and its figures, the curve, the bound, the noise) and what
+    was searched (the priced table, while it is small enough to record)."""
     sides: dict[str, Any] = {}
     for side in SIDES:
         res, table = found[side], priced[side]
@@ -239,6 +265,33 @@ def _side_records(pr: _Priced, priced: dict, found: dict, figures) -> dict[str, 
             "priced_note": None if small else (
                 f"{numbers:,} priced numbers a side, past {PRICED_RECORDED_MAX // 2:,}: not recorded")}
     return sides
+
+
+def _ep_step_record(p: Params, ctx: RunContext, pr: _Priced, knobs: "CaptureSearchKnobs") -> dict[str, Any]:
+    """The search over the EP step (capture_ep): per side the same answer as the layer's, priced by the slowest EP
+    rank plus the wire, the named lists' EP figures, the rank plan's model and error; or why it was not priced."""
+    keep, steps = knobs.kept(), pr.trace.table()
+    why = not_priced_reason(p, steps, pr.engine, keep)
+    if why:
+        return {"not_priced": why}
+    layer_p = _layer_params(p)
+    ep = price_ep(layer_p, ctx.device, pr.bench.timing, steps, pr.trace.counts, pr.engine, keep, pr.named,
+                  pr.eager["per_call_us"], pr.clock, ctx.progress,
+                  RankStore.of_run(ctx.run_store).for_layer(layer_key(layer_p, ctx.device)))
+    found = {side: search(ep.priced[side], pr.budgets, knobs.capture_largest, keep) for side in SIDES}
+
+    def figures(sizes):
+        return {side: ep.chosen_figures(side, sizes) for side in SIDES}
+
+    rec = ep.record
+    return {"sides": _side_records(ep.priced, found, figures, {side: ep.noise_rel for side in SIDES}),
+            "named": ep.named, "noise_source": ep.noise_source, "pairs": ep.pairs, "virtual_steps": ep.virtual_steps,
+            "rank_times": rec.rank_times, "distinct_workloads": rec.distinct_workloads,
+            "rank_timings": rec.rank_timings, "cost_model": rec.cost_model, "rank_plan": rec.rank_plan,
+            "placement": rec.placement, "wire": rec.wire, "wall_s": rec.wall_s,
+            "priced_as": "each distinct step composed as an EP step (slowest rank plus dispatch and combine) at "
+                         "every candidate size, eagerly (plus one source's eager launches) and under each named "
+                         "list; padded_us[g][j - g] = group g's steps at candidates[j]"}
 
 
 def _eager_record(eager: dict) -> dict[str, Any]:
@@ -268,14 +321,15 @@ def build(p: Params, ctx: RunContext) -> Case:
         return _plain(list_figures(trace_steps, trace_counts, engine, sizes, pr.time_of, eager_call_us))
 
     named_figs = {name: {"graphs": len(sizes), **figures(sizes)} for name, sizes in pr.named.items()}
-    sides = _side_records(pr, priced, found, figures)
+    sides = _side_records(priced, found, figures, model_noise(pr.plan, pr.store.shapes))
+    ep_step = _ep_step_record(p, ctx, pr, knobs)
     info: dict[str, Any] = {
         "trace": {**pr.source, "steps": trace.num_steps, "distinct_steps": len(trace.steps)},
         "engine": {"dp_size": engine.dp_size, "sp_size": engine.sp_size, "dbo": engine.dbo, "ep_size": p.ep_size,
                    "num_local_experts": p.local_experts, "expert_dtype": p.expert_dtype},
         "budgets": pr.budgets, "largest": knobs.capture_largest, "keep": keep,
         "capture_search": {
-            "sides": sides, "named": named_figs, "eager": _eager_record(pr.eager),
+            "sides": sides, "named": named_figs, "eager": _eager_record(pr.eager), "ep_step": ep_step,
             "priced_as": "each distinct step's DP ranks at every candidate size (cudagraph, then DP max); groups "
                          "of steps sharing their padded candidate: weight = steps, padded_us[g][j - g] = their time "
                          "at candidates[j], eager_us = their time run eagerly",
@@ -294,11 +348,14 @@ def _case(p: Params, pr: _Priced, sides: dict, info: dict) -> Case:
         # the DP's figure for every list it chose is what composing the trace under that list gives (two
         # arithmetics over the same timer), and the layer at the smallest shape is right
         problems = []
-        for side in SIDES:
-            for k, row in sides[side]["per_k"].items():
-                got, want = row["searched_us"], row["figures"][side]["time_us"]
-                if abs(got - want) > 1e-6 * max(1.0, abs(want)) + 2e-3:
-                    problems.append(f"{side} K={k}: searched {got} us, composed {want} us")
+        views = [("", sides)] + ([("EP step ", ep_sides)] if (ep_sides := info["capture_search"]["ep_step"].get(
+            "sides")) else [])
+        for view, per_side in views:
+            for side in SIDES:
+                for k, row in per_side[side]["per_k"].items():
+                    got, want = row["searched_us"], row["figures"][side]["time_us"]
+                    if abs(got - want) > 1e-6 * max(1.0, abs(want)) + 2e-3:
+                        problems.append(f"{view}{side} K={k}: searched {got} us, composed {want} us")
         return CheckResult.merge(CheckResult(not problems, "; ".join(problems[:3]), {}), bench.check_shape(1, 1))
 
     sp, batch = bench.batch(*pr.shapes[0])

@@ -31,11 +31,13 @@ def footer_lines(records: list[dict]) -> list[str]:
             out.append(f"point {r.get('point')}:")
         out += table_lines(r["info"])
         out.append(f"headline: {headline(r['info'])}")
+        if (ep := ep_headline(r["info"])) is not None:
+            out.append(f"headline: {ep}")
     return out
 
 
-def _noise(cs: dict, side: str) -> float | None:
-    return cs["sides"][side].get("noise_rel")
+def _noise(view: dict, side: str) -> float | None:
+    return view["sides"][side].get("noise_rel")
 
 
 def _versus(a: float, b: float, noise: float | None) -> str:
@@ -54,6 +56,11 @@ def _chosen_time(row: dict, side: str) -> float:
     return row["figures"][side]["time_us"]
 
 
+def _costs_at_most(curve_us: float, target_us: float) -> bool:
+    """The curve is recorded to 0.001 us and the named figures unrounded: equal within that rounding."""
+    return curve_us <= target_us + 1e-3
+
+
 def headline(info: dict) -> str:
     """One line: the fewest graphs the search needs to cost what the engine's `fine` list costs (per side)."""
     cs = info["capture_search"]
@@ -61,7 +68,7 @@ def headline(info: dict) -> str:
     parts = []
     for side in ("oblivious", "masked"):
         target = fine[side]["time_us"]
-        k = next((i + 1 for i, v in enumerate(cs["sides"][side]["curve_us"]) if v <= target), None)
+        k = next((i + 1 for i, v in enumerate(cs["sides"][side]["curve_us"]) if _costs_at_most(v, target)), None)
         parts.append((side, k))
     (_, k_obl), (_, k_mask) = parts
     def say(k):  # noqa: E306
@@ -80,38 +87,77 @@ def _shown(sizes: list[int]) -> str:
     return f"[{text}]"
 
 
-def _per_k_lines(info: dict) -> list[str]:
-    """Per K and side: the list, its time, tax and eager launches, against `default` and `fine`; the columns as
-    wide as their widest cell (a saving `within noise` is wider than a plain one)."""
-    cs, named = info["capture_search"], info["capture_search"]["named"]
+def _per_k_lines(view: dict, budgets: list[int]) -> list[str]:
+    """Per K and side: the list, its time, tax (the layer's view) and eager launches, against `default` and
+    `fine`; the columns as wide as their widest cell (a saving `within noise` is wider than a plain one). `view`:
+    the layer's (info.capture_search) or the EP step's (its `ep_step`), each with `sides` and `named`."""
+    named, with_tax = view["named"], "padding_tax" in view["named"]["default"]["masked"]
     rows = []
-    for k in info["budgets"]:
+    for k in budgets:
         for side in SIDES:
-            row = cs["sides"][side]["per_k"][str(k)]
+            row = view["sides"][side]["per_k"][str(k)]
             f = row["figures"][side]
-            tax = "n/a" if f["padding_tax"] is None else f"{f['padding_tax']:.1%}"
-            rows.append([str(k), side, str(row["graphs"]), f"{f['time_us']:.1f}", tax, f"{f['eager_launch_us']:.1f}",
-                         _versus(f["time_us"], named["default"][side]["time_us"], _noise(cs, side)),
-                         _versus(f["time_us"], named["fine"][side]["time_us"], _noise(cs, side)), _shown(row["sizes"])])
-    header = ["K", "side", "graphs", "time (us)", "tax", "eager (us)", "vs default", "vs fine", "list"]
-    right = [True, False, True, True, True, True, True, True, False]
+            tax = ([] if not with_tax else ["n/a" if f["padding_tax"] is None else f"{f['padding_tax']:.1%}"])
+            rows.append([str(k), side, str(row["graphs"]), f"{f['time_us']:.1f}", *tax, f"{f['eager_launch_us']:.1f}",
+                         _versus(f["time_us"], named["default"][side]["time_us"], _noise(view, side)),
+                         _versus(f["time_us"], named["fine"][side]["time_us"], _noise(view, side)),
+                         _shown(row["sizes"])])
+    header = ["K", "side", "graphs", "time (us)", *(["tax"] if with_tax else []), "eager (us)", "vs default",
+              "vs fine", "list"]
+    right = [True, False] + [True] * (len(header) - 3) + [False]
     return columns(header, rows, right=right, head_prefix="  ", row_prefix="  ")
 
 
-def _named_lines(cs: dict) -> list[str]:
+def _named_lines(view: dict) -> list[str]:
     """Each named list's time per side against the best list of as many graphs or fewer."""
     rows = []
-    for name, figs in cs["named"].items():
+    for name, figs in view["named"].items():
         cells = [name, str(figs["graphs"])]
         for side in SIDES:
-            curve, g = cs["sides"][side]["curve_us"], figs["graphs"]
+            curve, g = view["sides"][side]["curve_us"], figs["graphs"]
             best = curve[min(g, len(curve)) - 1] if g >= 1 and curve else None
             cells += [f"{figs[side]['time_us']:.1f}",
-                      "n/a" if best is None else _versus(best, figs[side]["time_us"], _noise(cs, side))]
+                      "n/a" if best is None else _versus(best, figs[side]["time_us"], _noise(view, side))]
         rows.append(cells)
     header = ["name", "graphs"] + [h for side in SIDES for h in (f"{side} (us)", "best <= graphs")]
     lines = columns(header, rows, right=[False] + [True] * (len(header) - 1), head_prefix="", row_prefix="")
     return ["named lists: " + lines[0]] + [" " * len("named lists: ") + line for line in lines[1:]]
+
+
+def _bound_lines(view: dict) -> list[str]:
+    out = []
+    for side in SIDES:
+        s = view["sides"][side]
+        # every candidate captured is the least time only where the price grows with the padded size
+        beaten = min(s["curve_us"], default=s["lower_bound_us"]) < s["lower_bound_us"]
+        bound = ("every candidate captured (not a lower bound here: a list of fewer graphs costs less, the price "
+                 "is not monotone in the padded size)" if beaten else "lower bound (every candidate captured)")
+        out.append(f"{side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
+                   f"{s['within_1pct_k']}; noise: " + _noise_word(view, s["noise_rel"]))
+    return out
+
+
+def _noise_word(view: dict, noise: float | None) -> str:
+    if view.get("noise_source"):  # the EP step's: the rank model's word
+        return f"{view['noise_source']}" + ("" if noise is None else f" {noise:.1%}")
+    return "unknown (one sample a shape)" if noise is None else f"{noise:.1%}"
+
+
+def ep_headline(info: dict) -> str | None:
+    """The EP step's answer in one line (None where it was not priced): the fewest graphs that cost what `fine`
+    costs per side, and the model's word."""
+    ep = info["capture_search"].get("ep_step") or {}
+    if not ep.get("sides"):
+        return None
+    fine = ep["named"]["fine"]
+
+    def fewest(side: str) -> str:
+        curve = ep["sides"][side]["curve_us"]
+        k = next((i + 1 for i, v in enumerate(curve) if _costs_at_most(v, fine[side]["time_us"])), None)
+        return f"{k} graph{'s' if k != 1 else ''}" if k is not None else f"more than {len(curve)}"
+    err = ep["sides"]["masked"]["noise_rel"]
+    return (f"EP step: {fewest('oblivious')} chosen cost what `fine`'s {fine['graphs']} cost; masked, "
+            f"{fewest('masked')}; its figures: {ep['noise_source']}" + ("" if err is None else f", {err:.1%}"))
 
 
 def eager_line(eager: dict) -> str:
@@ -134,22 +180,21 @@ def eager_line(eager: dict) -> str:
 
 def table_lines(info: dict) -> list[str]:
     """The per-K table, masked and oblivious side by side, then the named lists against the best list of as many or
-    fewer graphs, and where the figures come from."""
+    fewer graphs, and where the figures come from; where the point has EP ranks, the same over the EP step."""
     cs = info["capture_search"]
     out = [f"capture search: {info['trace']['steps']:,} steps ({info['trace']['distinct_steps']:,} distinct), "
            f"{cs['sides']['masked']['candidates']} candidate sizes; method {cs['sides']['masked']['method']} / "
            f"{cs['sides']['oblivious']['method']}; priced on {cs['card']}"]
-    out += _per_k_lines(info)
-    for side in SIDES:
-        s = cs["sides"][side]
-        # every candidate captured is the least time only where the price grows with the padded size
-        beaten = min(s["curve_us"], default=s["lower_bound_us"]) < s["lower_bound_us"]
-        bound = ("every candidate captured (not a lower bound here: a list of fewer graphs costs less, the price "
-                 "is not monotone in the padded size)" if beaten else "lower bound (every candidate captured)")
-        out.append(f"{side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
-                   f"{s['within_1pct_k']}; noise: "
-                   + ("unknown (one sample a shape)" if s["noise_rel"] is None else f"{s['noise_rel']:.1%}"))
-    out += _named_lines(cs)
+    out += ["this rank's MoE layer over the trace (every layer call summed):"] + _per_k_lines(cs, info["budgets"])
+    out += _bound_lines(cs) + _named_lines(cs)
+    ep = cs.get("ep_step") or {}
+    if ep.get("sides"):
+        out += [f"the EP step over the trace (the slowest of {info['engine']['ep_size']} EP ranks plus dispatch and "
+                f"combine, what an EP deployment waits for; {ep['pairs']:,} (step, size) pairs composed; "
+                f"{ep['rank_times']} rank times, {ep['rank_timings']} of {ep['distinct_workloads']:,} workloads "
+                f"timed):"] + _per_k_lines(ep, info["budgets"]) + _bound_lines(ep) + _named_lines(ep)
+    elif ep.get("not_priced"):
+        out.append(f"the EP step: not priced ({ep['not_priced']})")
     out.append(eager_line(cs["eager"]))
     out.append("capture time and graph memory per list: not measured (graphs are the cost side shown)")
     return out

@@ -109,7 +109,7 @@ def _aggregate(table: np.ndarray, counts: np.ndarray, padded_to: np.ndarray) -> 
     return keys // top, keys % top, np.bincount(inverse.reshape(-1), weights=w, minlength=keys.size)
 
 
-def _live(steps, counts) -> tuple[np.ndarray, np.ndarray]:
+def live_steps(steps, counts) -> tuple[np.ndarray, np.ndarray]:
     """The steps with a real token somewhere (the others cost nothing under any list); refused when none."""
     counts = np.asarray(counts, np.int64)
     steps = np.asarray(steps, np.int64).reshape(len(counts), -1) if len(counts) else np.zeros((0, 1), np.int64)
@@ -121,7 +121,7 @@ def _live(steps, counts) -> tuple[np.ndarray, np.ndarray]:
 
 def candidate_sizes(steps, engine: EngineShape, keep: Sequence[int] = ()) -> np.ndarray:
     """The sizes the search chooses from: every (lifted) step maximum, and the kept sizes."""
-    steps, _ = _live(steps, np.ones(len(steps), np.int64))
+    steps, _ = live_steps(steps, np.ones(len(steps), np.int64))
     return np.unique(np.concatenate([lifted(steps.max(axis=1), engine), np.asarray(list(keep), np.int64)]))
 
 
@@ -132,7 +132,7 @@ def price_trace(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, pric
     max); `eager_price(real, rows)`: the same run eagerly at its own maximum `rows`; `keep`: sizes added to the
     candidates (a must-keep size no step reaches). Steps with no real token anywhere cost nothing under any
     list and are left out."""
-    steps, counts = _live(steps, counts)
+    steps, counts = live_steps(steps, counts)
     if steps.shape[1] != engine.dp_size:
         raise SearchInputError(f"steps have {steps.shape[1]} DP ranks' tokens for dp_size {engine.dp_size}")
     maxima = steps.max(axis=1)
@@ -165,7 +165,7 @@ def price_trace(steps: np.ndarray, counts: np.ndarray, engine: EngineShape, pric
 def list_time(steps: np.ndarray, counts: np.ndarray, sizes: Sequence[int], price: RankPrice,
               eager_price: RankPrice) -> float:
     """The trace's time under any list of sizes (not only candidates), priced as the search prices."""
-    steps, counts = _live(steps, counts)
+    steps, counts = live_steps(steps, counts)
     maxima = steps.max(axis=1)
     sizes_arr = np.asarray(sorted(sizes), np.int64)
     at = np.searchsorted(sizes_arr, maxima)

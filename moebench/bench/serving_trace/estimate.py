@@ -8,7 +8,7 @@ shapes, made on the host in seconds, no routing and no timing):
                  interpreter), at the mean rows of the shapes it may time (the interpreter times none over
                  TIMED_ROWS_MAX);
   rank workloads min(ep_rank_timings, the steps' rank workloads) expert-kernel timings: the design at a rank's
-                 mean routes, the decisive ones at the slowest rank's (_rank_seconds), bounded by ep_rank_seconds;
+                 mean routes, the decisive ones at the slowest rank's (rank_seconds), bounded by ep_rank_seconds;
   replay         the replayed steps' calls (both sides) and every EP rank of theirs, timed afresh;
   host           the routing and the composition over arrays: a fixed cost, HOST_S_PER_STEP per distinct step,
                  HOST_S_PER_RANK_STEP per distinct step and EP rank, HOST_S_PER_SHAPE per shape, and the EP step's
@@ -112,16 +112,18 @@ def point_seconds(p: Params, rates: DeviceRates) -> float:
     shapes_s = 2 * timed * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
     replay_calls = serving.trace_replay * plan["calls_per_step"]
     replay_s = 2 * replay_calls * (SHAPE_BUILD_S[rates.kind] + SHAPE_CALLS[rates.kind] * layer_s)
-    ep_s = _rank_seconds(p, plan, rates, timeable, mean_rows) if p.ep_size > 1 else 0.0
+    ep_s = rank_seconds(p, plan, rates, timeable, mean_rows) if p.ep_size > 1 else 0.0
     host_s = (HOST_S_FIXED + plan["distinct_steps"] * (HOST_S_PER_STEP + max(1, p.ep_size) * HOST_S_PER_RANK_STEP)
               + plan["shapes"] * HOST_S_PER_SHAPE + routed_rows(p, plan) * ROUTE_S_PER_ROW[rates.kind])
     return shapes_s + replay_s + ep_s + host_s + (RUN_CALLS + CHECK_CALLS) * layer_s
 
 
-def _rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mean_rows: int) -> float:
+def rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mean_rows: int, replay: bool = True
+                 ) -> float:
     """The EP step's rank timings: the design at a rank's mean routes, the decisive rounds at the slowest rank's
     (the mean plus, where the padded rows are identical, every source's padding piled onto one rank), the
-    replay's ranks at the mean; the plan's seconds bound the design and rounds (plus one round's overrun)."""
+    replay's ranks at the mean (`replay`: the point replays trace_replay steps); the plan's seconds bound the
+    design and rounds (plus one round's overrun)."""
     from moebench.bench.serving_trace.knobs import ServingKnobs
     from moebench.bench.serving_trace.plan import DESIGN_SHARE, ROUND
 
@@ -154,7 +156,7 @@ def _rank_seconds(p: Params, plan: dict, rates: DeviceRates, timeable: list, mea
     seconds = serving.rank_seconds(device)
     if seconds is not None:
         plan_s = min(plan_s, max(design * timing_s(mean_routes), seconds) + ROUND * timing_s(heavy_routes))
-    replay = serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size
+    replay = serving.trace_replay * 2 * plan["micro_batches"] * p.ep_size if replay else 0
     # a launch config per power-of-two bucket of rows, from one row to the heaviest rank's
     compiles = heavy_routes.bit_length() * RANK_COMPILE_S if rates.is_cuda else 0.0
     return plan_s + replay * timing_s(mean_routes) + compiles

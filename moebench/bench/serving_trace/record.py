@@ -259,6 +259,16 @@ class EPStepRecord(InfoRecord):
     NESTED: ClassVar[dict[str, type]] = {"replay": EPReplayRecord}
     OPTIONAL: ClassVar[frozenset] = frozenset({"cost_model", "rank_plan", "replay", "card_note"})
 
+    def model_error(self) -> tuple[Optional[float], str]:
+        """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
+        model's held-out RMS error, or None where that is unchecked (every timing went to the model's design)."""
+        if self.rank_times == "timed":
+            return 0.0, "every rank workload timed"
+        held = ((self.cost_model or {}).get("held_out") or {}).get("rms_rel")
+        if held is None:
+            return None, "the rank model's error unchecked (every timing went to its design)"
+        return held, "the rank model's held-out error"
+
     def wire_label(self) -> str:
         """The wire model by name and figures: NVLink and NIC bandwidth and latency, ranks per node, overheads."""
         wire = self.wire or {}

@@ -49,15 +49,8 @@ class TraceRecord(InfoRecord):
                                                "step_file", "run_shape"})
 
     def ep_step_error(self) -> tuple[Optional[float], str]:
-        """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
-        model's held-out RMS error, or None where that is unchecked (every timing went to the model's design)."""
-        ep = self.ep_step
-        if ep.rank_times == "timed":
-            return 0.0, "every rank workload timed"
-        held = ((ep.cost_model or {}).get("held_out") or {}).get("rms_rel")
-        if held is None:
-            return None, "the rank model's error unchecked (every timing went to its design)"
-        return held, "the rank model's held-out error"
+        """(relative error, its source) of the EP step's figures (EPStepRecord.model_error)."""
+        return self.ep_step.model_error()
 
     def layer_error(self, side: str) -> tuple[Optional[float], str]:
         """(relative error, its source) of one side's layer over the trace: 0 where every shape was timed, the

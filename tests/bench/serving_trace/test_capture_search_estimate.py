@@ -58,6 +58,10 @@ def test_progress_counts_the_shapes_the_plan_times():
     info = capture_search.build(point.params, ctx).info
     plan = info["shape_plan"]
     assert plan["shape_times"] == "model" and plan["shape_timings"] == 6 < info["distinct_shapes"]
-    assert reports and {total for _, total, what, _ in reports} == {6}
-    assert [done for done, *_ in reports] == list(range(6))
+    shapes = [r for r in reports if r[2] == "trace shapes timed"]
+    assert shapes and {total for _, total, what, _ in shapes} == {6}
+    assert [done for done, *_ in shapes] == list(range(6))
+    # then the EP step's rank workloads, counted apart
+    ranks = [r for r in reports if r[2] == "EP step: rank workloads timed"]
+    assert ranks and len({total for _, total, *_ in ranks}) == 1 and reports.index(ranks[0]) > reports.index(shapes[-1])
     assert capture_search.search_work(point.params, "cpu")["timed"] == 6
