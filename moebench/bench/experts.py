@@ -28,6 +28,7 @@ from moebench.inputs.batch import Batch
 from moebench.kernels.runtime import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fused_experts import (
+    experts_choice,
     expert_shapes,
     expert_work,
     fused_experts,
@@ -37,7 +38,7 @@ from moebench.kernels.fused_experts import (
 from moebench.measure.cost import PointWork, expected_expert_work, fused_experts_programs
 from moebench.registry import Case, Routing, RunContext, register_impl, declare_work
 
-__all__ = ["reference_rows", "check_experts_out", "experts_info", "expert_rows", "equal_rows", "row_tiles", "triton_available", "ExpertsInputs",
+__all__ = ["interpreted_reduce_block_h", "reference_rows", "check_experts_out", "experts_info", "expert_rows", "equal_rows", "row_tiles", "triton_available", "ExpertsInputs",
            "experts_inputs", "oblivious_ids"]
 
 
@@ -274,7 +275,16 @@ register_family(KernelFamily(
     "(-1 skipped), out=bf16 [T,H]) -> bf16 [T,H]: sum_k w_k * w2[e] @ (silu(gate) * up)"))
 
 
-# the family's every variant (bf16, fp8, ceilings, peers): the grouped GEMMs over the point's local experts; a GEMM
-# grid costs several launch-equivalents; in the interpreter the call's alignment and slot sum count too
-declare_work("fused_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
-                                       programs=lambda p: fused_experts_programs(p, p.num_tokens, p.local_experts)))
+def interpreted_reduce_block_h(p, rows: int, local_experts: int) -> int:
+    """The columns the bf16 fused_experts' slot sum asks for in the interpreter: the rule's config's reduce_block_h
+    (a `config:` candidate asks for up to 1024, the same block up to 256 columns: the CPU sizes' widest hidden)."""
+    return experts_choice(rows, p.top_k, local_experts, p.hidden, p.intermediate, "cpu").config.reduce_block_h
+
+
+# the family's every variant (bf16, ceilings, peers; fp8 declares its own slot sum): the grouped GEMMs over the
+# point's local experts; a GEMM grid costs several launch-equivalents; in the interpreter the call's alignment and
+# slot sum count too
+declare_work("fused_experts", PointWork(
+    call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
+    programs=lambda p: fused_experts_programs(p, p.num_tokens, p.local_experts,
+                                              interpreted_reduce_block_h(p, p.num_tokens, p.local_experts))))

@@ -19,7 +19,7 @@ scales) is judged on its own inputs under the same bound, not a loosened one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -30,15 +30,16 @@ from moebench.inputs.weights import make_expert_weights
 from moebench.kernels.runtime import interpreting
 from moebench.kernels.apply_expert_map import apply_expert_map_torch, build_expert_map
 from moebench.kernels.fp8_quant import ACT_GROUP, WEIGHT_BLOCK, quantize_weights_fp8_block, rowwise_weights
-from moebench.kernels.fused_experts_fp8 import fused_experts_fp8, make_fp8_workspace, x_scale_mode
+from moebench.kernels.fused_experts_fp8 import fp8_choice, fused_experts_fp8, make_fp8_workspace, x_scale_mode
 from moebench.kernels.fused_experts_fp8_ref import (
     error_model,
     fp8_reference_with_bound,
     reference_from_dequantised,
 )
 from moebench.kernels.prepare_moe_inputs import prepare_moe_inputs
+from moebench.measure.cost import fused_experts_programs
 from moebench.measure.roofline import roofline_us
-from moebench.registry import Case, Routing, RunContext, register_impl
+from moebench.registry import Case, Routing, RunContext, declare_work, declared_work, register_impl
 
 
 def check_within_bound(name: str, out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> CheckResult:
@@ -293,3 +294,14 @@ def build_fp8(p, ctx: RunContext) -> Case:
                twin_of="fused_experts.fp8", description="pre-fix twin: -1 routes computed on the last local expert")
 def build_fp8_oblivious(p, ctx: RunContext) -> Case:
     return _build(p, ctx, "oblivious")
+
+
+def _interpreted_programs(p) -> float:
+    """fused_experts_fp8's call in the interpreter: as the family's, its slot sum over the fp8 rule's wider block."""
+    cfg = fp8_choice(p.num_tokens, p.top_k, p.local_experts, p.hidden, p.intermediate, "cpu",
+                     group_size=p.group_size, scale_format=p.scale_format).config
+    return fused_experts_programs(p, p.num_tokens, p.local_experts, cfg.reduce_block_h)
+
+
+for _variant in ("fused_experts.fp8", "fused_experts.fp8_oblivious"):
+    declare_work(_variant, replace(declared_work("fused_experts"), programs=_interpreted_programs))

@@ -9,7 +9,7 @@ from moebench.check import CheckResult, compare_close, compare_exact, poison
 from moebench.families import KernelFamily, register_family
 from moebench.inputs import generator, make_batch, route
 from moebench.kernels.masked_moe_sum import masked_moe_sum, masked_moe_sum_torch, moe_sum_oblivious, sum_choice
-from moebench.measure.cost import PointWork
+from moebench.measure.cost import PointWork, slot_sum_programs
 from moebench.registry import Case, Routing, register_variants, declare_work
 
 __all__ = ["compare_nan_aware", "compare_within_bf16_ulps", "input_dtype_sum_ulps", "oblivious_build_for"]
@@ -155,7 +155,15 @@ register_family(KernelFamily(
     "masked_moe_sum", ("kernel",), lambda fn: _build_sum("fn", fn),
     "fn(intermediate bf16 [T,K,H] (NaN in skipped slots), topk_ids int32 [T,K], out=bf16 [T,H]) -> bf16 [T,H]: "
     "the sum over slots with id >= 0"))
+
+
+def _interpreted_programs(p) -> float:
+    """The Triton variant's call in the interpreter: its kernel's grid as masked_moe_sum launches it on a CPU (the
+    point's config, else the rule), padded rows' slots all -1 where the mask reaches them."""
+    launch = sum_choice(p.num_tokens, p.top_k, p.hidden, "cpu", p.config).config
+    return slot_sum_programs(p, p.num_tokens, launch, padded_rows=p.num_padding if p.mask else 0)
+
+
 declare_work("masked_moe_sum", PointWork(call=lambda p: (p.num_tokens * p.top_k * p.hidden * 1.0,
                                                       p.num_tokens * p.hidden * (p.top_k * 2.0 + 2.0)),
-                                        programs=lambda p: p.num_tokens * (2.5 + 0.75 * p.top_k),  # a row, K slots
-                                        torch_variants=("oblivious",)))
+                                        programs=_interpreted_programs, torch_variants=("oblivious",)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.bench.experts import interpreted_reduce_block_h
 from moebench.dispatch.pack import CapacityKnobs
 from moebench.params import EPLayout, Params
 from moebench.measure.cost import PointWork, expected_expert_work, fused_experts_programs
@@ -151,4 +152,6 @@ def _capacity(p: Params) -> int:
 
 # the interpreter runs fused_experts (its alignment and slot sum included) over every row of the buffer, stale or not
 declare_work("recv_experts", PointWork(call=lambda p: expected_expert_work(p, p.num_tokens, p.local_experts), launches=12,
-                                      programs=lambda p: fused_experts_programs(p, _capacity(p), p.local_experts)))
+                                      programs=lambda p: fused_experts_programs(
+                                          p, _capacity(p), p.local_experts,
+                                          interpreted_reduce_block_h(p, _capacity(p), p.local_experts))))

@@ -27,7 +27,7 @@ from moebench.kernels._details.rounding import round_store_value, soft_bf16
 from moebench.kernels._details.tuning import Choice, Tunable, choose, pow2_bucket, register_tunable
 
 __all__ = ["masked_moe_sum", "masked_moe_sum_torch", "moe_sum_oblivious", "SumLaunch", "SUM_CANDIDATES",
-           "sum_launch_config", "sum_choice", "launch_masked_sum", "sum_slots", "sum_slots_torch"]
+           "sum_launch_config", "sum_choice", "sum_grid", "launch_masked_sum", "sum_slots", "sum_slots_torch"]
 
 
 def masked_moe_sum_torch(intermediate: torch.Tensor, topk_ids: torch.Tensor,
@@ -177,6 +177,11 @@ def sum_choice(num_rows: int, top_k: int, hidden: int, device=None, config: str 
     return choose("masked_moe_sum", device, config, num_rows=num_rows, top_k=top_k, hidden=hidden)
 
 
+def sum_grid(num_rows: int, hidden: int, launch: SumLaunch) -> tuple[int, int]:
+    """The kernel's grid: a program per block of `launch.rows` rows and `launch.block_h` columns."""
+    return triton.cdiv(num_rows, launch.rows), triton.cdiv(hidden, launch.block_h)
+
+
 def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk_ids: torch.Tensor,
                       out: torch.Tensor, *, num_experts: int | None = None, launch: SumLaunch | None = None) -> None:
     """out[m] = sum over valid k of intermediate[m*strides[0] + k*strides[1] + :H] (element strides; the last
@@ -184,7 +189,7 @@ def launch_masked_sum(intermediate: torch.Tensor, strides: tuple[int, int], topk
     M, K = topk_ids.shape
     H = out.shape[1]
     launch = launch or sum_launch_config(H, top_k=K)
-    grid = (triton.cdiv(M, launch.rows), triton.cdiv(H, launch.block_h))
+    grid = sum_grid(M, H, launch)
     _masked_moe_sum_kernel[grid](
         intermediate, topk_ids, out, M, H, num_experts if num_experts is not None else 0,
         strides[0], strides[1], topk_ids.stride(0), topk_ids.stride(1), out.stride(0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+from moebench.kernels.masked_moe_sum import SumLaunch, sum_grid, sum_launch_config
 from moebench.measure.roofline import Roofs, roofline_us
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -174,15 +175,30 @@ def align_programs(routes: int) -> float:
     return 25 + routes / 8 + SORT_PROGRAMS_PER_ROUTE * max(routes, MIN_SORT_ROUTES)
 
 
-def slot_sum_programs(p: "Params", rows: int) -> float:
-    """The sum over each row's top_k slots (masked_moe_sum's kernel): a program a row, its K slots."""
-    return rows * (2.5 + 0.75 * p.top_k)
+# masked_moe_sum's kernel in the interpreter, per program: its ids and store, and a load and add per slot; a program
+# whose rows are all padding checks its ids and stores zeros. Timed one call at a time (16 and 32 rows, top_k 1 to 8,
+# hidden 64 to 7168, padding 0 and 0.5) against tests/run/machine_speed.py: within 20% a call whatever the
+# block's width (64 to 1024 columns), so the grid's column blocks count in full.
+SUM_PROGRAM = 2.5
+SUM_SLOT = 0.75
+PADDED_SUM_PROGRAM = 2.0
 
 
-def fused_experts_programs(p: "Params", rows: int, local_experts: int) -> float:
-    """One fused_experts call over `rows` rows: the alignment of their routes, the grouped GEMMs, the slot sum."""
+def slot_sum_programs(p: "Params", rows: int, launch: SumLaunch, padded_rows: int = 0) -> float:
+    """The sum over the top_k slots of `rows` rows (masked_moe_sum's kernel) launched as `launch`: a program per
+    row block and column block of the hidden size; the trailing `padded_rows` (slots all -1) load nothing."""
+    row_blocks, col_blocks = sum_grid(rows, p.hidden, launch)
+    padded_blocks = min(row_blocks, padded_rows // launch.rows)
+    return col_blocks * ((row_blocks - padded_blocks) * (SUM_PROGRAM + SUM_SLOT * p.top_k)
+                         + padded_blocks * PADDED_SUM_PROGRAM)
+
+
+def fused_experts_programs(p: "Params", rows: int, local_experts: int, reduce_block_h: int) -> float:
+    """One fused_experts call over `rows` rows: the alignment of their routes, the grouped GEMMs, the slot sum
+    (kernels.masked_moe_sum.sum_slots asked for `reduce_block_h` columns, its config's reduce_block_h)."""
+    sum_launch = sum_launch_config(p.hidden, reduce_block_h, top_k=p.top_k)  # as sum_slots launches
     return (align_programs(rows * p.top_k) + expert_programs(p, rows, local_experts)
-            + slot_sum_programs(p, rows))
+            + slot_sum_programs(p, rows, sum_launch))
 
 
 def layer_programs(p: "Params") -> float:

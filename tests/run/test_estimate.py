@@ -125,3 +125,31 @@ def test_the_warning_is_not_repeated_in_a_table_on_a_terminal(capsys):
     _state_estimate(Table(_param_columns(sweep), out=out, points=expand(sweep)), cost, sweep)
     assert "# estimate: ~" in out.getvalue() and "warning" not in out.getvalue()
     assert capsys.readouterr().err.startswith("moebench: warning: this run is estimated")
+
+
+@pytest.mark.parametrize("top_k,hidden", [(8, 7168), (1, 7168), (2, 64)])
+def test_masked_moe_sum_declares_the_grid_its_kernel_launches(top_k, hidden):
+    """The interpreter's cost of masked_moe_sum.triton counts every program of the launched grid (row blocks x column
+    blocks of the hidden size), each at the declared cost of a program with top_k slots. The launch is recorded, not
+    run: only its grid is read."""
+    from moebench import registry
+    from moebench.measure.cost import SUM_PROGRAM, SUM_SLOT
+    from moebench.measure.interpreted_launches import patched_interpreted_launches
+    from moebench.params import Params
+
+    grids = []
+
+    def wrap(original):
+        def run(self, *args, grid, warmup, **kwargs):
+            grids.append(grid)
+        return run
+
+    impl = registry.get("masked_moe_sum.triton")
+    p = Params(num_tokens=4, num_experts=16, top_k=top_k, hidden=hidden)
+    case = impl.build(p, registry.RunContext(CPU))
+    with patched_interpreted_launches(wrap) as patched:
+        if not patched:
+            pytest.skip("no interpreted Triton launch to record")
+        case.run()
+    ((rows, cols),) = grids
+    assert registry.work_of(impl).programs(p) == rows * cols * (SUM_PROGRAM + SUM_SLOT * top_k)
