@@ -224,6 +224,8 @@ def _time_wall(fn, timing: Timing, device, range_name, group, hook) -> list[floa
 
 # measure_settled: where a call's launches hide behind the GPU, and when its samples have settled
 EAGER_ABOVE_US = 400.0  # above this a call's launches (~10 kernels, ~150 us of host time) queue ahead of the GPU
+# ... provided the host launched them in at most this share of the call's event time (else the events timed the host)
+EAGER_HOST_SHARE = 0.5
 SETTLED_REPLAY_US = 200.0  # a graph replay lasts at least this long (calls per graph: ceil(this / call))
 SETTLED_MAX_GRAPH_CALLS = 16
 SETTLED_ROUND = 5
@@ -248,6 +250,7 @@ class Settled:
     samples: int
     spread: float  # relative_spread of the samples
     calls_per_sample: int = 1
+    host_us: float | None = None  # the host's time to launch one call (what decided the mode)
 
 
 def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: int = 20, *, pool: Any = None
@@ -255,28 +258,32 @@ def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: in
     """GPU time of one call of `fn`, at the least cost that still gives a settled median: one untimed call
     (compiles a new specialisation, warms the launch; no further warm-up), one event-timed call to choose the mode,
     then samples in rounds of SETTLED_ROUND until their relative spread is within SETTLED_SPREAD or they add up to
-    SETTLED_SAMPLED_US (at most `max_samples`). A call of EAGER_ABOVE_US or more is GPU-bound, so eager calls back to back with an event between
-    each are its samples; a shorter one is captured in a CUDA graph of enough calls to last SETTLED_REPLAY_US (in the
-    memory pool `pool` when given: many graphs of one run share it) and its replays are the samples. For the many
-    timings of one point (the serving trace's shapes and rank workloads); a point's own run uses measure()."""
+    SETTLED_SAMPLED_US (at most `max_samples`). A call is timed eagerly (calls back to back, an event between each)
+    only where it is GPU-bound: EAGER_ABOVE_US or more between its events and its launches done on the host in at
+    most EAGER_HOST_SHARE of that. Any other call is captured in a CUDA graph of enough calls to last
+    SETTLED_REPLAY_US (in the memory pool `pool` when given: many graphs of one run share it) and its replays are
+    the samples: a call whose launches take as long as its kernels (a Python-heavy layer on a few rows) would
+    otherwise time the host, not the GPU. For the many timings of one point (the serving trace's shapes and rank
+    workloads); a point's own run uses measure()."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
     start.record()
     fn()
     end.record()
+    host_us = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize(device)
     call_us = start.elapsed_time(end) * 1e3
+    eager = call_us >= EAGER_ABOVE_US and host_us <= EAGER_HOST_SHARE * call_us
     graph, calls = None, 1
-    if call_us < EAGER_ABOVE_US:
+    if not eager:
+        if host_us > EAGER_HOST_SHARE * call_us:  # the events timed the launches: one replay times the kernels
+            one = _captured(fn, device, 1, pool)
+            call_us = _replay_us(one, device)
+            del one
         calls = max(1, min(SETTLED_MAX_GRAPH_CALLS, math.ceil(SETTLED_REPLAY_US / max(call_us, 1.0))))
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize(device)
+        graph = _captured(fn, device, calls, pool)
     step = graph.replay if graph is not None else fn
     samples: list[float] = []
     most = max(SETTLED_ROUND, max_samples)
@@ -292,8 +299,32 @@ def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: in
         if relative_spread(samples) <= SETTLED_SPREAD or sum(samples) * calls >= SETTLED_SAMPLED_US:
             break
     del graph
-    return Settled(percentile(sorted(samples), 50), "events" if call_us >= EAGER_ABOVE_US else "cuda_graph",
-                   len(samples), relative_spread(samples), calls)
+    return Settled(percentile(sorted(samples), 50), "events" if eager else "cuda_graph", len(samples),
+                   relative_spread(samples), calls, round(host_us, 3))
+
+
+def _captured(fn: Callable[[], Any], device: torch.device, calls: int, pool: Any) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `calls` calls of fn (in `pool` when given), replayed once to load it."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return graph
+
+
+def _replay_us(graph: "torch.cuda.CUDAGraph", device: torch.device, replays: int = 3) -> float:
+    """The median of a few event-timed replays of a graph (its kernels' time, the launches gone)."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+    events[0].record()
+    for i in range(replays):
+        graph.replay()
+        events[i + 1].record()
+    torch.cuda.synchronize(device)
+    return percentile(sorted(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(replays)), 50)
 
 
 def host_call_us(fn: Callable[[], Any], device: torch.device, iters: int = 200, *, warmup: int = 5,
