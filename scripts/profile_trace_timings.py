@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import pstats
 import random
-import time
 
 import torch
 
@@ -23,40 +22,28 @@ from moebench.bench.serving_trace.rank_cost import Workload
 from moebench.bench.serving_trace.rank_timing import RankTimer
 from moebench.bench.serving_trace.record import SIDES
 from moebench.bench.serving_trace.shapes import ShapeBench
+from moebench.measure.timing import wall_seconds
 from moebench.params import Timing
 from moebench.run.sweep import expand, load_sweep
 
 TIMING = Timing(mode="cuda_graph", warmup=2, iters=20)
 
 
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def shapes(p, dev) -> None:
-    t0 = time.perf_counter()
-    bench = ShapeBench(p, dev, TIMING)
-    bench.batch(8192, 4096)  # the streams, once
-    torch.cuda.synchronize()
-    print(f"bench and streams {time.perf_counter() - t0:.2f} s; local experts {p.local_experts}, hidden {p.hidden}")
+    bench, built_s = wall_seconds(lambda: ShapeBench(p, dev, TIMING), dev)
+    _, streams_s = wall_seconds(lambda: bench.batch(8192, 4096), dev)  # the streams, once
+    print(f"bench {built_s:.2f} s, streams {streams_s:.2f} s; local experts {p.local_experts}, hidden {p.hidden}")
     rng = random.Random(0)
     for rows in (8, 16, 64, 256, 512, 1024, 2048, 4096, 8192):
         real = max(1, rows - rng.randint(0, rows // 4))
-        got = {}
-        batch_s = _seconds(lambda: got.setdefault("b", bench.batch(rows, real)))
-        sp, batch = got["b"]
+        (sp, batch), batch_s = wall_seconds(lambda: bench.batch(rows, real), dev)
         for side in SIDES:
-            built = {}
-            build_s = _seconds(lambda: built.setdefault("pipe", bench.pipeline(sp, batch, side)))
-            first_s = _seconds(built["pipe"].run)
-            del built["pipe"]
-            t0 = time.perf_counter()
-            us = bench.time_side(sp, batch, side)
+            pipe, build_s = wall_seconds(lambda: bench.pipeline(sp, batch, side), dev)
+            _, first_s = wall_seconds(pipe.run, dev)
+            del pipe
+            us, timing_s = wall_seconds(lambda: bench.time_side(sp, batch, side), dev)
             print(f"({rows}, {real}) {side}: batch {batch_s:.3f} s, pipeline {build_s:.3f} s, first call "
-                  f"{first_s:.3f} s, settled timing {time.perf_counter() - t0:.3f} s -> {us:.1f} us")
+                  f"{first_s:.3f} s, settled timing {timing_s:.3f} s -> {us:.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for rows, real in ((300, 280), (900, 700), (3000, 2500), (6000, 5900)):
@@ -66,18 +53,15 @@ def shapes(p, dev) -> None:
 
 
 def ranks(p, dev) -> None:
-    t0 = time.perf_counter()
-    timer = RankTimer(p, dev, TIMING)
-    torch.cuda.synchronize()
-    print(f"timer built {time.perf_counter() - t0:.2f} s; local experts {p.local_experts}")
+    timer, built_s = wall_seconds(lambda: RankTimer(p, dev, TIMING), dev)
+    print(f"timer built {built_s:.2f} s; local experts {p.local_experts}")
     rng = random.Random(0)
     experts = p.local_experts
     for rows in (1000, 8000, 30000, 74000):
         for _ in range(3):
             w = Workload(rows, tuple(min(rows // experts + rng.randint(0, 50), rows) for _ in range(experts)))
-            t0 = time.perf_counter()
-            us = timer(w)
-            print(f"rows {rows}: {us:.1f} us, {time.perf_counter() - t0:.3f} s of wall")
+            us, timing_s = wall_seconds(lambda: timer(w), dev)
+            print(f"rows {rows}: {us:.1f} us, {timing_s:.3f} s of wall")
     prof = cProfile.Profile()
     prof.enable()
     for rep in range(4):

@@ -327,6 +327,18 @@ def _replay_us(graph: "torch.cuda.CUDAGraph", device: torch.device, replays: int
     return percentile(sorted(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(replays)), 50)
 
 
+def wall_seconds(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """fn's result and the wall seconds from its call until the device has finished its work: the host's cost of a
+    step of a benchmark (a build, a compile, a whole settled timing), not a kernel's time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
 def host_call_us(fn: Callable[[], Any], device: torch.device, iters: int = 200, *, warmup: int = 5,
                  sync_every: int = 50) -> float:
     """Median host microseconds one call of `fn` takes to return, the device left to run behind it (a launch's

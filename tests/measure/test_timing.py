@@ -197,3 +197,12 @@ def test_measure_settled_stops_sampling_a_call_of_milliseconds_after_one_round()
     a = torch.randn(16384, 16384, device=dev, dtype=torch.bfloat16)  # ~9 TFLOP: over 10 ms a call on an H100/H200
     got = measure_settled(lambda: a @ a, dev, 20)
     assert got.us * SETTLED_ROUND >= SETTLED_SAMPLED_US and got.samples == SETTLED_ROUND
+
+
+def test_wall_seconds_returns_the_result_and_the_calls_wall_time():
+    import time
+
+    from moebench.measure.timing import wall_seconds
+
+    out, seconds = wall_seconds(lambda: (time.sleep(0.02), 7)[1], torch.device("cpu"))
+    assert out == 7 and 0.02 <= seconds < 1.0
