@@ -28,6 +28,7 @@ from moebench.bench.serving_trace.capture_pricing import (EAGER_TIMING, Pricer, 
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, PhaseClock
 from moebench.bench.serving_trace.shape_streams import stream_size
+from moebench.bench.serving_trace.masked_steps import MaskedStepStore, config_key as masked_config_key
 from moebench.bench.serving_trace.rank_timing import RankStore
 from moebench.bench.serving_trace.shapes import ShapeBench, ShapeStore, layer_key
 from moebench.bench.serving_trace.trace_input import trace_tokens
@@ -277,7 +278,8 @@ def _ep_step_record(p: Params, ctx: RunContext, pr: _Priced, knobs: "CaptureSear
     layer_p = _layer_params(p)
     ep = price_ep(layer_p, ctx.device, pr.bench.timing, steps, pr.trace.counts, pr.engine, keep, pr.named,
                   pr.eager["per_call_us"], pr.clock, ctx.progress,
-                  RankStore.of_run(ctx.run_store).for_layer(layer_key(layer_p, ctx.device)))
+                  RankStore.of_run(ctx.run_store).for_layer(layer_key(layer_p, ctx.device)),
+                  MaskedStepStore.of_run(ctx.run_store).for_config(masked_config_key(layer_p, ctx.device)))
     found = {side: search(ep.priced[side], pr.budgets, knobs.capture_largest, keep) for side in SIDES}
 
     def figures(sizes):

@@ -65,6 +65,7 @@ from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.record import SIDES, EPStepRecord, PhaseClock, ShapePlan, TraceHeadline
 from moebench.bench.serving_trace.launch import launch_of
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX, can_time
+from moebench.bench.serving_trace.masked_steps import MaskedStepStore, config_key as masked_config_key
 from moebench.bench.serving_trace.rank_timing import RankStore
 from moebench.bench.serving_trace.replay import REPLAY_TOLERANCE, single_rank_replay
 from moebench.bench.serving_trace.shape_cost import (ShapeTable,
@@ -135,9 +136,10 @@ def build(p: Params, ctx: RunContext) -> Case:
         tot = steps.totals(tc.trace.counts)
     ep_record = None
     if p.ep_size > 1:
-        ep_record, steps.ep = measure_ep_step(p, ctx.device, bench.timing, tc.step_table, tc.trace.counts,
-                                              tc.replay_steps, clock, ctx.progress,
-                                              RankStore.of_run(ctx.run_store).for_layer(layer_key(p, ctx.device)))
+        ep_record, steps.ep = measure_ep_step(
+            p, ctx.device, bench.timing, tc.step_table, tc.trace.counts, tc.replay_steps, clock, ctx.progress,
+            RankStore.of_run(ctx.run_store).for_layer(layer_key(p, ctx.device)),
+            MaskedStepStore.of_run(ctx.run_store).for_config(masked_config_key(p, ctx.device)))
     with clock.phase("host_composition"):
         spread_of = (lambda s: {side: model_spread_us(st.time_of, st.plan, side, *s) for side in SIDES}) \
             if st.plan.shape_times == "model" else None

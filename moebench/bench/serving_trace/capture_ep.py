@@ -125,7 +125,7 @@ class EPPriced:
 def price_ep(p: Params, device: torch.device, timing: Timing, steps: np.ndarray, counts: np.ndarray,
              engine: EngineShape, keep: Sequence[int], named: Mapping[str, Sequence[int]],
              eager_call_us: Mapping[str, float], clock: PhaseClock, progress=None,
-             known: dict | None = None) -> EPPriced:
+             known: dict | None = None, masked_steps=None) -> EPPriced:
     """Both sides' EP-step PricedTrace (the search's input) and the named lists' EP figures (module docstring)."""
     steps, counts = live_steps(steps, counts)
     candidates = candidate_sizes(steps, engine, keep)
@@ -133,7 +133,8 @@ def price_ep(p: Params, device: torch.device, timing: Timing, steps: np.ndarray,
     group = np.searchsorted(candidates, lifted(steps.max(axis=1), engine))
     with clock.phase("host_composition"):
         blocks = _blocks(steps, counts, group, candidates, engine, named)
-    record, columns = measure_ep_step(p, device, timing, blocks.calls, blocks.weights, [], clock, progress, known)
+    record, columns = measure_ep_step(p, device, timing, blocks.calls, blocks.weights, [], clock, progress, known,
+                                      masked_steps)
     launches = blocks.calls.present.sum(axis=1)  # one source's layer calls: its micro-batches
     priced, eager_launch, named_figs = {}, {}, {name: {"graphs": len(sizes)} for name, sizes in named.items()}
     for side in SIDES:

@@ -26,6 +26,7 @@ from moebench.bench.serving_trace.ep_step import (StepMicroBatches, compose_pric
                                                   placement)
 from moebench.bench.serving_trace.knobs import ServingKnobs
 from moebench.bench.serving_trace.launch import launch_of
+from moebench.bench.serving_trace.masked_steps import MaskedStepStore, share_steps, shares_masked_steps
 from moebench.bench.serving_trace.plan import TIMED_ROWS_MAX
 from moebench.bench.serving_trace.rank_cost import Workload
 from moebench.bench.serving_trace.rank_plan import Contest, plan_rank_times
@@ -119,11 +120,13 @@ def rank_time_lookup(p: Params, device: torch.device, timing: Timing, contests: 
 
 def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: StepCalls, counts: Sequence[int],
                     replay_steps: Sequence[StepPadding], clock: PhaseClock,
-                    progress: Callable[..., None] | None = None, known: dict[Workload, float] | None = None
-                    ) -> tuple[EPStepRecord, EPColumns]:
+                    progress: Callable[..., None] | None = None, known: dict[Workload, float] | None = None,
+                    masked_steps: MaskedStepStore | None = None) -> tuple[EPStepRecord, EPColumns]:
     """(info.ep_step, every distinct step's EP-step figures per side). `progress(done, total, what)`:
     RunContext.progress; `clock` gets the EP step's phases (routing, rank_workloads, host_composition, replay);
-    `known`: the run's rank timings at this layer point (rank_time_lookup)."""
+    `known`: the run's rank timings at this layer point (rank_time_lookup); `masked_steps`: the run's masked-step
+    figures at this EP configuration, read and extended where a masked step is its real tokens' alone
+    (masked_steps.py)."""
     t0 = time.perf_counter()
     progress = progress or (lambda done, total, what, detail="": None)
     layout = layout_of(p)
@@ -142,6 +145,8 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
                                                         progress, known)
     with clock.phase("host_composition"):
         columns = compose_arrays(calls, tables, rank_time, wire_model, layout)
+        shared = (share_steps(masked_steps, calls, columns.sides)
+                  if masked_steps is not None and shares_masked_steps(p) else None)
         tot = columns.totals(counts, layout.dbo)
         built = StepMicroBatches(layout, routes, wire_time(wire_model))
         largest = _largest_step(calls, built, rank_time, layout.dbo)
@@ -161,7 +166,7 @@ def measure_ep_step(p: Params, device: torch.device, timing: Timing, calls: Step
         wire=wire_model.record(), rank_times=rank_plan.rank_times,
         distinct_workloads=rank_plan.distinct_workloads, rank_timings=rank_plan.rank_timings,
         cost_model=rank_plan.cost_model, workloads_read_from_steps=len(read), routed_slots=routed,
-        rank_plan=rank_plan.rest(),
+        rank_plan=rank_plan.rest(), masked_steps_shared=shared,
         totals={side: {k: round(v, 3) for k, v in tot["sums"][side].items()} for side in SIDES},
         tax={k: ({s: round(x, 3) for s, x in v.items()} if isinstance(v, dict) else round(v, 3))
              for k, v in tot["tax"].items()},

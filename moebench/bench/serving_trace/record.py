@@ -251,13 +251,16 @@ class EPStepRecord(InfoRecord):
     # timer's own cost (rank_plan.plan_rank_times)
     rank_plan: Optional[dict[str, Any]] = None
     replay: Optional[EPReplayRecord] = None
+    # masked steps whose figures an earlier point of the run composed (masked_steps.py; None: not shared here)
+    masked_steps_shared: Optional[int] = None
     # the card the rank times came from, where the wire figures came from, and a line when the two differ
     rank_card: Optional[str] = None
     wire_card: Optional[str] = None
     card_note: Optional[str] = None
 
     NESTED: ClassVar[dict[str, type]] = {"replay": EPReplayRecord}
-    OPTIONAL: ClassVar[frozenset] = frozenset({"cost_model", "rank_plan", "replay", "card_note"})
+    OPTIONAL: ClassVar[frozenset] = frozenset({"cost_model", "rank_plan", "replay", "card_note",
+                                               "masked_steps_shared"})
 
     def model_error(self) -> tuple[Optional[float], str]:
         """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
