@@ -86,7 +86,7 @@ def _error(f: Figure) -> str:
 
 def ep_figure(t: TraceRecord, side: str) -> Figure:
     """The EP step over the trace on one side, with its model's word (TraceRecord.ep_step_error)."""
-    return Figure(t.capture_list, t.headline.ep_step.step_us[side], *t.ep_step_error())
+    return Figure(t.capture_list, t.headline.ep_step.step_us[side], *t.ep_step_error(side))
 
 
 def layer_figure(t: TraceRecord, side: str) -> Figure:

@@ -153,3 +153,20 @@ def test_masked_ep_steps_that_should_agree_and_do_not_are_not_ranked():
                      sp_size=1)]
     masked, _ = rankings(close, lambda r: "DP 2")
     assert masked.refused is None and _words(masked)["pow2"].startswith("within noise")
+
+
+def test_an_ep_replay_that_differs_more_than_the_model_says_is_the_figures_error():
+    """The EP replay times its steps' every rank afresh: where it differs from the composition by more than the
+    model's held-out error, that difference is the figure's error (per side), and an unchecked model is checked."""
+    replay = {"steps": 2, "composed": {}, "replayed": {}, "tolerance": 0.03, "wall_s": 1.0,
+              "rel_diff": {"masked": {"experts_us": 0.05, "step_us": 0.24}, "oblivious": {"step_us": 0.01}},
+              "within_tolerance": {"masked": False, "oblivious": True}}
+    recs = [_record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0}),
+            _record("pow2", {"masked": 1150.0, "oblivious": 1100.0}, {"masked": 1.0, "oblivious": 1.0},
+                    held=None)]
+    recs[1]["info"]["ep_step"]["replay"] = replay
+    masked, oblivious = rankings(recs, lambda r: "DP 2")
+    assert masked.refused is None and oblivious.refused is None
+    words = _words(masked)
+    assert "within noise" in words["pow2"] and "24.0% the EP replay's difference (2 steps" in words["pow2"]
+    assert "1.0% the EP replay's difference" in _words(oblivious)["pow2"]

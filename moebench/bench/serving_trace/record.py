@@ -262,15 +262,24 @@ class EPStepRecord(InfoRecord):
     OPTIONAL: ClassVar[frozenset] = frozenset({"cost_model", "rank_plan", "replay", "card_note",
                                                "masked_steps_shared"})
 
-    def model_error(self) -> tuple[Optional[float], str]:
-        """(relative error, its source) of the EP step's figures: 0 where every rank workload was timed, the rank
-        model's held-out RMS error, or None where that is unchecked (every timing went to the model's design)."""
+    def model_error(self, side: Optional[str] = None) -> tuple[Optional[float], str]:
+        """(relative error, its source) of the EP step's figures on `side` (None: the worse side): 0 where every rank
+        workload was timed, the rank model's held-out RMS error, None where that is unchecked (every timing went to
+        the model's design); and where the replay (its steps' every rank timed afresh) differs from the
+        composition by more, that difference: a figure is no surer than its own check says."""
         if self.rank_times == "timed":
-            return 0.0, "every rank workload timed"
-        held = ((self.cost_model or {}).get("held_out") or {}).get("rms_rel")
-        if held is None:
-            return None, "the rank model's error unchecked (every timing went to its design)"
-        return held, "the rank model's held-out error"
+            error, source = 0.0, "every rank workload timed"
+        else:
+            error = ((self.cost_model or {}).get("held_out") or {}).get("rms_rel")
+            source = ("the rank model's held-out error" if error is not None
+                      else "the rank model's error unchecked (every timing went to its design)")
+        replayed = None
+        if self.replay is not None:
+            worst = [self.replay.worst(s) for s in ([side] if side else SIDES)]
+            replayed = max((w for w in worst if w is not None), default=None)
+        if replayed is not None and (error is None or replayed > error):
+            return replayed, f"the EP replay's difference ({self.replay.steps} steps, every rank timed afresh)"
+        return error, source
 
     def wire_label(self) -> str:
         """The wire model by name and figures: NVLink and NIC bandwidth and latency, ranks per node, overheads."""

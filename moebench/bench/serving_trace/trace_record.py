@@ -48,9 +48,10 @@ class TraceRecord(InfoRecord):
     OPTIONAL: ClassVar[frozenset] = frozenset({"replay", "ep_step", "phase_wall_s", "timed_shapes", "shape_plan",
                                                "step_file", "run_shape"})
 
-    def ep_step_error(self) -> tuple[Optional[float], str]:
-        """(relative error, its source) of the EP step's figures (EPStepRecord.model_error)."""
-        return self.ep_step.model_error()
+    def ep_step_error(self, side: Optional[str] = None) -> tuple[Optional[float], str]:
+        """(relative error, its source) of the EP step's figures on `side` (None: the worse side;
+        EPStepRecord.model_error)."""
+        return self.ep_step.model_error(side)
 
     def layer_error(self, side: str) -> tuple[Optional[float], str]:
         """(relative error, its source) of one side's layer over the trace: 0 where every shape was timed, the
