@@ -107,13 +107,16 @@ class HeadlineRow:
     note_without: str = ""  # "within noise" where the records say the figure is inside the timings' spread
     note_with: str = ""
     unit: str = ""  # how the values read (UNITS); "": as they are
+    model_without: str = ""  # the model's word on a figure a model made (noise.model_note), "" for a timed one
+    model_with: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "without": self.without, "with": self.with_,
                 "without_label": self.without_label, "with_label": self.with_label, "n_without": self.n_without,
                 "n_with": self.n_with, "change": self.change, "equal": self.equal, "equal_detail": self.equal_detail,
                 "why_without": self.why_without, "why_with": self.why_with, "note_without": self.note_without,
-                "note_with": self.note_with, "unit": self.unit}
+                "note_with": self.note_with, "unit": self.unit, "model_without": self.model_without,
+                "model_with": self.model_with}
 
 
 _MISSING = object()
@@ -258,7 +261,7 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
     """One row per spec, from the records alone."""
     rows = []
     for spec in specs:
-        sides, counts, why, note, chosen, paired = {}, {}, {}, {}, {}, ""
+        sides, counts, why, note, chosen, paired, model = {}, {}, {}, {}, {}, "", {}
         for side in ("without", "with"):
             chosen[side] = select(records, spec[side])
             counts[side] = len(chosen[side])
@@ -267,6 +270,7 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
             sides[side] = reduce_values([metric_value(r, metric) for r in chosen[side]], spec["reduce"])
             why[side] = "" if sides[side] is not None else why_missing(records, spec[side], chosen[side], metric)
             note[side] = noise.metric_note(chosen[side], metric) if sides[side] is not None else ""
+            model[side] = noise.model_note(chosen[side], metric) if sides[side] is not None else ""
             paired = paired or noise.pair_note(chosen[side], spec["metric"], spec.get("with_metric", spec["metric"]))
         change = _change(sides["without"], sides["with"])
         if change and change != "n/a":  # a ratio the records cannot support is not printed as one
@@ -281,7 +285,8 @@ def evaluate(records: list[dict], specs: list[dict]) -> list[HeadlineRow]:
                           with_label=spec.get("with_label", "with"), n_without=counts["without"],
                           n_with=counts["with"], change=change, spec=dict(spec),
                           why_without=why["without"], why_with=why["with"], note_without=note["without"],
-                          note_with=note["with"], unit=spec.get("unit", ""))
+                          note_with=note["with"], unit=spec.get("unit", ""), model_without=model["without"],
+                          model_with=model["with"])
         if "equal_to" in spec:
             row.equal, row.equal_detail = _equality(records, spec)
         rows.append(row)
@@ -305,11 +310,13 @@ def format_value(v: Any, unit: str = "") -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def side_text(value: Any, why: str, note: str = "", unit: str = "") -> str:
-    """A side's value in its unit (with `within noise` where it is), or n/a with the reason it has none."""
+def side_text(value: Any, why: str, note: str = "", unit: str = "", model: str = "") -> str:
+    """A side's value in its unit (with `within noise` where it is, and the model's word where a model made it),
+    or n/a with the reason it has none."""
     if value is None and why:
         return f"n/a ({why})"
-    return format_value(value, unit) + (f" ({note})" if note else "")
+    said = "; ".join(w for w in (model, note) if w)
+    return format_value(value, unit) + (f" ({said})" if said else "")
 
 
 def line(row: HeadlineRow) -> str:
@@ -317,8 +324,9 @@ def line(row: HeadlineRow) -> str:
     has a value for the same reason."""
     if row.without is None and row.with_ is None and row.why_without and row.why_without == row.why_with:
         return f"{row.label}: {row.why_without}"
-    text = (f"{row.label}: {row.without_label} {side_text(row.without, row.why_without, row.note_without, row.unit)}"
-            f" | {row.with_label} {side_text(row.with_, row.why_with, row.note_with, row.unit)}")
+    text = (f"{row.label}: {row.without_label} "
+            f"{side_text(row.without, row.why_without, row.note_without, row.unit, row.model_without)}"
+            f" | {row.with_label} {side_text(row.with_, row.why_with, row.note_with, row.unit, row.model_with)}")
     said = row.change == "within noise" and (row.note_without or row.note_with)  # already after the values
     if row.change and row.change != "n/a" and not said:
         text += f" ({row.change})"

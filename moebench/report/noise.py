@@ -70,6 +70,35 @@ def not_comparable(record: dict) -> str | None:
             f"{oblivious / 1e3:.2f} ms)")
 
 
+def model_note(records: list[dict], metric: str) -> str:
+    """The model's word on a serving_trace figure a model made: `±4.8% model` where the model (or the replay that
+    checks it) states an error, `model unchecked` where nothing does, "" for a figure read off timings alone and
+    for any other figure. The EP step's figures (`info.headline.ep_step.*`: the rank model,
+    EPStepRecord.model_error) and the layer's (`info.headline.layer_us.<side>`: the shape model); the first
+    selected record that holds the figure speaks."""
+    from moebench.bench.serving_trace.trace_record import TraceRecord
+
+    fig = _figure(metric)
+    if fig is None or fig[0] not in ("ep_step", "layer_us"):
+        return ""
+    side = metric.rsplit(".", 1)[-1]
+    side = side if side in SIDES else None
+    for r in records:
+        info = r.get("info") or {}
+        if r.get("target") != "serving_trace" or not isinstance(info.get("headline"), dict):
+            continue
+        if fig[0] == "ep_step":
+            if not isinstance(info.get("ep_step"), dict):
+                continue
+            error = TraceRecord.from_info(info).ep_step_error(side)[0]
+        elif side is None:
+            continue
+        else:
+            error = TraceRecord.from_info(info).layer_error(side)[0]
+        return "model unchecked" if error is None else ("" if error == 0 else f"±{error:.1%} model")
+    return ""
+
+
 def metric_note(records: list[dict], metric: str) -> str:
     """`within noise` when a selected record says the figure is inside its noise, else ""."""
     return "within noise" if any(within_noise(r, metric) for r in records) else ""

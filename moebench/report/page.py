@@ -238,8 +238,11 @@ def headline_table(run: RunView) -> tuple[list[str], list[list[str]]]:
     rows = []
     for h in run.headlines:
         check = "" if h.equal is None else ("equal: " if h.equal else "NOT equal: ") + h.equal_detail
-        rows.append([h.label, f"{h.without_label}: {side_text(h.without, h.why_without, h.note_without, h.unit)}",
-                     f"{h.with_label}: {side_text(h.with_, h.why_with, h.note_with, h.unit)}", h.change, check])
+        rows.append([h.label,
+                     f"{h.without_label}: "
+                     f"{side_text(h.without, h.why_without, h.note_without, h.unit, h.model_without)}",
+                     f"{h.with_label}: {side_text(h.with_, h.why_with, h.note_with, h.unit, h.model_with)}",
+                     h.change, check])
     return head, rows
 
 

@@ -170,3 +170,21 @@ def test_an_ep_replay_that_differs_more_than_the_model_says_is_the_figures_error
     words = _words(masked)
     assert "within noise" in words["pow2"] and "24.0% the EP replay's difference (2 steps" in words["pow2"]
     assert "1.0% the EP replay's difference" in _words(oblivious)["pow2"]
+
+
+def test_a_headline_on_the_ep_step_carries_the_models_word():
+    from moebench.report.headline import evaluate, lines
+
+    spec = {"label": "EP step", "metric": "info.headline.ep_step.step_us.oblivious",
+            "with_metric": "info.headline.ep_step.step_us.masked", "reduce": "max",
+            "without": {"capture_sizes": "default"}, "with": {"capture_sizes": "default"}}
+    for held, word in ((0.048, "±4.8% model"), (None, "model unchecked")):
+        rec = _record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0},
+                      held=held)
+        (row,) = evaluate([rec], [spec])
+        assert row.model_without == row.model_with == word
+        assert lines([row])[0] == f"EP step: without 1300 ({word}) | with 1000 ({word}) (1.3x)"
+    timed = _record("default", {"masked": 1000.0, "oblivious": 1300.0}, {"masked": 1.0, "oblivious": 1.0})
+    timed["info"]["ep_step"]["rank_times"] = "timed"
+    (row,) = evaluate([timed], [spec])
+    assert row.model_without == "" and "(" not in lines([row])[0].split("|")[0]
