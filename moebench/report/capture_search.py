@@ -40,6 +40,11 @@ def _noise(view: dict, side: str) -> float | None:
     return view["sides"][side].get("noise_rel")
 
 
+def _ms(us: float) -> str:
+    """Microseconds over a trace as milliseconds (what padding_tax's tables show)."""
+    return f"{us / 1e3:.3f}"
+
+
 def _versus(a: float, b: float, noise: float | None) -> str:
     """a against b in words: `x% saved` (a cheaper), `x% more` (a dearer), and `within noise` where the models
     cannot tell them apart."""
@@ -98,11 +103,11 @@ def _per_k_lines(view: dict, budgets: list[int]) -> list[str]:
             row = view["sides"][side]["per_k"][str(k)]
             f = row["figures"][side]
             tax = ([] if not with_tax else ["n/a" if f["padding_tax"] is None else f"{f['padding_tax']:.1%}"])
-            rows.append([str(k), side, str(row["graphs"]), f"{f['time_us']:.1f}", *tax, f"{f['eager_launch_us']:.1f}",
+            rows.append([str(k), side, str(row["graphs"]), _ms(f["time_us"]), *tax, _ms(f["eager_launch_us"]),
                          _versus(f["time_us"], named["default"][side]["time_us"], _noise(view, side)),
                          _versus(f["time_us"], named["fine"][side]["time_us"], _noise(view, side)),
                          _shown(row["sizes"])])
-    header = ["K", "side", "graphs", "time (us)", *(["tax"] if with_tax else []), "eager (us)", "vs default",
+    header = ["K", "side", "graphs", "time (ms)", *(["tax"] if with_tax else []), "eager (ms)", "vs default",
               "vs fine", "list"]
     right = [True, False] + [True] * (len(header) - 3) + [False]
     return columns(header, rows, right=right, head_prefix="  ", row_prefix="  ")
@@ -116,10 +121,10 @@ def _named_lines(view: dict) -> list[str]:
         for side in SIDES:
             curve, g = view["sides"][side]["curve_us"], figs["graphs"]
             best = curve[min(g, len(curve)) - 1] if g >= 1 and curve else None
-            cells += [f"{figs[side]['time_us']:.1f}",
+            cells += [_ms(figs[side]["time_us"]),
                       "n/a" if best is None else _versus(best, figs[side]["time_us"], _noise(view, side))]
         rows.append(cells)
-    header = ["name", "graphs"] + [h for side in SIDES for h in (f"{side} (us)", "best <= graphs")]
+    header = ["name", "graphs"] + [h for side in SIDES for h in (f"{side} (ms)", "best <= graphs")]
     lines = columns(header, rows, right=[False] + [True] * (len(header) - 1), head_prefix="", row_prefix="")
     return ["named lists: " + lines[0]] + [" " * len("named lists: ") + line for line in lines[1:]]
 
@@ -132,7 +137,7 @@ def _bound_lines(view: dict) -> list[str]:
         beaten = min(s["curve_us"], default=s["lower_bound_us"]) < s["lower_bound_us"]
         bound = ("every candidate captured (not a lower bound here: a list of fewer graphs costs less, the price "
                  "is not monotone in the padded size)" if beaten else "lower bound (every candidate captured)")
-        out.append(f"{side}: {bound} {s['lower_bound_us']:.1f} us; smallest K within 1% of it: "
+        out.append(f"{side}: {bound} {_ms(s['lower_bound_us'])} ms; smallest K within 1% of it: "
                    f"{s['within_1pct_k']}; noise: " + _noise_word(view, s["noise_rel"]))
     return out
 

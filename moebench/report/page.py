@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebench.report import cells, trace_tax
+from moebench.report import capture_search as capture_search_report, cells, trace_tax
 from moebench.report.ceiling import ceiling_rows
 from moebench.report.figures import draw_plots, find_plots, scratch_dir_for
 from moebench.report.describe import description_line
@@ -199,9 +199,10 @@ def ceiling_table(run: RunView) -> tuple[list[str], list[list[str]]]:
 def notes(run: RunView) -> list[str]:
     """The caveats `moebench run` prints under its table (moebench.report.table.status_lines: points by status,
     failures, reasons for skipping; column_notes: why a column says n/a; a serving trace's footer: how its times
-    were had, the models' errors, the cards, what each phase cost); its GEMM-ceiling and best-peer blocks are the
-    page's own tables."""
-    return status_lines(run.records) + column_notes(run.records) + trace_tax.footer_lines(run.records)
+    were had, the models' errors, the cards, what each phase cost; a capture search's table and headlines, as
+    `moebench capture-search` prints them); its GEMM-ceiling and best-peer blocks are the page's own tables."""
+    return (status_lines(run.records) + column_notes(run.records) + trace_tax.footer_lines(run.records)
+            + capture_search_report.footer_lines(run.records))
 
 
 def peer_table(run: RunView) -> tuple[list[str], list[list[str]]]:

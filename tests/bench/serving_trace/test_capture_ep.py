@@ -55,6 +55,15 @@ def test_the_ep_search_agrees_with_padding_tax_and_with_each_lists_own_steps():
     lines = table_lines(info)
     assert any(line.startswith("the EP step over the trace (the slowest of 2 EP ranks") for line in lines)
     assert ep_headline(info).startswith("EP step: ") and "every rank workload timed" in ep_headline(info)
+    # the report's notes carry the same table and headlines as the terminal
+    from types import SimpleNamespace
+
+    from moebench.report.page import notes
+
+    record = {"impl": "serving_trace.capture_search", "status": "ok", "point": 0, "info": info,
+              "params": point.params.to_dict(), "target": "serving_trace"}
+    page = notes(SimpleNamespace(records=[record]))
+    assert set(lines) <= set(page) and f"headline: {ep_headline(info)}" in page
 
 
 def test_the_priced_table_reads_each_list_as_its_steps_compose():

@@ -46,13 +46,13 @@ def test_the_per_k_columns_are_as_wide_as_their_cells():
     header = next(line for line in lines if line.lstrip().startswith("K "))
     rows = [line for line in lines if re.match(r"\s+\d+\s+(masked|oblivious)\s", line)]
     assert len(rows) == 6 and any("(within noise)" in r for r in rows) and any("more" in r for r in rows)
-    for title in ("graphs", "time (us)", "eager (us)", "vs default", "vs fine"):
+    for title in ("graphs", "time (ms)", "eager (ms)", "vs default", "vs fine"):
         assert _right_aligned(header, rows, title), (title, [header] + rows)
     assert {r.index("[") for r in rows} == {header.index("list")}
     start = next(i for i, line in enumerate(lines) if line.startswith("named lists:"))
     named_header, named = lines[start], lines[start + 1:start + 3]
     assert any("(within noise)" in r for r in named)
-    for title in ("graphs", "masked (us)", "oblivious (us)", "best <= graphs"):
+    for title in ("graphs", "masked (ms)", "oblivious (ms)", "best <= graphs"):
         assert _right_aligned(named_header, named, title), (title, [named_header] + named)
 
 
