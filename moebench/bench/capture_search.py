@@ -260,6 +260,7 @@ def _side_records(priced: dict, found: dict, figures, noise: dict) -> dict[str, 
         small = 2 * numbers <= PRICED_RECORDED_MAX
         sides[side] = {
             "per_k": per_k, "curve_us": [round(v, 3) for v in res.curve],
+            "curve_lists": [list(sizes) for sizes in res.curve_lists],
             "lower_bound_us": round(res.lower_bound_us, 3),
             "within_1pct_k": res.within_bound_k, "candidates": res.candidates, "method": res.method,
             "monotone": table.monotone, "noise_rel": noise[side], "priced": table.to_record() if small else None,

@@ -66,23 +66,26 @@ def _costs_at_most(curve_us: float, target_us: float) -> bool:
     return curve_us <= target_us + 1e-3
 
 
-def headline(info: dict) -> str:
-    """One line: the fewest graphs the search needs to cost what the engine's `fine` list costs (per side)."""
-    cs = info["capture_search"]
-    fine = cs["named"]["fine"]
-    parts = []
-    for side in ("oblivious", "masked"):
-        target = fine[side]["time_us"]
-        k = next((i + 1 for i, v in enumerate(cs["sides"][side]["curve_us"]) if _costs_at_most(v, target)), None)
-        parts.append((side, k))
-    (_, k_obl), (_, k_mask) = parts
-    def say(k):  # noqa: E306
-        return f"{k} graph{'s' if k != 1 else ''}" if k is not None else f"more than {len(cs['sides']['masked']['curve_us'])}"
+def _fewest(view: dict, side: str) -> tuple[int | None, str]:
+    """(K, words): the fewest graphs whose best list costs what `fine` costs on `side`, with that list where the
+    record keeps it (the curve's lists), else `more than N` for the N the curve reached."""
+    curve = view["sides"][side]["curve_us"]
+    target = view["named"]["fine"][side]["time_us"]
+    k = next((i + 1 for i, v in enumerate(curve) if _costs_at_most(v, target)), None)
+    if k is None:
+        return None, f"more than {len(curve)}"
+    lists = view["sides"][side].get("curve_lists") or []
+    shown = f" {_shown(lists[k - 1])}" if len(lists) >= k else ""
+    return k, f"{k} graph{'s' if k != 1 else ''}{shown}"
 
-    def verb(k):  # noqa: E306
-        return "does" if k == 1 else "do"
-    return (f"{say(k_obl)} chosen for this trace cost what `fine`'s {fine['graphs']} cost; masked, {say(k_mask)} "
-            f"{verb(k_mask)} "
+
+def headline(info: dict) -> str:
+    """One line: the fewest graphs the search needs to cost what the engine's `fine` list costs (per side), each
+    with its list."""
+    cs = info["capture_search"]
+    (_, obl), (k_mask, mask) = _fewest(cs, "oblivious"), _fewest(cs, "masked")
+    return (f"{obl} chosen for this trace cost what `fine`'s {cs['named']['fine']['graphs']} cost; masked, {mask} "
+            f"{'does' if k_mask == 1 else 'do'} "
             f"(within 1% of every size captured: K={cs['sides']['oblivious']['within_1pct_k']} oblivious, "
             f"K={cs['sides']['masked']['within_1pct_k']} masked)")
 
@@ -155,14 +158,9 @@ def ep_headline(info: dict) -> str | None:
     if not ep.get("sides"):
         return None
     fine = ep["named"]["fine"]
-
-    def fewest(side: str) -> str:
-        curve = ep["sides"][side]["curve_us"]
-        k = next((i + 1 for i, v in enumerate(curve) if _costs_at_most(v, fine[side]["time_us"])), None)
-        return f"{k} graph{'s' if k != 1 else ''}" if k is not None else f"more than {len(curve)}"
     err = ep["sides"]["masked"]["noise_rel"]
-    return (f"EP step: {fewest('oblivious')} chosen cost what `fine`'s {fine['graphs']} cost; masked, "
-            f"{fewest('masked')}; its figures: {ep['noise_source']}" + ("" if err is None else f", {err:.1%}"))
+    return (f"EP step: {_fewest(ep, 'oblivious')[1]} chosen cost what `fine`'s {fine['graphs']} cost; masked, "
+            f"{_fewest(ep, 'masked')[1]}; its figures: {ep['noise_source']}" + ("" if err is None else f", {err:.1%}"))
 
 
 def eager_line(eager: dict) -> str:

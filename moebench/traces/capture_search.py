@@ -274,6 +274,7 @@ class SearchResult:
     within_bound_k: int | None  # smallest K within WITHIN_BOUND of it (None: not within the curve computed)
     candidates: int
     method: str  # "divide and conquer" (monotone prices) or "full minimum"
+    curve_lists: list[tuple[int, ...]] = field(default_factory=list)  # the list at each K of the curve
 
 
 def _curves(priced: PricedTrace, c: np.ndarray, forced: list[int], fixed_top: bool, kcap: int
@@ -371,4 +372,5 @@ def search(priced: PricedTrace, budgets: Sequence[int], largest: int | None = No
     best = {int(k): Choice(tuple(int(cand[i]) for i in at_most[int(k) - 1][1]), float(at_most[int(k) - 1][0]))
             for k in budgets}
     return SearchResult(best, [float(v) for v, _ in at_most], lower, within, n,
-                        "divide and conquer" if priced.monotone else "full minimum")
+                        "divide and conquer" if priced.monotone else "full minimum",
+                        [tuple(int(cand[i]) for i in sizes) for _, sizes in at_most])

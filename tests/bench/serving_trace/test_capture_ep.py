@@ -55,6 +55,14 @@ def test_the_ep_search_agrees_with_padding_tax_and_with_each_lists_own_steps():
     lines = table_lines(info)
     assert any(line.startswith("the EP step over the trace (the slowest of 2 EP ranks") for line in lines)
     assert ep_headline(info).startswith("EP step: ") and "every rank workload timed" in ep_headline(info)
+    # each headline names the lists it counts (the curve's lists are recorded, whatever K the run asked for)
+    import re
+
+    from moebench.report.capture_search import headline
+
+    for text in (headline(info), ep_headline(info)):
+        assert re.search(r"\d+ graphs? \[[\d,]+\] chosen cost what `fine`'s 51 cost; masked, \d+ graphs? \[", text), text
+    assert all(len(sizes) <= k + 1 for k, sizes in enumerate(ep["sides"]["oblivious"]["curve_lists"]))
     # the report's notes carry the same table and headlines as the terminal
     from types import SimpleNamespace
 
