@@ -61,7 +61,7 @@ def test_the_ep_search_agrees_with_padding_tax_and_with_each_lists_own_steps():
     from moebench.report.capture_search import headline
 
     for text in (headline(info), ep_headline(info)):
-        assert re.search(r"\d+ graphs? \[[\d,]+\] chosen cost what `fine`'s 51 cost; masked, \d+ graphs? \[", text), text
+        assert re.search(r"\d+ graphs? \[[\d,]+\] chosen (for this trace )?cost what `fine`'s 51 cost; masked, \d+ graphs? \[", text), text
     assert all(len(sizes) <= k + 1 for k, sizes in enumerate(ep["sides"]["oblivious"]["curve_lists"]))
     # the report's notes carry the same table and headlines as the terminal
     from types import SimpleNamespace
