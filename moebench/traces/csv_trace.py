@@ -54,6 +54,7 @@ class TraceFile:
     columns: int  # 1 (every DP rank alike) or the DP size
     table: np.ndarray  # int32 [steps, columns], read-only
     ignored_columns: tuple[str, ...] = ()  # the header's columns that are no counts, skipped unread
+    per_dp_rank: bool = False  # the header names its columns dp0, dp1, ...: one per DP rank, never shared
     _distinct: dict = field(default_factory=dict, repr=False)  # dp_size -> DistinctSteps, computed once
 
     @property
@@ -66,9 +67,12 @@ class TraceFile:
         return tuple(map(tuple, self.table.tolist()))
 
     def check_dp_size(self, dp_size: int) -> None:
-        """TraceFileError unless the file's columns fit `dp_size` DP ranks (one column fits any)."""
-        if self.columns != 1 and self.columns != dp_size:
-            raise TraceFileError(f"{self.path}: {self.columns} DP columns, but dp_size is {dp_size}")
+        """TraceFileError unless the file's columns fit `dp_size` DP ranks (a num_tokens column fits any; dp0,
+        dp1, ... columns name their ranks, so they must be all of them)."""
+        if (self.columns != 1 or self.per_dp_rank) and self.columns != dp_size:
+            names = ",".join(f"dp{r}" for r in range(self.columns)) if self.per_dp_rank else f"{self.columns}"
+            raise TraceFileError(f"{self.path}: {names} DP column{'s' if self.columns > 1 else ''}, but dp_size is "
+                                 f"{dp_size} (one num_tokens column gives every DP rank its counts)")
 
     def per_rank(self, dp_size: int) -> list[list[int]]:
         """[step][dp rank] real tokens for `dp_size` DP ranks (a one-column file gives every rank its count)."""
@@ -110,6 +114,7 @@ class _Header:
     width: int  # cells a data line has
     counts: tuple[int, ...]  # the cell index of each count column: num_tokens, or dp0, dp1, ... in rank order
     ignored: tuple[str, ...]  # the names of the other cells
+    per_dp_rank: bool = False  # the counts are dp<rank> columns (not num_tokens)
 
     @property
     def plain(self) -> bool:
@@ -143,7 +148,7 @@ def _header(cells: list[str], where: str) -> _Header:
         raise TraceFileError(f"{where}: header has dp{max(ranks)} but no {', '.join(f'dp{r}' for r in missing)} "
                              "(one column per DP rank, dp0 up)")
     counts = tuple(num_tokens) or tuple(ranks[r] for r in sorted(ranks))
-    return _Header(len(cells), counts, tuple(ignored))
+    return _Header(len(cells), counts, tuple(ignored), per_dp_rank=bool(ranks))
 
 
 def _cells(line: str) -> list[str]:
@@ -193,7 +198,7 @@ def _read(path: str, size: int, mtime_ns: int, inode: int) -> TraceFile:
         raise TraceFileError(f"{path}: no steps after the header")
     table = np.frombuffer(counts, dtype=np.intc).astype(np.int32, copy=False).reshape(-1, columns)
     table.flags.writeable = False
-    return TraceFile(path, digest.hexdigest(), columns, table, header.ignored)
+    return TraceFile(path, digest.hexdigest(), columns, table, header.ignored, header.per_dp_rank)
 
 
 def _numbered_lines(f, digest):

@@ -149,5 +149,19 @@ def test_a_one_column_file_gives_every_dp_rank_its_count(tmp_path):
     assert f.per_rank(3) == [[4, 4, 4], [9, 9, 9], [4, 4, 4]]
     two = tmp_path / "two.csv"
     two.write_text("dp0,dp1\n1,2\n")
-    with pytest.raises(TraceFileError, match="2 DP columns, but dp_size is 3"):
+    with pytest.raises(TraceFileError, match="dp0,dp1 DP columns, but dp_size is 3"):
         read_trace_file(str(two)).distinct_steps(3)
+
+
+def test_a_lone_dp0_column_is_rank_0s_alone_not_every_ranks(tmp_path):
+    path = tmp_path / "dp0.csv"
+    path.write_text("step,dp0\n1,4\n2,9\n")
+    f = read_trace_file(str(path))
+    assert f.per_rank(1) == [[4], [9]]
+    with pytest.raises(TraceFileError, match=r"dp0 DP column, but dp_size is 2 \(one num_tokens column gives every"):
+        f.per_rank(2)
+    from moebench.bench.serving_trace.knobs import ServingKnobs
+    from moebench.params import Params
+
+    why = ServingKnobs(dp_size=2, trace_file=str(path)).problem(Params())
+    assert why.startswith("trace_file: ") and "dp0 DP column, but dp_size is 2" in why

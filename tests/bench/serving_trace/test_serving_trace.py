@@ -119,7 +119,7 @@ BAD_FILES = [
     ("no steps", "dp0,dp1\n", "no steps after the header"),
     ("empty", "# nothing\n", "line 1: no header"),
     ("too large", "num_tokens\n1\n99999999\n", "line 3: 99999999 tokens, over the limit"),
-    ("columns vs dp_size", "dp0,dp1,dp2\n1,2,3\n", "3 DP columns, but dp_size is 2"),
+    ("columns vs dp_size", "dp0,dp1,dp2\n1,2,3\n", "dp0,dp1,dp2 DP columns, but dp_size is 2"),
     ("not utf-8", b"num_tokens\n1\n\xff\n", "line 3: not UTF-8 text"),
 ]
 
