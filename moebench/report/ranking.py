@@ -94,6 +94,18 @@ def layer_figure(t: TraceRecord, side: str) -> Figure:
     return Figure(t.capture_list, t.headline.layer_us[side], *t.layer_error(side))
 
 
+def with_timing_noise(t: TraceRecord, f: Figure) -> Figure:
+    """A layer figure read off timings (model error 0) carries the timings' own noise instead: the headline's bound
+    on the layer over the trace (half the shapes' p10-p90 spreads, in quadrature over the calls); None (not known:
+    fewer than 5 samples a shape, the interpreter's) leaves it unjudged."""
+    if f.rel_error != 0:
+        return f
+    bound = ((t.headline.noise or {}).get("recovered_us"))
+    if bound is None or not f.us:
+        return Figure(f.capture_list, f.us, None, "timed, its noise unknown (fewer than 5 samples a shape)")
+    return Figure(f.capture_list, f.us, bound / f.us, "the timings' spread")
+
+
 def config_key(r: dict) -> str:
     """The engine configuration a what-if over capture lists holds fixed (knobs.config_keys)."""
     params = r.get("params") or {}
@@ -113,7 +125,7 @@ def rankings(records: list[dict], label_of) -> list[Ranking]:
         typed = [TraceRecord.from_info(r["info"]) for r in recs]
         ep = all(t.ep_step is not None and t.headline.ep_step is not None for t in typed)
         for side in RANKED_SIDES:
-            figures = [(ep_figure if ep else layer_figure)(t, side) for t in typed]
+            figures = [ep_figure(t, side) if ep else with_timing_noise(t, layer_figure(t, side)) for t in typed]
             refused = next((f"{f.capture_list}: {f.error_source}" for f in figures if f.rel_error is None), None)
             if refused is None and side == "masked" and ep and _masked_work_fixed(typed[0]):
                 refused = masked_disagreement(figures)

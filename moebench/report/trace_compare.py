@@ -14,7 +14,7 @@ from __future__ import annotations
 from moebench.bench.serving_trace.trace_record import TraceRecord
 from moebench.records import SIDES
 from moebench.report import cells, noise
-from moebench.report.ranking import Figure, ep_figure, layer_figure
+from moebench.report.ranking import Figure, ep_figure, layer_figure, with_timing_noise
 
 
 def _pairs(records_a: list[dict], records_b: list[dict]) -> list[tuple[dict, dict]]:
@@ -23,18 +23,6 @@ def _pairs(records_a: list[dict], records_b: list[dict]) -> list[tuple[dict, dic
                 and isinstance((r.get("info") or {}).get("headline"), dict) and "key" in r}
     a, b = traces(records_a), traces(records_b)
     return [(a[k], b[k]) for k in b if k in a]
-
-
-def _with_timing_noise(t: TraceRecord, f: Figure) -> Figure:
-    """A figure read off timings (model error 0) carries the timings' own noise instead: the headline's bound on
-    the layer over the trace (half the shapes' p10-p90 spreads, in quadrature over the calls); None (not known:
-    fewer than 5 samples a shape, the interpreter's) leaves it unjudged."""
-    if f.rel_error != 0:
-        return f
-    bound = ((t.headline.noise or {}).get("recovered_us"))
-    if bound is None or not f.us:
-        return Figure(f.capture_list, f.us, None, "timed, its noise unknown (fewer than 5 samples a shape)")
-    return Figure(f.capture_list, f.us, bound / f.us, "the timings' spread")
 
 
 def _verdict(fa: Figure, fb: Figure) -> str:
@@ -58,7 +46,7 @@ def rows(records_a: list[dict], records_b: list[dict]) -> list[list[str]]:
             figures.insert(0, ("EP step", ep_figure, lambda t, s: t.headline.ep_step.padding_tax))
         for what, figure, tax in figures:
             for side in SIDES:
-                fa, fb = _with_timing_noise(ta, figure(ta, side)), _with_timing_noise(tb, figure(tb, side))
+                fa, fb = with_timing_noise(ta, figure(ta, side)), with_timing_noise(tb, figure(tb, side))
                 out.append([tb.capture_list, what, side, cells.fixed(fa.us / 1e3, 2), _err(fa),
                             cells.fixed(fb.us / 1e3, 2), _err(fb),
                             cells.ratio(fb.us / fa.us) if fa.us else "n/a",

@@ -62,13 +62,27 @@ def test_an_unchecked_model_or_sides_not_comparable_are_not_ranked():
     assert rk.refused == "pow2: the rank model's error unchecked (every timing went to its design)"
     assert rk.verdicts() == [] and "not ranked" in rk.line()
     # the single-rank view (no EP step) ranks each side's lists, also where the two sides are not comparable
-    # (that is the tax's concern): every shape timed, so both lists' layers are their timings
+    # (that is the tax's concern): every shape timed, so both lists' layers are their timings, whose spread (the
+    # headline's noise bound) is their error
     slow = {"masked": 1500.0, "oblivious": 900.0}
     layer = [_record("default", None, {"masked": 2000.0, "oblivious": 2100.0}, ep=False),
              _record("pow2", None, {"masked": 1900.0, "oblivious": 2300.0}, ep=False, real_only=slow)]
+    for r in layer:
+        r["info"]["headline"]["noise"] = {"recovered_us": 10.0}
     (rk, _) = rankings(layer, lambda r: "DP 2")
     assert rk.what == "single-rank layer" and rk.refused is None
     assert [f.capture_list for f in rk.figures] == ["pow2", "default"]
+    assert _words(rk)["pow2"].startswith("fastest (±0.5% the timings' spread")
+    # a spread 20 times wider makes the two lists one within the other's noise
+    for r in layer:
+        r["info"]["headline"]["noise"] = {"recovered_us": 200.0}
+    (rk, _) = rankings(layer, lambda r: "DP 2")
+    assert _words(rk)["default"].startswith("within noise")
+    # timed with too few samples to tell a spread (the interpreter's): not ranked, and why
+    for r in layer:
+        del r["info"]["headline"]["noise"]
+    (rk, _) = rankings(layer, lambda r: "DP 2")
+    assert rk.refused == "default: timed, its noise unknown (fewer than 5 samples a shape)"
 
 
 def test_the_runs_footer_and_table_rank_the_lists_it_was_given():
