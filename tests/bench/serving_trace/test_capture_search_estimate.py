@@ -50,7 +50,8 @@ def test_the_estimate_counts_the_search_not_the_engines_capture_list():
 
 
 def test_progress_counts_the_shapes_the_plan_times():
-    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "capture_search.yaml", FAST + ["trace_shape_timings=6"],
+    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "capture_search.yaml",
+                       FAST + ["trace_shape_timings=6", "ep_rank_timings=2"],
                        size="cpu")
     (point,) = expand(sweep)
     reports = []

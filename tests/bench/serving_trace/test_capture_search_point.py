@@ -25,7 +25,9 @@ SMALL = [a for kv in ("num_experts=8", "top_k=2", "num_expert_group=1", "topk_gr
 
 
 def test_padding_tax_on_the_list_found_reproduces_the_searched_figure():
-    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "capture_search.yaml", FAST, size="cpu")
+    # the layer's figures are what this checks (the EP step's: test_capture_ep.py), so its rank plan is small
+    sweep = load_sweep(ROOT / "sweeps" / "scenarios" / "capture_search.yaml", FAST + ["ep_rank_timings=4"],
+                       size="cpu")
     (point,) = expand(sweep)
     ctx = RunContext(device=torch.device("cpu"))
     info = capture_search.build(point.params, ctx).info
