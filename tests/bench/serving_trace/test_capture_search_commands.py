@@ -59,17 +59,6 @@ def test_an_unknown_size_is_one_line_exit_2_nothing_written(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-def test_capture_search_at_size_cpu_runs_and_answers(tmp_path, capsys):
-    code = main(["capture-search", *TINY_TRACE, "--size", "cpu", "--out", str(tmp_path), *FAST])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    (run,) = tmp_path.iterdir()
-    (rec,) = load_records(run)
-    params = rec["params"]
-    assert (params["num_experts"], params["hidden"], params["dp_size"], params["ep_size"]) == (8, 64, 2, 1)
-    _answer_printed(out, run)
-
-
 def test_a_resumed_capture_search_prints_its_answer(tmp_path, capsys, monkeypatch):
     from moebench.run import runner
 

