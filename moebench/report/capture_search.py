@@ -30,9 +30,10 @@ def footer_lines(records: list[dict]) -> list[str]:
         if len(found) > 1:
             out.append(f"point {r.get('point')}:")
         out += table_lines(r["info"])
-        out.append(f"headline: {headline(r['info'])}")
+        # with EP ranks the EP step is what the deployment waits for: its answer first
         if (ep := ep_headline(r["info"])) is not None:
             out.append(f"headline: {ep}")
+        out.append(f"headline: {headline(r['info'])}")
     return out
 
 
@@ -84,7 +85,8 @@ def headline(info: dict) -> str:
     with its list."""
     cs = info["capture_search"]
     (_, obl), (k_mask, mask) = _fewest(cs, "oblivious"), _fewest(cs, "masked")
-    return (f"{obl} chosen for this trace cost what `fine`'s {cs['named']['fine']['graphs']} cost; masked, {mask} "
+    return (f"this rank's layer: {obl} chosen for this trace cost what `fine`'s {cs['named']['fine']['graphs']} "
+            f"cost; masked, {mask} "
             f"{'does' if k_mask == 1 else 'do'} "
             f"(within 1% of every size captured: K={cs['sides']['oblivious']['within_1pct_k']} oblivious, "
             f"K={cs['sides']['masked']['within_1pct_k']} masked)")
