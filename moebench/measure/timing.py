@@ -279,11 +279,12 @@ def measure_settled(fn: Callable[[], Any], device: torch.device, max_samples: in
     graph, calls = None, 1
     if not eager:
         if host_us > EAGER_HOST_SHARE * call_us:  # the events timed the launches: one replay times the kernels
-            one = _captured(fn, device, 1, pool)
-            call_us = _replay_us(one, device)
-            del one
+            graph = _captured(fn, device, 1, pool)
+            call_us = _replay_us(graph, device)
         calls = max(1, min(SETTLED_MAX_GRAPH_CALLS, math.ceil(SETTLED_REPLAY_US / max(call_us, 1.0))))
-        graph = _captured(fn, device, calls, pool)
+        if calls > 1 or graph is None:  # a one-call graph already captured is the one to replay
+            graph = None  # freed before its longer successor is captured in the same pool
+            graph = _captured(fn, device, calls, pool)
     step = graph.replay if graph is not None else fn
     samples: list[float] = []
     most = max(SETTLED_ROUND, max_samples)
