@@ -149,7 +149,7 @@ def search_work(p: Params, kind: str) -> dict[str, Any]:
             "eager_shapes": eager_shapes(shapes) if kind == "cuda" else [], "run_rows": shapes[0][0],
             "reads": sum(reads.values()), "lists": len(CAPTURE_LISTS) + 2 * len(budgets),
             "distinct_steps": len(steps), "max_real": max(q for _, q in shapes), "ep_virtual_steps": ep_virtual,
-            "shape_list": shapes}
+            "timeable": timeable}
 
 
 def search_seconds(p: Params, rates: DeviceRates) -> float:
@@ -194,10 +194,8 @@ def _ep_seconds(p: Params, rates: DeviceRates, work: dict) -> float:
     micro_batches = 2 if engine.dbo else 1
     plan = {"distinct_steps": virtual, "micro_batches": micro_batches, "max_real": work["max_real"],
             "calls_per_step": engine.dp_size * engine.sp_size * micro_batches, "rows_max": TIMED_ROWS_MAX}
-    rows_max = TIMED_ROWS_MAX["cuda" if rates.is_cuda else "cpu"]
-    timeable = [s for s in work["shape_list"] if rows_max is None or s[0] <= rows_max] or work["shape_list"][:1]
-    mean_rows = max(1, round(sum(s[0] for s in timeable) / max(1, len(timeable))))
-    return (st.rank_seconds(p, plan, rates, timeable, mean_rows, replay=False)
+    mean_rows = max(1, round(work["design_rows"]))  # search_work's timeable shapes, on this device
+    return (st.rank_seconds(p, plan, rates, work["timeable"], mean_rows, replay=False)
             + virtual * (st.HOST_S_PER_STEP + p.ep_size * st.HOST_S_PER_RANK_STEP)
             + st.routed_rows(p, plan) * st.ROUTE_S_PER_ROW[rates.kind])
 
