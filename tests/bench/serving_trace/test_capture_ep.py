@@ -74,7 +74,9 @@ def test_the_ep_search_agrees_with_padding_tax_and_with_each_lists_own_steps():
     record = {"impl": "serving_trace.capture_search", "status": "ok", "point": 0, "info": info,
               "params": point.params.to_dict(), "target": "serving_trace"}
     page = notes(SimpleNamespace(records=[record]))
-    assert set(lines) <= set(page) and f"headline: {ep_headline(info)}" in page
+    assert set(lines) <= set(page)
+    # with EP ranks the EP step's answer comes first: it is what the deployment waits for
+    assert page.index(f"headline: {ep_headline(info)}") < page.index(f"headline: {headline(info)}")
 
 
 def test_the_priced_table_reads_each_list_as_its_steps_compose():
@@ -113,3 +115,15 @@ def test_a_point_without_ep_ranks_or_with_too_many_pairs_says_why_it_is_not_pric
     assert capture_ep.not_priced_reason(p, steps, engine) == (
         "10 (step, candidate) pairs past 9: the EP step is not priced, the layer is")
     assert np.asarray(steps).shape[1] == 2
+
+
+def test_the_estimate_counts_the_ep_steps_pricing(monkeypatch):
+    from moebench.measure.cost import DeviceRates
+
+    p = _point().params
+    rates = DeviceRates("interpreter")
+    priced = capture_search.search_seconds(p, rates)
+    assert capture_search.search_work(p, "cpu")["ep_virtual_steps"] == 10 + 6 * 4  # pairs, eager and 5 named lists
+    monkeypatch.setattr(capture_ep, "EP_PAIRS_MAX", 9)  # the EP step no longer priced: its timings no longer counted
+    assert capture_search.search_work(p, "cpu")["ep_virtual_steps"] == 0
+    assert capture_search.search_seconds(p, rates) < priced - 1.0
